@@ -1,0 +1,250 @@
+"""Client side of the auth service: exchange a token for a slot, wait in the join queue, keep the slot.
+
+The token travels only in the body of ``POST /v1/join``; it is held in a ``Secret`` and never put
+into an event, a log line, an exception message or a repr.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from agora_client.events import AuthEvent, EventWriter, QueueEvent
+
+from .secret import Secret
+
+log = logging.getLogger(__name__)
+
+_MAX_POLL_FAILURES = 5
+
+
+class AuthError(Exception):
+    """Authorization did not succeed; the message says why and what to do."""
+
+
+class AuthRejected(AuthError):
+    """The service turned the join away (swarm at capacity, identity cap reached, ...)."""
+
+
+class AuthFailed(AuthError):
+    """The join could not be made (invalid token, service unreachable, bad answer, cancelled)."""
+
+
+@dataclass(frozen=True)
+class StageAssignment:
+    """The stage a joiner will serve, known as soon as it is queued: download its snapshot meanwhile."""
+
+    stage: str
+    snapshot_url: str | None
+
+
+@dataclass(frozen=True)
+class Authorization:
+    identity: str
+    peer_id: str
+    stage: str
+    slot: int
+    seeds: tuple[str, ...]
+    snapshot_url: str | None
+    ticket: str = field(repr=False)
+    expires_at: float
+    public_key: str
+    swarm_url: str
+    queued_s: float = 0.0
+
+
+def authorize(
+    swarm_url: str,
+    token: str | Secret,
+    peer_id: str,
+    *,
+    events: EventWriter,
+    poll_every: float = 5.0,
+    queue_log_every: float = 60.0,
+    on_assigned: Callable[[StageAssignment], None] | None = None,
+    stop: threading.Event | None = None,
+    client: httpx.Client | None = None,
+    timeout_s: float = 30.0,
+) -> Authorization:
+    """Join the swarm at ``swarm_url`` (the auth service); wait in its queue if it paces joins.
+
+    Emits AuthEvent authorizing -> authorized | rejected | failed, and while queued a QueueEvent at
+    once and then every ``queue_log_every`` seconds. ``on_assigned`` is called once, as soon as the
+    stage is known (possibly while still queued), so the caller can start the snapshot download.
+    Raises AuthRejected or AuthFailed (after emitting the matching event).
+    """
+    secret = Secret(token)
+    base = swarm_url.rstrip("/")
+    events.emit(AuthEvent(status="authorizing", peer_id=peer_id, message=f"Authorizing with {base}"))
+    own_client = client is None
+    http = client or httpx.Client(timeout=timeout_s)
+    started = time.monotonic()
+    try:
+        reply = _join(http, base, secret, peer_id, events)
+        assigned = False
+        last_queue_log = -float("inf")
+        poll_failures = 0
+        while reply["status"] == "queued":
+            if on_assigned is not None and not assigned:
+                assigned = True
+                on_assigned(StageAssignment(reply["stage"], reply.get("snapshot_url")))
+            if time.monotonic() - last_queue_log >= queue_log_every:
+                last_queue_log = time.monotonic()
+                events.emit(QueueEvent(position=int(reply["position"]), estimated_wait_s=reply.get("estimated_wait_s")))
+            interval = min(poll_every, float(reply.get("poll_every_s") or poll_every))
+            if stop is not None and stop.wait(interval) or stop is None and time.sleep(interval):
+                pass
+            if stop is not None and stop.is_set():
+                raise _fail(events, peer_id, "authorization cancelled while waiting in the join queue")
+            try:
+                reply = _post(http, f"{base}/v1/join/poll", {"queue_id": reply["queue_id"], "peer_id": peer_id})
+                poll_failures = 0
+            except _PlaceLost:
+                log.info("the join queue place was lost; joining again")
+                reply = _join(http, base, secret, peer_id, events)
+            except _Unreachable as error:
+                poll_failures += 1
+                if poll_failures >= _MAX_POLL_FAILURES:
+                    raise _fail(events, peer_id, str(error)) from None
+                log.warning("polling the join queue failed (%d/%d): %s", poll_failures, _MAX_POLL_FAILURES, error)
+            except _Refused as error:
+                raise _answer_error(events, peer_id, error) from None
+        authorization = _authorization(reply, base, time.monotonic() - started)
+        if on_assigned is not None and not assigned:
+            on_assigned(StageAssignment(authorization.stage, authorization.snapshot_url))
+    finally:
+        if own_client:
+            http.close()
+    events.emit(AuthEvent(
+        status="authorized", identity=authorization.identity, stage=authorization.stage, peer_id=peer_id,
+        slot=authorization.slot,
+        message=f"Authorized as {authorization.identity}: slot {authorization.slot} on stage {authorization.stage}",
+    ))
+    return authorization
+
+
+def report_active(swarm_url: str, ticket: str, *, client: httpx.Client | None = None) -> None:
+    """Tell the service the peer is up in the swarm, which lets the next joiner of its stage in."""
+    _call(swarm_url, "/v1/active", {"ticket": ticket}, client)
+
+
+def renew_ticket(swarm_url: str, ticket: str, *, client: httpx.Client | None = None) -> tuple[str, float]:
+    """Extend the slot before the ticket expires; returns (new ticket, its expiry)."""
+    reply = _call(swarm_url, "/v1/renew", {"ticket": ticket}, client)
+    return str(reply["ticket"]), float(reply["expires_at"])
+
+
+def leave(swarm_url: str, ticket: str, *, client: httpx.Client | None = None) -> bool:
+    """Free the slot; True if the service still held it."""
+    return bool(_call(swarm_url, "/v1/leave", {"ticket": ticket}, client).get("freed"))
+
+
+def swarm_status(swarm_url: str, *, client: httpx.Client | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
+    http = client or httpx.Client(timeout=timeout_s)
+    try:
+        response = http.get(f"{swarm_url.rstrip('/')}/v1/status")
+        return _decode(response, swarm_url)
+    except httpx.HTTPError as error:
+        raise AuthFailed(_unreachable_message(swarm_url, error)) from None
+    finally:
+        if client is None:
+            http.close()
+
+
+# -- internals ------------------------------------------------------------------------------------------
+
+
+class _Unreachable(Exception):
+    pass
+
+
+class _PlaceLost(Exception):
+    pass
+
+
+class _Refused(Exception):
+    def __init__(self, status_code: int, message: str):
+        super().__init__(message)
+        self.status_code = status_code
+
+
+def _join(http: httpx.Client, base: str, token: Secret, peer_id: str, events: EventWriter) -> dict[str, Any]:
+    try:
+        return _post(http, f"{base}/v1/join", {"token": token.reveal(), "peer_id": peer_id})
+    except _Unreachable as error:
+        raise _fail(events, peer_id, str(error)) from None
+    except (_Refused, _PlaceLost) as error:
+        raise _answer_error(events, peer_id, error) from None
+
+
+def _post(http: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    try:
+        response = http.post(url, json=body)
+    except httpx.HTTPError as error:
+        raise _Unreachable(_unreachable_message(url, error)) from None
+    if response.status_code == 404 and url.endswith("/v1/join/poll"):
+        raise _PlaceLost()
+    return _decode(response, url)
+
+
+def _decode(response: httpx.Response, url: str) -> dict[str, Any]:
+    try:
+        reply = response.json()
+    except ValueError:
+        reply = None
+    if not isinstance(reply, dict) or "status" not in reply:
+        raise _Refused(response.status_code, f"{url} answered HTTP {response.status_code} without a JSON reply; is it an Agora auth service?")
+    if reply["status"] in ("authorized", "queued", "ok"):
+        return reply
+    raise _Refused(response.status_code, str(reply.get("reason") or reply.get("error") or f"HTTP {response.status_code}"))
+
+
+def _answer_error(events: EventWriter, peer_id: str, error: Exception) -> AuthError:
+    status_code = getattr(error, "status_code", None)
+    if status_code == 403:
+        events.emit(AuthEvent(status="rejected", peer_id=peer_id, message=str(error)))
+        return AuthRejected(str(error))
+    if status_code == 401:
+        return _fail(events, peer_id, f"the swarm did not accept your token: {error}")
+    return _fail(events, peer_id, f"the auth service refused the join: {error}")
+
+
+def _fail(events: EventWriter, peer_id: str, message: str) -> AuthFailed:
+    events.emit(AuthEvent(status="failed", peer_id=peer_id, message=message))
+    return AuthFailed(message)
+
+
+def _unreachable_message(url: str, error: httpx.HTTPError) -> str:
+    # Only the error's class: its text may quote the request, and the request carries the token.
+    return f"could not reach the auth service at {url} ({type(error).__name__}); check the address and your network, then try again"
+
+
+def _authorization(reply: dict[str, Any], base: str, waited_s: float) -> Authorization:
+    try:
+        return Authorization(
+            identity=str(reply["identity"]), peer_id=str(reply["peer_id"]), stage=str(reply["stage"]),
+            slot=int(reply["slot"]), seeds=tuple(str(seed) for seed in reply.get("seeds", ())),
+            snapshot_url=reply.get("snapshot_url"), ticket=str(reply["ticket"]), expires_at=float(reply["expires_at"]),
+            public_key=str(reply["public_key"]), swarm_url=base, queued_s=waited_s,
+        )
+    except (KeyError, TypeError, ValueError):
+        raise AuthFailed(f"{base} answered an authorization without its fields; is it an Agora auth service of this version?") from None
+
+
+def _call(swarm_url: str, path: str, body: dict[str, Any], client: httpx.Client | None) -> dict[str, Any]:
+    http = client or httpx.Client(timeout=30.0)
+    try:
+        return _post(http, f"{swarm_url.rstrip('/')}{path}", body)
+    except _Unreachable as error:
+        raise AuthFailed(str(error)) from None
+    except _Refused as error:
+        raise AuthFailed(f"the auth service refused {path}: {error}") from None
+    finally:
+        if client is None:
+            http.close()

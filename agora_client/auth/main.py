@@ -1,0 +1,77 @@
+"""`agora auth`: run the auth service until stopped (SIGINT / SIGTERM)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from agora_client.config import ConfigError, load_config
+
+from .admission import AdmissionPolicy
+from .identity import HuggingFaceIdentity, IdentityError, IdentitySource, TokenFileIdentity
+from .server import AuthServer, AuthService, ServiceSettings
+
+READY_PREFIX = "[AUTH] listening on "
+PUBLIC_KEY_PREFIX = "[AUTH] public key "
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
+    parser.add_argument("--port", type=int, default=0, help="TCP port (default: any free port)")
+    parser.add_argument("--state-dir", type=Path, default=Path.home() / ".agora" / "auth",
+                        help="holds the signing key, the token-hash secret and the join audit log")
+    parser.add_argument("--config", default="tiny", help="run preset or YAML file: gives the stage names (default: tiny)")
+    parser.add_argument("--identity", choices=("huggingface", "token-file"), default="huggingface",
+                        help="how tokens are checked (default: huggingface)")
+    parser.add_argument("--token-file", type=Path, help="JSON/YAML file of tokens for --identity token-file")
+    parser.add_argument("--hf-endpoint", default=None, help="Hugging Face endpoint (default: $HF_ENDPOINT or huggingface.co)")
+    parser.add_argument("--max-workers-per-stage", type=int, default=8)
+    parser.add_argument("--per-identity-cap", type=int, default=2, help="active peers one identity may run")
+    parser.add_argument("--pacing", type=float, default=30.0, help="seconds between two admissions to one stage")
+    parser.add_argument("--max-pending", type=int, default=1, help="admitted peers per stage not yet reporting active")
+    parser.add_argument("--integration-timeout", type=float, default=600.0,
+                        help="seconds after which an admitted peer no longer holds back joins to its stage")
+    parser.add_argument("--ticket-ttl", type=float, default=3600.0, help="ticket lifetime in seconds (renewable)")
+    parser.add_argument("--snapshot-url", default=None,
+                        help="snapshot store base URL (<base>/<stage>/latest.json) or a template with {stage}")
+    parser.add_argument("--seed", action="append", default=[], dest="seeds", help="seed multiaddr for clients (repeatable)")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def build_identity_source(args: argparse.Namespace) -> IdentitySource:
+    if args.identity == "token-file":
+        if args.token_file is None:
+            raise ValueError("--identity token-file needs --token-file PATH")
+        return TokenFileIdentity(args.token_file)
+    return HuggingFaceIdentity(args.hf_endpoint)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        stages = load_config(args.config).model.stage_names
+        policy = AdmissionPolicy(
+            stages=stages, max_workers_per_stage=args.max_workers_per_stage, per_identity_cap=args.per_identity_cap,
+            pacing_s=args.pacing, max_pending_per_stage=args.max_pending,
+            integration_timeout_s=args.integration_timeout, ticket_ttl_s=args.ticket_ttl,
+        )
+        settings = ServiceSettings(policy=policy, snapshot_url=args.snapshot_url, seeds=tuple(args.seeds))
+        service = AuthService(settings, build_identity_source(args), args.state_dir)
+        server = AuthServer(service, args.host, args.port)
+    except (ConfigError, IdentityError, ValueError, OSError) as error:
+        print(f"[AUTH] cannot start the auth service: {error}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    with server:
+        print(f"{READY_PREFIX}{server.url}", flush=True)
+        print(f"{PUBLIC_KEY_PREFIX}{service.public_key}", flush=True)
+        print(f"[AUTH] identities: {service.identities.describe()}; stages {', '.join(stages)}, "
+              f"{policy.max_workers_per_stage} slots each", flush=True)
+        stop.wait()
+    return 0

@@ -1,0 +1,329 @@
+"""The auth service over HTTP: exchanges a contributor token for a slot, a stage and a signed ticket.
+
+JSON API (every answer is a JSON object with ``status``):
+  POST /v1/join    {token, peer_id}           -> 200 authorized | 200 queued | 403 rejected | 400 | 401 | 503
+  POST /v1/join/poll {queue_id, peer_id}      -> as /v1/join; 404 if the queue place is gone
+  POST /v1/active  {ticket}                   -> 200 ok: the peer is up in the swarm (ends join pacing for it)
+  POST /v1/renew   {ticket}                   -> 200 {ticket, expires_at}; 404 if the slot is gone
+  POST /v1/leave   {ticket}                   -> 200 {freed: bool}
+  GET  /v1/status                             -> occupancy per stage, capacity, queue length, public key, seeds
+
+The token is wrapped in ``Secret`` as soon as it is parsed; the service keeps only its keyed hash.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from .admission import AdmissionPolicy, Admitted, Decision, Queued, Rejected, SlotBook, UnknownQueueEntry
+from .identity import IdentitySource, IdentityUnavailable, InvalidToken
+from .secret import Secret, token_digest
+from .tickets import InvalidTicket, TicketClaims, issue_ticket, load_or_create_signing_key, public_key_text, verify_ticket
+
+log = logging.getLogger(__name__)
+
+PEER_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+MAX_BODY_BYTES = 64 * 1024
+MAX_TOKEN_CHARS = 1024
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    policy: AdmissionPolicy
+    snapshot_url: str | None = None
+    """Base URL of the snapshot store (``<base>/<stage>/latest.json``), or a template holding ``{stage}``."""
+    seeds: tuple[str, ...] = ()
+    poll_every_s: float = 5.0
+    identity_cache_s: float = 300.0
+
+    def snapshot_url_for(self, stage: str) -> str | None:
+        if not self.snapshot_url:
+            return None
+        if "{stage}" in self.snapshot_url:
+            return self.snapshot_url.replace("{stage}", stage)
+        return f"{self.snapshot_url.rstrip('/')}/{stage}/latest.json"
+
+
+class RequestError(Exception):
+    def __init__(self, status: HTTPStatus, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class AuthService:
+    """The service's state and logic; ``AuthServer`` puts it on HTTP.
+
+    ``state_dir`` holds the signing key, the secret that salts token hashes (both mode 0600)
+    and ``joins.jsonl``, an audit line per join decision.
+    """
+
+    def __init__(self, settings: ServiceSettings, identities: IdentitySource, state_dir: Path):
+        self.settings = settings
+        self.identities = identities
+        self.state_dir = Path(state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.key = load_or_create_signing_key(self.state_dir / "signing_key.pem")
+        self.public_key = public_key_text(self.key)
+        self._hash_key = _load_or_create_secret(self.state_dir / "token_hash.key")
+        self.book = SlotBook(settings.policy)
+        self._identity_cache: dict[str, tuple[str, float]] = {}
+        self._audit_lock = threading.Lock()
+
+    # -- endpoints -----------------------------------------------------------------------------------
+
+    def join(self, body: dict[str, Any]) -> tuple[HTTPStatus, dict[str, Any]]:
+        token = _field(body, "token", str)
+        peer_id = _peer_id(body)
+        if not token.strip() or len(token) > MAX_TOKEN_CHARS or any(ch.isspace() for ch in token):
+            raise RequestError(HTTPStatus.BAD_REQUEST, "the token is empty, too long or holds spaces; paste the token again")
+        secret = Secret(token)
+        del token, body["token"]  # from here on only the Secret exists
+        digest = token_digest(self._hash_key, secret)
+        try:
+            identity = self._resolve(secret, digest)
+        except InvalidToken as error:
+            self._audit("invalid_token", token_hash=digest[:16], peer_id=peer_id)
+            raise RequestError(HTTPStatus.UNAUTHORIZED, str(error)) from None
+        except IdentityUnavailable as error:
+            raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, str(error)) from None
+        now = time.time()
+        return self._answer(self.book.join(identity, peer_id, now), now, digest)
+
+    def poll(self, body: dict[str, Any]) -> tuple[HTTPStatus, dict[str, Any]]:
+        queue_id = _field(body, "queue_id", str)
+        peer_id = _peer_id(body)
+        now = time.time()
+        try:
+            decision = self.book.poll(queue_id, peer_id, now)
+        except UnknownQueueEntry:
+            raise RequestError(
+                HTTPStatus.NOT_FOUND, "this place in the join queue is gone (not polled in time, or the service restarted); join again"
+            ) from None
+        return self._answer(decision, now, None)
+
+    def active(self, body: dict[str, Any]) -> tuple[HTTPStatus, dict[str, Any]]:
+        claims = self._claims(body)
+        if not self.book.mark_active(claims.stage, claims.slot, claims.peer_id, time.time()):
+            raise RequestError(HTTPStatus.NOT_FOUND, "this slot is no longer held (it expired or was left); join again")
+        log.info("peer %s of %s is active on stage %s", claims.peer_id, claims.identity, claims.stage)
+        return HTTPStatus.OK, {"status": "ok"}
+
+    def renew(self, body: dict[str, Any]) -> tuple[HTTPStatus, dict[str, Any]]:
+        claims = self._claims(body)
+        now = time.time()
+        slot = self.book.renew(claims.stage, claims.slot, claims.peer_id, now)
+        if slot is None:
+            raise RequestError(HTTPStatus.NOT_FOUND, "this slot is no longer held (it expired or was left); join again")
+        ticket = self._ticket(slot.identity, slot.peer_id, slot.stage, slot.index, now)
+        return HTTPStatus.OK, {"status": "ok", "ticket": ticket, "expires_at": slot.expires_at}
+
+    def leave(self, body: dict[str, Any]) -> tuple[HTTPStatus, dict[str, Any]]:
+        ticket = _field(body, "ticket", str)
+        try:
+            # An expired ticket may still leave: its signature proves who sent it.
+            claims = verify_ticket(self.key.public_key(), ticket, now=0.0)
+        except InvalidTicket as error:
+            raise RequestError(HTTPStatus.UNAUTHORIZED, str(error)) from None
+        freed = self.book.leave(claims.stage, claims.slot, claims.peer_id, time.time())
+        if freed:
+            log.info("peer %s of %s left stage %s slot %d", claims.peer_id, claims.identity, claims.stage, claims.slot)
+        return HTTPStatus.OK, {"status": "ok", "freed": freed}
+
+    def status(self) -> dict[str, Any]:
+        stages = self.book.occupancy(time.time())
+        return {
+            "status": "ok",
+            "stages": stages,
+            "capacity": sum(stage["capacity"] for stage in stages.values()),
+            "occupied": sum(stage["active"] + stage["pending"] for stage in stages.values()),
+            "queue_length": sum(stage["queued"] for stage in stages.values()),
+            "public_key": self.public_key,
+            "seeds": list(self.settings.seeds),
+        }
+
+    # -- helpers -------------------------------------------------------------------------------------
+
+    def _answer(self, decision: Decision, now: float, digest: str | None) -> tuple[HTTPStatus, dict[str, Any]]:
+        if isinstance(decision, Rejected):
+            log.info("join rejected: %s", decision.reason)
+            self._audit("rejected", token_hash=(digest or "")[:16], reason=decision.reason)
+            return HTTPStatus.FORBIDDEN, {"status": "rejected", "reason": decision.reason}
+        if isinstance(decision, Queued):
+            entry = decision.entry
+            return HTTPStatus.OK, {
+                "status": "queued",
+                "queue_id": entry.queue_id,
+                "position": decision.position,
+                "estimated_wait_s": decision.estimated_wait_s,
+                "stage": entry.stage,
+                "snapshot_url": self.settings.snapshot_url_for(entry.stage),
+                "poll_every_s": self.settings.poll_every_s,
+            }
+        slot = decision.slot
+        log.info("admitted peer %s of %s to stage %s slot %d", slot.peer_id, slot.identity, slot.stage, slot.index)
+        self._audit("authorized", token_hash=(digest or "")[:16], identity=slot.identity, peer_id=slot.peer_id,
+                    stage=slot.stage, slot=slot.index, waited_s=round(decision.waited_s, 1))
+        return HTTPStatus.OK, {
+            "status": "authorized",
+            "identity": slot.identity,
+            "peer_id": slot.peer_id,
+            "stage": slot.stage,
+            "slot": slot.index,
+            "seeds": list(self.settings.seeds),
+            "snapshot_url": self.settings.snapshot_url_for(slot.stage),
+            "ticket": self._ticket(slot.identity, slot.peer_id, slot.stage, slot.index, now),
+            "expires_at": slot.expires_at,
+            "public_key": self.public_key,
+        }
+
+    def _ticket(self, identity: str, peer_id: str, stage: str, slot: int, now: float) -> str:
+        return issue_ticket(
+            self.key, identity=identity, peer_id=peer_id, stage=stage, slot=slot,
+            ttl_s=self.settings.policy.ticket_ttl_s, now=now,
+        )
+
+    def _claims(self, body: dict[str, Any]) -> TicketClaims:
+        try:
+            return verify_ticket(self.key.public_key(), _field(body, "ticket", str))
+        except InvalidTicket as error:
+            raise RequestError(HTTPStatus.UNAUTHORIZED, str(error)) from None
+
+    def _resolve(self, token: Secret, digest: str) -> str:
+        """Identity of a token, remembered by its keyed hash for a while (whoami is rate-limited)."""
+        cached = self._identity_cache.get(digest)
+        if cached is not None and cached[1] > time.monotonic():
+            return cached[0]
+        identity = self.identities.resolve(token)
+        if len(self._identity_cache) > 10_000:
+            now = time.monotonic()
+            self._identity_cache = {key: item for key, item in self._identity_cache.items() if item[1] > now}
+        self._identity_cache[digest] = (identity, time.monotonic() + self.settings.identity_cache_s)
+        return identity
+
+    def _audit(self, event: str, **fields: Any) -> None:
+        line = json.dumps({"ts": round(time.time(), 3), "event": event, **fields}, sort_keys=True)
+        with self._audit_lock, open(self.state_dir / "joins.jsonl", "a", encoding="utf-8") as audit:
+            audit.write(line + "\n")
+
+
+class AuthServer:
+    """``AuthService`` on a ThreadingHTTPServer in a background thread; ``url`` once started."""
+
+    def __init__(self, service: AuthService, host: str = "127.0.0.1", port: int = 0):
+        handler = type("BoundAuthHandler", (_AuthHandler,), {"service": service})
+        self.service = service
+        self._httpd = ThreadingHTTPServer((host, port), handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="auth-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> "AuthServer":
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> "AuthServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _AuthHandler(BaseHTTPRequestHandler):
+    service: AuthService
+    server_version = "agora-auth/1"
+    protocol_version = "HTTP/1.1"
+    _POSTS = {"/v1/join": "join", "/v1/join/poll": "poll", "/v1/active": "active", "/v1/renew": "renew", "/v1/leave": "leave"}
+
+    def do_GET(self) -> None:
+        if self.path.split("?")[0] == "/v1/status":
+            self._reply(HTTPStatus.OK, self.service.status())
+        else:
+            self._reply(HTTPStatus.NOT_FOUND, {"status": "error", "error": f"no such endpoint: GET {self.path.split('?')[0]}"})
+
+    def do_POST(self) -> None:
+        path = self.path.split("?")[0]
+        try:
+            method = self._POSTS.get(path)
+            if method is None:
+                raise RequestError(HTTPStatus.NOT_FOUND, f"no such endpoint: POST {path}")
+            status, payload = getattr(self.service, method)(self._json_body())
+        except RequestError as error:
+            status, payload = error.status, {"status": "error", "error": str(error)}
+        except Exception:  # the service keeps running; the client gets one line, the log the traceback
+            log.exception("internal error answering POST %s", path)
+            status, payload = HTTPStatus.INTERNAL_SERVER_ERROR, {"status": "error", "error": "internal error in the auth service; try again later"}
+        self._reply(status, payload)
+
+    def _json_body(self) -> dict[str, Any]:
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "Content-Length is not a number") from None
+        if length > MAX_BODY_BYTES:
+            self.close_connection = True  # the unread body would be taken for the next request
+            raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"request body over {MAX_BODY_BYTES} bytes")
+        raw = self.rfile.read(length)
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise RequestError(HTTPStatus.BAD_REQUEST, "the request body is not JSON; send a JSON object") from None
+        if not isinstance(body, dict):
+            raise RequestError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
+        return body
+
+    def _reply(self, status: HTTPStatus, payload: dict[str, Any]) -> None:
+        data = json.dumps(payload).encode("utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        # Request lines only (method, path, status): bodies, where the token travels, are never logged.
+        log.debug("%s %s", self.address_string(), format % args)
+
+
+def _field(body: dict[str, Any], name: str, kind: type) -> Any:
+    value = body.get(name)
+    if not isinstance(value, kind):
+        raise RequestError(HTTPStatus.BAD_REQUEST, f"the request needs '{name}' ({kind.__name__})")
+    return value
+
+
+def _peer_id(body: dict[str, Any]) -> str:
+    peer_id = _field(body, "peer_id", str)
+    if not PEER_ID.match(peer_id):
+        raise RequestError(HTTPStatus.BAD_REQUEST, "peer_id must be 1-128 letters, digits or . _ : - (a libp2p peer id)")
+    return peer_id
+
+
+def _load_or_create_secret(path: Path) -> bytes:
+    if path.exists():
+        return bytes.fromhex(path.read_text().strip())
+    secret = secrets.token_bytes(32)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(secret.hex())
+    return secret

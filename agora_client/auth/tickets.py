@@ -1,0 +1,172 @@
+"""Ed25519-signed tickets: the auth service's proof that a peer holds a slot.
+
+A ticket is ``base64url(JSON claims) + "." + base64url(signature over the encoded claims)``,
+without padding. Anyone given the service's public key (``public_key_text``) can verify one
+offline; the monitor does so before crediting a peer.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+TICKET_VERSION = 1
+_MAX_TICKET_CHARS = 4096
+
+
+class InvalidTicket(ValueError):
+    """A ticket that must not be honoured; ``reason`` is one of malformed, bad_signature, expired."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class TicketClaims:
+    identity: str
+    peer_id: str
+    stage: str
+    slot: int
+    issued_at: float
+    expires_at: float
+
+
+def generate_signing_key() -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.generate()
+
+
+def save_signing_key(key: Ed25519PrivateKey, path: Path) -> None:
+    """Write the key as unencrypted PKCS#8 PEM readable by its owner only (mode 0600), atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(descriptor, pem)
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+    os.chmod(temporary, 0o600)  # the umask may have narrowed it further, never widened; make it exact
+    os.replace(temporary, path)
+
+
+def load_signing_key(path: Path) -> Ed25519PrivateKey:
+    """Read a key written by ``save_signing_key``; ValueError with what to do if it is missing or not Ed25519."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ValueError(f"no signing key at {path}: create one with generate_signing_key() and save_signing_key()") from None
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError):
+        raise ValueError(f"{path} is not an unencrypted PEM private key; delete it to have a new key generated") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise ValueError(f"{path} holds a {type(key).__name__}, not an Ed25519 key; delete it to have a new key generated")
+    return key
+
+
+def load_or_create_signing_key(path: Path) -> Ed25519PrivateKey:
+    path = Path(path)
+    if path.exists():
+        return load_signing_key(path)
+    key = generate_signing_key()
+    save_signing_key(key, path)
+    return key
+
+
+def public_key_text(key: Ed25519PrivateKey) -> str:
+    """The raw 32-byte public key in standard base64: what verifiers are configured with."""
+    raw = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return base64.b64encode(raw).decode("ascii")
+
+
+def load_public_key(text: str) -> Ed25519PublicKey:
+    """Parse ``public_key_text`` output; ValueError if it is not a base64 32-byte Ed25519 key."""
+    try:
+        raw = base64.b64decode(text.strip(), validate=True)
+    except (binascii.Error, ValueError, AttributeError):
+        raise ValueError("the public key is not base64 text; copy it from the auth service's /v1/status") from None
+    if len(raw) != 32:
+        raise ValueError(f"the public key decodes to {len(raw)} bytes, an Ed25519 key has 32; copy it again from /v1/status")
+    return Ed25519PublicKey.from_public_bytes(raw)
+
+
+def issue_ticket(
+    key: Ed25519PrivateKey,
+    *,
+    identity: str,
+    peer_id: str,
+    stage: str,
+    slot: int,
+    ttl_s: float,
+    now: float | None = None,
+) -> str:
+    if ttl_s <= 0:
+        raise ValueError(f"ticket ttl_s must be positive, got {ttl_s}")
+    issued_at = time.time() if now is None else now
+    claims = TicketClaims(identity, peer_id, stage, int(slot), issued_at, issued_at + ttl_s)
+    payload = json.dumps({"v": TICKET_VERSION, **asdict(claims)}, separators=(",", ":"), sort_keys=True)
+    encoded = _b64encode(payload.encode("utf-8"))
+    signature = key.sign(encoded.encode("ascii"))
+    return f"{encoded}.{_b64encode(signature)}"
+
+
+def verify_ticket(public_key: str | Ed25519PublicKey, ticket: str, *, now: float | None = None) -> TicketClaims:
+    """Check the signature, then the expiry; return the claims or raise InvalidTicket saying why."""
+    verifier = load_public_key(public_key) if isinstance(public_key, str) else public_key
+    if not isinstance(ticket, str) or len(ticket) > _MAX_TICKET_CHARS or ticket.count(".") != 1:
+        raise InvalidTicket("malformed", "malformed ticket: expected two base64url parts joined by one '.'")
+    encoded, encoded_signature = ticket.split(".")
+    try:
+        signature = _b64decode(encoded_signature)
+    except ValueError:
+        raise InvalidTicket("malformed", "malformed ticket: the signature part is not base64url") from None
+    try:
+        verifier.verify(signature, encoded.encode("ascii"))
+    except (InvalidSignature, UnicodeEncodeError):
+        raise InvalidTicket(
+            "bad_signature", "ticket signature does not match: it was altered or issued by another auth service"
+        ) from None
+    try:
+        data = json.loads(_b64decode(encoded))
+        if data.pop("v") != TICKET_VERSION:
+            raise ValueError("version")
+        claims = TicketClaims(**data)
+        if not all(isinstance(getattr(claims, name), str) for name in ("identity", "peer_id", "stage")):
+            raise ValueError("types")
+        if not isinstance(claims.slot, int) or not all(
+            isinstance(value, (int, float)) for value in (claims.issued_at, claims.expires_at)
+        ):
+            raise ValueError("types")
+    except (ValueError, TypeError, KeyError, AttributeError):
+        # Signed but unreadable: a service of another version signed it.
+        raise InvalidTicket("malformed", f"malformed ticket: its claims are not version {TICKET_VERSION} claims") from None
+    current = time.time() if now is None else now
+    if current >= claims.expires_at:
+        raise InvalidTicket(
+            "expired", f"ticket expired {current - claims.expires_at:.0f}s ago; join the swarm again for a new one"
+        )
+    return claims
+
+
+def _b64encode(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _b64decode(text: str) -> bytes:
+    try:
+        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except (binascii.Error, ValueError):
+        raise ValueError("not base64url") from None

@@ -1,0 +1,56 @@
+"""`agora` / `python3 agora_cli.py`: the contributor app by default, and every role as a subcommand.
+
+Each subcommand lives in its own module exposing ``configure(parser)`` and ``run(args) -> int``;
+modules are imported only when their command runs, so the app starts without loading torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("agora_client.swarm.demo", "start the local tiny swarm and join it with the app"),
+    "swarm": ("agora_client.swarm.launcher", "run a whole local swarm: 2 seeds, trainer, 2 workers per stage"),
+    "seed": ("agora_client.swarm.seed", "run a DHT bootstrap peer"),
+    "worker": ("agora_client.worker.main", "host one pipeline stage"),
+    "trainer": ("agora_client.trainer.main", "route microbatches through the pipeline (CPU only)"),
+    "auth": ("agora_client.auth.main", "run the auth service"),
+    "monitor": ("agora_client.monitor.main", "scrape metrics, keep points, serve the leaderboard"),
+    "leaderboard": ("agora_client.monitor.leaderboard_cli", "print the leaderboard as a table"),
+    "describe": ("agora_client.model.describe", "show a preset's stages and parameter counts"),
+    "runtime": ("agora_client.runtime", "the worker runtime the app supervises; writes events to stdout"),
+    "export-logs": ("agora_client.system.bundle_cli", "write a support bundle (zip) for a ticket"),
+}
+CLIENT_MODULE = "tui.launch"  # no subcommand: the contributor client (TUI, or --headless)
+
+
+def _load(module_name: str):
+    return importlib.import_module(module_name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agora", description="Agora: train large models on volunteers' GPUs.")
+    _load(CLIENT_MODULE).configure(parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        # configure() is resolved lazily: only the chosen command's module is imported.
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    if command in COMMANDS:
+        module_name, help_text = COMMANDS[command]
+        module = _load(module_name)
+        parser = argparse.ArgumentParser(prog=f"agora {command}", description=help_text)
+        module.configure(parser)
+        rest = argv[argv.index(command) + 1 :]
+        return int(module.run(parser.parse_args(rest)) or 0)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(_load(CLIENT_MODULE).run(args) or 0)

@@ -1,0 +1,233 @@
+"""First-run configuration of the contributor client, saved in the user's config dir.
+
+Where: ``--config-dir``, else ``$XDG_CONFIG_HOME/agora``, else ``~/.config/agora``.
+``config.json`` holds the swarm URL and the GPU choice; the Hugging Face token, when the user
+typed it, goes to ``secrets.json`` with mode 0600 (never into config.json, argv or logs).
+
+Token, first found wins: ``HF_TOKEN`` in the environment; the token saved here; the token saved
+by ``hf auth login`` (huggingface_hub); else the user is asked. ``--reconfigure`` asks again
+(``HF_TOKEN`` still wins). The GPU is asked for when NVML sees several and none was chosen.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+from urllib.parse import urlparse
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+CONFIG_FILE = "config.json"
+SECRETS_FILE = "secrets.json"
+TOKEN_PAGE = "https://huggingface.co/settings/tokens"
+_HF_TOKEN = re.compile(r"^hf_[A-Za-z0-9]{8,}$")
+_MAX_ATTEMPTS = 3
+
+
+class ClientConfigError(ValueError):
+    """A client config that cannot be used; the message says what was wrong and what to do."""
+
+
+class ClientConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    swarm_url: str | None = None  # None: the runtime's default auth service
+    gpu_index: int | None = None
+
+
+@dataclass(frozen=True)
+class ResolvedClient:
+    config: ClientConfig
+    token: str = field(repr=False)
+    token_source: str  # "HF_TOKEN", "saved", "hf auth login", "typed" or "kept"
+    config_dir: Path
+
+
+@dataclass
+class Prompts:
+    """How the client talks to the user; tests inject their own functions."""
+
+    ask: Callable[[str], str] = input
+    ask_secret: Callable[[str], str] = getpass.getpass
+    say: Callable[[str], None] = print
+    interactive: bool = True
+
+
+def default_config_dir(env: Mapping[str, str] = os.environ) -> Path:
+    base = env.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "agora"
+
+
+def validate_swarm_url(url: str) -> str:
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ClientConfigError(f"--swarm {url!r} is not an http(s) URL: give the auth service address, e.g. https://host:8470")
+    return url.rstrip("/")
+
+
+def looks_like_hf_token(token: str) -> bool:
+    return bool(_HF_TOKEN.match(token))
+
+
+def hf_login_token() -> str | None:
+    """The token saved by ``hf auth login``, if any."""
+    try:
+        from huggingface_hub import get_token
+
+        return get_token() or None
+    except Exception:  # a broken huggingface_hub install must not stop the client
+        return None
+
+
+class ClientConfigStore:
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+
+    @property
+    def config_path(self) -> Path:
+        return self.directory / CONFIG_FILE
+
+    @property
+    def secrets_path(self) -> Path:
+        return self.directory / SECRETS_FILE
+
+    def _read_json(self, path: Path) -> dict | None:
+        if not path.exists():
+            return None
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as error:
+            raise ClientConfigError(f"{path} is unreadable ({error}); fix it or run with --reconfigure") from None
+        if not isinstance(data, dict):
+            raise ClientConfigError(f"{path} must hold a JSON object; fix it or run with --reconfigure")
+        return data
+
+    def load(self) -> ClientConfig | None:
+        data = self._read_json(self.config_path)
+        if data is None:
+            return None
+        try:
+            return ClientConfig.model_validate(data)
+        except ValidationError as error:
+            first = error.errors()[0]
+            raise ClientConfigError(
+                f"{self.config_path}: {'.'.join(map(str, first['loc']))}: {first['msg']}; fix it or run with --reconfigure"
+            ) from None
+
+    def save(self, config: ClientConfig) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.config_path.write_text(config.model_dump_json(indent=2) + "\n", encoding="utf-8")
+
+    def load_token(self) -> str | None:
+        data = self._read_json(self.secrets_path) or {}
+        token = data.get("hf_token")
+        return token if isinstance(token, str) and token else None
+
+    def save_token(self, token: str) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # Created 0600 from the start (no window where another user could read it), and fixed if it existed.
+        fd = os.open(self.secrets_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump({"hf_token": token}, handle)
+            handle.write("\n")
+
+
+def _ask_token(prompts: Prompts, current: str | None) -> str:
+    if not prompts.interactive:
+        raise ClientConfigError(
+            f"no Hugging Face token: set HF_TOKEN, run `hf auth login`, or start the client once in a terminal ({TOKEN_PAGE})"
+        )
+    keep = " (Enter keeps the current one)" if current else ""
+    for _ in range(_MAX_ATTEMPTS):
+        token = prompts.ask_secret(f"Hugging Face token{keep}: ").strip()
+        if not token and current:
+            return current
+        if looks_like_hf_token(token):
+            return token
+        prompts.say(f"That is not a Hugging Face token: it starts with hf_ and has no spaces. Create one at {TOKEN_PAGE}")
+    raise ClientConfigError(f"no valid Hugging Face token after {_MAX_ATTEMPTS} tries; create one at {TOKEN_PAGE}")
+
+
+def _ask_gpu(prompts: Prompts, devices: list, current: int | None) -> int:
+    listing = "\n".join(f"  {device.index}: {device.name} ({device.memory_total / 2**30:.0f} GiB)" for device in devices)
+    if not prompts.interactive:
+        raise ClientConfigError(f"several GPUs are visible; choose one with --gpu N:\n{listing}")
+    prompts.say(f"GPUs on this machine:\n{listing}")
+    default = current if current is not None else devices[0].index
+    for _ in range(_MAX_ATTEMPTS):
+        answer = prompts.ask(f"GPU to contribute [{default}]: ").strip()
+        if not answer:
+            return default
+        if answer.isdigit() and int(answer) < len(devices):
+            return int(answer)
+        prompts.say(f"Type a number from 0 to {len(devices) - 1}.")
+    raise ClientConfigError(f"no valid GPU choice after {_MAX_ATTEMPTS} tries; pass --gpu N")
+
+
+def _list_gpus() -> list:
+    from agora_client.system.gpu import GpuProbe
+
+    probe = GpuProbe()
+    try:
+        return probe.devices()
+    finally:
+        probe.close()
+
+
+def resolve_client(
+    config_dir: Path,
+    *,
+    reconfigure: bool = False,
+    swarm: str | None = None,
+    gpu: int | None = None,
+    env: Mapping[str, str] = os.environ,
+    prompts: Prompts | None = None,
+    login_token: Callable[[], str | None] = hf_login_token,
+    list_gpus: Callable[[], list] = _list_gpus,
+) -> ResolvedClient:
+    """Load, complete (asking only what is missing) and save the client config; return it with the token."""
+    prompts = prompts or Prompts()
+    store = ClientConfigStore(config_dir)
+    try:
+        previous, stored_token = store.load(), store.load_token()
+    except ClientConfigError:
+        if not reconfigure:
+            raise
+        previous, stored_token = None, None  # --reconfigure starts over from a broken file
+    swarm_url = validate_swarm_url(swarm) if swarm else (previous.swarm_url if previous else None)
+
+    env_token = (env.get("HF_TOKEN") or "").strip()
+    if env_token:
+        token, source = env_token, "HF_TOKEN"
+    elif stored_token and not reconfigure:
+        token, source = stored_token, "saved"
+    elif not reconfigure and (logged_in := login_token()):
+        token, source = logged_in, "hf auth login"
+    else:
+        current = stored_token or login_token()
+        token = _ask_token(prompts, current)
+        source = "kept" if token == current else "typed"
+        if source == "typed":
+            store.save_token(token)
+
+    devices = list_gpus()
+    if gpu is not None:
+        if not 0 <= gpu < len(devices):
+            found = f"GPUs 0..{len(devices) - 1} are visible" if devices else "no NVIDIA GPU is visible"
+            raise ClientConfigError(f"--gpu {gpu} does not exist: {found}")
+        gpu_index: int | None = gpu
+    elif len(devices) > 1:
+        current = previous.gpu_index if previous else None
+        valid = current is not None and current < len(devices)
+        gpu_index = current if valid and not reconfigure else _ask_gpu(prompts, devices, current if valid else None)
+    else:
+        gpu_index = 0 if devices else None
+
+    saved_gpu = gpu_index if gpu is None else (previous.gpu_index if previous else None)
+    store.save(ClientConfig(swarm_url=swarm_url, gpu_index=saved_gpu))
+    return ResolvedClient(ClientConfig(swarm_url=swarm_url, gpu_index=gpu_index), token, source, Path(config_dir))

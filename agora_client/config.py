@@ -1,0 +1,200 @@
+"""Run config: the model, its stage split, the optimizer, SPARTA and the sync phases.
+
+Presets ship as YAML in ``agora_client/presets``. Every field is validated and a bad
+file fails with one message that names the field and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+STAGE_NAME = re.compile(r"^(head|body[1-9][0-9]*|tail)$")
+
+
+class ConfigError(ValueError):
+    """A run config that cannot be used; the message says which field and what to do."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StageSpec(_Strict):
+    name: str = Field(description="head, body1..bodyN or tail")
+    layers: int = Field(ge=1, description="transformer layers held by this stage")
+
+
+class SubspaceConfig(_Strict):
+    enabled: bool = False
+    compression_rate: int = Field(default=100, ge=1, description="k = d_model // compression_rate")
+
+
+class ModelConfig(_Strict):
+    vocab_size: int = Field(ge=2)
+    d_model: int = Field(ge=8)
+    n_heads: int = Field(ge=1)
+    ffn_hidden: int = Field(ge=8)
+    n_layers: int = Field(ge=3)
+    seq_len: int = Field(ge=2, description="tokens per sequence fed to the head")
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    subspace: SubspaceConfig = SubspaceConfig()
+    stages: tuple[StageSpec, ...]
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def subspace_rank(self) -> int:
+        return self.d_model // self.subspace.compression_rate
+
+    @property
+    def stage_names(self) -> tuple[str, ...]:
+        return tuple(stage.name for stage in self.stages)
+
+    def stage(self, name: str) -> StageSpec:
+        for spec in self.stages:
+            if spec.name == name:
+                return spec
+        raise ConfigError(f"unknown stage {name!r}: this run has stages {', '.join(self.stage_names)}")
+
+    def first_layer(self, name: str) -> int:
+        """Index of the stage's first layer in the unsplit model."""
+        offset = 0
+        for spec in self.stages:
+            if spec.name == name:
+                return offset
+            offset += spec.layers
+        raise ConfigError(f"unknown stage {name!r}: this run has stages {', '.join(self.stage_names)}")
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> "ModelConfig":
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
+        if self.head_dim % 2:
+            raise ValueError("model.d_model / model.n_heads must be even for rotary embeddings")
+        if self.subspace.enabled and not 1 <= self.subspace_rank <= self.d_model:
+            raise ValueError(
+                f"model.subspace.compression_rate ({self.subspace.compression_rate}) leaves no subspace for "
+                f"d_model {self.d_model}: use a rate between 1 and {self.d_model}"
+            )
+        names = [spec.name for spec in self.stages]
+        expected = ["head", *(f"body{i}" for i in range(1, len(names) - 1)), "tail"]
+        if len(names) < 2 or names != expected:
+            raise ValueError(
+                f"model.stages must be named {', '.join(expected)} in that order (got {', '.join(names) or 'none'})"
+            )
+        total = sum(spec.layers for spec in self.stages)
+        if total != self.n_layers:
+            split = " + ".join(f"{spec.name} {spec.layers}" for spec in self.stages)
+            raise ValueError(
+                f"model.stages hold {total} layers ({split}) but model.n_layers is {self.n_layers}: "
+                "make the stage layers add up to n_layers"
+            )
+        return self
+
+
+class OptimConfig(_Strict):
+    lr: float = Field(default=3e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(default=0.1, ge=0)
+    microbatch_size: int = Field(default=8, ge=1, description="sequences per trainer request")
+    target_batch_size: int = Field(default=64, ge=1, description="samples a stage sums before every worker steps")
+    clip_body: float | None = Field(default=None, description="gradient-norm clip for head and bodies; default 1/sqrt(stages)")
+    clip_tail: float | None = Field(default=None, description="gradient-norm clip for the tail; default 5/sqrt(stages)")
+
+
+class SpartaConfig(_Strict):
+    period: int = Field(default=20, ge=1, description="stage epochs between averaging rounds")
+    fraction: float = Field(default=0.05, gt=0, le=1, description="share of parameters averaged per round")
+    matchmaking_time: float = Field(default=5.0, gt=0, description="seconds to gather a group")
+    allreduce_timeout: float = Field(default=30.0, gt=0, description="bound on a whole round")
+    sender_timeout: float = Field(default=10.0, gt=0, description="drop a peer that sends nothing this long")
+    reducer_timeout: float = Field(default=10.0, gt=0, description="drop a reducer that answers nothing this long")
+
+    @property
+    def num_partitions(self) -> int:
+        return max(1, round(1 / self.fraction))
+
+
+class SyncConfig(_Strict):
+    phase1_steps: int = Field(default=400, ge=0)
+    phase2_steps: int = Field(default=100, ge=0)
+    max_allowed_stale: int = Field(default=5, ge=0, description="epochs behind the stage before re-entering phase 1")
+
+
+class RunConfig(_Strict):
+    name: str
+    seed: int = 0
+    model: ModelConfig
+    optim: OptimConfig = OptimConfig()
+    sparta: SpartaConfig = SpartaConfig()
+    sync: SyncConfig = SyncConfig()
+    announce_period: float = Field(default=30.0, gt=0, description="seconds between a worker's DHT announcements")
+
+    def clip_norm(self, stage: str) -> float:
+        """Stage-wise gradient clipping: 1/sqrt(S) for head and bodies, 5/sqrt(S) for the tail."""
+        scale = len(self.model.stages) ** 0.5
+        if stage == "tail":
+            return self.optim.clip_tail if self.optim.clip_tail is not None else 5.0 / scale
+        return self.optim.clip_body if self.optim.clip_body is not None else 1.0 / scale
+
+
+def _describe(error: ValidationError, source: str) -> str:
+    lines = [f"invalid run config {source}:"]
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        if item["type"] == "extra_forbidden":
+            lines.append(f"  {where}: unknown key; remove it or check its spelling")
+        else:
+            lines.append(f"  {where}: {item['msg'].removeprefix('Value error, ')}")
+    return "\n".join(lines)
+
+
+def parse_config(data: dict[str, Any], source: str = "(dict)") -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(_describe(error, source)) from None
+
+
+def preset_names() -> list[str]:
+    folder = resources.files("agora_client") / "presets"
+    return sorted(entry.name.removesuffix(".yaml") for entry in folder.iterdir() if entry.name.endswith(".yaml"))
+
+
+def load_config(name_or_path: str, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Load a shipped preset by name (``tiny``, ``8b``) or a YAML file by path, then apply nested overrides."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        text, source = path.read_text(), str(path)
+    else:
+        entry = resources.files("agora_client") / "presets" / f"{name_or_path}.yaml"
+        if not entry.is_file():
+            raise ConfigError(f"no preset or file named {name_or_path!r}; presets: {', '.join(preset_names())}")
+        text, source = entry.read_text(), f"preset {name_or_path!r}"
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{source} is not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source} must hold a mapping of settings at the top level")
+    return parse_config(_merge(data, overrides or {}), source)
+
+
+def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged

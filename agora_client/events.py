@@ -1,0 +1,216 @@
+"""The event contract between the worker runtime and every front end.
+
+The runtime writes one JSON object per line: ``{"v": 1, "ts": ..., "kind": "...", ...}``.
+The TUI, the headless printer and the rotating JSONL log all read this one stream.
+Changing what a field means requires bumping ``VERSION``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import IO, Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+VERSION = 1
+
+SyncPhase = Literal["sync1", "sync2", "active"]
+Level = Literal["debug", "info", "warning", "error"]
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    v: Literal[1] = VERSION
+    ts: float = Field(default_factory=time.time)
+
+
+class AuthEvent(_Event):
+    kind: Literal["auth"] = "auth"
+    status: Literal["authorizing", "authorized", "rejected", "failed"]
+    identity: str | None = None
+    stage: str | None = None
+    peer_id: str | None = None
+    slot: int | None = None
+    message: str = ""
+
+
+class DownloadEvent(_Event):
+    kind: Literal["download"] = "download"
+    status: Literal["started", "progress", "retry", "verified", "done", "failed"]
+    file: str = ""
+    bytes: int = 0
+    total: int | None = None
+    rate_bps: float = 0.0
+    eta_s: float | None = None
+    resumed_from: int = 0
+    message: str = ""
+
+
+class QueueEvent(_Event):
+    kind: Literal["queue"] = "queue"
+    position: int
+    estimated_wait_s: float | None = None
+
+
+class SyncEvent(_Event):
+    kind: Literal["sync"] = "sync"
+    phase: SyncPhase
+    steps_left: int = 0
+    steps_total: int = 0
+    target_epoch: int | None = None
+    local_epoch: int = 0
+    message: str = ""
+
+
+class StepEvent(_Event):
+    kind: Literal["step"] = "step"
+    stage: str
+    local_epoch: int
+    forward_per_min: float = 0.0
+    backward_per_min: float = 0.0
+    samples: int = 0
+    loss: float | None = None
+
+
+class SpartaEvent(_Event):
+    kind: Literal["sparta"] = "sparta"
+    round: int
+    partition: int
+    group_size: int = 0
+    fraction: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    duration_s: float = 0.0
+    weight: float = 1.0
+    ok: bool = True
+    reason: str | None = None
+
+
+class GpuInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    index: int
+    name: str
+    memory_used: int
+    memory_total: int
+    utilization: float | None = None
+
+
+class ResourcesEvent(_Event):
+    kind: Literal["resources"] = "resources"
+    gpu: GpuInfo | None = None
+    gpu_note: str = ""
+    process_rss: int = 0
+    host_ram_used: int = 0
+    host_ram_total: int = 0
+    cpu_percent: float | None = None
+
+
+class PointsEvent(_Event):
+    kind: Literal["points"] = "points"
+    presence: float
+    compute: float
+    rate_per_hour: float = 0.0
+    confirmed: float | None = None
+
+
+class StageEvent(_Event):
+    kind: Literal["stage"] = "stage"
+    stage: str
+    peer_id: str = ""
+    occupancy: dict[str, int] = Field(default_factory=dict)
+
+
+class LogEvent(_Event):
+    kind: Literal["log"] = "log"
+    level: Level = "info"
+    tag: str = "INFO"
+    message: str
+
+
+class ErrorEvent(_Event):
+    kind: Literal["error"] = "error"
+    message: str
+    hint: str = ""
+    where: str = ""
+
+
+class ExitEvent(_Event):
+    kind: Literal["exit"] = "exit"
+    code: int
+    reason: str = ""
+
+
+Event = Annotated[
+    Union[
+        AuthEvent,
+        DownloadEvent,
+        QueueEvent,
+        SyncEvent,
+        StepEvent,
+        SpartaEvent,
+        ResourcesEvent,
+        PointsEvent,
+        StageEvent,
+        LogEvent,
+        ErrorEvent,
+        ExitEvent,
+    ],
+    Field(discriminator="kind"),
+]
+KINDS = ("auth", "download", "queue", "sync", "step", "sparta", "resources", "points", "stage", "log", "error", "exit")
+
+_adapter: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+class BadEvent(ValueError):
+    """A line that is not a valid event of this contract's version."""
+
+
+def parse_event(line: str | bytes | dict[str, Any]) -> Event:
+    """Parse one line (or decoded object) of the stream; raise BadEvent with the reason otherwise."""
+    try:
+        data = line if isinstance(line, dict) else json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise BadEvent(f"not JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise BadEvent("an event must be a JSON object")
+    if data.get("v") != VERSION:
+        raise BadEvent(f"event version {data.get('v')!r} is not {VERSION}")
+    try:
+        return _adapter.validate_python(data)
+    except ValidationError as error:
+        raise BadEvent(f"invalid {data.get('kind')!r} event: {error.errors()[0]['msg']}") from None
+
+
+def dump_event(event: Event) -> str:
+    return event.model_dump_json(exclude_none=False)
+
+
+class EventWriter:
+    """Writes events as JSON lines to any number of sinks; thread-safe; a broken sink is dropped, not fatal."""
+
+    def __init__(self, *sinks: IO[str]):
+        self._sinks = list(sinks)
+        self._lock = threading.Lock()
+
+    def add_sink(self, sink: IO[str]) -> None:
+        with self._lock:
+            self._sinks.append(sink)
+
+    def emit(self, event: Event) -> None:
+        line = dump_event(event) + "\n"
+        with self._lock:
+            for sink in list(self._sinks):
+                try:
+                    sink.write(line)
+                    sink.flush()
+                except (OSError, ValueError):
+                    self._sinks.remove(sink)
+
+    def log(self, message: str, *, tag: str = "INFO", level: Level = "info") -> None:
+        self.emit(LogEvent(tag=tag, level=level, message=message))
+
+
+NULL_WRITER = EventWriter()

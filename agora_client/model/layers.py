@@ -1,0 +1,107 @@
+"""OLMo2-style transformer blocks: RoPE, QK-norm, SwiGLU, no biases, norm on each sublayer's output."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agora_client.config import ModelConfig
+from agora_client.model.subspace import Subspace, SubspaceLinear
+
+Rotary = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, head_dim / 2]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a trainable per-channel gain, or a frozen scalar gain that keeps the map linear per token.
+
+    With a scalar gain, g * x / rms(x) scales each token's vector by one number, so a vector in
+    span(U) stays in span(U); a per-channel gain would rotate it out.
+    """
+
+    def __init__(self, dim: int, eps: float, *, trainable: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim)) if trainable else None
+        self.scalar_gain = 1.0  # used only when frozen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed * self.weight if self.weight is not None else normed * self.scalar_gain
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> Rotary:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    """Rotate [B, H, T, head_dim] by position (half-split layout)."""
+    cos, sin = rotary
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
+
+
+def _residual_writer(in_features: int, config: ModelConfig, constrained: bool) -> nn.Module:
+    if constrained:
+        return SubspaceLinear(in_features, config.subspace_rank)
+    return nn.Linear(in_features, config.d_model, bias=False)
+
+
+def _write(layer: nn.Module, x: torch.Tensor, subspace: Subspace | None) -> torch.Tensor:
+    return layer(x, subspace) if isinstance(layer, SubspaceLinear) else layer(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, constrained: bool) -> None:
+        super().__init__()
+        d = config.d_model
+        self.n_heads = config.n_heads
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, d, bias=False)
+        self.v_proj = nn.Linear(d, d, bias=False)
+        # QK-norm acts inside attention, never on the residual stream: it stays trainable per channel.
+        self.q_norm = RMSNorm(d, config.norm_eps)
+        self.k_norm = RMSNorm(d, config.norm_eps)
+        self.o_proj = _residual_writer(d, config, constrained)
+
+    def forward(self, x: torch.Tensor, rotary: Rotary, subspace: Subspace | None) -> torch.Tensor:
+        batch, seq, d = x.shape
+        shape = (batch, seq, self.n_heads, d // self.n_heads)
+        q = self.q_norm(self.q_proj(x)).view(shape).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x)).view(shape).transpose(1, 2)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
+        out = F.scaled_dot_product_attention(apply_rotary(q, rotary), apply_rotary(k, rotary), v, is_causal=True)
+        return _write(self.o_proj, out.transpose(1, 2).reshape(batch, seq, d), subspace)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: ModelConfig, constrained: bool) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.d_model, config.ffn_hidden, bias=False)
+        self.up_proj = nn.Linear(config.d_model, config.ffn_hidden, bias=False)
+        self.down_proj = _residual_writer(config.ffn_hidden, config, constrained)
+
+    def forward(self, x: torch.Tensor, subspace: Subspace | None) -> torch.Tensor:
+        return _write(self.down_proj, F.silu(self.gate_proj(x)) * self.up_proj(x), subspace)
+
+
+class Block(nn.Module):
+    """h = h + norm(attn(h)); h = h + norm(mlp(h)) (OLMo2 reordering).
+
+    constrained: the block's output crosses a stage boundary, so both residual writers map into
+    span(U) and both output norms use a frozen scalar gain.
+    """
+
+    def __init__(self, config: ModelConfig, constrained: bool) -> None:
+        super().__init__()
+        self.constrained = constrained
+        self.attn = Attention(config, constrained)
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps, trainable=not constrained)
+        self.mlp = SwiGLU(config, constrained)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, trainable=not constrained)
+
+    def forward(self, h: torch.Tensor, rotary: Rotary, subspace: Subspace | None) -> torch.Tensor:
+        h = h + self.attn_norm(self.attn(h, rotary, subspace))
+        return h + self.mlp_norm(self.mlp(h, subspace))

@@ -1,0 +1,47 @@
+"""The client's own points: a local estimate from its metrics, and the monitor's confirmed figure."""
+
+from __future__ import annotations
+
+from urllib.parse import quote
+
+import httpx
+
+from agora_client.events import PointsEvent
+from agora_client.monitor.points import COMPUTE_PHASES, PFLOP, SECONDS_PER_HOUR
+from agora_client.monitor.records import MetricsRecord
+
+
+def estimate_points(
+    current: MetricsRecord, previous: MetricsRecord | None = None, *, confirmed: float | None = None
+) -> PointsEvent:
+    """Presence and compute points of this peer alone (PFLOPs), as the monitor would credit them.
+
+    ``rate_per_hour`` is measured between ``previous`` and ``current`` snapshots of the same run;
+    without a usable previous snapshot it is the presence rate alone. The identity cap and other
+    peers of the same identity are the monitor's business: ``confirmed`` carries its figure.
+    """
+    presence = current.active_seconds / SECONDS_PER_HOUR
+    compute = current.compute_flops / PFLOP
+    rate = 1.0  # every published phase earns presence: 1 PFLOP per hour
+    if previous is not None and previous.run_id == current.run_id and current.ts > previous.ts:
+        hours = (current.ts - previous.ts) / SECONDS_PER_HOUR
+        gained = (current.active_seconds - previous.active_seconds) / SECONDS_PER_HOUR
+        if current.sync_phase in COMPUTE_PHASES:
+            gained += (current.compute_flops - previous.compute_flops) / PFLOP
+        rate = max(0.0, gained / hours)
+    return PointsEvent(presence=presence, compute=compute, rate_per_hour=rate, confirmed=confirmed)
+
+
+def fetch_confirmed(monitor_url: str, peer_id: str, *, timeout: float = 5.0) -> float | None:
+    """This peer's score as the monitor confirmed it, or None when the monitor is unreachable or does not know it."""
+    url = f"{monitor_url.rstrip('/')}/peers/{quote(peer_id, safe='')}"
+    try:
+        response = httpx.get(url, timeout=timeout)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    try:
+        return float(response.json()["score"])
+    except (ValueError, KeyError, TypeError):
+        return None

@@ -1,0 +1,224 @@
+"""Points from observed worker metrics: pure logic, no I/O.
+
+Presence: 1 PFLOP for every hour a peer is registered and visible, from sync phase 1 on.
+Compute: the PFLOPs a peer processed, from sync phase 2 on.
+
+The monitor observes each peer's monotonic counters (``active_seconds``: seconds since the
+worker entered sync phase 1; ``compute_flops``: FLOPs processed from phase 2 on) and credits the
+increments between successive observations, so a disconnect (of the peer or of the monitor)
+loses nothing already earned. A new run of a worker (new ``run_id``, or a counter lower than
+last seen) starts from zero: its whole counter value is the increment.
+
+An identity earns with at most ``identity_cap`` concurrently online peers, ranked by first seen;
+a peer over the cap keeps being observed (its counters advance) but earns nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from agora_client.events import SyncPhase
+
+PFLOP = 1e15
+SECONDS_PER_HOUR = 3600.0
+PRESENCE_PHASES: frozenset[str] = frozenset({"sync1", "sync2", "active"})
+COMPUTE_PHASES: frozenset[str] = frozenset({"sync2", "active"})
+
+
+@dataclass(frozen=True)
+class PointsPolicy:
+    identity_cap: int = 2
+    online_window_s: float = 90.0  # a peer not observed for this long is offline
+    first_sighting_credit_s: float = 60.0  # most presence credited for time before a peer's first observation
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One verified metrics record, as the monitor saw it at ``seen_at`` (monitor clock)."""
+
+    peer_id: str
+    identity: str
+    stage: str
+    run_id: str
+    sync_phase: SyncPhase
+    active_seconds: float
+    compute_flops: float
+    seen_at: float
+
+
+@dataclass(frozen=True)
+class PeerState:
+    """What the monitor remembers of one peer: its last counters and the totals it was credited."""
+
+    peer_id: str
+    identity: str
+    stage: str
+    first_seen: float
+    last_seen: float
+    sync_phase: str
+    run_id: str
+    last_active_seconds: float
+    last_compute_flops: float
+    presence_seconds: float = 0.0  # credited
+    compute_flops: float = 0.0  # credited
+
+    @property
+    def presence_points(self) -> float:
+        return self.presence_seconds / SECONDS_PER_HOUR
+
+    @property
+    def compute_points(self) -> float:
+        return self.compute_flops / PFLOP
+
+    @property
+    def score(self) -> float:
+        return self.presence_points + self.compute_points
+
+    def online(self, now: float, policy: PointsPolicy) -> bool:
+        return now - self.last_seen <= policy.online_window_s
+
+
+@dataclass(frozen=True)
+class LeaderboardRow:
+    rank: int
+    username: str
+    active_hours: float
+    joined: str
+    score: float
+    online: bool
+
+
+def _is_new_run(previous: PeerState, observation: Observation) -> bool:
+    return (
+        previous.run_id != observation.run_id
+        or observation.compute_flops < previous.last_compute_flops
+        or observation.active_seconds < previous.last_active_seconds
+    )
+
+
+def increments(previous: PeerState | None, observation: Observation, policy: PointsPolicy) -> tuple[float, float]:
+    """(presence seconds, compute FLOPs) earned between ``previous`` and ``observation``, before the cap."""
+    if previous is None or _is_new_run(previous, observation):
+        base_seconds, base_flops = 0.0, 0.0
+    else:
+        base_seconds, base_flops = previous.last_active_seconds, previous.last_compute_flops
+    # A worker's own clock cannot credit more presence than the monitor saw pass.
+    wall_limit = policy.first_sighting_credit_s if previous is None else max(0.0, observation.seen_at - previous.last_seen)
+    presence = min(max(0.0, observation.active_seconds - base_seconds), wall_limit)
+    if observation.sync_phase not in PRESENCE_PHASES:
+        presence = 0.0
+    compute = max(0.0, observation.compute_flops - base_flops)
+    if observation.sync_phase not in COMPUTE_PHASES:
+        compute = 0.0  # strict: FLOPs reported while in phase 1 never earn, now or later
+    return presence, compute
+
+
+def capped_peers(peers: Iterable[PeerState], now: float, policy: PointsPolicy) -> set[str]:
+    """Peer ids over their identity's cap among the peers online at ``now`` (ranked by first seen)."""
+    by_identity: dict[str, list[PeerState]] = defaultdict(list)
+    for peer in peers:
+        if peer.online(now, policy):
+            by_identity[peer.identity].append(peer)
+    over: set[str] = set()
+    for group in by_identity.values():
+        group.sort(key=lambda peer: (peer.first_seen, peer.peer_id))
+        over.update(peer.peer_id for peer in group[policy.identity_cap :])
+    return over
+
+
+def apply_observations(
+    peers: dict[str, PeerState], observations: Iterable[Observation], now: float, policy: PointsPolicy
+) -> dict[str, PeerState]:
+    """Credit one scrape's observations; return the new state of every observed peer.
+
+    ``peers`` is the state before the scrape (not modified). Peers of another identity than
+    the one first recorded for their peer id are skipped: a peer id belongs to one identity.
+    """
+    latest: dict[str, Observation] = {}
+    for observation in observations:
+        known = latest.get(observation.peer_id)
+        if known is None or observation.seen_at >= known.seen_at:
+            latest[observation.peer_id] = observation
+    latest = {
+        peer_id: obs for peer_id, obs in latest.items() if peer_id not in peers or peers[peer_id].identity == obs.identity
+    }
+
+    # Who is online during this scrape: everyone observed now, plus peers seen recently.
+    seen_now = {
+        peer_id: (
+            dataclasses.replace(peers[peer_id], last_seen=obs.seen_at)
+            if peer_id in peers
+            else _new_peer(obs)
+        )
+        for peer_id, obs in latest.items()
+    }
+    online = {**{pid: p for pid, p in peers.items() if p.online(now, policy)}, **seen_now}
+    over_cap = capped_peers(online.values(), now, policy)
+
+    updated: dict[str, PeerState] = {}
+    for peer_id, obs in latest.items():
+        previous = peers.get(peer_id)
+        presence, compute = increments(previous, obs, policy)
+        if peer_id in over_cap:
+            presence, compute = 0.0, 0.0
+        base = previous or seen_now[peer_id]
+        updated[peer_id] = dataclasses.replace(
+            base,
+            stage=obs.stage,
+            last_seen=obs.seen_at,
+            sync_phase=obs.sync_phase,
+            run_id=obs.run_id,
+            last_active_seconds=obs.active_seconds,
+            last_compute_flops=obs.compute_flops,
+            presence_seconds=base.presence_seconds + presence,
+            compute_flops=base.compute_flops + compute,
+        )
+    return updated
+
+
+def _new_peer(obs: Observation) -> PeerState:
+    return PeerState(
+        peer_id=obs.peer_id,
+        identity=obs.identity,
+        stage=obs.stage,
+        first_seen=obs.seen_at,
+        last_seen=obs.seen_at,
+        sync_phase=obs.sync_phase,
+        run_id=obs.run_id,
+        last_active_seconds=0.0,
+        last_compute_flops=0.0,
+    )
+
+
+def leaderboard(peers: Iterable[PeerState], now: float, policy: PointsPolicy) -> list[LeaderboardRow]:
+    """One row per identity: score is presence + compute points summed over its peers."""
+    by_identity: dict[str, list[PeerState]] = defaultdict(list)
+    for peer in peers:
+        by_identity[peer.identity].append(peer)
+    summaries = []
+    for identity, group in by_identity.items():
+        summaries.append(
+            (
+                sum(peer.score for peer in group),
+                min(peer.first_seen for peer in group),
+                identity,
+                sum(peer.presence_seconds for peer in group) / SECONDS_PER_HOUR,
+                any(peer.online(now, policy) for peer in group),
+            )
+        )
+    summaries.sort(key=lambda item: (-item[0], item[1], item[2]))
+    return [
+        LeaderboardRow(
+            rank=rank,
+            username=identity,
+            active_hours=round(hours, 4),
+            joined=datetime.fromtimestamp(joined, tz=timezone.utc).isoformat(timespec="seconds"),
+            score=round(score, 6),
+            online=online,
+        )
+        for rank, (score, joined, identity, hours, online) in enumerate(summaries, start=1)
+    ]

@@ -1,0 +1,185 @@
+"""Signed worker metrics in the DHT.
+
+A worker stores its ``MetricsRecord`` under key ``agora.metrics.<stage>`` with subkey
+``<peer id bytes> + [owner:<its RSA public key>]``. hivemind's ``RSASignatureValidator``
+signs such a subkey's value and every DHT node carrying the validator rejects a value whose
+signature does not match the key in the subkey, so only that key's holder can write it.
+
+The monitor then keeps a record only if
+- its subkey carries an owner key at all (an unsigned record passes the DHT's validation untouched),
+- that key *is* the record's peer: the libp2p peer id derived from it equals ``record.peer_id``
+  (so nobody can sign a record for another peer under a key of their own),
+- its auth ticket verifies with the auth service's public key and names the same peer, stage
+  and identity as the record.
+
+For the key-to-peer binding the worker's DHT must run on the same RSA key as its validator:
+create it with ``identity_path`` and ``load_or_create_identity`` (see ``create_signed_dht``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import multihash
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from hivemind import DHT, P2P, PeerID
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.proto import crypto_pb2
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agora_client.auth.tickets import InvalidTicket, TicketClaims, verify_ticket
+from agora_client.events import SyncPhase
+
+METRICS_KEY_PREFIX = "agora.metrics."
+_OWNER_RE = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
+
+
+class MetricsRecord(BaseModel):
+    """What a worker publishes about itself. Counters are monotonic within one ``run_id``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    v: Literal[1] = 1
+    peer_id: str
+    identity: str
+    ticket: str
+    stage: str
+    run_id: str = Field(description="random per worker process; a new one tells the monitor its counters restarted")
+    sync_phase: SyncPhase
+    flops_total: float = Field(ge=0, description="FLOPs processed in every phase")
+    compute_flops: float = Field(ge=0, description="FLOPs processed from sync phase 2 on: the ones that earn points")
+    active_seconds: float = Field(ge=0, description="seconds registered and visible, from sync phase 1 on")
+    busy_seconds: float = Field(ge=0, description="seconds spent inside forward / backward")
+    batches: int = Field(ge=0, description="backward requests processed (each one a microbatch)")
+    forwards: int = Field(ge=0, description="forward requests processed")
+    tokens: int = Field(ge=0, description="tokens processed in backward requests")
+    sparta_rounds: int = Field(default=0, ge=0)
+    sparta_success_rate: float = Field(default=0.0, ge=0, le=1)
+    sparta_last_fraction: float = Field(default=0.0, ge=0, le=1)
+    ts: float
+
+
+@dataclass(frozen=True)
+class VerifiedRecord:
+    record: MetricsRecord
+    claims: TicketClaims
+    expiration_time: float
+
+
+def metrics_key(stage: str) -> str:
+    return f"{METRICS_KEY_PREFIX}{stage}"
+
+
+def metrics_subkey(peer_id: str, validator: RSASignatureValidator) -> bytes:
+    return peer_id.encode() + validator.local_public_key
+
+
+def load_or_create_identity(path: Path | str) -> RSAPrivateKey:
+    """The worker's libp2p identity (created if missing) as the RSA key its metrics are signed with.
+
+    Pass the same file as ``identity_path`` to its DHT so that the peer id is this key's.
+    """
+    path = Path(path)
+    if not path.exists():
+        P2P.generate_identity(str(path))
+    der = crypto_pb2.PrivateKey.FromString(path.read_bytes()).data
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key.__setstate__({"_private_key": der})  # RSAPrivateKey's own unpickling path: DER -> key
+    return key
+
+
+def create_signed_dht(identity_path: Path | str, **dht_kwargs) -> tuple[DHT, RSASignatureValidator]:
+    """A started DHT whose peer id and metrics signatures come from the same RSA key."""
+    validator = RSASignatureValidator(load_or_create_identity(identity_path))
+    dht = DHT(start=True, identity_path=str(identity_path), record_validators=[validator], **dht_kwargs)
+    return dht, validator
+
+
+def peer_id_of_owner_key(openssh_public_key: bytes) -> str:
+    """The libp2p peer id of an RSA public key (as hivemind's PeerID.from_identity derives it)."""
+    public_key = serialization.load_ssh_public_key(openssh_public_key)
+    if not isinstance(public_key, rsa.RSAPublicKey):
+        raise ValueError("owner key is not an RSA key")
+    der = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    digest = multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))
+    return PeerID(digest).to_base58()
+
+
+def publish_metrics(dht: DHT, record: MetricsRecord, validator: RSASignatureValidator, ttl: float) -> bool:
+    """Store the record signed under this peer's subkey; True if at least one DHT node accepted it."""
+    return bool(
+        dht.store(
+            metrics_key(record.stage),
+            record.model_dump(mode="json"),
+            expiration_time=get_dht_time() + ttl,
+            subkey=metrics_subkey(record.peer_id, validator),
+        )
+    )
+
+
+def check_entry(
+    stage: str, subkey: object, value: object, auth_public_key: str, *, now: float | None = None
+) -> tuple[MetricsRecord, TicketClaims]:
+    """Verify one DHT entry (already signature-checked by a DHT node with the validator). Raises ValueError why not."""
+    if not isinstance(subkey, bytes):
+        raise ValueError("unsigned record: subkey carries no owner key")
+    owners = _OWNER_RE.findall(subkey)
+    if len(owners) != 1:
+        raise ValueError("unsigned record: subkey carries no owner key" if not owners else "several owner keys in subkey")
+    try:
+        record = MetricsRecord.model_validate(value)
+    except ValidationError as error:
+        raise ValueError(f"malformed metrics record: {error.errors()[0]['msg']}") from None
+    if subkey.split(b"[owner:", 1)[0] != record.peer_id.encode():
+        raise ValueError(f"subkey names another peer than record {record.peer_id}")
+    try:
+        signer = peer_id_of_owner_key(owners[0])
+    except ValueError as error:
+        raise ValueError(f"unreadable owner key: {error}") from None
+    if signer != record.peer_id:
+        raise ValueError(f"record for {record.peer_id} is signed by the key of peer {signer}")
+    if record.stage != stage:
+        raise ValueError(f"record says stage {record.stage} but was published under {stage}")
+    try:
+        claims = verify_ticket(auth_public_key, record.ticket, now=now)
+    except InvalidTicket as error:
+        raise ValueError(f"invalid ticket: {error}") from None
+    if (claims.peer_id, claims.stage, claims.identity) != (record.peer_id, record.stage, record.identity):
+        raise ValueError(
+            f"ticket is for peer {claims.peer_id} / stage {claims.stage} / identity {claims.identity}, "
+            f"not the record's {record.peer_id} / {record.stage} / {record.identity}"
+        )
+    return record, claims
+
+
+def fetch_metrics(
+    dht: DHT,
+    stages: Iterable[str],
+    auth_public_key: str,
+    *,
+    now: float | None = None,
+    on_reject: Callable[[str], None] | None = None,
+) -> list[VerifiedRecord]:
+    """Every verified metrics record of these stages. ``dht`` must carry an RSASignatureValidator."""
+    verified = []
+    for stage in stages:
+        found = dht.get(metrics_key(stage), latest=True)
+        if found is None or not isinstance(found.value, dict):
+            continue
+        for subkey, entry in found.value.items():
+            try:
+                record, claims = check_entry(stage, subkey, entry.value, auth_public_key, now=now)
+            except ValueError as error:
+                if on_reject is not None:
+                    on_reject(f"{stage}: {error}")
+                continue
+            verified.append(VerifiedRecord(record=record, claims=claims, expiration_time=entry.expiration_time))
+    return verified

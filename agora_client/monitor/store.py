@@ -1,0 +1,139 @@
+"""Durable points: SQLite (WAL) holding identities, peers, each peer's last observation and its totals.
+
+Every scrape is applied in one transaction that writes the new totals together with the
+counters they were computed from, so a monitor restarted at any moment neither loses a
+total nor credits the same increment twice.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+from agora_client.monitor.points import (
+    LeaderboardRow,
+    Observation,
+    PeerState,
+    PointsPolicy,
+    apply_observations,
+    leaderboard,
+)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS identities (
+    identity TEXT PRIMARY KEY,
+    joined REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS peers (
+    peer_id TEXT PRIMARY KEY,
+    identity TEXT NOT NULL REFERENCES identities(identity),
+    stage TEXT NOT NULL,
+    first_seen REAL NOT NULL,
+    last_seen REAL NOT NULL,
+    sync_phase TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS observations (
+    peer_id TEXT PRIMARY KEY REFERENCES peers(peer_id),
+    run_id TEXT NOT NULL,
+    active_seconds REAL NOT NULL,
+    compute_flops REAL NOT NULL,
+    record_json TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS totals (
+    peer_id TEXT PRIMARY KEY REFERENCES peers(peer_id),
+    presence_seconds REAL NOT NULL,
+    compute_flops REAL NOT NULL
+);
+"""
+
+_LOAD = """
+SELECT p.peer_id, p.identity, p.stage, p.first_seen, p.last_seen, p.sync_phase,
+       o.run_id, o.active_seconds, o.compute_flops, t.presence_seconds, t.compute_flops
+FROM peers p JOIN observations o USING (peer_id) JOIN totals t USING (peer_id)
+"""
+
+
+class PointsStore:
+    """The monitor's ledger on disk. Thread-safe: the scraper writes while HTTP handlers read."""
+
+    def __init__(self, path: Path | str, policy: PointsPolicy = PointsPolicy()) -> None:
+        self.path = Path(path)
+        self.policy = policy
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def peers(self) -> dict[str, PeerState]:
+        with self._lock:
+            return self._load()
+
+    def peer(self, peer_id: str) -> PeerState | None:
+        return self.peers().get(peer_id)
+
+    def record_scrape(self, observations: Iterable[Observation], records_json: dict[str, str], now: float) -> dict[str, PeerState]:
+        """Credit one scrape and persist it atomically; ``records_json`` maps peer id -> the raw record kept as last observation."""
+        with self._lock:
+            updated = apply_observations(self._load(), observations, now, self.policy)
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for peer in updated.values():
+                    self._write(peer, records_json.get(peer.peer_id, "{}"))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            return updated
+
+    def leaderboard(self, now: float) -> list[LeaderboardRow]:
+        return leaderboard(self.peers().values(), now, self.policy)
+
+    def _load(self) -> dict[str, PeerState]:
+        peers = {}
+        for row in self._db.execute(_LOAD):
+            peers[row[0]] = PeerState(
+                peer_id=row[0],
+                identity=row[1],
+                stage=row[2],
+                first_seen=row[3],
+                last_seen=row[4],
+                sync_phase=row[5],
+                run_id=row[6],
+                last_active_seconds=row[7],
+                last_compute_flops=row[8],
+                presence_seconds=row[9],
+                compute_flops=row[10],
+            )
+        return peers
+
+    def _write(self, peer: PeerState, record_json: str) -> None:
+        db = self._db
+        db.execute(
+            "INSERT INTO identities (identity, joined) VALUES (?, ?) "
+            "ON CONFLICT(identity) DO UPDATE SET joined = MIN(joined, excluded.joined)",
+            (peer.identity, peer.first_seen),
+        )
+        db.execute(
+            "INSERT INTO peers (peer_id, identity, stage, first_seen, last_seen, sync_phase) VALUES (?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT(peer_id) DO UPDATE SET stage = excluded.stage, last_seen = excluded.last_seen, "
+            "sync_phase = excluded.sync_phase",
+            (peer.peer_id, peer.identity, peer.stage, peer.first_seen, peer.last_seen, peer.sync_phase),
+        )
+        db.execute(
+            "INSERT OR REPLACE INTO observations (peer_id, run_id, active_seconds, compute_flops, record_json) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (peer.peer_id, peer.run_id, peer.last_active_seconds, peer.last_compute_flops, record_json),
+        )
+        db.execute(
+            "INSERT OR REPLACE INTO totals (peer_id, presence_seconds, compute_flops) VALUES (?, ?, ?)",
+            (peer.peer_id, peer.presence_seconds, peer.compute_flops),
+        )

@@ -1,0 +1,23 @@
+"""Joining the swarm's DHT: bootstrap from whichever seed answers."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from hivemind import DHT
+
+
+class NoSeedAnswered(RuntimeError):
+    pass
+
+
+def connect_dht(seeds: Sequence[str], *, host: str = "127.0.0.1", port: int = 0, **kwargs) -> DHT:
+    """Start a DHT peer bootstrapped from the seeds; any one live seed is enough."""
+    host_maddrs = [f"/ip4/{host}/tcp/{port}"]
+    try:
+        return DHT(initial_peers=list(seeds), host_maddrs=host_maddrs, start=True, **kwargs)
+    except Exception as error:  # hivemind raises plain errors when no initial peer is reachable
+        raise NoSeedAnswered(
+            f"could not join the swarm through any of {len(seeds)} seed(s) ({error}); "
+            "check that a seed is running and its multiaddr is right"
+        ) from None

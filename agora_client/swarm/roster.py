@@ -1,0 +1,76 @@
+"""Worker announcements in the DHT: one record per worker under its stage's key.
+
+A worker stores ``WorkerRecord`` at key ``agora.roster.<stage>`` with its uid (``body1.0.3``) as
+subkey; trainers and same-stage peers read the whole key to get the stage's live roster.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from hivemind import DHT
+from hivemind.utils import ValueWithExpiration, get_dht_time
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+# 0 = off (active), 1 = weights sync (invisible to trainers), 2 = optimizer sync
+SyncPhaseCode = Literal[0, 1, 2]
+
+
+class WorkerRecord(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    uid: str
+    peer_id: str
+    stage: str
+    sync_phase: SyncPhaseCode = 0
+    epoch: int = 0
+
+    @property
+    def routable(self) -> bool:
+        """Trainers send batches to active workers and to workers warming up their optimizer (phase 2)."""
+        return self.sync_phase != 1
+
+
+def roster_key(stage: str) -> str:
+    return f"agora.roster.{stage}"
+
+
+def stage_uid(stage: str, index: int) -> str:
+    return f"{stage}.0.{index}"
+
+
+def announce(dht: DHT, record: WorkerRecord, ttl: float) -> bool:
+    return bool(
+        dht.store(roster_key(record.stage), record.model_dump(), get_dht_time() + ttl, subkey=record.uid)
+    )
+
+
+def withdraw(dht: DHT, record: WorkerRecord, ttl: float) -> None:
+    """Overwrite this worker's record with None so peers drop it before it would expire."""
+    dht.store(roster_key(record.stage), None, get_dht_time() + ttl, subkey=record.uid)
+
+
+def fetch_roster(dht: DHT, stage: str) -> dict[str, WorkerRecord]:
+    """The stage's live workers by uid; malformed or withdrawn entries are skipped."""
+    found = dht.get(roster_key(stage), latest=True)
+    if not isinstance(found, ValueWithExpiration) or not isinstance(found.value, dict):
+        return {}
+    roster: dict[str, WorkerRecord] = {}
+    for uid, entry in found.value.items():
+        value = entry.value if isinstance(entry, ValueWithExpiration) else None
+        if not isinstance(value, dict):
+            continue
+        try:
+            record = WorkerRecord.model_validate(value)
+        except ValidationError:
+            continue
+        if record.uid == uid and record.stage == stage:
+            roster[uid] = record
+    return roster
+
+
+def free_index(roster: dict[str, WorkerRecord], stage: str) -> int:
+    taken = {uid for uid in roster}
+    index = 0
+    while stage_uid(stage, index) in taken:
+        index += 1
+    return index

@@ -1,0 +1,31 @@
+"""`agora seed`: a stateless DHT bootstrap peer that prints its multiaddr and stays up until stopped."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+
+from agora_client.swarm.dht import connect_dht
+
+READY_PREFIX = "[SEED] multiaddr "
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
+    parser.add_argument("--port", type=int, default=0, help="TCP port (default: any free port)")
+    parser.add_argument("--seeds", nargs="*", default=[], help="other seeds to connect to")
+    parser.add_argument("--identity", default=None, help="key file that keeps the peer id stable across restarts")
+
+
+def run(args: argparse.Namespace) -> int:
+    extra = {"identity_path": args.identity} if args.identity else {}
+    dht = connect_dht(args.seeds, host=args.host, port=args.port, **extra)
+    for maddr in dht.get_visible_maddrs():
+        print(f"{READY_PREFIX}{maddr}", flush=True)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    stop.wait()
+    dht.shutdown()
+    return 0

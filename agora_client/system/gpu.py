@@ -1,0 +1,123 @@
+"""NVIDIA GPU probe through NVML (``nvidia-ml-py``, module ``pynvml``).
+
+Every NVML query is wrapped: a missing library, a missing driver or an unsupported field
+becomes ``None`` ("N/A" on screen) instead of an exception. NVML numbers devices in PCI bus
+order, which is not necessarily the order of ``CUDA_VISIBLE_DEVICES``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+from agora_client.events import GpuInfo
+
+NA = "N/A"
+NO_DRIVER_NOTE = "no NVIDIA driver: showing worker and host memory"
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class GpuDevice:
+    index: int
+    name: str
+    memory_total: int
+
+
+def _nvml() -> Any | None:
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    return pynvml
+
+
+def _query(call: Callable[..., T], *args: Any) -> T | None:
+    """One NVML query; any NVML failure (unsupported field, lost device) is None."""
+    pynvml = _nvml()
+    try:
+        return call(*args)
+    except Exception as error:  # pynvml raises NVMLError subclasses generated at runtime
+        if pynvml is not None and isinstance(error, pynvml.NVMLError):
+            return None
+        raise
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class GpuProbe:
+    """Initialises NVML once; ``available`` is False (and ``note`` says why) without a driver."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pynvml = _nvml()
+        self.available = False
+        self.note = NO_DRIVER_NOTE
+        if self._pynvml is None:
+            self.note = "nvidia-ml-py is not installed: showing worker and host memory"
+            return
+        try:
+            self._pynvml.nvmlInit()
+        except self._pynvml.NVMLError:
+            return
+        self.available = True
+        self.note = ""
+        if self.count() == 0:
+            self.note = "no NVIDIA GPU found: showing worker and host memory"
+
+    def count(self) -> int:
+        if not self.available:
+            return 0
+        return _query(self._pynvml.nvmlDeviceGetCount) or 0
+
+    def _handle(self, index: int) -> Any | None:
+        if not self.available:
+            return None
+        return _query(self._pynvml.nvmlDeviceGetHandleByIndex, index)
+
+    def devices(self) -> list[GpuDevice]:
+        found = []
+        for index in range(self.count()):
+            handle = self._handle(index)
+            name = _query(self._pynvml.nvmlDeviceGetName, handle) if handle else None
+            memory = _query(self._pynvml.nvmlDeviceGetMemoryInfo, handle) if handle else None
+            found.append(GpuDevice(index, _text(name) if name else NA, int(memory.total) if memory else 0))
+        return found
+
+    def sample(self, index: int) -> GpuInfo | None:
+        """Name, memory and utilization of one device, or None when it cannot be read."""
+        with self._lock:
+            handle = self._handle(index)
+            if handle is None:
+                return None
+            name = _query(self._pynvml.nvmlDeviceGetName, handle)
+            memory = _query(self._pynvml.nvmlDeviceGetMemoryInfo, handle)
+            rates = _query(self._pynvml.nvmlDeviceGetUtilizationRates, handle)
+        return GpuInfo(
+            index=index,
+            name=_text(name) if name else NA,
+            memory_used=int(memory.used) if memory else 0,
+            memory_total=int(memory.total) if memory else 0,
+            utilization=float(rates.gpu) if rates else None,
+        )
+
+    def driver_version(self) -> str:
+        if not self.available:
+            return NA
+        version = _query(self._pynvml.nvmlSystemGetDriverVersion)
+        return _text(version) if version else NA
+
+    def cuda_driver_version(self) -> str:
+        if not self.available:
+            return NA
+        version = _query(self._pynvml.nvmlSystemGetCudaDriverVersion)
+        return f"{version // 1000}.{version % 1000 // 10}" if version else NA
+
+    def close(self) -> None:
+        if self.available:
+            _query(self._pynvml.nvmlShutdown)
+            self.available = False

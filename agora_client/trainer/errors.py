@@ -1,0 +1,121 @@
+"""Classify what a failed worker RPC means for routing: retry there, move elsewhere, or stop.
+
+The rules follow what hivemind actually raises (observed against real p2pd peers):
+- the remote handler raised: ``P2PHandlerError`` whose text is ``repr(exc)`` (unary calls) or
+  ``"Failed to call handler `name` at <peer>: <str(exc)>"`` (streams);
+- the daemon could not reach the peer: ``P2PDaemonError`` / ``ControlFailure`` with go-libp2p text such as
+  ``failed to dial``, ``dial backoff``, ``connection refused``, ``failed to find any peer in table``,
+  ``stream reset`` (peer died mid-call), ``protocols not supported`` (peer alive, server gone);
+- the peer died mid-stream: the reply stream just ends, which ``asingle`` turns into a ValueError
+  ("... got an empty iterable"), and code reading tensors directly should raise ``WorkerVanishedError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from enum import Enum
+
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
+
+
+class ErrorClass(str, Enum):
+    RETRY_SAME = "retry_same"  # transient (timeout): the same worker may well answer next time
+    RETRY_OTHER = "retry_other"  # the worker is unreachable or broken: ban it, send the request elsewhere
+    FATAL = "fatal"  # our bug or a request the worker rejected: retrying the same input cannot help
+
+
+class WorkerVanishedError(ConnectionError):
+    """A worker's reply ended without an answer (its stream closed: the peer died mid-call)."""
+
+
+_UNREACHABLE_HINTS = (
+    "failed to dial",
+    "dial backoff",
+    "all dials failed",
+    "no addresses",
+    "no good addresses",
+    "failed to find any peer",
+    "routing: not found",
+    "connection refused",
+    "connection reset",
+    "stream reset",
+    "broken pipe",
+    "protocols not supported",
+    "protocol not supported",
+    "peer id mismatch",
+    "resource limit exceeded",
+)
+_TIMEOUT_HINTS = ("deadline exceeded", "timed out", "timeout", "i/o timeout")
+# the worker raised, but for reasons of its own state, not because of our input
+_WORKER_SIDE_HINTS = (
+    "out of memory",
+    "cuda error",
+    "keyerror",  # the uid is not served there (any more)
+    "sync phase",
+    "not ready",
+    "shutting down",
+    "brokenpipeerror",
+    "eoferror",
+    "connectionerror",
+    "connectionreseterror",
+)
+_OWN_LIMIT_HINTS = ("message size exceeds", "exceeds message size limit")
+_EMPTY_STREAM_HINT = "got an empty iterable"  # hivemind.utils.asyncio.asingle on a closed stream
+
+
+def classify(error: BaseException) -> ErrorClass:
+    """Map an exception raised by a worker RPC to what the router should do about it."""
+    if isinstance(error, P2PHandlerError):
+        return _classify_remote(str(error).lower())
+    if isinstance(error, P2PDaemonError):
+        return _classify_daemon(str(error).lower())
+    if isinstance(error, TimeoutError):  # asyncio.TimeoutError and concurrent.futures.TimeoutError alias it
+        return ErrorClass.RETRY_SAME
+    if isinstance(error, (ConnectionError, asyncio.IncompleteReadError, EOFError)):
+        return ErrorClass.RETRY_OTHER
+    if isinstance(error, ValueError) and _EMPTY_STREAM_HINT in str(error):
+        return ErrorClass.RETRY_OTHER
+    if isinstance(error, OSError):
+        return ErrorClass.RETRY_SAME
+    if error.__cause__ is not None:  # a wrapper raised `from` the real failure
+        return classify(error.__cause__)
+    return ErrorClass.FATAL
+
+
+def _classify_remote(text: str) -> ErrorClass:
+    if any(hint in text for hint in _WORKER_SIDE_HINTS):
+        return ErrorClass.RETRY_OTHER
+    if any(hint in text for hint in _TIMEOUT_HINTS):
+        return ErrorClass.RETRY_SAME
+    return ErrorClass.FATAL  # shape / dtype / validation error: the worker rejected this input
+
+
+def _classify_daemon(text: str) -> ErrorClass:
+    if any(hint in text for hint in _OWN_LIMIT_HINTS):
+        return ErrorClass.FATAL
+    if any(hint in text for hint in _UNREACHABLE_HINTS):
+        return ErrorClass.RETRY_OTHER
+    if any(hint in text for hint in _TIMEOUT_HINTS):
+        return ErrorClass.RETRY_SAME
+    return ErrorClass.RETRY_OTHER  # the daemon could not deliver to that peer for a reason we do not know
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often one request (one microbatch at one stage) is tried before it is given up."""
+
+    max_attempts: int = 4
+    max_same_worker: int = 2  # attempts on one worker before a transient error moves the request elsewhere
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1 or self.max_same_worker < 1:
+            raise ValueError("RetryPolicy needs max_attempts >= 1 and max_same_worker >= 1")
+
+    def next_step(self, error_class: ErrorClass, attempts: int, attempts_on_worker: int) -> ErrorClass | None:
+        """After a failed attempt: RETRY_SAME, RETRY_OTHER, or None to give the request up."""
+        if error_class is ErrorClass.FATAL or attempts >= self.max_attempts:
+            return None
+        if error_class is ErrorClass.RETRY_SAME and attempts_on_worker < self.max_same_worker:
+            return ErrorClass.RETRY_SAME
+        return ErrorClass.RETRY_OTHER

@@ -1,0 +1,71 @@
+"""Forward and backward calls to a stage's workers over hivemind's moe RPC protocol.
+
+Each stage has its own DHT peer (and p2p daemon) on the trainer, so discovery and traffic of one
+stage never queue behind another's. Bytes of every serialized payload are counted per stage, which
+is how the boundary traffic is measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import defaultdict
+from typing import Sequence
+
+import torch
+from hivemind import DHT
+from hivemind.compression import serialize_torch_tensor
+from hivemind.moe.client.expert import expert_backward, expert_forward, get_server_stub
+from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+from hivemind.p2p import PeerID
+from hivemind.proto.runtime_pb2 import CompressionType
+
+from agora_client.swarm.roster import WorkerRecord
+
+
+class TrafficCounter:
+    """Serialized bytes sent and received per (stage, direction), plus the tokens they carried."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.bytes: dict[tuple[str, str], int] = defaultdict(int)
+        self.tokens: dict[tuple[str, str], int] = defaultdict(int)
+
+    def add(self, stage: str, direction: str, nbytes: int, tokens: int) -> None:
+        with self._lock:
+            self.bytes[stage, direction] += nbytes
+            self.tokens[stage, direction] += tokens
+
+    def per_token(self, stage: str, direction: str) -> float:
+        with self._lock:
+            tokens = self.tokens.get((stage, direction), 0)
+            return self.bytes.get((stage, direction), 0) / tokens if tokens else 0.0
+
+
+class StageClient:
+    """RPCs to the workers of one stage, through that stage's own DHT peer."""
+
+    def __init__(self, stage: str, dht: DHT, traffic: TrafficCounter, timeout: float):
+        self.stage, self.dht, self.traffic, self.timeout = stage, dht, traffic, timeout
+        self.p2p = RemoteExpertWorker.run_coroutine(dht.replicate_p2p())
+
+    def forward(self, worker: WorkerRecord, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return self._call(expert_forward, worker, inputs, "forward")
+
+    def backward(
+        self, worker: WorkerRecord, inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        return self._call(expert_backward, worker, (*inputs, *grad_outputs), "backward")
+
+    def _call(self, method, worker: WorkerRecord, tensors: Sequence[torch.Tensor], kind: str) -> list[torch.Tensor]:
+        tensors = tuple(tensor.detach().cpu() for tensor in tensors)
+        serialized = [serialize_torch_tensor(tensor, CompressionType.NONE) for tensor in tensors]
+        tokens = tensors[0].shape[0] * tensors[0].shape[1]
+        self.traffic.add(self.stage, f"{kind}_request", sum(proto.ByteSize() for proto in serialized), tokens)
+        stub = get_server_stub(self.p2p, PeerID.from_base58(worker.peer_id))
+        outputs = RemoteExpertWorker.run_coroutine(
+            asyncio.wait_for(method(worker.uid, tensors, serialized, stub), self.timeout)
+        )
+        reply_bytes = sum(serialize_torch_tensor(out, CompressionType.NONE).ByteSize() for out in outputs)
+        self.traffic.add(self.stage, f"{kind}_reply", reply_bytes, tokens)
+        return outputs

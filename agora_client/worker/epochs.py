@@ -1,0 +1,90 @@
+"""Lockstep stage epochs: samples are summed across the stage, then every worker steps its own optimizer.
+
+There is no gradient all-reduce. Each worker accumulates parameter gradients from its own backward
+passes; a hivemind ProgressTracker sums the samples of all active workers of the stage in the DHT,
+and once the sum crosses ``target_batch_size`` every worker clips and steps locally and the stage
+epoch advances. ``lock`` guards parameters and gradients: backward, the optimizer step and the
+application of a SPARTA result never overlap.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+from hivemind import DHT
+from hivemind.optim.progress_tracker import ProgressTracker
+
+from agora_client.worker.sync import SyncState
+
+EPOCH_POLL_SECONDS = 0.25  # a worker that gets no batches still follows the stage's epochs
+
+
+class EpochController:
+    def __init__(
+        self,
+        dht: DHT,
+        stage: str,
+        parameters: list[torch.nn.Parameter],
+        optimizer: torch.optim.Optimizer,
+        *,
+        target_batch_size: int,
+        clip_norm: float,
+        sync: SyncState,
+        on_epoch: Callable[[int], None],
+        epoch: int = 0,
+    ):
+        self.parameters, self.optimizer, self.clip_norm = parameters, optimizer, clip_norm
+        self.sync, self._on_epoch = sync, on_epoch
+        self.lock = threading.RLock()
+        self.epoch = epoch
+        self.local_samples = 0  # samples whose gradients sit in .grad now
+        self.reported_samples = 0  # of those, the ones this worker counts toward the stage batch
+        self.last_grad_norm: float | None = None
+        self.tracker = ProgressTracker(dht, f"agora.progress.{stage}", target_batch_size, start=True)
+        with self.tracker.pause_updates():
+            self.tracker.update_epoch(epoch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow_stage, name=f"epochs-{stage}", daemon=True)
+        self._thread.start()
+
+    @property
+    def stage_epoch(self) -> int:
+        return self.tracker.global_epoch
+
+    def on_samples(self, count: int) -> None:
+        """Called after a backward pass added ``count`` samples' gradients (caller holds ``lock``)."""
+        self.local_samples += count
+        if self.sync.counts_samples:
+            self.reported_samples += count
+        self.tracker.report_local_progress(self.epoch, self.reported_samples)
+        self.maybe_step()
+
+    def maybe_step(self) -> None:
+        if not self.tracker.ready_to_update_epoch:
+            return
+        with self.lock, self.tracker.pause_updates():
+            if self.local_samples:
+                self._step()
+            self.epoch = self.tracker.update_epoch(max(self.epoch + 1, self.tracker.global_epoch))
+            self.local_samples = self.reported_samples = 0
+            epoch = self.epoch
+        self._on_epoch(epoch)
+
+    def _step(self) -> None:
+        for parameter in self.parameters:  # gradients are sums over samples: make them means
+            if parameter.grad is not None:
+                parameter.grad.div_(self.local_samples)
+        self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, self.clip_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _follow_stage(self) -> None:
+        while not self._stop.wait(EPOCH_POLL_SECONDS):
+            self.maybe_step()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.tracker.shutdown(timeout=5)

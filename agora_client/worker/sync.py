@@ -1,0 +1,72 @@
+"""The join state machine after the download: sync phase 1 (weights), phase 2 (optimizer), active.
+
+Phase lengths count stage epochs. A worker that falls more than ``max_allowed_stale`` epochs
+behind its stage starts again at phase 1.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from agora_client.config import SyncConfig
+from agora_client.events import SyncEvent
+
+PHASE1_MESSAGE = "Synchronising weights with peers. Node won't process batches in this phase."
+PHASE2_MESSAGE = "Synchronising optimizer state. Node is now processing batches, but doesn't contribute to weight averaging yet."
+ACTIVE_MESSAGE = "Sync complete. Node is now fully contributing to training."
+NAMES = {1: "sync1", 2: "sync2", 0: "active"}
+
+
+def duration_message(steps: int, target_epoch: int) -> str:
+    return f"This phase will last {steps} steps (until local epoch {target_epoch})."
+
+
+class SyncState:
+    """Current phase (1, 2 or 0 = active) and the epoch at which it ends; emits a SyncEvent per transition."""
+
+    def __init__(self, config: SyncConfig, emit: Callable[[SyncEvent], None], *, joining: bool, epoch: int = 0):
+        self._config, self._emit = config, emit
+        self._lock = threading.Lock()
+        self.phase, self.target_epoch = 0, epoch
+        if joining:
+            self._enter(1, epoch)
+
+    @property
+    def averaging_weight(self) -> float:
+        """Workers in a sync phase receive the average but contribute nothing to it."""
+        return 1.0 if self.phase == 0 else 0.0
+
+    @property
+    def counts_samples(self) -> bool:
+        return self.phase == 0
+
+    @property
+    def processes_batches(self) -> bool:
+        return self.phase != 1
+
+    def on_epoch(self, local_epoch: int, stage_epoch: int) -> None:
+        with self._lock:
+            if stage_epoch - local_epoch > self._config.max_allowed_stale and self.phase != 1:
+                self._enter(1, stage_epoch)
+                return
+            while self.phase != 0 and local_epoch >= self.target_epoch:
+                self._enter(2 if self.phase == 1 else 0, self.target_epoch)
+
+    def _enter(self, phase: int, epoch: int) -> None:
+        steps = {1: self._config.phase1_steps, 2: self._config.phase2_steps, 0: 0}[phase]
+        self.phase, self.target_epoch = phase, epoch + steps
+        if phase == 0:
+            self._emit(SyncEvent(phase="active", local_epoch=epoch, message=ACTIVE_MESSAGE))
+            return
+        first = PHASE1_MESSAGE if phase == 1 else PHASE2_MESSAGE
+        self._emit(
+            SyncEvent(
+                phase=NAMES[phase],
+                steps_left=steps,
+                steps_total=steps,
+                target_epoch=self.target_epoch,
+                local_epoch=epoch,
+                message=f"{first}\n{duration_message(steps, self.target_epoch)}",
+            )
+        )
