@@ -160,7 +160,7 @@ def test_a_hivemind_module_backend_hosts_a_stage() -> None:
     config = tiny(True)
     stage = build_stage(config, "body1", seed=SEED)
     schema = tuple(BatchTensorDescriptor.from_tensor(tensor) for tensor in stage.example_inputs(1))
-    backend = ModuleBackend("body1.0.0", stage, args_schema=schema)
+    backend = ModuleBackend("body1.0.0", stage, args_schema=schema, max_batch_size=16)
     assert backend.outputs_schema.shape == (None, config.seq_len, config.subspace_rank)
 
     boundary = torch.randn(2, config.seq_len, config.subspace_rank)

@@ -84,13 +84,15 @@ def authorize(
     events.emit(AuthEvent(status="authorizing", peer_id=peer_id, message=f"Authorizing with {base}"))
     own_client = client is None
     http = client or httpx.Client(timeout=timeout_s)
-    started = time.monotonic()
+    queued_since: float | None = None
     try:
         reply = _join(http, base, secret, peer_id, events)
         assigned = False
         last_queue_log = -float("inf")
         poll_failures = 0
+        waiter = stop or threading.Event()
         while reply["status"] == "queued":
+            queued_since = queued_since or time.monotonic()
             if on_assigned is not None and not assigned:
                 assigned = True
                 on_assigned(StageAssignment(reply["stage"], reply.get("snapshot_url")))
@@ -98,9 +100,7 @@ def authorize(
                 last_queue_log = time.monotonic()
                 events.emit(QueueEvent(position=int(reply["position"]), estimated_wait_s=reply.get("estimated_wait_s")))
             interval = min(poll_every, float(reply.get("poll_every_s") or poll_every))
-            if stop is not None and stop.wait(interval) or stop is None and time.sleep(interval):
-                pass
-            if stop is not None and stop.is_set():
+            if waiter.wait(interval):
                 raise _fail(events, peer_id, "authorization cancelled while waiting in the join queue")
             try:
                 reply = _post(http, f"{base}/v1/join/poll", {"queue_id": reply["queue_id"], "peer_id": peer_id})
@@ -115,7 +115,10 @@ def authorize(
                 log.warning("polling the join queue failed (%d/%d): %s", poll_failures, _MAX_POLL_FAILURES, error)
             except _Refused as error:
                 raise _answer_error(events, peer_id, error) from None
-        authorization = _authorization(reply, base, time.monotonic() - started)
+        try:
+            authorization = _authorization(reply, base, time.monotonic() - queued_since if queued_since else 0.0)
+        except AuthFailed as error:
+            raise _fail(events, peer_id, str(error)) from None
         if on_assigned is not None and not assigned:
             on_assigned(StageAssignment(authorization.stage, authorization.snapshot_url))
     finally:

@@ -8,10 +8,8 @@ import os
 import re
 import secrets
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import yaml
 
@@ -47,19 +45,31 @@ class HuggingFaceIdentity:
     def __init__(self, endpoint: str | None = None, *, timeout_s: float = 15.0):
         self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_HF_ENDPOINT).rstrip("/")
         self.timeout_s = timeout_s
-        # huggingface_hub's HTTP client has no timeout; a stuck whoami must not hold the caller.
-        self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="whoami")
 
     def resolve(self, token: Secret) -> str:
         # Imported here: huggingface_hub is slow to import and only this source needs it.
         from huggingface_hub import HfApi
         from huggingface_hub.errors import HfHubHTTPError
 
+        outcome: dict[str, Any] = {}
+
+        def ask() -> None:
+            try:
+                outcome["info"] = HfApi(endpoint=self.endpoint).whoami(token=token.reveal())
+            except BaseException as error:  # handed to the caller below
+                outcome["error"] = error
+
+        # huggingface_hub's HTTP client has no timeout: ask in a daemon thread so a stuck
+        # endpoint holds neither the caller nor the process's exit.
+        asking = threading.Thread(target=ask, name="whoami", daemon=True)
+        asking.start()
+        asking.join(self.timeout_s)
+        if asking.is_alive():
+            raise IdentityUnavailable(f"{self.endpoint} did not answer whoami within {self.timeout_s:.0f}s; try again later")
         try:
-            call = self._calls.submit(HfApi(endpoint=self.endpoint).whoami, token=token.reveal())
-            info = call.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            raise IdentityUnavailable(f"{self.endpoint} did not answer whoami within {self.timeout_s:.0f}s; try again later") from None
+            if "error" in outcome:
+                raise outcome.pop("error")
+            info = outcome["info"]
         except HfHubHTTPError as error:
             status = getattr(error.response, "status_code", None)
             if status in (401, 403):

@@ -26,7 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from .admission import AdmissionPolicy, Admitted, Decision, Queued, Rejected, SlotBook, UnknownQueueEntry
+from .admission import AdmissionPolicy, Decision, Queued, Rejected, SlotBook, UnknownQueueEntry
 from .identity import IdentitySource, IdentityUnavailable, InvalidToken
 from .secret import Secret, token_digest
 from .tickets import InvalidTicket, TicketClaims, issue_ticket, load_or_create_signing_key, public_key_text, verify_ticket
@@ -161,6 +161,10 @@ class AuthService:
             return HTTPStatus.FORBIDDEN, {"status": "rejected", "reason": decision.reason}
         if isinstance(decision, Queued):
             entry = decision.entry
+            if digest is not None:  # a join, not a poll
+                log.info("peer %s of %s queued for stage %s at position %d", entry.peer_id, entry.identity, entry.stage, decision.position)
+                self._audit("queued", token_hash=digest[:16], identity=entry.identity, peer_id=entry.peer_id,
+                            stage=entry.stage, position=decision.position)
             return HTTPStatus.OK, {
                 "status": "queued",
                 "queue_id": entry.queue_id,
@@ -225,7 +229,7 @@ class AuthServer:
         self.service = service
         self._httpd = ThreadingHTTPServer((host, port), handler)
         self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="auth-http", daemon=True)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,), name="auth-http", daemon=True)
 
     @property
     def url(self) -> str:

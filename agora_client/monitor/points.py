@@ -7,7 +7,8 @@ The monitor observes each peer's monotonic counters (``active_seconds``: seconds
 worker entered sync phase 1; ``compute_flops``: FLOPs processed from phase 2 on) and credits the
 increments between successive observations, so a disconnect (of the peer or of the monitor)
 loses nothing already earned. A new run of a worker (new ``run_id``, or a counter lower than
-last seen) starts from zero: its whole counter value is the increment.
+last seen) starts from zero: its whole counter value is the increment. Presence a run claims is
+bounded by the time the monitor has watched that run, plus a grace for the time before.
 
 An identity earns with at most ``identity_cap`` concurrently online peers, ranked by first seen;
 a peer over the cap keeps being observed (its counters advance) but earns nothing.
@@ -33,7 +34,8 @@ COMPUTE_PHASES: frozenset[str] = frozenset({"sync2", "active"})
 class PointsPolicy:
     identity_cap: int = 2
     online_window_s: float = 90.0  # a peer not observed for this long is offline
-    first_sighting_credit_s: float = 60.0  # most presence credited for time before a peer's first observation
+    # A run's presence may exceed the time the monitor has watched it by this much (its time before the first sighting).
+    presence_grace_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class PeerState:
     run_id: str
     last_active_seconds: float
     last_compute_flops: float
+    run_first_seen: float  # when the monitor first saw this run
+    run_presence_seconds: float = 0.0  # presence this run claimed and was accepted, cap or not
     presence_seconds: float = 0.0  # credited
     compute_flops: float = 0.0  # credited
 
@@ -100,21 +104,31 @@ def _is_new_run(previous: PeerState, observation: Observation) -> bool:
     )
 
 
-def increments(previous: PeerState | None, observation: Observation, policy: PointsPolicy) -> tuple[float, float]:
-    """(presence seconds, compute FLOPs) earned between ``previous`` and ``observation``, before the cap."""
+@dataclass(frozen=True)
+class Increment:
+    presence_seconds: float
+    compute_flops: float
+    run_first_seen: float
+    run_presence_seconds: float  # after this increment
+
+
+def increments(previous: PeerState | None, observation: Observation, policy: PointsPolicy) -> Increment:
+    """What ``observation`` earns over ``previous``, before the identity cap."""
     if previous is None or _is_new_run(previous, observation):
         base_seconds, base_flops = 0.0, 0.0
+        run_first_seen, run_presence = observation.seen_at, 0.0
     else:
         base_seconds, base_flops = previous.last_active_seconds, previous.last_compute_flops
-    # A worker's own clock cannot credit more presence than the monitor saw pass.
-    wall_limit = policy.first_sighting_credit_s if previous is None else max(0.0, observation.seen_at - previous.last_seen)
-    presence = min(max(0.0, observation.active_seconds - base_seconds), wall_limit)
+        run_first_seen, run_presence = previous.run_first_seen, previous.run_presence_seconds
+    # A worker's own clock cannot claim more presence than the monitor has watched the run for (plus grace).
+    budget = max(0.0, observation.seen_at - run_first_seen + policy.presence_grace_s - run_presence)
+    presence = min(max(0.0, observation.active_seconds - base_seconds), budget)
     if observation.sync_phase not in PRESENCE_PHASES:
         presence = 0.0
     compute = max(0.0, observation.compute_flops - base_flops)
     if observation.sync_phase not in COMPUTE_PHASES:
         compute = 0.0  # strict: FLOPs reported while in phase 1 never earn, now or later
-    return presence, compute
+    return Increment(presence, compute, run_first_seen, run_presence + presence)
 
 
 def capped_peers(peers: Iterable[PeerState], now: float, policy: PointsPolicy) -> set[str]:
@@ -162,9 +176,8 @@ def apply_observations(
     updated: dict[str, PeerState] = {}
     for peer_id, obs in latest.items():
         previous = peers.get(peer_id)
-        presence, compute = increments(previous, obs, policy)
-        if peer_id in over_cap:
-            presence, compute = 0.0, 0.0
+        earned = increments(previous, obs, policy)
+        presence, compute = (0.0, 0.0) if peer_id in over_cap else (earned.presence_seconds, earned.compute_flops)
         base = previous or seen_now[peer_id]
         updated[peer_id] = dataclasses.replace(
             base,
@@ -174,6 +187,8 @@ def apply_observations(
             run_id=obs.run_id,
             last_active_seconds=obs.active_seconds,
             last_compute_flops=obs.compute_flops,
+            run_first_seen=earned.run_first_seen,
+            run_presence_seconds=earned.run_presence_seconds,
             presence_seconds=base.presence_seconds + presence,
             compute_flops=base.compute_flops + compute,
         )
@@ -191,6 +206,7 @@ def _new_peer(obs: Observation) -> PeerState:
         run_id=obs.run_id,
         last_active_seconds=0.0,
         last_compute_flops=0.0,
+        run_first_seen=obs.seen_at,
     )
 
 

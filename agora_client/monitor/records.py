@@ -13,22 +13,24 @@ The monitor then keeps a record only if
   and identity as the record.
 
 For the key-to-peer binding the worker's DHT must run on the same RSA key as its validator:
-create it with ``identity_path`` and ``load_or_create_identity`` (see ``create_signed_dht``).
+start it with ``signed_dht_kwargs(path)`` (identity file + validator of hivemind's process-wide key).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import multihash
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from hivemind import DHT, P2P, PeerID
+from hivemind import DHT
+from hivemind.p2p import PeerID
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
@@ -81,25 +83,38 @@ def metrics_subkey(peer_id: str, validator: RSASignatureValidator) -> bytes:
     return peer_id.encode() + validator.local_public_key
 
 
-def load_or_create_identity(path: Path | str) -> RSAPrivateKey:
-    """The worker's libp2p identity (created if missing) as the RSA key its metrics are signed with.
+def write_identity_file(path: Path | str, key: RSAPrivateKey | None = None) -> str:
+    """Write ``key`` (default: hivemind's process-wide RSA key) as a libp2p identity file; return its peer id.
 
-    Pass the same file as ``identity_path`` to its DHT so that the peer id is this key's.
+    A DHT started with ``identity_path=path`` then has this key's peer id, and every
+    RSASignatureValidator of the process (the metrics one, ProgressTracker's default one)
+    signs with that same key, so the monitor can tie each signature to the peer.
     """
+    key = key or RSAPrivateKey.process_wide()
     path = Path(path)
-    if not path.exists():
-        P2P.generate_identity(str(path))
-    der = crypto_pb2.PrivateKey.FromString(path.read_bytes()).data
-    key = RSAPrivateKey.__new__(RSAPrivateKey)
-    key.__setstate__({"_private_key": der})  # RSAPrivateKey's own unpickling path: DER -> key
-    return key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    identity = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=key.to_bytes()).SerializeToString()
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(descriptor, identity)
+    finally:
+        os.close(descriptor)
+    os.replace(temporary, path)
+    return PeerID.from_identity(identity).to_base58()
 
 
-def create_signed_dht(identity_path: Path | str, **dht_kwargs) -> tuple[DHT, RSASignatureValidator]:
+def signed_dht_kwargs(identity_path: Path | str, key: RSAPrivateKey | None = None) -> dict[str, Any]:
+    """DHT(...) keyword arguments for a worker whose metrics the monitor will accept."""
+    write_identity_file(identity_path, key)
+    return {"identity_path": str(identity_path), "record_validators": [RSASignatureValidator(key)]}
+
+
+def create_signed_dht(identity_path: Path | str, key: RSAPrivateKey | None = None, **dht_kwargs: Any) -> tuple[DHT, RSASignatureValidator]:
     """A started DHT whose peer id and metrics signatures come from the same RSA key."""
-    validator = RSASignatureValidator(load_or_create_identity(identity_path))
-    dht = DHT(start=True, identity_path=str(identity_path), record_validators=[validator], **dht_kwargs)
-    return dht, validator
+    kwargs = signed_dht_kwargs(identity_path, key)
+    dht = DHT(start=True, **kwargs, **dht_kwargs)
+    return dht, kwargs["record_validators"][0]
 
 
 def peer_id_of_owner_key(openssh_public_key: bytes) -> str:

@@ -37,6 +37,8 @@ CREATE TABLE IF NOT EXISTS peers (
 CREATE TABLE IF NOT EXISTS observations (
     peer_id TEXT PRIMARY KEY REFERENCES peers(peer_id),
     run_id TEXT NOT NULL,
+    run_first_seen REAL NOT NULL,
+    run_presence_seconds REAL NOT NULL,
     active_seconds REAL NOT NULL,
     compute_flops REAL NOT NULL,
     record_json TEXT NOT NULL
@@ -50,7 +52,8 @@ CREATE TABLE IF NOT EXISTS totals (
 
 _LOAD = """
 SELECT p.peer_id, p.identity, p.stage, p.first_seen, p.last_seen, p.sync_phase,
-       o.run_id, o.active_seconds, o.compute_flops, t.presence_seconds, t.compute_flops
+       o.run_id, o.active_seconds, o.compute_flops, t.presence_seconds, t.compute_flops,
+       o.run_first_seen, o.run_presence_seconds
 FROM peers p JOIN observations o USING (peer_id) JOIN totals t USING (peer_id)
 """
 
@@ -112,6 +115,8 @@ class PointsStore:
                 last_compute_flops=row[8],
                 presence_seconds=row[9],
                 compute_flops=row[10],
+                run_first_seen=row[11],
+                run_presence_seconds=row[12],
             )
         return peers
 
@@ -129,9 +134,17 @@ class PointsStore:
             (peer.peer_id, peer.identity, peer.stage, peer.first_seen, peer.last_seen, peer.sync_phase),
         )
         db.execute(
-            "INSERT OR REPLACE INTO observations (peer_id, run_id, active_seconds, compute_flops, record_json) "
-            "VALUES (?, ?, ?, ?, ?)",
-            (peer.peer_id, peer.run_id, peer.last_active_seconds, peer.last_compute_flops, record_json),
+            "INSERT OR REPLACE INTO observations (peer_id, run_id, run_first_seen, run_presence_seconds, "
+            "active_seconds, compute_flops, record_json) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                peer.peer_id,
+                peer.run_id,
+                peer.run_first_seen,
+                peer.run_presence_seconds,
+                peer.last_active_seconds,
+                peer.last_compute_flops,
+                record_json,
+            ),
         )
         db.execute(
             "INSERT OR REPLACE INTO totals (peer_id, presence_seconds, compute_flops) VALUES (?, ?, ?)",

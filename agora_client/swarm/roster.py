@@ -1,7 +1,8 @@
 """Worker announcements in the DHT: one record per worker under its stage's key.
 
-A worker stores ``WorkerRecord`` at key ``agora.roster.<stage>`` with its uid (``body1.0.3``) as
-subkey; trainers and same-stage peers read the whole key to get the stage's live roster.
+A worker stores ``WorkerRecord`` at key ``agora.roster.<stage>`` with its peer id as subkey (so two
+workers can never hide each other, even if they picked the same uid); trainers and same-stage peers
+read the whole key to get the stage's live roster.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ class WorkerRecord(BaseModel):
     epoch: int = 0
 
     @property
+    def key(self) -> tuple[str, str]:
+        """(uid, peer id): a worker restarted under the same uid with a new peer id is a new worker."""
+        return (self.uid, self.peer_id)
+
+    @property
     def routable(self) -> bool:
         """Trainers send batches to active workers and to workers warming up their optimizer (phase 2)."""
         return self.sync_phase != 1
@@ -40,22 +46,22 @@ def stage_uid(stage: str, index: int) -> str:
 
 def announce(dht: DHT, record: WorkerRecord, ttl: float) -> bool:
     return bool(
-        dht.store(roster_key(record.stage), record.model_dump(), get_dht_time() + ttl, subkey=record.uid)
+        dht.store(roster_key(record.stage), record.model_dump(), get_dht_time() + ttl, subkey=record.peer_id)
     )
 
 
 def withdraw(dht: DHT, record: WorkerRecord, ttl: float) -> None:
     """Overwrite this worker's record with None so peers drop it before it would expire."""
-    dht.store(roster_key(record.stage), None, get_dht_time() + ttl, subkey=record.uid)
+    dht.store(roster_key(record.stage), None, get_dht_time() + ttl, subkey=record.peer_id)
 
 
 def fetch_roster(dht: DHT, stage: str) -> dict[str, WorkerRecord]:
-    """The stage's live workers by uid; malformed or withdrawn entries are skipped."""
+    """The stage's live workers by peer id; malformed or withdrawn entries are skipped."""
     found = dht.get(roster_key(stage), latest=True)
     if not isinstance(found, ValueWithExpiration) or not isinstance(found.value, dict):
         return {}
     roster: dict[str, WorkerRecord] = {}
-    for uid, entry in found.value.items():
+    for peer_id, entry in found.value.items():
         value = entry.value if isinstance(entry, ValueWithExpiration) else None
         if not isinstance(value, dict):
             continue
@@ -63,13 +69,13 @@ def fetch_roster(dht: DHT, stage: str) -> dict[str, WorkerRecord]:
             record = WorkerRecord.model_validate(value)
         except ValidationError:
             continue
-        if record.uid == uid and record.stage == stage:
-            roster[uid] = record
+        if record.peer_id == peer_id and record.stage == stage:
+            roster[peer_id] = record
     return roster
 
 
 def free_index(roster: dict[str, WorkerRecord], stage: str) -> int:
-    taken = {uid for uid in roster}
+    taken = {record.uid for record in roster.values()}
     index = 0
     while stage_uid(stage, index) in taken:
         index += 1

@@ -16,45 +16,13 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
+from agora_client.swarm.roster import WorkerRecord
 from agora_client.trainer.errors import ErrorClass, classify
 
 Kind = Literal["forward", "backward"]
 WorkerKey = tuple[str, str]  # (expert uid, peer id): a restarted worker with a new peer id is a new worker
-
-
-def stage_of(uid: str) -> str:
-    """The stage name of an expert uid such as ``body1.0.3``."""
-    return uid.split(".", 1)[0]
-
-
-def _parse_phase(value: int | str | None) -> int:
-    if value in (None, "", "off", 0, "0"):
-        return 0
-    if value in (1, "1", 2, "2"):
-        return int(value)
-    raise ValueError(f"sync phase must be 1, 2, 0 or 'off', got {value!r}; check the worker's DHT announcement")
-
-
-@dataclass(frozen=True)
-class WorkerRecord:
-    """One worker as announced in the DHT."""
-
-    uid: str
-    peer_id: str
-    sync_phase: int | str | None = 0  # 1 = still catching up (never routed to), 2 = nearly synced, 0/"off" = active
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "sync_phase", _parse_phase(self.sync_phase))
-
-    @property
-    def key(self) -> WorkerKey:
-        return (self.uid, self.peer_id)
-
-    @property
-    def stage(self) -> str:
-        return stage_of(self.uid)
 
 
 @dataclass(frozen=True)
@@ -208,7 +176,9 @@ class StageBalancer:
             worker.transient_streak = 0
             per_unit = max(duration, 0.0) / max(lease.units, 1e-9)
             previous = worker.per_unit.get(lease.kind)
-            worker.per_unit[lease.kind] = per_unit if previous is None else previous + self._alpha * (per_unit - previous)
+            if previous is not None:
+                per_unit = previous + self._alpha * (per_unit - previous)
+            worker.per_unit[lease.kind] = per_unit
             if worker.heap_seq is not None:
                 worker.vruntime += worker.per_unit[lease.kind] * lease.units - lease.charged
                 self._push(worker)
@@ -256,7 +226,7 @@ class StageBalancer:
                 stage=self.stage,
                 workers=len(workers),
                 ready=sum(worker.heap_seq is not None for worker in workers),
-                syncing=sum(worker.record.sync_phase == 1 for worker in workers),
+                syncing=sum(not worker.record.routable for worker in workers),
                 banned=sum(worker.banned_until is not None for worker in workers),
                 in_flight=sum(worker.in_flight for worker in workers),
                 done=self._done,
@@ -293,7 +263,7 @@ class StageBalancer:
             if worker.banned_until is not None and worker.banned_until <= now:
                 worker.banned_until = None
                 worker.transient_streak = 0
-            eligible = worker.banned_until is None and worker.record.sync_phase != 1
+            eligible = worker.banned_until is None and worker.record.routable  # phase-1 workers are skipped
             if eligible and worker.heap_seq is None:
                 worker.vruntime = back  # newcomers enter at the back: they cannot take over proven workers
                 self._push(worker)
@@ -308,6 +278,9 @@ class StageBalancer:
     def _push(self, worker: _Worker) -> None:
         worker.heap_seq = next(self._seq)
         heapq.heappush(self._heap, (worker.vruntime, worker.heap_seq, worker.record.key))
+        if len(self._heap) > 4 * len(self._workers) + 64:  # drop stale entries before they pile up
+            self._heap = [(w.vruntime, w.heap_seq, k) for k, w in self._workers.items() if w.heap_seq is not None]
+            heapq.heapify(self._heap)
 
     def _live(self, lease: Lease) -> _Worker | None:
         """The worker a lease went to, unless it has left the roster since (even if it came back)."""
@@ -325,7 +298,7 @@ class StageBalancer:
 class RoundRobinBalancer(StageBalancer):
     """Baseline for bench/routing.py: same roster, bans and stats, but workers take turns regardless of load."""
 
-    def __init__(self, stage: str, **kwargs) -> None:
+    def __init__(self, stage: str, **kwargs: Any) -> None:
         super().__init__(stage, **kwargs)
         self._turn = 0
 

@@ -21,6 +21,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto.runtime_pb2 import CompressionType
 
 from agora_client.swarm.roster import WorkerRecord
+from agora_client.trainer.errors import WorkerVanishedError
 
 
 class TrafficCounter:
@@ -66,6 +67,8 @@ class StageClient:
         outputs = RemoteExpertWorker.run_coroutine(
             asyncio.wait_for(method(worker.uid, tensors, serialized, stub), self.timeout)
         )
+        if not outputs:  # a worker killed mid-reply ends the stream without an answer or an error
+            raise WorkerVanishedError(f"{worker.uid} returned no tensors")
         reply_bytes = sum(serialize_torch_tensor(out, CompressionType.NONE).ByteSize() for out in outputs)
         self.traffic.add(self.stage, f"{kind}_reply", reply_bytes, tokens)
         return outputs

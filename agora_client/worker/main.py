@@ -18,6 +18,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="tiny", help="run config preset name or YAML path (default: tiny)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--join", action="store_true", help="join a running swarm through sync phases 1 and 2")
+    parser.add_argument("--index", type=int, default=None, help="uid index <stage>.0.<index> (default: lowest free)")
     parser.add_argument("--init-seed", type=int, default=None, help="seed for this worker's initial weights")
     parser.add_argument("--events", default=None, help="also write JSON-line events to this file ('-' = stdout)")
 
@@ -39,7 +40,9 @@ def run(args: argparse.Namespace) -> int:
     elif args.events:
         events.add_sink(open(args.events, "a", buffering=1))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    options = WorkerOptions(config, args.stage, args.seeds, device=device, joining=args.join, init_seed=args.init_seed)
+    options = WorkerOptions(config, args.stage, args.seeds, device=device, joining=args.join, index=args.index,
+        init_seed=args.init_seed
+    )
     try:
         node = WorkerNode(options, events)
     except NoSeedAnswered as error:

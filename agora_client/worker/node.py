@@ -30,6 +30,7 @@ class WorkerOptions:
     joining: bool = False  # start in sync phase 1 (a contributor joining a running swarm)
     host: str = "127.0.0.1"
     num_handlers: int = 2
+    index: int | None = None  # uid index (<stage>.0.<index>); default: the lowest free one
     init_seed: int | None = None  # different seeds give different starting weights (tests of averaging)
     dht_kwargs: dict = field(default_factory=dict)
 
@@ -81,7 +82,8 @@ class WorkerNode:
         self.optimizer = torch.optim.AdamW(
             self.parameters, lr=config.optim.lr, betas=config.optim.betas, weight_decay=config.optim.weight_decay
         )
-        self.uid = stage_uid(stage, free_index(fetch_roster(self.dht, stage), stage))
+        index = options.index if options.index is not None else free_index(fetch_roster(self.dht, stage), stage)
+        self.uid = stage_uid(stage, index)
         self.sync = SyncState(config.sync, events.emit, joining=options.joining)
         self.requests = RequestCounter()
         self._epoch_hooks = list(epoch_hooks)

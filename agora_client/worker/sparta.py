@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import math
+import multiprocessing as mp
 import signal
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
@@ -124,6 +125,9 @@ class _MeteredAllReduceRunner(AllReduceRunner):
 
 class _GroupAverager(DecentralizedAverager):
     """hivemind's averager with SPARTA's group rules. Runs in its own process, like its parent class."""
+
+    # hivemind's averager hands its shared buffer and pipes to its process by fork; keep fork even in a spawned host
+    _Popen = staticmethod(mp.get_context("fork").Process._Popen)
 
     def __init__(self, buffer: torch.Tensor, dht: DHT, *, layout: bytes, **kwargs: Any):
         super().__init__([buffer], dht, start=False, **kwargs)
@@ -316,6 +320,8 @@ class SpartaAverager:
 
 def _describe_failure(error: BaseException, find_group_timeout: float) -> str:
     text = str(error) or type(error).__name__
+    if isinstance(error, CancelledError):
+        return "cancelled: the averager is shutting down"
     if "could not find a group" in text:
         return f"no other worker of this stage joined the round within {find_group_timeout:.0f}s"
     if isinstance(error, TimeoutError):

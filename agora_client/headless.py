@@ -1,0 +1,268 @@
+"""Headless printer: the runtime's events as tagged console lines, for systemd, tmux and logs.
+
+``python3 agora_cli.py --headless`` prints one line per event worth reading::
+
+    [AUTH] [DOWNLOAD] [QUEUE] [SYNC] [TRAINING] [PROGRESS] [SPARTA] [POINTS] [WARNING] [ERROR]
+
+or, with ``--log-format json``, one JSON object per line:
+``{"ts": ..., "tag": "SYNC", "level": "info", "message": "...", "event": {...}}``.
+
+What each event kind prints:
+
+- auth: ``[AUTH]`` its message (or who / which stage / which slot); rejected or failed: ``[ERROR]``.
+- download: ``[DOWNLOAD]`` start (with resumed-from), progress at most once per second of event
+  time, verified, done; retry: ``[WARNING]``; failed: ``[ERROR]``.
+- queue: ``[QUEUE] Authorization queue: position N, estimated wait: W``.
+- sync: ``[SYNC] <line>`` for each line of the event's message, exactly as the runtime wrote it.
+- step: ``[TRAINING]`` when the local epoch changes; ``[PROGRESS]`` batches per minute, at most
+  once per 60 s of event time.
+- sparta: ``[SPARTA]`` each round (failed rounds at level warning); points: ``[POINTS]`` at most
+  once per 60 s; stage: ``[TRAINING]`` when the stage, peer or occupancy changes.
+- log: ``[<its tag>]``, or ``[WARNING]`` / ``[ERROR]`` by level; debug is not printed.
+- error: ``[ERROR]`` message, then ``[ERROR] What to do: <hint>``; exit: ``[ERROR]`` when nonzero.
+- resources: not printed (the app shows them; the JSONL log keeps them).
+- a line that is not a valid event: ``[WARNING] Ignored a malformed line from the runtime: ...``.
+
+Exit codes of the headless client:
+
+- 0: clean stop (the runtime exited 0, or SIGTERM asked it to stop and it did);
+- 1: runtime error (the runtime crashed or exited nonzero);
+- 2: bad usage or config (bad flag, no token in a non-interactive start, unknown GPU);
+- 3: rejected by the swarm (full, or this identity's cap reached);
+- 130: interrupted (Ctrl-C / SIGINT; the runtime was stopped gracefully first).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from agora_client.events import (
+    AuthEvent,
+    DownloadEvent,
+    ErrorEvent,
+    Event,
+    ExitEvent,
+    LogEvent,
+    PointsEvent,
+    QueueEvent,
+    SpartaEvent,
+    StageEvent,
+    StepEvent,
+    SyncEvent,
+)
+from agora_client.system.redact import redact_text
+
+EXIT_OK = 0
+EXIT_RUNTIME_ERROR = 1
+EXIT_USAGE = 2
+EXIT_REJECTED = 3
+EXIT_INTERRUPTED = 130
+
+TAGS = ("AUTH", "DOWNLOAD", "QUEUE", "SYNC", "TRAINING", "PROGRESS", "SPARTA", "POINTS", "WARNING", "ERROR")
+_TAG_CHARS = re.compile(r"[^A-Z0-9_]")
+_RAW_PREVIEW = 120
+
+
+def human_bytes(count: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(count) >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count:.0f} B"
+
+
+def human_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "unknown"
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, rest = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m" if rest == 0 else f"{minutes}m {rest:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m"
+
+
+def short_peer_id(peer_id: str) -> str:
+    return peer_id if len(peer_id) <= 14 else f"{peer_id[:6]}…{peer_id[-6:]}"
+
+
+def occupancy_text(occupancy: dict[str, int]) -> str:
+    return ", ".join(f"{stage} {count}" for stage, count in occupancy.items())
+
+
+@dataclass(frozen=True)
+class TaggedLine:
+    """One human line derived from the stream; the app's log pane shows the same lines."""
+
+    ts: float
+    tag: str
+    level: str
+    text: str
+    event: Event | None = None
+
+    def render(self) -> str:
+        return f"[{self.tag}] {self.text}"
+
+    def render_json(self) -> str:
+        record: dict[str, Any] = {"ts": self.ts, "tag": self.tag, "level": self.level, "message": self.text}
+        record["event"] = self.event.model_dump(mode="json") if self.event is not None else None
+        return json.dumps(record, ensure_ascii=False)
+
+
+class LineFormatter:
+    """Turns events into tagged lines. High-rate kinds are throttled by event time, so the
+    output for a recorded stream is the same on every run."""
+
+    def __init__(self, progress_interval_s: float = 1.0, summary_interval_s: float = 60.0) -> None:
+        self.progress_interval_s = progress_interval_s
+        self.summary_interval_s = summary_interval_s
+        self._last_download: dict[str, float] = {}
+        self._last_progress: float | None = None
+        self._last_points: float | None = None
+        self._epoch: int | None = None
+        self._stage: tuple[str, str, tuple] | None = None
+
+    def _line(self, event: Event, tag: str, text: str, level: str = "info") -> TaggedLine:
+        return TaggedLine(event.ts, tag, level, text, event)
+
+    def format(self, event: Event) -> list[TaggedLine]:
+        handler = getattr(self, f"_{event.kind}", None)
+        return handler(event) if handler else []
+
+    def malformed(self, reason: str, raw: str, ts: float) -> TaggedLine:
+        preview = redact_text(raw.strip())[:_RAW_PREVIEW]
+        return TaggedLine(ts, "WARNING", "warning", f"Ignored a malformed line from the runtime ({reason}): {preview}")
+
+    def stderr(self, text: str, ts: float) -> TaggedLine:
+        return TaggedLine(ts, "STDERR", "warning", redact_text(text.rstrip()))
+
+    def _auth(self, event: AuthEvent) -> list[TaggedLine]:
+        if event.status == "authorizing":
+            return [self._line(event, "AUTH", event.message or "Authorizing with the swarm...")]
+        if event.status == "authorized":
+            default = f"Authorized as {event.identity or 'unknown'}: stage {event.stage or '?'}, slot {event.slot if event.slot is not None else '?'}"
+            return [self._line(event, "AUTH", event.message or default)]
+        what = "rejected by the swarm" if event.status == "rejected" else "failed"
+        return [self._line(event, "ERROR", f"Authorization {what}: {event.message or 'no reason given'}", "error")]
+
+    def _download(self, event: DownloadEvent) -> list[TaggedLine]:
+        name = event.file or "snapshot"
+        if event.status == "started":
+            total = f" ({human_bytes(event.total)})" if event.total else ""
+            resumed = f", resuming from {human_bytes(event.resumed_from)}" if event.resumed_from else ""
+            self._last_download[name] = event.ts
+            return [self._line(event, "DOWNLOAD", event.message or f"Downloading {name}{total}{resumed}")]
+        if event.status == "progress":
+            last = self._last_download.get(name)
+            if last is not None and event.ts - last < self.progress_interval_s:
+                return []
+            self._last_download[name] = event.ts
+            done = human_bytes(event.bytes)
+            share = f"/{human_bytes(event.total)} ({event.bytes / event.total:.0%})" if event.total else ""
+            eta = f", ETA {human_duration(event.eta_s)}" if event.eta_s is not None else ""
+            return [self._line(event, "DOWNLOAD", f"{name}: {done}{share} at {human_bytes(event.rate_bps)}/s{eta}")]
+        if event.status == "retry":
+            why = f" ({event.message})" if event.message else ""
+            text = f"Download of {name} interrupted{why}; resuming from {human_bytes(event.bytes)}"
+            return [self._line(event, "WARNING", text, "warning")]
+        if event.status == "verified":
+            return [self._line(event, "DOWNLOAD", event.message or f"{name} verified")]
+        if event.status == "done":
+            size = f" ({human_bytes(event.bytes)})" if event.bytes else ""
+            return [self._line(event, "DOWNLOAD", event.message or f"Snapshot downloaded{size}")]
+        return [self._line(event, "ERROR", f"Download of {name} failed: {event.message or 'no reason given'}", "error")]
+
+    def _queue(self, event: QueueEvent) -> list[TaggedLine]:
+        if event.position <= 0:
+            return [self._line(event, "QUEUE", "Left the join queue")]
+        text = f"Authorization queue: position {event.position}, estimated wait: {human_duration(event.estimated_wait_s)}"
+        return [self._line(event, "QUEUE", text)]
+
+    def _sync(self, event: SyncEvent) -> list[TaggedLine]:
+        return [self._line(event, "SYNC", line) for line in event.message.splitlines() if line.strip()]
+
+    def _step(self, event: StepEvent) -> list[TaggedLine]:
+        lines = []
+        if event.local_epoch != self._epoch:
+            self._epoch = event.local_epoch
+            loss = f", loss {event.loss:.4f}" if event.loss is not None else ""
+            lines.append(self._line(event, "TRAINING", f"Local epoch {event.local_epoch} on stage {event.stage}{loss}"))
+        if self._last_progress is None or event.ts - self._last_progress >= self.summary_interval_s:
+            self._last_progress = event.ts
+            text = f"Processing {event.forward_per_min:.0f} forward and {event.backward_per_min:.0f} backward batches per minute"
+            lines.append(self._line(event, "PROGRESS", text))
+        return lines
+
+    def _sparta(self, event: SpartaEvent) -> list[TaggedLine]:
+        if not event.ok:
+            return [self._line(event, "SPARTA", f"Round {event.round} failed: {event.reason or 'no reason given'}", "warning")]
+        text = (
+            f"Round {event.round}: averaged {event.fraction:.1%} of the parameters (partition {event.partition}) "
+            f"in a group of {event.group_size} in {event.duration_s:.1f}s"
+        )
+        return [self._line(event, "SPARTA", text)]
+
+    def _points(self, event: PointsEvent) -> list[TaggedLine]:
+        if self._last_points is not None and event.ts - self._last_points < self.summary_interval_s:
+            return []
+        self._last_points = event.ts
+        confirmed = f", confirmed {event.confirmed:.1f}" if event.confirmed is not None else ""
+        text = f"Presence {event.presence:.1f}, compute {event.compute:.1f}, {event.rate_per_hour:.1f} per hour{confirmed}"
+        return [self._line(event, "POINTS", text)]
+
+    def _stage(self, event: StageEvent) -> list[TaggedLine]:
+        key = (event.stage, event.peer_id, tuple(sorted(event.occupancy.items())))
+        if key == self._stage:
+            return []
+        self._stage = key
+        peer = f" as peer {short_peer_id(event.peer_id)}" if event.peer_id else ""
+        occupancy = f"; stage occupancy: {occupancy_text(event.occupancy)}" if event.occupancy else ""
+        return [self._line(event, "TRAINING", f"Serving stage {event.stage}{peer}{occupancy}")]
+
+    def _log(self, event: LogEvent) -> list[TaggedLine]:
+        if event.level == "debug":
+            return []
+        if event.level in ("warning", "error"):
+            tag = event.level.upper()
+        else:
+            tag = _TAG_CHARS.sub("", event.tag.upper()) or "INFO"
+        return [self._line(event, tag, event.message, event.level)]
+
+    def _error(self, event: ErrorEvent) -> list[TaggedLine]:
+        where = f" (in {event.where})" if event.where else ""
+        lines = [self._line(event, "ERROR", f"{event.message}{where}", "error")]
+        if event.hint:
+            lines.append(self._line(event, "ERROR", f"What to do: {event.hint}", "error"))
+        return lines
+
+    def _exit(self, event: ExitEvent) -> list[TaggedLine]:
+        if event.code == 0:
+            return []
+        reason = f": {event.reason}" if event.reason else ""
+        return [self._line(event, "ERROR", f"The runtime exited with code {event.code}{reason}", "error")]
+
+
+class HeadlessPrinter:
+    """Writes tagged lines (text or JSON) for every event, malformed line and stderr line."""
+
+    def __init__(self, out: TextIO, log_format: str = "text", formatter: LineFormatter | None = None) -> None:
+        if log_format not in ("text", "json"):
+            raise ValueError(f"log format {log_format!r} is not text or json")
+        self.out = out
+        self.log_format = log_format
+        self.formatter = formatter or LineFormatter()
+
+    def write(self, line: TaggedLine) -> None:
+        self.out.write((line.render_json() if self.log_format == "json" else line.render()) + "\n")
+        self.out.flush()
+
+    def event(self, event: Event) -> None:
+        for line in self.formatter.format(event):
+            self.write(line)
+
+    def malformed(self, reason: str, raw: str, ts: float) -> None:
+        self.write(self.formatter.malformed(reason, raw, ts))

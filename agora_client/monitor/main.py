@@ -1,0 +1,126 @@
+"""`agora monitor`: scrape the stages' signed metrics, keep points in SQLite, serve the leaderboard over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+from hivemind.dht.crypto import RSASignatureValidator
+
+from agora_client.auth.tickets import load_public_key
+from agora_client.config import ConfigError, load_config
+from agora_client.monitor.http_api import LeaderboardServer
+from agora_client.monitor.points import PointsPolicy
+from agora_client.monitor.scraper import Scraper
+from agora_client.monitor.store import PointsStore
+from agora_client.swarm.dht import NoSeedAnswered, connect_dht
+
+READY_PREFIX = "[MONITOR] leaderboard on "
+log = logging.getLogger("agora_client.monitor")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MULTIADDR",
+                        help="seed multiaddrs to join the DHT through (required)")
+    key = parser.add_mutually_exclusive_group()
+    key.add_argument("--auth-public-key", help="the auth service's ticket public key (base64, from its /v1/status)")
+    key.add_argument("--auth-url", help="auth service base URL: its public key is read from GET /v1/status")
+    parser.add_argument("--config", default="tiny", help="run preset or YAML file: gives the stage names (default: tiny)")
+    parser.add_argument("--stages", default=None, help="comma-separated stages to scrape (default: all of --config)")
+    parser.add_argument("--db", type=Path, default=Path.home() / ".agora" / "monitor" / "points.sqlite",
+                        help="SQLite file that keeps the totals across restarts")
+    parser.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on (default: loopback)")
+    parser.add_argument("--port", type=int, default=8090, help="HTTP port (default: 8090, where `agora leaderboard` looks; 0: any free port)")
+    parser.add_argument("--interval", type=float, default=10.0, help="seconds between two scrapes")
+    parser.add_argument("--identity-cap", type=int, default=2, help="peers of one identity that earn at a time")
+    parser.add_argument("--online-window", type=float, default=None,
+                        help="seconds without a record after which a peer is offline (default: max(90, 3 x interval))")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def auth_public_key(args: argparse.Namespace) -> str:
+    """The ticket-verifying key, given directly or read from the auth service; ValueError says what to fix."""
+    if args.auth_public_key:
+        text = args.auth_public_key
+    elif args.auth_url:
+        url = f"{args.auth_url.rstrip('/')}/v1/status"
+        try:
+            response = httpx.get(url, timeout=10.0)
+            response.raise_for_status()
+            text = response.json()["public_key"]
+        except httpx.HTTPError as error:
+            raise ValueError(f"could not read the auth public key from {url} ({error}); is the auth service running?") from None
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{url} did not answer JSON with a public_key; is --auth-url an Agora auth service?") from None
+    else:
+        raise ValueError("give --auth-public-key KEY or --auth-url URL: tickets cannot be checked without the key")
+    load_public_key(text)  # fails now, with what to do, rather than on every record
+    return text
+
+
+def _check(args: argparse.Namespace) -> None:
+    if not args.initial_peers:
+        raise ValueError("give --initial-peers MULTIADDR [...]: the monitor reads the metrics from the swarm's DHT")
+    if args.interval <= 0:
+        raise ValueError(f"--interval must be positive, got {args.interval}")
+    if args.identity_cap < 1:
+        raise ValueError(f"--identity-cap must be at least 1, got {args.identity_cap}")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        _check(args)
+        stages = load_config(args.config).model.stage_names
+        if args.stages:
+            wanted = tuple(name.strip() for name in args.stages.split(",") if name.strip())
+            unknown = [name for name in wanted if name not in stages]
+            if unknown:
+                raise ValueError(f"--stages names unknown stage(s) {', '.join(unknown)}; this run has {', '.join(stages)}")
+            stages = wanted
+        public_key = auth_public_key(args)
+        window = args.online_window if args.online_window is not None else max(90.0, 3 * args.interval)
+        store = PointsStore(args.db, PointsPolicy(identity_cap=args.identity_cap, online_window_s=window))
+    except (ConfigError, ValueError, OSError) as error:
+        print(f"[MONITOR] cannot start the monitor: {error}", file=sys.stderr)
+        return 2
+    try:
+        server = LeaderboardServer(store, args.host, args.port)
+    except OSError as error:
+        print(f"[MONITOR] cannot listen on {args.host}:{args.port}: {error}; pick another --port", file=sys.stderr)
+        store.close()
+        return 2
+    try:
+        # client mode: the monitor only reads; the validator drops records whose signature does not match.
+        dht = connect_dht(args.initial_peers, host=args.host, client_mode=True, record_validators=[RSASignatureValidator()])
+    except NoSeedAnswered as error:
+        print(f"[MONITOR] cannot start the monitor: {error}", file=sys.stderr)
+        server.server_close()
+        store.close()
+        return 2
+
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    scraper = Scraper(dht, stages, store, public_key)
+    server.start()
+    print(f"{READY_PREFIX}{server.url}/leaderboard", flush=True)
+    print(f"[MONITOR] scraping {', '.join(stages)} every {args.interval:g}s into {args.db}", flush=True)
+    try:
+        while not stop.is_set():
+            try:
+                updated = scraper.scrape_once()
+                log.debug("scrape credited %d peer(s)", len(updated))
+            except Exception:  # a failed scrape (DHT hiccup) must not stop the service: the next one retries
+                log.exception("scrape failed; retrying in %.0fs", args.interval)
+            stop.wait(args.interval)
+    finally:
+        server.stop()
+        dht.shutdown()
+        store.close()
+    return 0

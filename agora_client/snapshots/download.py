@@ -1,0 +1,266 @@
+"""Download a stage snapshot over HTTP(S): streamed, resumable, verified.
+
+``url`` is a stage's ``latest.json`` or a snapshot's ``manifest.json``. File URLs are the manifest's
+per-file ``url`` when present (an object store's presigned URLs, each with its own query string) and
+otherwise the file name resolved against the manifest URL (whose query string, valid only for the
+manifest itself, is then dropped). Each file is written to ``<name>.part``; an interrupted transfer
+resumes with ``Range: bytes=<size of .part>-``; a finished file must match the manifest's sha256
+or it is downloaded again from scratch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urljoin, urlsplit
+
+import httpx
+
+from agora_client.events import DownloadEvent, EventWriter
+
+from .format import MANIFEST_FILE, SnapshotError, check_manifest, file_sha256, snapshot_name
+
+
+class DownloadError(Exception):
+    """The snapshot could not be downloaded; the message says why and what to do."""
+
+
+class _Interrupted(Exception):
+    """A transfer that stopped early but may be resumed."""
+
+
+def download_snapshot(
+    url: str,
+    dest_dir: Path,
+    *,
+    events: EventWriter,
+    chunk_size: int = 1 << 20,
+    client: httpx.Client | None = None,
+    max_retries: int = 5,
+    backoff_s: float = 0.5,
+    max_corrupt_retries: int = 2,
+    progress_every_s: float = 0.25,
+    timeout_s: float = 30.0,
+) -> Path:
+    """Download the snapshot into ``dest_dir/<stage>/<epoch>-<time>/`` and return that directory.
+
+    DownloadEvents: ``started`` per file (``resumed_from`` = bytes already there), ``progress`` at most
+    every ``progress_every_s`` (``bytes`` / ``total`` count the whole snapshot), ``retry`` with the reason,
+    ``verified`` per file, then ``done``; ``failed`` before DownloadError. Files already complete and
+    verified in the destination are not fetched again. ``max_retries`` bounds consecutive interruptions
+    without progress (waiting ``backoff_s`` doubled each time); ``max_corrupt_retries`` bounds re-downloads
+    after a sha256 mismatch.
+    """
+    own_client = client is None
+    http = client or httpx.Client(timeout=timeout_s, follow_redirects=True)
+    try:
+        manifest, manifest_url = _fetch_manifest(http, url, max_retries, backoff_s)
+        target = Path(dest_dir) / manifest["stage"] / snapshot_name(manifest["epoch"], manifest["timestamp"])
+        target.mkdir(parents=True, exist_ok=True)
+        progress = _Progress(events, sum(entry["size"] for entry in manifest["files"].values()), progress_every_s)
+        for name, entry in manifest["files"].items():
+            file_url = entry.get("url") or urljoin(manifest_url, name)
+            fetcher = _FileFetch(http, file_url, target / name, entry, progress, chunk_size)
+            fetcher.run(max_retries, backoff_s, max_corrupt_retries)
+        local = {**manifest, "files": {name: {"sha256": e["sha256"], "size": e["size"]} for name, e in manifest["files"].items()}}
+        _write_json(target / MANIFEST_FILE, local)  # without per-file URLs: presigned signatures stay off disk
+        progress.done(f"snapshot of {manifest['stage']} at epoch {manifest['epoch']} ready in {target}")
+        return target
+    except DownloadError as error:
+        events.emit(DownloadEvent(status="failed", message=str(error)))
+        raise
+    finally:
+        if own_client:
+            http.close()
+
+
+class _Progress:
+    """Whole-snapshot byte counts and rate; throttles progress events."""
+
+    def __init__(self, events: EventWriter, total: int, every_s: float):
+        self.events = events
+        self.total = total
+        self.every_s = every_s
+        self.completed = 0  # bytes of finished files
+        self.current = 0  # bytes of the file in flight
+        self.transferred = 0  # bytes received over the network in this call
+        self.started = time.monotonic()
+        self.last_emit = 0.0
+        self.file = ""
+        self.resumed_from = 0
+
+    @property
+    def bytes(self) -> int:
+        return self.completed + self.current
+
+    def rate(self) -> float:
+        elapsed = time.monotonic() - self.started
+        return self.transferred / elapsed if elapsed > 0 else 0.0
+
+    def eta(self) -> float | None:
+        rate = self.rate()
+        return (self.total - self.bytes) / rate if rate > 0 else None
+
+    def emit(self, status: str, message: str = "") -> None:
+        self.events.emit(DownloadEvent(
+            status=status, file=self.file, bytes=self.bytes, total=self.total, rate_bps=self.rate(),
+            eta_s=self.eta(), resumed_from=self.resumed_from, message=message,
+        ))
+
+    def file_started(self, name: str, offset: int) -> None:
+        self.file, self.current, self.resumed_from = name, offset, offset
+        self.emit("started", f"resuming {name} at byte {offset}" if offset else f"downloading {name}")
+
+    def received(self, count: int) -> None:
+        self.current += count
+        self.transferred += count
+        now = time.monotonic()
+        if now - self.last_emit >= self.every_s:
+            self.last_emit = now
+            self.emit("progress")
+
+    def file_done(self, name: str, size: int, message: str) -> None:
+        self.file, self.current = name, 0
+        self.completed += size
+        self.emit("verified", message)
+
+    def done(self, message: str) -> None:
+        self.file = ""
+        self.emit("done", message)
+
+
+class _FileFetch:
+    def __init__(self, http: httpx.Client, url: str, path: Path, entry: dict[str, Any], progress: _Progress, chunk_size: int):
+        self.http, self.url, self.path, self.progress, self.chunk_size = http, url, path, progress, chunk_size
+        self.name = path.name
+        self.size: int = entry["size"]
+        self.sha256: str = entry["sha256"]
+        self.part = path.with_name(path.name + ".part")
+
+    def run(self, max_retries: int, backoff_s: float, max_corrupt_retries: int) -> None:
+        if self.path.is_file() and self.path.stat().st_size == self.size and file_sha256(self.path) == self.sha256:
+            self.progress.file_done(self.name, self.size, f"{self.name} already downloaded and verified")
+            return
+        self.path.unlink(missing_ok=True)
+        failures = corrupt = 0
+        while True:
+            offset = self.part.stat().st_size if self.part.exists() else 0
+            if offset > self.size:
+                self.part.unlink()
+                offset = 0
+            if offset < self.size or not self.part.exists():
+                try:
+                    self._transfer(offset)
+                except _Interrupted as error:
+                    reached = self.part.stat().st_size if self.part.exists() else 0
+                    failures = 0 if reached > offset else failures + 1
+                    if failures > max_retries:
+                        raise DownloadError(
+                            f"downloading {self.name} from {_shown(self.url)} failed {failures} times in a row ({error}); "
+                            "check your connection and start again: the bytes already received are kept"
+                        ) from None
+                    self.progress.emit("retry", f"{self.name}: {error}; resuming at byte {reached}")
+                    time.sleep(backoff_s * 2 ** max(0, failures - 1))
+                    continue
+            digest = file_sha256(self.part)
+            if digest == self.sha256:
+                os.replace(self.part, self.path)
+                self.progress.file_done(self.name, self.size, f"{self.name} verified (sha256 {digest[:12]})")
+                return
+            corrupt += 1
+            self.part.unlink()
+            if corrupt > max_corrupt_retries:
+                raise DownloadError(
+                    f"{self.name} from {_shown(self.url)} failed its sha256 check {corrupt} times: the snapshot store "
+                    "serves a damaged file; tell the swarm operator"
+                )
+            self.progress.current = 0
+            self.progress.emit(
+                "retry", f"sha256 mismatch for {self.name} (expected {self.sha256[:12]}, got {digest[:12]}): downloading it again"
+            )
+
+    def _transfer(self, offset: int) -> None:
+        headers = {"Accept-Encoding": "identity"}
+        if offset:
+            headers["Range"] = f"bytes={offset}-"
+        try:
+            with self.http.stream("GET", self.url, headers=headers) as response:
+                mode = self._write_mode(response, offset)
+                if mode == "wb":
+                    offset = 0
+                self.progress.file_started(self.name, offset)
+                remaining = self.size - offset
+                with open(self.part, mode, buffering=self.chunk_size) as out:
+                    for block in response.iter_bytes():
+                        block = block[:remaining]  # never store more than the manifest promises
+                        out.write(block)
+                        remaining -= len(block)
+                        self.progress.received(len(block))
+                        if remaining <= 0:
+                            break
+                    out.flush()
+                    os.fsync(out.fileno())
+        except httpx.TransportError as error:
+            raise _Interrupted(f"connection lost ({type(error).__name__})") from None
+        if remaining > 0:
+            raise _Interrupted(f"the server ended the transfer {remaining} bytes early")
+
+    def _write_mode(self, response: httpx.Response, offset: int) -> str:
+        status = response.status_code
+        if status == 206 and offset and response.headers.get("Content-Range", "").startswith(f"bytes {offset}-"):
+            return "ab"
+        if status == 200 or status == 206 and not offset:
+            return "wb"  # a server that ignores Range sends the whole file
+        if status == 416:
+            self.part.unlink(missing_ok=True)
+            raise _Interrupted("the server refused to resume this file; starting it over")
+        if status in (408, 429) or status >= 500:
+            raise _Interrupted(f"the server answered HTTP {status}")
+        hint = " (an expired presigned URL? ask for a fresh snapshot URL)" if status in (401, 403) else ""
+        raise DownloadError(f"{_shown(self.url)} answered HTTP {status}{hint}")
+
+
+def _fetch_manifest(http: httpx.Client, url: str, max_retries: int, backoff_s: float) -> tuple[dict[str, Any], str]:
+    document = _get_json(http, url, max_retries, backoff_s)
+    if isinstance(document, dict) and "files" not in document and isinstance(document.get("manifest"), str):
+        url = urljoin(url, document["manifest"])  # latest.json -> the newest snapshot's manifest
+        document = _get_json(http, url, max_retries, backoff_s)
+    try:
+        return check_manifest(document, _shown(url)), url
+    except SnapshotError as error:
+        raise DownloadError(str(error)) from None
+
+
+def _get_json(http: httpx.Client, url: str, max_retries: int, backoff_s: float) -> Any:
+    failures = 0
+    while True:
+        try:
+            response = http.get(url)
+            break
+        except httpx.TransportError as error:
+            failures += 1
+            if failures > max_retries:
+                raise DownloadError(f"could not reach {_shown(url)} ({type(error).__name__}); check the snapshot URL and your connection") from None
+            time.sleep(backoff_s * 2 ** (failures - 1))
+    if response.status_code != 200:
+        hint = " (an expired presigned URL?)" if response.status_code in (401, 403) else ""
+        raise DownloadError(f"{_shown(url)} answered HTTP {response.status_code}{hint}; check the snapshot URL")
+    try:
+        return response.json()
+    except ValueError:
+        raise DownloadError(f"{_shown(url)} is not JSON: expected a snapshot manifest or latest.json") from None
+
+
+def _shown(url: str) -> str:
+    """The URL without its query string, which for a presigned URL is a credential."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}{parts.path}"
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(json.dumps(data, indent=2, sort_keys=True), encoding="utf-8")
+    os.replace(temporary, path)

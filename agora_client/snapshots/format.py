@@ -1,0 +1,356 @@
+"""Stage snapshots on disk: safetensors for tensors, JSON for everything else, never pickles.
+
+Layout under a snapshot root::
+
+    <stage>/latest.json                        {"stage", "epoch", "timestamp", "manifest": "<name>/manifest.json"}
+    <stage>/<epoch:08d>-<UTC time>/params.safetensors      the module's state_dict (persistent entries only)
+    <stage>/<epoch:08d>-<UTC time>/optimizer.safetensors   optimizer state, keys "state.<param index>.<name>"
+    <stage>/<epoch:08d>-<UTC time>/manifest.json           stage, epoch, timestamp, files {name: {sha256, size}},
+                                                           optimizer class, hyperparameters, parameter names
+
+A snapshot directory appears only complete (written to a temporary directory, fsynced, renamed);
+``latest.json`` is replaced atomically after it. Readers verify every hash and shape before
+touching the module or the optimizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+FORMAT = "agora-stage-snapshot"
+FORMAT_VERSION = 1
+PARAMS_FILE = "params.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+MANIFEST_FILE = "manifest.json"
+LATEST_FILE = "latest.json"
+_SNAPSHOT_NAME = re.compile(r"^\d{8,}-\d{8}T\d{6}\.\d{6}Z$")
+_HASH_BLOCK = 1 << 20
+
+
+class SnapshotError(Exception):
+    """A snapshot that cannot be written or used; the message names the file and the mismatch."""
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    epoch: int
+    timestamp: float
+    stage: str = ""
+    directory: Path | None = None
+
+
+def snapshot_name(epoch: int, timestamp: float) -> str:
+    moment = datetime.fromtimestamp(timestamp, tz=timezone.utc)
+    return f"{epoch:08d}-{moment.strftime('%Y%m%dT%H%M%S.%f')}Z"
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(_HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def save_stage_snapshot(
+    root: Path, stage: str, module: nn.Module, optimizer: torch.optim.Optimizer, epoch: int, keep: int
+) -> Path:
+    """Write one snapshot of ``module`` and ``optimizer`` under ``root/stage``; keep the newest ``keep``.
+
+    Call it outside averaging rounds so parameters and optimizer state belong to the same step.
+    Returns the snapshot directory.
+    """
+    if keep < 1:
+        raise SnapshotError(f"keep must be at least 1 (got {keep}): the snapshot just written is always kept")
+    stage_dir = Path(root) / stage
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    timestamp = time.time()
+    name = snapshot_name(epoch, timestamp)
+    params = _cpu_tensors(module.state_dict())
+    optimizer_tensors, optimizer_meta = _flatten_optimizer(module, optimizer)
+    temporary = stage_dir / f".tmp-{name}-{os.getpid()}"
+    temporary.mkdir()
+    try:
+        save_file(params, str(temporary / PARAMS_FILE))
+        save_file(optimizer_tensors, str(temporary / OPTIMIZER_FILE))
+        files = {}
+        for file_name in (PARAMS_FILE, OPTIMIZER_FILE):
+            path = temporary / file_name
+            _fsync_file(path)
+            files[file_name] = {"sha256": file_sha256(path), "size": path.stat().st_size}
+        manifest = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "stage": stage,
+            "epoch": int(epoch),
+            "timestamp": timestamp,
+            "created": datetime.fromtimestamp(timestamp, tz=timezone.utc).isoformat(),
+            "files": files,
+            "params": {key: list(tensor.shape) for key, tensor in params.items()},
+            "optimizer": optimizer_meta,
+        }
+        _write_json(temporary / MANIFEST_FILE, manifest)
+        _fsync_dir(temporary)
+        final = stage_dir / name
+        os.rename(temporary, final)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    _fsync_dir(stage_dir)
+    latest = {"stage": stage, "epoch": int(epoch), "timestamp": timestamp, "manifest": f"{name}/{MANIFEST_FILE}"}
+    _write_json(stage_dir / LATEST_FILE, latest)
+    _prune(stage_dir, keep, newest=name)
+    return final
+
+
+def load_stage_snapshot(
+    directory: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, stage: str | None = None
+) -> SnapshotInfo:
+    """Verify the snapshot in ``directory`` against its manifest, then load it into module (and optimizer).
+
+    Nothing is modified unless every file's hash and every tensor's shape match; otherwise SnapshotError.
+    """
+    directory = Path(directory)
+    manifest = read_manifest(directory / MANIFEST_FILE)
+    if stage is not None and manifest["stage"] != stage:
+        raise SnapshotError(f"{directory} is a snapshot of stage {manifest['stage']}, not {stage}; download the {stage} snapshot")
+    for file_name, expected in manifest["files"].items():
+        path = directory / file_name
+        if not path.is_file():
+            raise SnapshotError(f"{path} is missing; download the snapshot again")
+        if path.stat().st_size != expected["size"] or file_sha256(path) != expected["sha256"]:
+            raise SnapshotError(f"{path} does not match its sha256 in the manifest (corrupted or truncated); download the snapshot again")
+    params = _load_tensors(directory / PARAMS_FILE)
+    _check_against(params, module.state_dict(), f"{directory / PARAMS_FILE}")
+    optimizer_state = None
+    if optimizer is not None:
+        if OPTIMIZER_FILE not in manifest["files"]:
+            raise SnapshotError(f"{directory} holds no optimizer state")
+        optimizer_state = _unflatten_optimizer(_load_tensors(directory / OPTIMIZER_FILE), manifest.get("optimizer"), module, optimizer, directory)
+    with torch.no_grad():
+        module.load_state_dict(params, strict=True)
+    if optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)
+    return SnapshotInfo(epoch=manifest["epoch"], timestamp=manifest["timestamp"], stage=manifest["stage"], directory=directory)
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """Read and check a manifest's structure; SnapshotError says what is wrong."""
+    try:
+        manifest = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SnapshotError(f"no manifest at {path}: this is not a snapshot directory") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise SnapshotError(f"the manifest {path} is unreadable ({type(error).__name__}); download the snapshot again") from None
+    return check_manifest(manifest, str(path))
+
+
+def check_manifest(manifest: Any, source: str) -> dict[str, Any]:
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise SnapshotError(f"{source} is not a valid snapshot manifest: {problem}")
+    return manifest
+
+
+def latest_snapshot(stage_dir: Path) -> Path | None:
+    """The directory ``latest.json`` of a stage points at, or None if there is none."""
+    try:
+        latest = json.loads((Path(stage_dir) / LATEST_FILE).read_text(encoding="utf-8"))
+        return Path(stage_dir) / Path(latest["manifest"]).parent
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# -- internals ----------------------------------------------------------------------------------------
+
+
+def _manifest_problem(manifest: Any) -> str | None:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return f"its format is not {FORMAT}"
+    if manifest.get("version") != FORMAT_VERSION:
+        return f"its version is {manifest.get('version')!r}, this client reads version {FORMAT_VERSION}"
+    if not isinstance(manifest.get("stage"), str) or not isinstance(manifest.get("epoch"), int):
+        return "stage or epoch missing"
+    if not isinstance(manifest.get("timestamp"), (int, float)):
+        return "timestamp missing"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or PARAMS_FILE not in files:
+        return f"no entry for {PARAMS_FILE}"
+    for name, entry in files.items():
+        # File names come from the network: only plain names, never paths.
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name.startswith("."):
+            return f"file name {name!r} is not a plain file name"
+        if not isinstance(entry, dict) or not re.fullmatch(r"[0-9a-f]{64}", str(entry.get("sha256"))):
+            return f"{name} has no sha256"
+        if not isinstance(entry.get("size"), int) or entry["size"] < 0:
+            return f"{name} has no size"
+        if "url" in entry and not (isinstance(entry["url"], str) and entry["url"].startswith(("http://", "https://"))):
+            return f"{name} has a url that is not http(s)"
+    optimizer = manifest.get("optimizer")
+    if optimizer is not None and not (
+        isinstance(optimizer, dict) and isinstance(optimizer.get("class"), str)
+        and isinstance(optimizer.get("param_groups"), list) and isinstance(optimizer.get("param_names"), list)
+        and isinstance(optimizer.get("scalars"), dict)
+    ):
+        return "its optimizer section lacks class, param_groups, param_names or scalars"
+    return None
+
+
+def _cpu_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached CPU tensors; a tensor sharing storage with an earlier one is copied (safetensors refuses shared storage)."""
+    seen: set[int] = set()
+    tensors = {}
+    for key, value in state.items():
+        tensor = value.detach()
+        tensor = tensor.cpu() if tensor.device.type != "cpu" else tensor
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer in seen and tensor.numel():
+            tensor = tensor.clone()
+        seen.add(pointer)
+        tensors[key] = tensor.contiguous()
+    return tensors
+
+
+def _flatten_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    state_dict = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, str] = {}
+    for index, entries in state_dict["state"].items():
+        for name, value in entries.items():
+            key = f"state.{index}.{name}"
+            if isinstance(value, torch.Tensor):
+                tensors[key] = value
+            elif isinstance(value, (bool, int, float)):
+                # A Python scalar becomes a 0-d tensor; its type is remembered to restore it exactly.
+                scalars[key] = type(value).__name__
+                tensors[key] = torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
+            else:
+                raise SnapshotError(f"optimizer state {key} is a {type(value).__name__}; only tensors and numbers can be saved")
+    groups = []
+    for group in state_dict["param_groups"]:
+        saved = {}
+        for name, value in group.items():
+            if isinstance(value, torch.Tensor):
+                raise SnapshotError(f"optimizer hyperparameter {name} is a tensor; use a number to snapshot it")
+            saved[name] = list(value) if isinstance(value, tuple) else value
+        groups.append(saved)
+    names = {id(parameter): name for name, parameter in module.named_parameters()}
+    parameter_names = [[names.get(id(parameter)) for parameter in group["params"]] for group in optimizer.param_groups]
+    meta = {
+        "class": type(optimizer).__name__,
+        "param_groups": groups,
+        "param_names": parameter_names,
+        "scalars": scalars,
+    }
+    return _cpu_tensors(tensors), meta
+
+
+def _unflatten_optimizer(
+    tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None, module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path
+) -> dict[str, Any]:
+    where = directory / OPTIMIZER_FILE
+    if meta is None or meta["class"] != type(optimizer).__name__:
+        saved = meta["class"] if meta else "no"
+        raise SnapshotError(f"{where} holds {saved} state but this stage uses {type(optimizer).__name__}")
+    names = {id(parameter): name for name, parameter in module.named_parameters()}
+    current_names = [[names.get(id(parameter)) for parameter in group["params"]] for group in optimizer.param_groups]
+    if meta["param_names"] != current_names:
+        raise SnapshotError(f"{where} was saved for other parameters (names or order differ); it belongs to another model config")
+    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+    state: dict[int, dict[str, Any]] = {}
+    for key, tensor in tensors.items():
+        parts = key.split(".")
+        if len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit() or int(parts[1]) >= len(parameters):
+            raise SnapshotError(f"{where} holds an unexpected entry {key!r}")
+        index = int(parts[1])
+        kind = meta["scalars"].get(key)
+        if kind is not None:
+            value: Any = {"bool": bool, "int": int, "float": float}[kind](tensor.item())
+        else:
+            if tensor.dim() > 0 and tensor.shape != parameters[index].shape:
+                raise SnapshotError(
+                    f"{where}: {key} has shape {tuple(tensor.shape)} but parameter {index} "
+                    f"({_flat(current_names)[index]}) has {tuple(parameters[index].shape)}"
+                )
+            value = tensor
+        state.setdefault(index, {})[parts[2]] = value
+    groups = []
+    if len(meta["param_groups"]) != len(optimizer.param_groups):
+        raise SnapshotError(f"{where} has {len(meta['param_groups'])} parameter groups, this optimizer {len(optimizer.param_groups)}")
+    for saved, current in zip(meta["param_groups"], optimizer.param_groups):
+        restored = {name: tuple(value) if isinstance(current.get(name), tuple) else value for name, value in saved.items()}
+        groups.append(restored)
+    return {"state": state, "param_groups": groups}
+
+
+def _flat(names: list[list[str | None]]) -> list[str | None]:
+    return [name for group in names for name in group]
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as error:
+        raise SnapshotError(f"{path} is not a readable safetensors file ({error}); download the snapshot again") from None
+
+
+def _check_against(saved: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], where: str) -> None:
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    if missing or unexpected:
+        raise SnapshotError(
+            f"{where} does not fit this stage: missing {missing[:5]}, unexpected {unexpected[:5]}; "
+            "it was saved from another stage or model config"
+        )
+    for key, tensor in saved.items():
+        if tensor.shape != expected[key].shape:
+            raise SnapshotError(
+                f"{where}: {key} has shape {tuple(tensor.shape)} in the snapshot but {tuple(expected[key].shape)} "
+                "in this stage; it was saved from another model config"
+            )
+
+
+def _prune(stage_dir: Path, keep: int, newest: str) -> None:
+    snapshots = sorted((entry.name.split("-", 1)[1], entry.name) for entry in stage_dir.iterdir()
+                       if entry.is_dir() and _SNAPSHOT_NAME.match(entry.name))
+    names = [name for _, name in snapshots]
+    for name in names[:-keep]:
+        if name != newest:
+            shutil.rmtree(stage_dir / name, ignore_errors=True)  # another publisher may have pruned it already
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(temporary, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2, sort_keys=True)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

@@ -1,0 +1,160 @@
+"""`agora swarm`: a whole swarm on this machine, every role a real process on 127.0.0.1.
+
+Two seeds, then workers for every stage, then trainers. The trainers' progress lines (loss) are
+relayed to the console; every process writes its own log under the run directory. Ctrl-C stops
+everything, p2p daemons included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from agora_client.config import ConfigError, load_config
+from agora_client.swarm.processes import ManagedProcess, stop_all
+from agora_client.swarm.seed import READY_PREFIX
+
+WORKER_READY = "[WORKER]"
+START_TIMEOUT = 180.0
+
+
+@dataclass
+class SwarmOptions:
+    preset: str = "tiny"
+    workers_per_stage: int = 2
+    trainers: int = 1
+    run_dir: Path = Path("runs/swarm")
+    trainer_args: tuple[str, ...] = ()
+    worker_args: tuple[str, ...] = ()
+    report_every: float = 5.0
+
+
+class LocalSwarm:
+    """Starts and stops the processes of a local swarm; usable as a context manager (tests, demo, bench)."""
+
+    def __init__(self, options: SwarmOptions, on_line: Callable[[str, str], None] | None = None):
+        self.options, self.on_line = options, on_line
+        self.config = load_config(options.preset)
+        self.seeds: list[ManagedProcess] = []
+        self.workers: dict[str, list[ManagedProcess]] = {stage: [] for stage in self.config.model.stage_names}
+        self.trainers: list[ManagedProcess] = []
+        self.seed_addrs: list[str] = []
+        self.started_at = time.monotonic()
+
+    @property
+    def processes(self) -> list[ManagedProcess]:
+        return [*self.trainers, *(w for group in self.workers.values() for w in group), *self.seeds]
+
+    def _spawn(self, name: str, args: list[str]) -> ManagedProcess:
+        return ManagedProcess(name, args, self.options.run_dir / "logs" / f"{name}.log", on_line=self.on_line)
+
+    def start_seeds(self) -> list[str]:
+        for index in range(2):
+            seed = self._spawn(f"seed{index}", ["seed", "--seeds", *self.seed_addrs])
+            self.seeds.append(seed)
+            self.seed_addrs.append(seed.wait_for(READY_PREFIX, START_TIMEOUT).split()[-1])
+        return self.seed_addrs
+
+    def start_worker(self, stage: str, *extra: str, wait: bool = True) -> ManagedProcess:
+        index = len(self.workers[stage])
+        args = ["worker", "--stage", stage, "--index", str(index), "--preset", self.options.preset]
+        args += ["--seeds", *self.seed_addrs]
+        args += ["--events", str(self.options.run_dir / "events" / f"{stage}-{index}.jsonl")]
+        (self.options.run_dir / "events").mkdir(parents=True, exist_ok=True)
+        worker = self._spawn(f"{stage}-{index}", [*args, *self.options.worker_args, *extra])
+        self.workers[stage].append(worker)
+        if wait:
+            worker.wait_for(WORKER_READY, START_TIMEOUT)
+        return worker
+
+    def start_trainer(self, *extra: str) -> ManagedProcess:
+        index = len(self.trainers)
+        args = ["trainer", "--preset", self.options.preset, "--seeds", *self.seed_addrs]
+        args += ["--shard", f"{index}/{max(self.options.trainers, index + 1)}", "--report-every", str(self.options.report_every)]
+        trainer = self._spawn(f"trainer{index}", [*args, *self.options.trainer_args, *extra])
+        self.trainers.append(trainer)
+        return trainer
+
+    def start(self) -> "LocalSwarm":
+        self.started_at = time.monotonic()
+        self.start_seeds()
+        launching = []
+        for stage in self.config.model.stage_names:
+            for _ in range(self.options.workers_per_stage):
+                launching.append(self.start_worker(stage, wait=False))
+        for worker in launching:
+            worker.wait_for(WORKER_READY, START_TIMEOUT)
+        for _ in range(self.options.trainers):
+            self.start_trainer()
+        return self
+
+    def stop(self) -> None:
+        stop_all(self.processes)
+
+    def leftover_pids(self) -> list[int]:
+        return [pid for process in self.processes for pid in process.group_pids()]
+
+    def __enter__(self) -> "LocalSwarm":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="tiny", help="run config preset (default: tiny)")
+    parser.add_argument("--workers-per-stage", type=int, default=2)
+    parser.add_argument("--trainers", type=int, default=1)
+    parser.add_argument("--run-dir", type=Path, default=Path("runs/swarm"), help="logs and events go here")
+    parser.add_argument("--report-every", type=float, default=5.0, help="seconds between loss lines")
+
+
+def run(args: argparse.Namespace) -> int:
+    options = SwarmOptions(
+        preset=args.preset,
+        workers_per_stage=args.workers_per_stage,
+        trainers=args.trainers,
+        run_dir=args.run_dir,
+        report_every=args.report_every,
+    )
+
+    def relay(name: str, line: str) -> None:
+        if name.startswith("trainer") and line.startswith(("[PROGRESS]", "[WARNING]", "[ERROR]", "[TRAINER]")):
+            print(f"{name}: {line}", flush=True)
+
+    try:
+        swarm = LocalSwarm(options, on_line=relay)
+    except ConfigError as error:
+        print(f"[ERROR] {error}")
+        return 2
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    print(f"[SWARM] starting {options.preset}: 2 seeds, {options.workers_per_stage} workers per stage, "
+          f"{options.trainers} trainer(s); logs in {options.run_dir / 'logs'}", flush=True)
+    try:
+        swarm.start()
+        print(f"[SWARM] all workers up after {time.monotonic() - swarm.started_at:.1f}s; seeds: {' '.join(swarm.seed_addrs)}", flush=True)
+        print("[SWARM] press Ctrl-C to stop", flush=True)
+        while not stop.wait(1.0):
+            if not all(trainer.alive for trainer in swarm.trainers):
+                print("[ERROR] a trainer exited; see its log", flush=True)
+                return 1
+    except RuntimeError as error:
+        print(f"[ERROR] {error}", flush=True)
+        return 1
+    finally:
+        print("[SWARM] stopping every process...", flush=True)
+        swarm.stop()
+        left = swarm.leftover_pids()
+        print(f"[SWARM] stopped{'' if not left else f'; processes still running: {left}'}", flush=True)
+    return 0

@@ -1,0 +1,131 @@
+"""`agora trainer`: a CPU-only loop that streams its data shard through the remote pipeline.
+
+Output lines (stdout), parseable by tests and the swarm launcher:
+  [TRAINER] waiting for workers: ...
+  [PROGRESS] microbatches=<n> loss=<mean since last line> tokens_per_s=<x> | <per-stage roster and bans>
+  [WARNING] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+
+from agora_client.config import ConfigError, load_config
+from agora_client.swarm.dht import NoSeedAnswered, connect_dht
+from agora_client.swarm.roster import fetch_roster
+from agora_client.trainer.balancer import Router, StageBalancer
+from agora_client.trainer.data import DataError, SequenceStream, Shard
+from agora_client.trainer.pipeline import Pipeline, RequestFailed, StallNotice
+from agora_client.trainer.rpc import StageClient, TrafficCounter
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seeds", nargs="+", required=True, help="seed multiaddrs")
+    parser.add_argument("--preset", default="tiny", help="run config preset name or YAML path")
+    parser.add_argument("--data", default=None, help="local .txt/.jsonl/.parquet file or folder, or a hub dataset name")
+    parser.add_argument("--shard", default="0/1", help="this trainer's shard as INDEX/COUNT (default 0/1)")
+    parser.add_argument("--inflight", type=int, default=3, help="microbatches in flight at once")
+    parser.add_argument("--report-every", type=float, default=60.0, help="seconds between progress lines")
+    parser.add_argument("--roster-every", type=float, default=5.0, help="seconds between roster reads")
+    parser.add_argument("--ban-seconds", type=float, default=30.0, help="how long an unreachable worker is skipped")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a request is given up")
+    parser.add_argument("--max-microbatches", type=int, default=0, help="stop after this many (0 = run until stopped)")
+
+
+def say(tag: str, message: str) -> None:
+    print(f"[{tag}] {message}", flush=True)
+
+
+class RosterWatcher(threading.Thread):
+    """Keeps the router's view of every stage current from the stage DHTs."""
+
+    def __init__(self, dhts: dict, router: Router, period: float, stop: threading.Event):
+        super().__init__(name="roster", daemon=True)
+        self.dhts, self.router, self.period, self.stop = dhts, router, period, stop
+
+    def refresh(self) -> None:
+        for stage, dht in self.dhts.items():
+            try:
+                self.router[stage].update_roster(list(fetch_roster(dht, stage).values()))
+            except Exception as error:  # a DHT hiccup must not stop routing on the last known roster
+                say("WARNING", f"could not read the {stage} roster: {error}")
+
+    def run(self) -> None:
+        while not self.stop.wait(self.period):
+            self.refresh()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.preset)
+        index, count = (int(part) for part in args.shard.split("/"))
+        stream = SequenceStream(args.data, config.model.seq_len, Shard(index, count), seed=config.seed + index)
+    except (ConfigError, DataError, ValueError) as error:
+        say("ERROR", str(error))
+        return 2
+    stages = list(config.model.stage_names)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        dhts = {stage: connect_dht(args.seeds) for stage in stages}  # one DHT peer per stage
+    except NoSeedAnswered as error:
+        say("ERROR", str(error))
+        return 1
+    traffic = TrafficCounter()
+    clients = {stage: StageClient(stage, dhts[stage], traffic, args.timeout) for stage in stages}
+    router = Router(stages, lambda stage: StageBalancer(stage, ban_seconds=args.ban_seconds))
+    watcher = RosterWatcher(dhts, router, args.roster_every, stop)
+    watcher.refresh()
+    while router.empty_stages() and not stop.is_set():
+        say("TRAINER", f"waiting for workers: {', '.join(router.empty_stages())}")
+        stop.wait(3)
+        watcher.refresh()
+    watcher.start()
+    pipeline = Pipeline(stages, clients, router, StallNotice(lambda message: say("WARNING", message)), stop=stop)
+    try:
+        done = _train(pipeline, stream.batches(config.optim.microbatch_size), args, router, stop)
+    finally:
+        stop.set()
+        for dht in dhts.values():
+            dht.shutdown()
+    say("TRAINER", f"stopped after {done} microbatches")
+    return 0
+
+
+def _train(pipeline: Pipeline, batches, args, router: Router, stop: threading.Event) -> int:
+    done, losses, tokens = 0, [], 0
+    last_report = time.monotonic()
+    with ThreadPoolExecutor(args.inflight, thread_name_prefix="microbatch") as pool:
+        pending: dict[Future, int] = {}
+        while not stop.is_set():
+            while len(pending) < args.inflight and not (args.max_microbatches and done + len(pending) >= args.max_microbatches):
+                batch = next(batches)
+                pending[pool.submit(pipeline.train_microbatch, batch)] = batch[:, :-1].numel()
+            if not pending:
+                break
+            finished, _ = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+            for future in finished:
+                batch_tokens = pending.pop(future)
+                try:
+                    losses.append(future.result())
+                    tokens += batch_tokens
+                    done += 1
+                except RequestFailed as error:
+                    if not stop.is_set():
+                        say("WARNING", f"microbatch dropped: {error}")
+            if losses and (time.monotonic() - last_report >= args.report_every or not pending):
+                elapsed = time.monotonic() - last_report
+                roster = "; ".join(stats.summary() for stats in router.window_stats().values())
+                say(
+                    "PROGRESS",
+                    f"microbatches={done} loss={sum(losses) / len(losses):.4f} tokens_per_s={tokens / elapsed:.1f} | {roster}",
+                )
+                losses, tokens, last_report = [], 0, time.monotonic()
+        stop.set()
+    return done
+

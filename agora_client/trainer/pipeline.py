@@ -1,0 +1,130 @@
+"""One microbatch through the remote pipeline: head -> bodies -> tail, then gradients back.
+
+The trainer holds no parameters. Forward sends each stage's input to the least-loaded worker of
+that stage; backward resends the same input with the gradient of the stage's output, preferring
+the worker that ran the forward. When that worker is gone another worker of the stage runs the
+stateless backward: it recomputes the forward from the resent input with its own weights, so the
+gradient is that of a same-stage replica (close, since SPARTA keeps replicas in agreement), not of
+the exact weights that produced the activations.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from agora_client.trainer.balancer import Kind, Router, WorkerKey
+from agora_client.trainer.errors import ErrorClass, RetryPolicy
+from agora_client.trainer.rpc import StageClient
+
+STALL_POLL_SECONDS = 1.0
+
+
+class RequestFailed(RuntimeError):
+    """A request that cannot succeed by retrying (rejected as malformed, or out of attempts)."""
+
+
+class StallNotice:
+    """Says once that a stage has no reachable worker, and once that it is back."""
+
+    def __init__(self, say: Callable[[str], None]):
+        self._say, self._stalled, self._lock = say, set(), threading.Lock()
+
+    def stalled(self, stage: str) -> None:
+        with self._lock:
+            if stage not in self._stalled:
+                self._stalled.add(stage)
+                self._say(f"stage {stage} has no reachable worker: the pipeline waits until one returns")
+
+    def resumed(self, stage: str) -> None:
+        with self._lock:
+            if stage in self._stalled:
+                self._stalled.discard(stage)
+                self._say(f"stage {stage} has a worker again: resuming")
+
+
+class Pipeline:
+    def __init__(
+        self,
+        stages: Sequence[str],
+        clients: dict[str, StageClient],
+        router: Router,
+        stall: StallNotice,
+        *,
+        policy: RetryPolicy = RetryPolicy(),
+        stop: threading.Event | None = None,
+    ):
+        self.stages, self.clients, self.router, self.stall = list(stages), clients, router, stall
+        self.policy = policy
+        self.stop = stop or threading.Event()
+
+    def train_microbatch(self, batch: torch.Tensor) -> float:
+        """Forward and backward one [B, T+1] token batch; returns its mean loss."""
+        tokens, labels = batch[:, :-1], batch[:, 1:]
+        units = float(tokens.numel())
+        boundary: torch.Tensor | None = None
+        trace: list[tuple[str, WorkerKey, tuple[torch.Tensor, ...]]] = []
+        for stage in self.stages:
+            if stage == "head":
+                inputs = (tokens,)
+            elif stage == "tail":
+                inputs = (boundary, tokens, labels)
+            else:
+                inputs = (boundary, tokens)
+            worker, outputs = self._call(stage, "forward", units, inputs)
+            trace.append((stage, worker, inputs))
+            boundary = outputs[0]
+        losses = boundary
+        # Workers average gradients over the samples they accumulated, so each sample's loss gets weight 1.
+        grad: torch.Tensor = torch.ones_like(losses)
+        for stage, worker, inputs in reversed(trace):
+            _, grads = self._call(stage, "backward", units, inputs, grad_outputs=(grad,), prefer=worker)
+            grad = grads[0]
+        return float(losses.mean())
+
+    def _call(
+        self,
+        stage: str,
+        kind: Kind,
+        units: float,
+        inputs: tuple[torch.Tensor, ...],
+        *,
+        grad_outputs: tuple[torch.Tensor, ...] = (),
+        prefer: WorkerKey | None = None,
+    ) -> tuple[WorkerKey, list[torch.Tensor]]:
+        balancer, client = self.router[stage], self.clients[stage]
+        excluded: set[WorkerKey] = set()
+        attempts, attempts_on_worker = 0, 0
+        while True:
+            lease = balancer.choose(kind, units, exclude=excluded, prefer=prefer)
+            while lease is None:  # whole stage unreachable or banned: wait, it resumes by itself
+                if self.stop.is_set():
+                    raise RequestFailed("stopping")
+                self.stall.stalled(stage)
+                excluded.clear()
+                time.sleep(STALL_POLL_SECONDS)
+                lease = balancer.choose(kind, units, prefer=prefer)
+            self.stall.resumed(stage)
+            attempts_on_worker = attempts_on_worker + 1 if lease.key == prefer else 1
+            attempts += 1
+            try:
+                if kind == "forward":
+                    outputs = client.forward(lease.worker, inputs)
+                else:
+                    outputs = client.backward(lease.worker, inputs, grad_outputs)
+            except Exception as error:  # every RPC failure is classified; none may kill the trainer
+                verdict = balancer.report_failure(lease, error)
+                step = self.policy.next_step(verdict.error_class, attempts, attempts_on_worker)
+                if step is None:
+                    raise RequestFailed(f"{stage} {kind} given up after {attempts} attempt(s) on {lease.worker.uid}: {error}") from error
+                if step is ErrorClass.RETRY_SAME:
+                    prefer = lease.key
+                else:
+                    excluded.add(lease.key)
+                    prefer = None
+                continue
+            balancer.report_success(lease)
+            return lease.key, outputs

@@ -1,0 +1,30 @@
+"""Helpers for integration tests that run a real local swarm."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Callable
+
+PROGRESS = re.compile(r"\[PROGRESS\] microbatches=(\d+) loss=([0-9.]+)")
+
+
+def progress(lines: list[str]) -> list[tuple[int, float]]:
+    """(microbatches done, mean loss) of every progress line a trainer printed."""
+    return [(int(m.group(1)), float(m.group(2))) for line in lines if (m := PROGRESS.search(line))]
+
+
+def events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str, poll: float = 1.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(poll)

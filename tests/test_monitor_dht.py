@@ -1,0 +1,266 @@
+"""Signed metrics on real hivemind DHT nodes (127.0.0.1) and the monitor service as a real process.
+
+Forged and unsigned records sit in the same DHT key as the real ones the whole time; the
+monitor's totals must equal exactly what the honest workers' counters say.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from hivemind import DHT
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from agora_client.auth.tickets import generate_signing_key, issue_ticket, public_key_text
+from agora_client.config import load_config
+from agora_client.monitor.points import PFLOP
+from agora_client.monitor.records import (
+    MetricsRecord,
+    create_signed_dht,
+    fetch_metrics,
+    metrics_key,
+    metrics_subkey,
+    publish_metrics,
+    signed_dht_kwargs,
+    write_identity_file,
+)
+from agora_client.worker.metrics import WorkerMetrics
+
+REPO = Path(__file__).resolve().parents[1]
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+MODEL = load_config("tiny").model
+TTL = 300.0
+
+pytestmark = pytest.mark.integration
+
+
+class ForgingValidator(RSASignatureValidator):
+    """An attacker's validator: signs every record with its own key and accepts anything."""
+
+    def sign_value(self, record):
+        signature = self._private_key.sign(self._serialize_record(record))
+        return record.value + self.SIGNATURE_FORMAT.replace(b"_value_", signature)
+
+    def validate(self, record) -> bool:
+        return True
+
+
+class Swarm:
+    def __init__(self, tmp: Path) -> None:
+        self.dhts: list[DHT] = []
+        self.auth_key = generate_signing_key()
+        self.public_key = public_key_text(self.auth_key)
+        self.seed = self._keep(DHT(start=True, host_maddrs=LOOPBACK, record_validators=[RSASignatureValidator(RSAPrivateKey())]))
+        self.initial_peers = [str(addr) for addr in self.seed.get_visible_maddrs()]
+        self.alice_body, self.alice_body_validator = self._signed(tmp / "alice-body.id")
+        self.alice_head, self.alice_head_validator = self._signed(tmp / "alice-head.id")
+        self.mallory, self.mallory_validator = self._signed(tmp / "mallory.id")
+        self.unsigned = self._keep(DHT(start=True, initial_peers=self.initial_peers, host_maddrs=LOOPBACK))
+        self.forger = self._keep(DHT(start=True, initial_peers=self.initial_peers, host_maddrs=LOOPBACK,
+                                     record_validators=[ForgingValidator(RSAPrivateKey())]))
+        self.monitor = self._keep(DHT(start=True, initial_peers=self.initial_peers, client_mode=True,
+                                      record_validators=[RSASignatureValidator(RSAPrivateKey())]))
+
+    def _keep(self, dht: DHT) -> DHT:
+        self.dhts.append(dht)
+        return dht
+
+    def _signed(self, path: Path) -> tuple[DHT, RSASignatureValidator]:
+        dht, validator = create_signed_dht(path, RSAPrivateKey(), initial_peers=self.initial_peers, host_maddrs=LOOPBACK)
+        return self._keep(dht), validator
+
+    def ticket(self, dht: DHT, stage: str, identity: str = "alice") -> str:
+        return issue_ticket(self.auth_key, identity=identity, peer_id=dht.peer_id.to_base58(), stage=stage, slot=0, ttl_s=3600)
+
+    def shutdown(self) -> None:
+        for dht in reversed(self.dhts):
+            dht.shutdown()
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    built = Swarm(tmp_path_factory.mktemp("dht"))
+    try:
+        yield built
+    finally:
+        built.shutdown()
+
+
+def worker_metrics(swarm: Swarm, dht: DHT, stage: str) -> WorkerMetrics:
+    metrics = WorkerMetrics(MODEL, stage, peer_id=dht.peer_id.to_base58(), identity="alice", ticket=swarm.ticket(dht, stage))
+    metrics.set_phase("active")
+    return metrics
+
+
+def plant_forgeries(swarm: Swarm, victim: MetricsRecord, victim_validator: RSASignatureValidator) -> None:
+    """Every way we know to claim points that were not earned, stored next to the real record."""
+    inflated = victim.model_copy(update={"compute_flops": 1e21, "flops_total": 1e21}).model_dump(mode="json")
+    key, expiration = metrics_key(victim.stage), get_dht_time() + TTL
+    mallory_id = swarm.mallory.peer_id.to_base58()
+    # 1. unsigned: the victim's peer id as a bare subkey
+    swarm.unsigned.store(key, inflated, expiration, subkey=victim.peer_id.encode())
+    # 2. the victim's owner subkey, signed with another key
+    swarm.forger.store(key, inflated, expiration, subkey=metrics_subkey(victim.peer_id, victim_validator))
+    # 3. correctly signed by mallory, but claiming to be the victim's peer
+    swarm.mallory.store(key, inflated, expiration, subkey=metrics_subkey(victim.peer_id, swarm.mallory_validator))
+    # 4. mallory's own peer, replaying the victim's ticket
+    replay = victim.model_copy(update={"peer_id": mallory_id, "compute_flops": 1e21})
+    publish_metrics(swarm.mallory, replay, swarm.mallory_validator, TTL)
+    # 5. mallory's own peer with a ticket from another auth service (for the head stage, not taken by anyone)
+    other_service = generate_signing_key()
+    fake_ticket = issue_ticket(other_service, identity="mallory", peer_id=mallory_id, stage="head", slot=0, ttl_s=3600)
+    fake = victim.model_copy(update={"peer_id": mallory_id, "identity": "mallory", "stage": "head", "ticket": fake_ticket,
+                                     "compute_flops": 1e21})
+    publish_metrics(swarm.mallory, fake, swarm.mallory_validator, TTL)
+
+
+def test_fetch_keeps_the_signed_ticketed_record_and_drops_every_forgery(swarm):
+    metrics = worker_metrics(swarm, swarm.alice_body, "body1")
+    metrics.on_backward((8, 128))
+    real = metrics.snapshot()
+    assert publish_metrics(swarm.alice_body, real, swarm.alice_body_validator, TTL)
+    plant_forgeries(swarm, real, swarm.alice_body_validator)
+
+    rejected: list[str] = []
+    found = fetch_metrics(swarm.monitor, ["head", "body1"], swarm.public_key, on_reject=rejected.append)
+    assert [item.record for item in found] == [real]
+    assert found[0].claims.identity == "alice" and found[0].claims.peer_id == real.peer_id
+    reasons = "\n".join(rejected)
+    assert "unsigned record" in reasons
+    assert "is signed by the key of peer" in reasons
+    assert "ticket is for peer" in reasons
+    assert "invalid ticket" in reasons
+    # The raw DHT value really holds the planted entries: the monitor saw them and dropped them.
+    raw = swarm.monitor.get(metrics_key("body1"), latest=True).value
+    assert len(raw) >= 3
+
+
+class MonitorProcess:
+    def __init__(self, swarm: Swarm, db: Path) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, str(REPO / "agora_cli.py"), "monitor", "--initial-peers", *swarm.initial_peers,
+             "--auth-public-key", swarm.public_key, "--db", str(db), "--port", "0", "--interval", "1", "--log-level", "WARNING"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.url = self._wait_for_url(timeout=90)
+
+    def _pump(self) -> None:
+        for line in self.process.stdout:
+            self.lines.put(line)
+
+    def _wait_for_url(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        seen = []
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=1)
+            except queue.Empty:
+                if self.process.poll() is not None:
+                    break
+                continue
+            seen.append(line)
+            if line.startswith("[MONITOR] leaderboard on "):
+                return line.removeprefix("[MONITOR] leaderboard on ").strip().removesuffix("/leaderboard")
+        raise AssertionError("monitor did not start:\n" + "".join(seen))
+
+    def kill(self) -> None:
+        """SIGKILL the monitor and its DHT children (its own process group): a crash, not a clean stop."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+
+def wait_for(predicate, timeout: float = 60.0, message: str = ""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out: {message}")
+
+
+def peer_compute(url: str, peer_id: str) -> float | None:
+    reply = httpx.get(f"{url}/peers/{peer_id}", timeout=5)
+    return reply.json()["compute"] if reply.status_code == 200 else None
+
+
+def test_monitor_killed_mid_run_keeps_every_total_and_never_counts_forgeries(swarm, tmp_path):
+    body = worker_metrics(swarm, swarm.alice_body, "body1")
+    head = worker_metrics(swarm, swarm.alice_head, "head")
+    started = time.time()
+
+    def work_and_publish(batches: int) -> None:
+        for _ in range(batches):
+            body.on_backward((8, 128))
+            head.on_backward((8, 128))
+        assert publish_metrics(swarm.alice_body, body.snapshot(), swarm.alice_body_validator, TTL)
+        assert publish_metrics(swarm.alice_head, head.snapshot(), swarm.alice_head_validator, TTL)
+
+    work_and_publish(3)
+    plant_forgeries(swarm, body.snapshot(), swarm.alice_body_validator)
+    body_id, head_id = (dht.peer_id.to_base58() for dht in (swarm.alice_body, swarm.alice_head))
+    db = tmp_path / "points.sqlite"
+
+    monitor = MonitorProcess(swarm, db)
+    try:
+        expected = (body.compute_flops / PFLOP, head.compute_flops / PFLOP)
+        wait_for(lambda: (peer_compute(monitor.url, body_id), peer_compute(monitor.url, head_id)) == pytest.approx(expected),
+                 message="first run of the monitor never credited both peers")
+    finally:
+        monitor.kill()
+
+    work_and_publish(5)  # the swarm goes on while the monitor is down
+    monitor = MonitorProcess(swarm, db)
+    try:
+        expected = (body.compute_flops / PFLOP, head.compute_flops / PFLOP)
+        wait_for(lambda: (peer_compute(monitor.url, body_id), peer_compute(monitor.url, head_id)) == pytest.approx(expected),
+                 message="restarted monitor did not reach the workers' totals")
+        time.sleep(2.5)  # a few more scrapes of the same records change nothing
+        rows = httpx.get(f"{monitor.url}/leaderboard", timeout=5).json()["rows"]
+    finally:
+        monitor.kill()
+
+    assert [row["username"] for row in rows] == ["alice"]  # mallory's records never counted
+    alice = rows[0]
+    compute = (body.compute_flops + head.compute_flops) / PFLOP
+    presence_hours = alice["active_hours"]
+    assert 0 < presence_hours <= 2 * (time.time() - started) / 3600 + 1e-3
+    assert alice["score"] == pytest.approx(compute + presence_hours, abs=1e-4)
+    assert alice["online"] is True
+
+
+def test_a_signed_worker_dht_keeps_the_progress_tracker_working(swarm, tmp_path):
+    """signed_dht_kwargs uses hivemind's process-wide key, so ProgressTracker's default validator agrees with it."""
+    from hivemind.optim.progress_tracker import ProgressTracker
+
+    kwargs = signed_dht_kwargs(tmp_path / "worker.id")
+    dht = DHT(start=True, initial_peers=swarm.initial_peers, host_maddrs=LOOPBACK, **kwargs)
+    tracker = None
+    try:
+        assert dht.peer_id.to_base58() == write_identity_file(tmp_path / "again.id")
+        tracker = ProgressTracker(dht, "agora.progress.test", target_batch_size=100, start=True,
+                                  min_refresh_period=0.2, max_refresh_period=0.5, default_refresh_period=0.2)
+        tracker.report_local_progress(0, 40)
+        wait_for(lambda: tracker.global_progress.samples_accumulated == 40, timeout=30, message="progress not reported")
+        metrics = worker_metrics(swarm, dht, "body2")
+        assert publish_metrics(dht, metrics.snapshot(), kwargs["record_validators"][0], TTL)
+        found = fetch_metrics(swarm.monitor, ["body2"], swarm.public_key)
+        assert [item.record.peer_id for item in found] == [dht.peer_id.to_base58()]
+    finally:
+        if tracker is not None:
+            tracker.shutdown()
+        dht.shutdown()

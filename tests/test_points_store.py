@@ -1,0 +1,112 @@
+"""The SQLite ledger and the leaderboard HTTP API: restarts lose no total and count nothing twice."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agora_client.monitor.estimate import fetch_confirmed
+from agora_client.monitor.http_api import LeaderboardServer
+from agora_client.monitor.leaderboard_cli import format_table
+from agora_client.monitor.points import PFLOP, Observation, PointsPolicy
+from agora_client.monitor.store import PointsStore
+
+REPO = Path(__file__).resolve().parents[1]
+POLICY = PointsPolicy(identity_cap=2, online_window_s=90.0)
+
+
+def obs(peer: str, t: float, active: float, flops: float, identity: str = "alice") -> Observation:
+    return Observation(peer_id=peer, identity=identity, stage="head", run_id="r1", sync_phase="active",
+                       active_seconds=active, compute_flops=flops, seen_at=t)
+
+
+def test_a_reopened_store_keeps_every_total_and_does_not_recredit(tmp_path):
+    db = tmp_path / "points.sqlite"
+    store = PointsStore(db, POLICY)
+    store.record_scrape([obs("p1", 0, 0, 0), obs("p2", 0, 0, 0)], {}, now=0)
+    store.record_scrape([obs("p1", 60, 60, 2 * PFLOP), obs("p2", 60, 60, PFLOP)], {"p1": '{"x": 1}'}, now=60)
+    before = store.peers()
+    store.close()
+
+    store = PointsStore(db, POLICY)  # the monitor restarted
+    assert store.peers() == before
+    # The same records read again after the restart credit nothing more.
+    store.record_scrape([obs("p1", 70, 60, 2 * PFLOP), obs("p2", 70, 60, PFLOP)], {}, now=70)
+    assert store.peer("p1").score == pytest.approx(before["p1"].score)
+    # The monitor was down for an hour: the peers' counters kept running, nothing is lost.
+    store.record_scrape([obs("p1", 3670, 3660, 5 * PFLOP)], {}, now=3670)
+    assert store.peer("p1").compute_points == pytest.approx(5.0)
+    assert store.peer("p1").presence_seconds == pytest.approx(3660)
+    rows = store.leaderboard(now=3670)
+    assert rows[0].username == "alice"
+    assert rows[0].score == pytest.approx(3660 / 3600 + 5 + 60 / 3600 + 1, rel=1e-6)
+    store.close()
+
+
+def test_a_failed_scrape_writes_nothing(tmp_path):
+    store = PointsStore(tmp_path / "points.sqlite", POLICY)
+    store.record_scrape([obs("p1", 0, 0, PFLOP)], {}, now=0)
+    with pytest.raises(sqlite3.ProgrammingError):  # p1 is written first, then p2 fails: all rolled back
+        store.record_scrape([obs("p1", 10, 10, 2 * PFLOP), obs("p2", 10, 0, 0)], {"p2": object()}, now=10)
+    assert store.peer("p2") is None
+    assert store.peer("p1").compute_points == pytest.approx(1.0)
+    store.close()
+
+
+def test_leaderboard_endpoint_survives_a_restart_and_the_cli_prints_a_table(tmp_path):
+    db = tmp_path / "points.sqlite"
+    store = PointsStore(db, POLICY)
+    store.record_scrape([obs("a1", 0, 0, 0), obs("b1", 0, 0, 0, identity="bob")], {}, now=0)
+    store.record_scrape([obs("a1", 60, 60, 3 * PFLOP), obs("b1", 60, 60, PFLOP, identity="bob")], {}, now=60)
+    server = LeaderboardServer(store, "127.0.0.1", 0, clock=lambda: 100.0).start()
+    try:
+        reply = httpx.get(f"{server.url}/leaderboard", timeout=5).json()
+        peer = httpx.get(f"{server.url}/peers/a1", timeout=5).json()
+        missing = httpx.get(f"{server.url}/peers/nobody", timeout=5)
+        confirmed = fetch_confirmed(server.url, "a1"), fetch_confirmed(server.url, "nobody")
+    finally:
+        server.stop()
+        store.close()
+    rows = reply["rows"]
+    assert [(r["rank"], r["username"], r["online"]) for r in rows] == [(1, "alice", True), (2, "bob", True)]
+    assert rows[0]["score"] == pytest.approx(3 + 60 / 3600, rel=1e-6)
+    assert rows[0]["active_hours"] == pytest.approx(60 / 3600, abs=1e-4)
+    assert rows[0]["joined"] == "1970-01-01T00:00:00+00:00"
+    assert peer["identity"] == "alice" and peer["compute"] == pytest.approx(3.0)
+    assert missing.status_code == 404 and "no verified metrics" in missing.json()["error"]
+    assert confirmed == (pytest.approx(peer["score"]), None)
+    assert fetch_confirmed(server.url, "a1", timeout=1) is None  # the monitor is down now
+
+    store = PointsStore(db, POLICY)  # a new service process on the same file
+    server = LeaderboardServer(store, "127.0.0.1", 0, clock=lambda: 1000.0).start()
+    try:
+        again = httpx.get(f"{server.url}/leaderboard", timeout=5).json()["rows"]
+        printed = subprocess.run(
+            [sys.executable, str(REPO / "agora_cli.py"), "leaderboard", "--url", server.url],
+            capture_output=True, text=True, timeout=60, cwd=REPO,
+        )
+    finally:
+        server.stop()
+        store.close()
+    assert [(r["username"], r["score"]) for r in again] == [(r["username"], r["score"]) for r in rows]
+    assert not any(r["online"] for r in again)  # nobody seen for 940 s
+    assert printed.returncode == 0, printed.stderr
+    lines = printed.stdout.strip().splitlines()
+    assert lines[0].split() == ["Rank", "User", "Score", "(PFLOP)", "Active", "h", "Joined", "Status"]
+    assert lines[2].split()[:3] == ["1", "alice", "3.017"] and lines[2].split()[-1] == "offline"
+    assert lines[3].split()[:3] == ["2", "bob", "1.017"]
+
+
+def test_leaderboard_cli_says_what_to_do_when_the_monitor_is_down():
+    printed = subprocess.run(
+        [sys.executable, str(REPO / "agora_cli.py"), "leaderboard", "--url", "http://127.0.0.1:9", "--timeout", "2"],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )
+    assert printed.returncode == 1
+    assert "could not reach the monitor" in printed.stderr and "Traceback" not in printed.stderr
+    assert format_table([]).startswith("No contributors yet")

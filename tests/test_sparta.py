@@ -1,0 +1,272 @@
+"""SPARTA averaging between real hivemind peers, each in its own process with its own DHT (loopback only)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from contextlib import suppress
+from multiprocessing.connection import Connection
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from agora_client.config import SpartaConfig
+from agora_client.worker.partition import StridedPartition
+from agora_client.worker.sparta import RoundReport, SpartaAverager
+
+pytestmark = pytest.mark.integration
+
+SHAPES = [(300, 700), (1001,), (7, 11, 13)]  # 212002 elements: slices of ~53k floats, so protobuf headers are noise
+CONFIG = SpartaConfig(
+    period=1, fraction=0.25, matchmaking_time=2.0, allreduce_timeout=15.0, sender_timeout=2.0, reducer_timeout=2.0
+)
+PARTITIONS = CONFIG.num_partitions
+REPLY_TIMEOUT = 60.0
+
+
+def _initial_values(seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) * (seed + 1) for shape in SHAPES]
+
+
+def _flat(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
+    return torch.cat([parameter.detach().reshape(-1) for parameter in parameters]).clone()
+
+
+class _FreezesAfterMatchmaking(SpartaAverager):
+    """A peer that joins a group and then never sends its slice, until the test SIGKILLs it."""
+
+    def __init__(self, *args: Any, on_grouped: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._on_grouped = on_grouped
+
+    def _run_step(self, gather: dict, weight: float) -> dict:
+        from hivemind.averaging.control import AveragingStage
+
+        control = self._averager.step(gather=gather, weight=weight, require_trigger=True, wait=False)
+        while control.stage != AveragingStage.AWAITING_TRIGGER:
+            time.sleep(0.01)
+        self._on_grouped()
+        threading.Event().wait()  # the all-reduce is never allowed to start; this process dies here
+        raise AssertionError("unreachable")
+
+
+def _peer_main(conn: Connection, index: int, initial_peers: list[str], freeze: bool) -> None:
+    """One worker of a stage: its own DHT, parameters and SpartaAverager, driven by commands over `conn`."""
+    os.setpgrp()  # the test can SIGKILL this peer with its DHT, averager and p2pd processes at once
+    from hivemind import DHT
+
+    torch.set_num_threads(1)
+    parameters = [torch.nn.Parameter(value) for value in _initial_values(index)]
+    lock = threading.Lock()
+    dht = DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    conn.send([str(addr) for addr in dht.get_visible_maddrs()])
+    kwargs: dict[str, Any] = dict(lock=lock)
+    if freeze:
+        sparta: SpartaAverager = _FreezesAfterMatchmaking(
+            dht, "test_sparta", parameters, CONFIG, on_grouped=lambda: conn.send("grouped"), **kwargs
+        )
+    else:
+        sparta = SpartaAverager(dht, "test_sparta", parameters, CONFIG, **kwargs)
+    conn.send("ready")
+    try:
+        while True:
+            command, *args = conn.recv()
+            if command == "stop":
+                break
+            if command == "set":
+                with lock:
+                    for parameter, value in zip(parameters, args[0]):
+                        parameter.data.copy_(value)
+                conn.send(_flat(parameters))
+            elif command == "round":
+                round_no, weight, move = args
+                handle = sparta.begin_round(round_no, weight)
+                if move:  # training goes on while the round is in flight
+                    with lock:
+                        for parameter in parameters:
+                            parameter.data.add_(move)
+                report: RoundReport = handle.result(timeout=REPLY_TIMEOUT)
+                conn.send((report, _flat(parameters)))
+    finally:
+        sparta.shutdown()
+        dht.shutdown()
+
+
+class Swarm:
+    """Peers of one stage in separate processes; every process group is SIGKILLed on close, even on failure."""
+
+    def __init__(self, size: int, freeze: tuple[int, ...] = ()):
+        self.context = mp.get_context("spawn")
+        self.processes: list[mp.Process] = []
+        self.conns: list[Connection] = []
+        self.initial_peers: list[str] = []
+        for index in range(size):
+            parent, child = self.context.Pipe()
+            process = self.context.Process(
+                target=_peer_main, args=(child, index, self.initial_peers, index in freeze)
+            )
+            process.start()
+            self.processes.append(process)
+            self.conns.append(parent)
+            if index == 0:  # the first peer bootstraps everyone else's DHT
+                self.initial_peers = self._recv(0)
+        for index in range(1, size):
+            self._recv(index)
+        for index in range(size):
+            assert self._recv(index) == "ready"
+
+    def _recv(self, index: int, timeout: float = REPLY_TIMEOUT) -> Any:
+        deadline = time.monotonic() + timeout
+        while not self.conns[index].poll(0.2):
+            if not self.processes[index].is_alive():
+                raise RuntimeError(f"peer {index} exited with code {self.processes[index].exitcode}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"peer {index} did not answer within {timeout}s")
+        return self.conns[index].recv()
+
+    def set_values(self, values: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        for conn, peer_values in zip(self.conns, values):
+            conn.send(("set", peer_values))
+        return [self._recv(index) for index in range(len(values))]
+
+    def round(self, peers: list[int], round_no: int, weights: list[float], moves: list[float] | None = None):
+        moves = moves or [0.0] * len(peers)
+        for index, weight, move in zip(peers, weights, moves):
+            self.conns[index].send(("round", round_no, weight, move))
+        return [self._recv(index) for index in peers]
+
+    def kill(self, index: int) -> None:
+        with suppress(ProcessLookupError):
+            os.killpg(self.processes[index].pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        for conn, process in zip(self.conns, self.processes):
+            if process.is_alive():
+                with suppress(OSError):
+                    conn.send(("stop",))
+        deadline = time.monotonic() + 15
+        for process in self.processes:
+            process.join(max(0.1, deadline - time.monotonic()))
+        for index in range(len(self.processes)):
+            self.kill(index)  # also reaps a peer's p2pd daemons if its shutdown left any behind
+        for process in self.processes:
+            process.join(5)
+
+
+@pytest.fixture(scope="module")
+def swarm() -> Iterator[Swarm]:
+    swarm = Swarm(3)
+    try:
+        yield swarm
+    finally:
+        swarm.close()
+
+
+def _slice_mask(part: int, total: int) -> torch.Tensor:
+    return torch.arange(total) % PARTITIONS == part
+
+
+def _expected_traffic(group_size: int, slice_elements: int) -> float:
+    # butterfly: as a sender this peer uploads the (n-1)/n of its slice that others reduce; as a reducer it
+    # uploads the averaged 1/n back to each of the n-1 others: 2(n-1)/n x slice x 4 bytes each way
+    return 2 * (group_size - 1) / group_size * slice_elements * 4
+
+
+def test_rounds_converge_and_cover_every_parameter_once(swarm: Swarm) -> None:
+    initial = swarm.set_values([_initial_values(seed) for seed in range(3)])
+    total = initial[0].numel()
+    partition = StridedPartition([torch.Size(shape).numel() for shape in SHAPES], PARTITIONS)
+    mean = torch.stack(initial).mean(0)
+    previous, spreads, covered = initial, [float(torch.stack(initial).std(0).norm())], torch.zeros(total, dtype=torch.int64)
+    for round_no in range(PARTITIONS):
+        results = swarm.round([0, 1, 2], round_no, [1.0, 1.0, 1.0])
+        reports = [report for report, _ in results]
+        current = [flat for _, flat in results]
+        for report in reports:
+            assert report.ok and report.reason is None, report
+            assert report.group_size == 3 and report.fraction == 1.0 and report.partition == round_no
+            slice_bytes = partition.slice_size(round_no) * 4
+            expected = _expected_traffic(3, partition.slice_size(round_no))
+            assert abs(report.bytes_sent - expected) <= 0.1 * expected, (report, slice_bytes)
+            assert abs(report.bytes_received - expected) <= 0.1 * expected, report
+        changed = torch.stack([after != before for after, before in zip(current, previous)]).any(0)
+        assert torch.equal(changed, _slice_mask(round_no, total)), "a round changed elements outside its slice"
+        covered += changed
+        for flat in current:
+            torch.testing.assert_close(flat[changed], mean[changed], rtol=0, atol=1e-5)
+        spreads.append(float(torch.stack(current).std(0).norm()))
+        previous = current
+    assert all(later < earlier for earlier, later in zip(spreads, spreads[1:])), spreads
+    assert torch.equal(covered, torch.ones(total, dtype=torch.int64)), "every element is averaged exactly once"
+    largest_difference = float((torch.stack(previous).max(0).values - torch.stack(previous).min(0).values).max())
+    assert largest_difference < 1e-5
+
+
+def test_weight_zero_peer_receives_the_others_average(swarm: Swarm) -> None:
+    initial = swarm.set_values([_initial_values(seed + 10) for seed in range(3)])
+    results = swarm.round([0, 1, 2], 1, [1.0, 1.0, 0.0])
+    mask = _slice_mask(1, initial[0].numel())
+    pair_mean = (initial[0] + initial[1]) / 2
+    for index, (report, flat) in enumerate(results):
+        assert report.ok and report.fraction == 1.0 and report.weight == [1.0, 1.0, 0.0][index], report
+        torch.testing.assert_close(flat[mask], pair_mean[mask], rtol=0, atol=1e-5)
+        assert torch.equal(flat[~mask], initial[index][~mask])
+
+
+def test_group_with_all_weights_zero_is_skipped(swarm: Swarm) -> None:
+    initial = swarm.set_values([_initial_values(seed + 20) for seed in range(3)])
+    results = swarm.round([0, 1, 2], 2, [0.0, 0.0, 0.0])
+    for index, (report, flat) in enumerate(results):
+        assert not report.ok and report.group_size == 3 and report.fraction == 0.0, report
+        assert "weight 0" in (report.reason or "")
+        assert torch.equal(flat, initial[index]), "a skipped round must not touch the parameters"
+
+
+def test_delta_keeps_training_movement_during_the_round(swarm: Swarm) -> None:
+    initial = swarm.set_values([_initial_values(seed + 30) for seed in range(3)])
+    moves = [0.5, -1.0, 2.0]
+    results = swarm.round([0, 1, 2], 3, [1.0, 1.0, 1.0], moves)
+    mask = _slice_mask(3, initial[0].numel())
+    mean = torch.stack(initial).mean(0)
+    for index, (report, flat) in enumerate(results):
+        assert report.ok and report.fraction == 1.0, report
+        torch.testing.assert_close(flat[mask], mean[mask] + moves[index], rtol=0, atol=1e-5)
+        torch.testing.assert_close(flat[~mask], initial[index][~mask] + moves[index], rtol=0, atol=1e-6)
+
+
+def test_peer_killed_mid_round_is_dropped_and_the_next_round_works() -> None:
+    swarm = Swarm(3, freeze=(2,))
+    try:
+        initial = swarm.set_values([_initial_values(seed + 40) for seed in range(3)])
+        for index, weight in enumerate([1.0, 1.0, 1.0]):
+            swarm.conns[index].send(("round", 0, weight, 0.0))
+        assert swarm._recv(2) == "grouped"  # the victim is in the group and holds back its slice
+        time.sleep(0.5)
+        swarm.kill(2)
+        results = [swarm._recv(index) for index in (0, 1)]
+        total = initial[0].numel()
+        mask = _slice_mask(0, total)
+        pair_mean = (initial[0] + initial[1]) / 2
+        for index, (report, flat) in enumerate(results):
+            assert report.ok and report.group_size == 3, report
+            assert 0.0 < report.fraction < 1.0 and "dropped" in report.reason, report
+            averaged = (flat[mask] - pair_mean[mask]).abs() < 1e-5
+            kept = flat[mask] == initial[index][mask]
+            assert bool((averaged | kept).all()), "each element is either averaged or keeps its local value"
+            assert int(averaged.sum()) == round(report.fraction * int(mask.sum())), report
+
+        partition = StridedPartition([torch.Size(shape).numel() for shape in SHAPES], PARTITIONS)
+        for report, _ in swarm.round([0, 1], 1, [1.0, 1.0]):
+            assert report.ok and report.group_size == 2 and report.fraction == 1.0, report
+            # with two peers the butterfly moves exactly one slice each way: fraction x params x 4 bytes
+            formula = CONFIG.fraction * total * 4
+            assert abs(report.bytes_sent - formula) <= 0.1 * formula, report
+            assert abs(report.bytes_received - formula) <= 0.1 * formula, report
+            assert abs(report.bytes_sent - _expected_traffic(2, partition.slice_size(1))) <= 0.01 * formula
+    finally:
+        swarm.close()

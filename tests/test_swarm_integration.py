@@ -1,0 +1,74 @@
+"""A real swarm on loopback: 2 seeds, a trainer and workers for every stage, each its own process."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
+from tests.swarm_helpers import events, progress, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("swarm")
+    local = LocalSwarm(SwarmOptions(workers_per_stage=1, trainers=0, run_dir=run_dir, report_every=3.0))
+    try:
+        local.start()
+        local.start_worker("body1")  # a second body1 worker, killed in the second test
+        local.start_trainer()
+        yield local
+    finally:
+        local.stop()
+
+
+def _trainer_progress(swarm: LocalSwarm) -> list[tuple[int, float]]:
+    trainer = swarm.trainers[0]
+    assert trainer.alive, f"the trainer exited; see {trainer.log_path}:\n" + "\n".join(trainer.lines()[-5:])
+    return progress(trainer.lines())
+
+
+def _stage_epoch(swarm: LocalSwarm, stage: str) -> int:
+    path = swarm.options.run_dir / "events" / f"{stage}-0.jsonl"
+    return max((event["local_epoch"] for event in events(path) if event["kind"] == "step"), default=0)
+
+
+def test_loss_falls_over_stage_epochs(swarm):
+    def trained_enough() -> bool:
+        points = _trainer_progress(swarm)
+        return len(points) >= 2 and points[0][1] - points[-1][1] >= 1.0 and _stage_epoch(swarm, "tail") >= 3
+
+    wait_until(trained_enough, timeout=400, what="the loss to fall by 1 nat over 3 stage epochs")
+    points = _trainer_progress(swarm)
+    assert points[0][1] - min(loss for _, loss in points[-2:]) >= 1.0
+    for stage in swarm.config.model.stage_names:
+        assert _stage_epoch(swarm, stage) >= 3, f"{stage} did not step 3 times"
+
+
+def test_sigkill_of_one_worker_does_not_stop_training(swarm):
+    victim = swarm.workers["body1"][1]
+    wait_until(lambda: _served(swarm, victim) > 0, timeout=120, what="the second body1 worker to get requests")
+    done_before = _trainer_progress(swarm)[-1][0]
+    victim.kill_main(signal.SIGKILL)
+    wait_until(
+        lambda: _trainer_progress(swarm)[-1][0] >= done_before + 15,
+        timeout=240,
+        what="15 more microbatches after the kill",
+    )
+    assert swarm.trainers[0].alive
+    survivor = swarm.workers["body1"][0]
+    assert survivor.alive
+
+
+def test_stop_leaves_no_process(swarm):
+    swarm.stop()
+    assert swarm.leftover_pids() == []
+    assert not any(process.alive for process in swarm.processes)
+
+
+def _served(swarm: LocalSwarm, worker) -> int:
+    path = swarm.options.run_dir / "events" / f"{worker.name}.jsonl"
+    return sum(event["forward_per_min"] > 0 for event in events(path) if event["kind"] == "step")

@@ -1,0 +1,238 @@
+"""Pilot tests: the app driven by recorded event streams replayed by a real child process."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import sys
+import zipfile
+from pathlib import Path
+
+import psutil
+import pytest
+from textual.content import Content
+
+from agora_client.events import ExitEvent, dump_event
+from tui.app import AgoraApp, BundleTarget
+from tui.state import JoinStep
+from tui.supervisor import ChildCommand
+from tui.widgets import GpuPanel, IdentityPanel, JoinPanel, LogPane, PointsPanel, RuntimeStatus, SpartaPanel, Stepper, TrainingPanel
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures" / "events"
+T0 = 1767225600.0
+SIZE = (100, 34)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def replay(name: str, *args: str) -> ChildCommand:
+    return ChildCommand((sys.executable, "-m", "tui.replay", str(FIXTURES / f"{name}.jsonl"), *args), {"PYTHONPATH": str(ROOT)})
+
+
+def make_app(name: str, *args: str, **kwargs) -> AgoraApp:
+    return AgoraApp(replay(name, *args), tz=datetime.timezone.utc, clock=lambda: T0, **kwargs)
+
+
+def line_count(name: str) -> int:
+    return len((FIXTURES / f"{name}.jsonl").read_text().splitlines())
+
+
+async def until(pilot, condition, timeout: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await pilot.pause(0.05)
+    await pilot.pause()
+
+
+async def replayed(pilot, app: AgoraApp, name: str) -> None:
+    await until(pilot, lambda: app.lines_read >= line_count(name))
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def shown(widget) -> str:
+    """The plain text a widget shows (render() may return markup)."""
+    rendered = widget.render()
+    return Content.from_markup(rendered).plain if isinstance(rendered, str) else str(rendered)
+
+
+def log_text(app: AgoraApp) -> str:
+    return "\n".join(app.query_one(LogPane).plain_lines())
+
+
+async def test_every_panel_follows_an_active_stream_and_q_stops_the_child():
+    app = make_app("active", "--hold")
+    async with app.run_test(size=SIZE) as pilot:
+        await replayed(pilot, app, "active")
+        stepper = app.query_one(Stepper)
+        assert stepper.step == JoinStep.ACTIVE and stepper.failure is None
+        identity = app.query_one(IdentityPanel)
+        assert (identity.identity, identity.slot, identity.stage) == ("alice", 7, "body1")
+        assert identity.occupancy["body1"] == 4
+        assert app.query_one(JoinPanel).current == "sync"
+        assert app.query_one(TrainingPanel).step.local_epoch == 78
+        assert app.query_one(PointsPanel).points.confirmed == 224.0
+        assert app.query_one(GpuPanel).resources.gpu.name == "NVIDIA GeForce RTX 4090"
+        sparta = shown(app.query_one("#sparta-detail"))
+        assert "round 18" in sparta and "15/18 recent rounds ok (83%)" in sparta
+        chart = app.query_one("#sparta-chart").data
+        assert len(chart) == 18 and chart.count(0) == 3  # three failed rounds show as gaps
+        text = log_text(app)
+        assert "[SYNC] Sync complete. Node is now fully contributing to training." in text
+        assert "[SPARTA] Round 11 failed" in text
+        pid = app.process.pid
+        assert not gone(pid)
+        await pilot.press("q")
+        await until(pilot, lambda: not app.is_running or app._exit_renderables is not None or gone(pid))
+    assert gone(pid)
+    assert app.return_code == 0
+
+
+async def test_download_shows_progress_rate_eta_and_resume_then_queue_position():
+    app = make_app("downloading", "--hold")
+    async with app.run_test(size=SIZE) as pilot:
+        await replayed(pilot, app, "downloading")
+        assert app.query_one(Stepper).step == JoinStep.DOWNLOAD
+        download = app.query_one("#download")
+        assert (download.done_bytes, download.total_bytes) == (222_000_000, 480_000_000)
+        detail = shown(app.query_one("#download-detail"))
+        assert "24.0 MB/s" in detail and "ETA 11s" in detail and "resumed from 150.0 MB" in detail
+        assert "[WARNING] Download of body1/state.safetensors interrupted (connection reset by peer)" in log_text(app)
+    app = make_app("queued", "--hold")
+    async with app.run_test(size=SIZE) as pilot:
+        await replayed(pilot, app, "queued")
+        assert app.query_one(Stepper).step == JoinStep.QUEUE
+        assert app.query_one(JoinPanel).current == "queue"
+        queue = app.query_one("#queue")
+        assert (queue.position, queue.wait_s) == (2, 120)
+
+
+async def test_sync_phases_show_steps_and_target_epoch():
+    app = make_app("sync1", "--hold")
+    async with app.run_test(size=SIZE) as pilot:
+        await replayed(pilot, app, "sync1")
+        assert app.query_one(Stepper).step == JoinStep.SYNC1
+        rendered = shown(app.query_one("#sync"))
+        assert "step 14 of 40" in rendered and "target local epoch 52" in rendered
+
+
+async def test_no_gpu_shows_the_note_with_worker_and_host_memory():
+    app = make_app("no_gpu", "--hold")
+    async with app.run_test(size=SIZE) as pilot:
+        await replayed(pilot, app, "no_gpu")
+        rendered = shown(app.query_one(GpuPanel))
+        assert "no NVIDIA driver: showing worker and host memory" in rendered
+        assert "worker 2.3 GB" in rendered and "host RAM 6.2 GB / 17.2 GB" in rendered
+
+
+async def test_crashed_child_shows_its_reason_and_restart_brings_it_back():
+    app = make_app("crash", "--exit-code", "1", "--stderr", "RuntimeError: CUDA out of memory")
+    async with app.run_test(size=SIZE) as pilot:
+        status = app.query_one(RuntimeStatus)
+        await until(pilot, lambda: status.display and app.stderr_tail)
+        failure = app.query_one(Stepper).failure
+        assert failure.step == JoinStep.SYNC2
+        assert "CUDA out of memory while running backward" in failure.reason
+        assert "pick another one with --reconfigure" in failure.advice
+        assert "exited with code 1" in shown(app.query_one("#runtime-status-detail"))
+        assert app.check_action("restart", ()) is True
+        first_pid = app.process.pid
+        await pilot.press("r")
+        await until(pilot, lambda: app.process.pid != first_pid and app.lines_read >= 5)
+        assert not status.display or app.process.returncode is not None
+        assert app.query_one(Stepper).step >= JoinStep.AUTHORIZATION
+        await until(pilot, lambda: status.display)  # the replay crashes again, and says so again
+        assert gone(first_pid)
+
+
+async def test_q_stops_the_child_and_everything_in_its_group():
+    app = make_app("active", "--hold", "--spawn-grandchild")
+    async with app.run_test(size=SIZE) as pilot:
+        await replayed(pilot, app, "active")
+        child = psutil.Process(app.process.pid)
+        await until(pilot, lambda: child.children())
+        grandchild = child.children()[0].pid
+        await pilot.press("q")
+        await until(pilot, lambda: gone(child.pid) and gone(grandchild))
+    assert gone(child.pid) and gone(grandchild)
+
+
+async def test_a_child_ignoring_sigint_is_terminated_within_the_bound():
+    app = make_app("sync1", "--hold", "--ignore-sigint", interrupt_timeout_s=0.5, terminate_timeout_s=2.0)
+    async with app.run_test(size=SIZE) as pilot:
+        await replayed(pilot, app, "sync1")
+        pid = app.process.pid
+        await pilot.press("ctrl+c")
+        await until(pilot, lambda: gone(pid), timeout=10)
+    assert app.process.returncode is not None and app.process.returncode < 0  # ended by a signal
+
+
+async def test_malformed_lines_are_warnings_not_crashes():
+    app = make_app("malformed", "--hold")
+    async with app.run_test(size=SIZE) as pilot:
+        await replayed(pilot, app, "malformed")
+        text = log_text(app)
+        assert text.count("Ignored a malformed line from the runtime") == 4
+        assert "event version 2 is not 1" in text
+        assert app.query_one("#queue").position == 4  # valid events after the bad ones still count
+        assert app.process.running
+
+
+async def test_log_pane_filters_by_level_and_tag():
+    app = make_app("active", "--hold")
+    async with app.run_test(size=SIZE) as pilot:
+        await replayed(pilot, app, "active")
+        pane = app.query_one(LogPane)
+        log = app.query_one("#log")
+        pane.query_one("#log-level").value = "warning"
+        await pilot.pause()
+        shown_lines = "\n".join(strip.text for strip in log.lines)
+        assert "[WARNING] Slow link to trainer" in shown_lines and "[SPARTA] Round 6 failed" in shown_lines
+        assert "[TRAINING]" not in shown_lines and "[SYNC]" not in shown_lines
+        pane.query_one("#log-level").value = "info"
+        pane.query_one("#log-tag").value = "SYNC"
+        await pilot.pause()
+        shown_lines = "\n".join(strip.text for strip in log.lines)
+        assert "[SYNC] Synchronising weights with peers." in shown_lines
+        assert "[SPARTA]" not in shown_lines and "[WARNING]" not in shown_lines
+
+
+async def test_keys_toggle_logs_open_help_and_export_a_bundle(tmp_path):
+    config_dir = tmp_path / "config"
+    (config_dir / "logs").mkdir(parents=True)
+    (config_dir / "logs" / "gpu0.jsonl").write_text(dump_event(ExitEvent(ts=T0, code=0)) + "\n")
+    bundle = BundleTarget(config_dir, config_dir / "logs", tmp_path / "out", ("hf_plantedSecret123456",))
+    app = make_app("authorizing", "--hold", bundle=bundle)
+    async with app.run_test(size=SIZE) as pilot:
+        await replayed(pilot, app, "authorizing")
+        pane = app.query_one(LogPane)
+        await pilot.press("l")
+        assert not pane.display
+        await pilot.press("l")
+        assert pane.display
+        await pilot.press("question_mark")
+        assert type(app.screen).__name__ == "HelpScreen"
+        await pilot.press("escape")
+        assert type(app.screen).__name__ != "HelpScreen"
+        await pilot.press("e")
+        await until(pilot, lambda: app.last_bundle is not None)
+    with zipfile.ZipFile(app.last_bundle) as archive:
+        names = archive.namelist()
+        assert "logs/gpu0.jsonl" in names and "recent.txt" in names
+        assert "Authorizing with" in archive.read("recent.txt").decode()
+
+
+async def test_palette_offers_the_app_commands():
+    app = make_app("authorizing", "--hold")
+    async with app.run_test(size=SIZE) as pilot:
+        await replayed(pilot, app, "authorizing")
+        titles = [command.title for command in app.get_system_commands(app.screen)]
+        assert {"Export support bundle", "Toggle logs", "Help", "Theme"} <= set(titles)
+        assert "Restart worker" not in titles  # only offered once the worker stopped

@@ -1,0 +1,58 @@
+"""Snapshot tests (SVG) of the app's key states, replayed from recorded streams.
+
+Deterministic: fixed event timestamps, a fixed clock and UTC for the app's own lines, and
+resources numbers from the fixtures (the app never probes the hardware itself).
+Update after a reviewed change with: python -m pytest tests/test_tui_snapshots.py --snapshot-update
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import sys
+from pathlib import Path
+
+import pytest
+
+from tui.app import AgoraApp
+from tui.supervisor import ChildCommand
+from tui.widgets import RuntimeStatus
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures" / "events"
+T0 = 1767225600.0
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def app_for(name: str, *args: str) -> AgoraApp:
+    command = ChildCommand((sys.executable, "-m", "tui.replay", str(FIXTURES / f"{name}.jsonl"), *args), {"PYTHONPATH": str(ROOT)})
+    return AgoraApp(command, tz=datetime.timezone.utc, clock=lambda: T0)
+
+
+def wait_for(name: str, crashed: bool = False):
+    expected = len((FIXTURES / f"{name}.jsonl").read_text().splitlines())
+
+    async def run_before(pilot) -> None:
+        app = pilot.app
+        for _ in range(400):
+            done = app.lines_read >= expected and (not crashed or app.query_one(RuntimeStatus).display)
+            if done:
+                break
+            await asyncio.sleep(0.05)
+        await pilot.pause(0.2)
+
+    return run_before
+
+
+@pytest.mark.parametrize("name", ["authorizing", "downloading", "queued", "sync1", "active", "no_gpu"])
+def test_running_states(snap_compare, name):
+    assert snap_compare(app_for(name, "--hold"), terminal_size=(100, 34), run_before=wait_for(name))
+
+
+def test_child_crashed(snap_compare):
+    assert snap_compare(app_for("crash", "--exit-code", "1"), terminal_size=(100, 34), run_before=wait_for("crash", crashed=True))
+
+
+def test_active_at_80x24(snap_compare):
+    assert snap_compare(app_for("active", "--hold"), terminal_size=(80, 24), run_before=wait_for("active"))

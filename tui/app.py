@@ -1,0 +1,324 @@
+"""The contributor app: supervises the worker runtime process and shows its event stream live.
+
+The app never imports worker internals: it starts ``command`` (any argv + env: the real runtime,
+or a recorded-stream replayer in tests), reads one JSON event per stdout line and updates its
+panels. If the child dies, the app says why and offers a restart; quitting stops it gracefully.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import tzinfo
+from pathlib import Path
+from typing import Callable, Iterable
+
+from textual import work
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Grid, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Footer
+
+from agora_client.events import (
+    AuthEvent,
+    BadEvent,
+    DownloadEvent,
+    ErrorEvent,
+    ExitEvent,
+    LogEvent,
+    PointsEvent,
+    QueueEvent,
+    ResourcesEvent,
+    SpartaEvent,
+    StageEvent,
+    StepEvent,
+    SyncEvent,
+    parse_event,
+)
+from agora_client.headless import LineFormatter, TaggedLine
+from agora_client.logs import EventLog
+from agora_client.system.bundle import REVIEW_NOTE, build_bundle
+from agora_client.system.redact import redact_text
+from tui.messages import RuntimeEvent, RuntimeExited, RuntimeMalformed, RuntimeStarted, RuntimeStderr
+from tui.screens.help import HelpScreen
+from tui.state import JoinTracker
+from tui.supervisor import INTERRUPT_TIMEOUT_S, TERMINATE_TIMEOUT_S, ChildCommand, RuntimeProcess
+from tui.widgets import (
+    GpuPanel,
+    IdentityPanel,
+    JoinPanel,
+    LogPane,
+    PointsPanel,
+    RuntimeStatus,
+    SpartaPanel,
+    Stepper,
+    TrainingPanel,
+)
+
+STDERR_TAIL = 20
+
+
+@dataclass(frozen=True)
+class BundleTarget:
+    """Where the `e` key writes a support bundle and what it reads."""
+
+    config_dir: Path
+    logs_dir: Path
+    output_dir: Path
+    secrets: tuple[str, ...] = field(default=(), repr=False)
+
+
+class AgoraApp(App[int]):
+    CSS_PATH = "app.tcss"
+    TITLE = "Agora"
+    BINDINGS = [
+        Binding("q", "quit", "Quit", id="quit", tooltip="Stop the worker gracefully and quit"),
+        Binding("ctrl+c", "quit", "Quit", show=False, priority=True, id="quit_ctrl_c"),
+        Binding("e", "export_bundle", "Export bundle", id="export_bundle", tooltip="Write a support bundle (zip)"),
+        Binding("l", "toggle_logs", "Logs", id="toggle_logs", tooltip="Show or hide the log pane"),
+        Binding("r", "restart", "Restart", id="restart", tooltip="Start the worker runtime again"),
+        Binding("question_mark", "help", "Help", key_display="?", id="help", tooltip="What the panels mean"),
+    ]
+
+    def __init__(
+        self,
+        command: ChildCommand,
+        *,
+        event_log: EventLog | None = None,
+        bundle: BundleTarget | None = None,
+        tz: tzinfo | None = None,
+        interrupt_timeout_s: float = INTERRUPT_TIMEOUT_S,
+        terminate_timeout_s: float = TERMINATE_TIMEOUT_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__()
+        self.command = command
+        self.event_log = event_log
+        self.bundle = bundle
+        self.tz = tz
+        self.clock = clock  # stamps lines the app makes itself (stderr, status); tests fix it
+        self.interrupt_timeout_s = interrupt_timeout_s
+        self.terminate_timeout_s = terminate_timeout_s
+        self.tracker = JoinTracker()
+        self.formatter = LineFormatter()
+        self.process: RuntimeProcess | None = None
+        self.lines_read = 0  # stdout lines read from the current child (valid or not)
+        self.last_error: ErrorEvent | None = None
+        self.last_exit: ExitEvent | None = None
+        self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL)
+        self.quitting = False
+        self.last_bundle: Path | None = None
+
+    # -- layout -----------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Stepper(id="stepper")
+        yield RuntimeStatus(id="runtime-status")
+        with VerticalScroll(id="dashboard"):
+            with Grid(id="panels"):
+                yield IdentityPanel(id="identity", classes="panel")
+                yield JoinPanel(id="join", classes="panel")
+                yield GpuPanel(id="gpu", classes="panel")
+                yield SpartaPanel(id="sparta", classes="panel")
+                yield TrainingPanel(id="training", classes="panel")
+                yield PointsPanel(id="points", classes="panel")
+        yield LogPane(tz=self.tz, id="log-pane", classes="panel")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one(RuntimeStatus).hide()
+        self._show_step()
+        self.supervise()
+
+    def on_resize(self) -> None:
+        self.query_one("#panels").set_class(self.size.width < 70, "-narrow")
+        self.query_one(LogPane).set_class(self.size.height < 30, "-short")
+
+    # -- the runtime child ------------------------------------------------------------------
+    @work(exclusive=True, group="runtime", exit_on_error=False)
+    async def supervise(self) -> None:
+        process = RuntimeProcess(
+            self.command, interrupt_timeout_s=self.interrupt_timeout_s, terminate_timeout_s=self.terminate_timeout_s
+        )
+        self.process = process
+        self.lines_read = 0
+        self.formatter = LineFormatter()  # throttling starts afresh with each run
+        try:
+            await process.start()
+        except OSError as error:
+            self.post_message(RuntimeExited(None, False, f"{self.command.argv[0]}: {error}"))
+            return
+        self.post_message(RuntimeStarted(process.pid or 0))
+        try:
+            async for stream, text in process.lines():
+                now = self.clock()
+                if stream == "stderr":
+                    self.post_message(RuntimeStderr(redact_text(text), now))
+                elif stream == "oversize":
+                    self.post_message(RuntimeMalformed("line longer than 1 MiB", "", now))
+                else:
+                    self.lines_read += 1
+                    if self.event_log:
+                        self.event_log.write_line(text)
+                    try:
+                        event = parse_event(text)
+                    except BadEvent as error:
+                        self.post_message(RuntimeMalformed(str(error), text, now))
+                        continue
+                    # Lines are made here, before any coalescing, so the log pane misses none.
+                    self.post_message(RuntimeEvent(event, self.formatter.format(event)))
+            code = await process.wait()
+            self.post_message(RuntimeExited(code, process.stop_requested))
+        finally:
+            if process.running:  # cancelled: the app is closing without a graceful stop
+                process.kill()
+
+    async def on_unmount(self) -> None:
+        if self.process is not None:  # whatever way the app ends, it leaves no process behind
+            await self.process.aclose()
+
+    def on_runtime_started(self, message: RuntimeStarted) -> None:
+        self._log(TaggedLine(self.clock(), "INFO", "info", "Worker runtime started"))
+        self.refresh_bindings()
+
+    def on_runtime_event(self, message: RuntimeEvent) -> None:
+        event = message.event
+        if self.tracker.apply(event):
+            self._show_step()
+        if isinstance(event, AuthEvent):
+            self.query_one(IdentityPanel).show_auth(event)
+        elif isinstance(event, StageEvent):
+            self.query_one(IdentityPanel).show_stage(event)
+        elif isinstance(event, DownloadEvent):
+            self.query_one("#download").show(event)
+        elif isinstance(event, QueueEvent):
+            self.query_one("#queue").show(event)
+        elif isinstance(event, SyncEvent):
+            self.query_one("#sync").show(event)
+        elif isinstance(event, StepEvent):
+            self.query_one(TrainingPanel).show(event)
+        elif isinstance(event, SpartaEvent):
+            self.query_one(SpartaPanel).show(event)
+        elif isinstance(event, ResourcesEvent):
+            self.query_one(GpuPanel).show(event)
+        elif isinstance(event, PointsEvent):
+            self.query_one(PointsPanel).show(event)
+        elif isinstance(event, ErrorEvent):
+            self.last_error = event
+        elif isinstance(event, ExitEvent):
+            self.last_exit = event
+        for line in message.lines:
+            self._log(line)
+
+    def on_runtime_malformed(self, message: RuntimeMalformed) -> None:
+        self._log(self.formatter.malformed(message.reason, message.raw, message.ts))
+
+    def on_runtime_stderr(self, message: RuntimeStderr) -> None:
+        self.stderr_tail.append(message.text)
+        line = self.formatter.stderr(message.text, message.ts)
+        if self.event_log:
+            self.event_log.write_event(LogEvent(ts=message.ts, level="warning", tag="STDERR", message=message.text))
+        self._log(line)
+
+    def on_runtime_exited(self, message: RuntimeExited) -> None:
+        self.refresh_bindings()
+        if message.stop_requested or self.quitting:
+            return
+        reason = message.detail
+        hint = ""
+        if self.last_error is not None:
+            reason, hint = self.last_error.message, self.last_error.hint
+        elif self.last_exit is not None and self.last_exit.reason:
+            reason = self.last_exit.reason
+        elif not reason and self.stderr_tail:
+            reason = self.stderr_tail[-1]
+        self.tracker.child_exited(message.code, reason or f"exit code {message.code}", hint)
+        self._show_step()
+        detail = message.detail or (f"last output: {self.stderr_tail[-1]}" if self.stderr_tail else "")
+        self.query_one(RuntimeStatus).show_stopped(message.code, detail)
+        code = "could not start" if message.code is None else f"exit code {message.code}"
+        self._log(TaggedLine(self.clock(), "ERROR", "error", f"The worker runtime stopped ({code}); press r to restart"))
+
+    # -- view helpers -----------------------------------------------------------------------
+    def _show_step(self) -> None:
+        tracker = self.tracker
+        self.query_one(Stepper).show(tracker.step, tracker.failure, tracker.status)
+        self.query_one(JoinPanel).follow(tracker.step)
+
+    def _log(self, line: TaggedLine) -> None:
+        self.query_one(LogPane).add(line)
+
+    @property
+    def runtime_running(self) -> bool:
+        return self.process is not None and self.process.running
+
+    # -- actions ----------------------------------------------------------------------------
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "restart":
+            return not self.runtime_running and not self.quitting and self.process is not None
+        return True
+
+    async def action_quit(self) -> None:
+        if self.quitting:
+            return
+        self.quitting = True
+        self.tracker.status = "Stopping: finishing the current request and leaving the averaging group..."
+        self._show_step()
+        self.stop_and_exit()
+
+    @work(group="stop", exclusive=True)
+    async def stop_and_exit(self) -> None:
+        if self.process is not None:
+            await self.process.stop()
+        if self.event_log:
+            self.event_log.close()
+        self.exit(0)
+
+    def action_restart(self) -> None:
+        if self.runtime_running or self.quitting:
+            return
+        self.tracker.restarted()
+        self.last_error = self.last_exit = None
+        self.stderr_tail.clear()
+        self.query_one(RuntimeStatus).hide()
+        self._show_step()
+        self.supervise()
+
+    def action_toggle_logs(self) -> None:
+        pane = self.query_one(LogPane)
+        pane.display = not pane.display
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def action_export_bundle(self) -> None:
+        if self.bundle is None:
+            self.notify("No config dir is known, so no bundle can be written here.", severity="warning")
+            return
+        self.notify("Writing the support bundle...")
+        self.export_bundle(self.query_one(LogPane).plain_lines())
+
+    @work(thread=True, group="bundle", exclusive=True)
+    def export_bundle(self, recent: list[str]) -> None:
+        target = self.bundle
+        assert target is not None
+        try:
+            path = build_bundle(
+                target.output_dir, config_dir=target.config_dir, logs_dir=target.logs_dir,
+                secrets=target.secrets, extra_lines=recent,
+            )
+        except OSError as error:
+            self.notify(f"Could not write the support bundle: {error}", severity="error", timeout=15)
+            return
+        self.last_bundle = path
+        self.notify(f"Support bundle written to {path}. {REVIEW_NOTE}", title="Support bundle", timeout=20)
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("Export support bundle", "Write a zip of logs, config and system report", self.action_export_bundle)
+        yield SystemCommand("Toggle logs", "Show or hide the log pane", self.action_toggle_logs)
+        yield SystemCommand("Help", "What the panels and keys mean", self.action_help)
+        if self.check_action("restart", ()):
+            yield SystemCommand("Restart worker", "Start the stopped worker runtime again", self.action_restart)

@@ -1,0 +1,63 @@
+"""Replays a recorded event stream (JSONL) as if it were the runtime: the child the tests and
+demos run in place of ``agora runtime``.
+
+    python -m tui.replay FILE [--delay S] [--hold] [--exit-code N] [--ignore-sigint] [--spawn-grandchild]
+
+Lines go to stdout unchanged (malformed ones too), one every ``--delay`` seconds. ``--hold`` keeps
+running after the last line, like a live worker. SIGINT makes it exit 0 after an ``exit`` event,
+the way the runtime stops gracefully, unless ``--ignore-sigint``. ``--spawn-grandchild`` starts a
+process in the same group that ignores SIGINT, standing in for p2pd.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_GRANDCHILD = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(3600)"
+
+
+def _graceful_exit(signum: int, frame: object) -> None:
+    print(json.dumps({"v": 1, "ts": time.time(), "kind": "exit", "code": 0, "reason": "stopped by request"}), flush=True)
+    sys.exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tui.replay", description="replay a recorded event stream")
+    parser.add_argument("file", type=Path)
+    parser.add_argument("--delay", type=float, default=0.0, help="seconds between lines")
+    parser.add_argument("--hold", action="store_true", help="keep running after the last line")
+    parser.add_argument("--exit-code", type=int, default=0, help="exit code after the last line (without --hold)")
+    parser.add_argument("--repeat", type=int, default=1, help="play the file this many times")
+    parser.add_argument("--stderr", default="", help="a line written to stderr after the last line")
+    parser.add_argument("--ignore-sigint", action="store_true")
+    parser.add_argument("--spawn-grandchild", action="store_true")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN if args.ignore_sigint else _graceful_exit)
+    if args.spawn_grandchild:
+        subprocess.Popen([sys.executable, "-c", _GRANDCHILD], stdin=subprocess.DEVNULL)
+    try:
+        lines = args.file.read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        print(f"replay: cannot read {args.file}: {error}", file=sys.stderr)
+        return 2
+    for _ in range(args.repeat):
+        for line in lines:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+            if args.delay:
+                time.sleep(args.delay)
+    if args.stderr:
+        print(args.stderr, file=sys.stderr, flush=True)
+    while args.hold:
+        time.sleep(3600)
+    return args.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Help: what each panel means and the keys."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Markdown
+
+HELP = """\
+# Agora contributor client
+
+Your GPU holds one stage of the model and trains it with the other contributors.
+
+**Join path**: Authorization (your Hugging Face token buys a slot and a stage), Download
+(the stage's snapshot; an interrupted download resumes), Queue (joins are paced),
+Sync 1 (weights catch up, no batches yet), Sync 2 (optimizer warms up on real batches), Active.
+
+**Panels**: identity and stage; the current join step; GPU (or worker and host memory without
+an NVIDIA driver); SPARTA averaging rounds with peers of your stage; training speed and loss;
+points (presence from sync 1, compute from sync 2).
+
+| key | action |
+| --- | --- |
+| `q` / `Ctrl+C` | stop the worker gracefully and quit |
+| `e` | export a support bundle (zip, secrets redacted) |
+| `l` | show or hide the log pane |
+| `r` | restart the worker after it stopped |
+| `?` | this help |
+| `Ctrl+P` | command palette (theme, export, logs...) |
+"""
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [
+        Binding("escape", "dismiss", "Close", id="help.close"),
+        Binding("question_mark", "dismiss", "Close", show=False, id="help.close_question"),
+        Binding("q", "dismiss", "Close", show=False, id="help.close_q"),
+    ]
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="help-body"):
+            yield Markdown(HELP)

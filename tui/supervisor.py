@@ -1,0 +1,213 @@
+"""The worker runtime as a child process: started in its own session, read line by line,
+stopped gracefully, and never left behind.
+
+Stopping: SIGINT to the child's process group (the runtime finishes the current request and
+leaves its averaging group), then SIGTERM, then SIGKILL, each after a bounded wait. Whatever
+is left in the group after the child exits (p2pd, say) is terminated the same way.
+This module has no Textual import: the app and the headless client share it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, Literal, Mapping
+
+import psutil
+
+import agora_client
+
+Stream = Literal["stdout", "stderr", "oversize"]
+LINE_LIMIT = 1 << 20  # a longer stdout line is reported as malformed, not buffered
+INTERRUPT_TIMEOUT_S = 15.0  # time to finish the current request and leave the averaging group
+TERMINATE_TIMEOUT_S = 5.0
+GROUP_LEFTOVER_TIMEOUT_S = 3.0
+_POLL_S = 0.05
+
+# `python -c` with an explicit sys.path works from a checkout and from an installed package alike.
+_BOOTSTRAP = "import sys; sys.path.insert(0, {root!r}); from agora_client.cli import main; sys.exit(main())"
+
+
+@dataclass(frozen=True)
+class ChildCommand:
+    """What to run: argv, extra environment (merged over ours) and working directory."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict, repr=False)  # repr=False: it may hold HF_TOKEN
+    cwd: str | None = None
+
+    def describe(self) -> str:
+        return " ".join(self.argv)
+
+
+def runtime_command(
+    *, token: str, swarm: str | None = None, gpu: int | None = None, config_dir: Path | None = None
+) -> ChildCommand:
+    """The real runtime: ``agora runtime [--swarm URL] [--gpu N] [--config-dir D]``, token in HF_TOKEN."""
+    root = str(Path(agora_client.__file__).resolve().parent.parent)
+    argv = [sys.executable, "-c", _BOOTSTRAP.format(root=root), "runtime"]
+    if swarm:
+        argv += ["--swarm", swarm]
+    if gpu is not None:
+        argv += ["--gpu", str(gpu)]
+    if config_dir is not None:
+        argv += ["--config-dir", str(config_dir)]
+    return ChildCommand(tuple(argv), {"HF_TOKEN": token, "PYTHONUNBUFFERED": "1"})
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    """Live (non-zombie) processes of a process group."""
+    members = []
+    for process in psutil.process_iter():
+        try:
+            if os.getpgid(process.pid) == pgid and process.status() != psutil.STATUS_ZOMBIE:
+                members.append(process)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return members
+
+
+class RuntimeProcess:
+    """One run of the child. ``start``, iterate ``lines()``, then ``wait()``; ``stop()`` any time."""
+
+    def __init__(
+        self,
+        command: ChildCommand,
+        *,
+        interrupt_timeout_s: float = INTERRUPT_TIMEOUT_S,
+        terminate_timeout_s: float = TERMINATE_TIMEOUT_S,
+    ) -> None:
+        self.command = command
+        self.interrupt_timeout_s = interrupt_timeout_s
+        self.terminate_timeout_s = terminate_timeout_s
+        self._process: asyncio.subprocess.Process | None = None
+        self.stop_requested = False
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.returncode if self._process else None
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.returncode is None
+
+    async def start(self) -> None:
+        """Start the child; OSError (no such program, say) propagates to the caller."""
+        self._process = await asyncio.create_subprocess_exec(
+            *self.command.argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, **self.command.env},
+            cwd=self.command.cwd,
+            start_new_session=True,  # its own process group: our terminal's Ctrl-C does not reach it
+            limit=LINE_LIMIT,
+        )
+
+    async def lines(self) -> AsyncIterator[tuple[Stream, str]]:
+        """(stream, line) from stdout and stderr as they come, until both are closed."""
+        assert self._process is not None and self._process.stdout and self._process.stderr
+        queue: asyncio.Queue[tuple[Stream, str] | None] = asyncio.Queue()
+
+        async def pump(reader: asyncio.StreamReader, name: Stream) -> None:
+            try:
+                while True:
+                    try:
+                        raw = await reader.readline()
+                    except ValueError:  # longer than LINE_LIMIT: asyncio dropped it
+                        await queue.put(("oversize", ""))
+                        continue
+                    if not raw:
+                        break
+                    await queue.put((name, raw.decode("utf-8", errors="replace").rstrip("\r\n")))
+            finally:
+                await queue.put(None)
+
+        pumps = [
+            asyncio.create_task(pump(self._process.stdout, "stdout")),
+            asyncio.create_task(pump(self._process.stderr, "stderr")),
+        ]
+        try:
+            open_streams = len(pumps)
+            while open_streams:
+                item = await queue.get()
+                if item is None:
+                    open_streams -= 1
+                else:
+                    yield item
+        finally:
+            for task in pumps:
+                task.cancel()
+
+    async def wait(self) -> int:
+        """The child's exit code, once it and everything left in its group are gone."""
+        assert self._process is not None
+        code = await self._process.wait()
+        await self._clear_group()
+        self._close_pipes()
+        return code
+
+    async def stop(self) -> int | None:
+        """Graceful stop: SIGINT, then SIGTERM, then SIGKILL to the group, each after a bounded wait."""
+        if self._process is None:
+            return None
+        self.stop_requested = True
+        steps = ((signal.SIGINT, self.interrupt_timeout_s), (signal.SIGTERM, self.terminate_timeout_s), (signal.SIGKILL, None))
+        for signum, timeout in steps:
+            if self._process.returncode is not None:
+                break
+            self._signal_group(signum)
+            try:
+                await asyncio.wait_for(self._process.wait(), timeout)
+            except TimeoutError:
+                continue
+        await self._clear_group()
+        self._close_pipes()
+        return self._process.returncode
+
+    def _close_pipes(self) -> None:
+        # asyncio offers no public close for a subprocess transport; without it, a transport whose
+        # pipes were not read to EOF is closed by the garbage collector after its loop is gone.
+        transport = getattr(self._process, "_transport", None)
+        if transport is not None:
+            transport.close()
+
+    async def aclose(self) -> None:
+        """Abrupt end (the app is closing without a graceful stop): SIGKILL the group, reap, close pipes."""
+        if self._process is None:
+            return
+        if self._process.returncode is None:
+            self.kill()
+        await self.wait()
+
+    def kill(self) -> None:
+        """Last resort when no event loop is left to wait in: SIGKILL the whole group now."""
+        if self._process is not None:
+            self._signal_group(signal.SIGKILL)
+
+    def _signal_group(self, signum: int) -> None:
+        assert self._process is not None
+        try:
+            os.killpg(self._process.pid, signum)  # pgid == pid: start_new_session made it a group leader
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    async def _clear_group(self) -> None:
+        """Terminate, then kill, what the child left in its group (daemons it started)."""
+        assert self._process is not None
+        pgid = self._process.pid
+        for signum in (signal.SIGTERM, signal.SIGKILL):
+            if not group_members(pgid):
+                return
+            self._signal_group(signum)
+            deadline = asyncio.get_running_loop().time() + GROUP_LEFTOVER_TIMEOUT_S
+            while group_members(pgid) and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(_POLL_S)

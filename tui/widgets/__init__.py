@@ -1,0 +1,19 @@
+"""The app's widgets, one per file."""
+
+from tui.widgets.download import DownloadPanel
+from tui.widgets.gpu import GpuPanel
+from tui.widgets.identity import IdentityPanel
+from tui.widgets.join_panel import JoinPanel
+from tui.widgets.log_pane import LogPane
+from tui.widgets.points import PointsPanel
+from tui.widgets.queue import QueuePanel
+from tui.widgets.runtime_status import RuntimeStatus
+from tui.widgets.sparta import SpartaPanel
+from tui.widgets.stepper import Stepper
+from tui.widgets.sync import SyncPanel
+from tui.widgets.training import TrainingPanel
+
+__all__ = [
+    "DownloadPanel", "GpuPanel", "IdentityPanel", "JoinPanel", "LogPane", "PointsPanel", "QueuePanel",
+    "RuntimeStatus", "SpartaPanel", "Stepper", "SyncPanel", "TrainingPanel",
+]
