@@ -16,7 +16,7 @@ from agora_client.events import ExitEvent, dump_event
 from tui.app import AgoraApp, BundleTarget
 from tui.state import JoinStep
 from tui.supervisor import ChildCommand
-from tui.widgets import GpuPanel, IdentityPanel, JoinPanel, LogPane, PointsPanel, RuntimeStatus, SpartaPanel, Stepper, TrainingPanel
+from tui.widgets import GpuPanel, IdentityPanel, JoinPanel, LogPane, PointsPanel, RuntimeStatus, Stepper, TrainingPanel
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "events"

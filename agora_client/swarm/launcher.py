@@ -15,11 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from agora_client.auth.identity import write_demo_token_file
 from agora_client.config import ConfigError, load_config
+from agora_client.snapshots import SnapshotServer, serve_directory
 from agora_client.swarm.processes import ManagedProcess, stop_all
 from agora_client.swarm.seed import READY_PREFIX
 
 WORKER_READY = "[WORKER]"
+AUTH_READY = "[AUTH] listening on"
 START_TIMEOUT = 180.0
 
 
@@ -32,6 +35,8 @@ class SwarmOptions:
     trainer_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()
     report_every: float = 5.0
+    publish_snapshots: bool = False  # the first worker of each stage publishes snapshots for joiners
+    publish_every: int = 2
 
 
 class LocalSwarm:
@@ -44,11 +49,34 @@ class LocalSwarm:
         self.workers: dict[str, list[ManagedProcess]] = {stage: [] for stage in self.config.model.stage_names}
         self.trainers: list[ManagedProcess] = []
         self.seed_addrs: list[str] = []
+        self.auth: ManagedProcess | None = None
+        self.snapshot_server: SnapshotServer | None = None
         self.started_at = time.monotonic()
 
     @property
+    def snapshot_dir(self) -> Path:
+        return self.options.run_dir / "snapshots"
+
+    @property
     def processes(self) -> list[ManagedProcess]:
-        return [*self.trainers, *(w for group in self.workers.values() for w in group), *self.seeds]
+        auth = [self.auth] if self.auth is not None else []
+        return [*self.trainers, *(w for group in self.workers.values() for w in group), *auth, *self.seeds]
+
+    def start_join_services(self, *, pacing: float = 5.0, max_workers_per_stage: int = 4) -> tuple[str, str]:
+        """The snapshot store (HTTP) and the auth service with a local demo identity; returns (auth URL, demo token)."""
+        self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+        self.snapshot_server = serve_directory(self.snapshot_dir)
+        auth_dir = self.options.run_dir / "auth"
+        token_file = auth_dir / "tokens.json"
+        token = write_demo_token_file(token_file)
+        args = ["auth", "--state-dir", str(auth_dir / "state"), "--config", self.options.preset]
+        args += ["--identity", "token-file", "--token-file", str(token_file), "--snapshot-url", self.snapshot_server.url]
+        args += ["--pacing", str(pacing), "--max-workers-per-stage", str(max_workers_per_stage)]
+        for seed in self.seed_addrs:
+            args += ["--seed", seed]
+        self.auth = self._spawn("auth", args)
+        url = self.auth.wait_for(AUTH_READY, START_TIMEOUT).split()[-1]
+        return url, token
 
     def _spawn(self, name: str, args: list[str]) -> ManagedProcess:
         return ManagedProcess(name, args, self.options.run_dir / "logs" / f"{name}.log", on_line=self.on_line)
@@ -66,6 +94,8 @@ class LocalSwarm:
         args += ["--seeds", *self.seed_addrs]
         args += ["--events", str(self.options.run_dir / "events" / f"{stage}-{index}.jsonl")]
         (self.options.run_dir / "events").mkdir(parents=True, exist_ok=True)
+        if index == 0 and self.options.publish_snapshots:
+            args += ["--publish-snapshots", str(self.snapshot_dir), "--publish-every", str(self.options.publish_every)]
         worker = self._spawn(f"{stage}-{index}", [*args, *self.options.worker_args, *extra])
         self.workers[stage].append(worker)
         if wait:
@@ -95,6 +125,8 @@ class LocalSwarm:
 
     def stop(self) -> None:
         stop_all(self.processes)
+        if self.snapshot_server is not None:
+            self.snapshot_server.close()
 
     def leftover_pids(self) -> list[int]:
         return [pid for process in self.processes for pid in process.group_pids()]

@@ -2,13 +2,16 @@
 
 Output lines (stdout), parseable by tests and the swarm launcher:
   [TRAINER] waiting for workers: ...
-  [PROGRESS] microbatches=<n> loss=<mean since last line> tokens_per_s=<x> | <per-stage roster and bans>
+  [PROGRESS] microbatches=<n> loss=<mean since last line> tokens_per_s=<x> | <per-stage roster, bans, served per uid>
+  [ROSTER] <stage>: +<uid joined> -<uid gone> (<n> workers)
+  [RETRY] <stage> <kind> on <uid> failed after <s>s (<error class>[, banned]): <error>; <what happens next>
   [WARNING] ...
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import signal
 import threading
 import time
@@ -17,10 +20,13 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from agora_client.config import ConfigError, load_config
 from agora_client.swarm.dht import NoSeedAnswered, connect_dht
 from agora_client.swarm.roster import fetch_roster
-from agora_client.trainer.balancer import Router, StageBalancer
+from agora_client.trainer.balancer import RoundRobinBalancer, Router, StageBalancer, StageStats
 from agora_client.trainer.data import DataError, SequenceStream, Shard
 from agora_client.trainer.pipeline import Pipeline, RequestFailed, StallNotice
 from agora_client.trainer.rpc import StageClient, TrafficCounter
+
+
+BALANCERS = {"least-loaded": StageBalancer, "round-robin": RoundRobinBalancer}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +40,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ban-seconds", type=float, default=30.0, help="how long an unreachable worker is skipped")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a request is given up")
     parser.add_argument("--max-microbatches", type=int, default=0, help="stop after this many (0 = run until stopped)")
+    parser.add_argument(
+        "--routing",
+        choices=sorted(BALANCERS),
+        default="least-loaded",
+        help="how a stage's worker is picked (round-robin is the baseline of bench/routing.py)",
+    )
 
 
 def say(tag: str, message: str) -> None:
@@ -46,13 +58,24 @@ class RosterWatcher(threading.Thread):
     def __init__(self, dhts: dict, router: Router, period: float, stop: threading.Event):
         super().__init__(name="roster", daemon=True)
         self.dhts, self.router, self.period, self.stop = dhts, router, period, stop
+        self.known: dict[str, set[str]] = {stage: set() for stage in dhts}
 
     def refresh(self) -> None:
         for stage, dht in self.dhts.items():
             try:
-                self.router[stage].update_roster(list(fetch_roster(dht, stage).values()))
+                records = list(fetch_roster(dht, stage).values())
+                self.router[stage].update_roster(records)
             except Exception as error:  # a DHT hiccup must not stop routing on the last known roster
                 say("WARNING", f"could not read the {stage} roster: {error}")
+                continue
+            self._say_changes(stage, {record.uid for record in records})
+
+    def _say_changes(self, stage: str, uids: set[str]) -> None:
+        joined, gone = sorted(uids - self.known[stage]), sorted(self.known[stage] - uids)
+        if joined or gone:
+            changes = " ".join([*(f"+{uid}" for uid in joined), *(f"-{uid}" for uid in gone)])
+            say("ROSTER", f"{stage}: {changes} ({len(uids)} workers)")
+        self.known[stage] = uids
 
     def run(self) -> None:
         while not self.stop.wait(self.period):
@@ -64,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.preset)
         index, count = (int(part) for part in args.shard.split("/"))
         stream = SequenceStream(args.data, config.model.seq_len, Shard(index, count), seed=config.seed + index)
+        batches = stream.batches(config.optim.microbatch_size)
+        batches = itertools.chain([next(batches)], batches)  # read the source now: bad --data fails before joining
     except (ConfigError, DataError, ValueError) as error:
         say("ERROR", str(error))
         return 2
@@ -78,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     traffic = TrafficCounter()
     clients = {stage: StageClient(stage, dhts[stage], traffic, args.timeout) for stage in stages}
-    router = Router(stages, lambda stage: StageBalancer(stage, ban_seconds=args.ban_seconds))
+    balancer = BALANCERS[args.routing]
+    router = Router(stages, lambda stage: balancer(stage, ban_seconds=args.ban_seconds))
     watcher = RosterWatcher(dhts, router, args.roster_every, stop)
     watcher.refresh()
     while router.empty_stages() and not stop.is_set():
@@ -86,9 +112,19 @@ def run(args: argparse.Namespace) -> int:
         stop.wait(3)
         watcher.refresh()
     watcher.start()
-    pipeline = Pipeline(stages, clients, router, StallNotice(lambda message: say("WARNING", message)), stop=stop)
+    pipeline = Pipeline(
+        stages,
+        clients,
+        router,
+        StallNotice(lambda message: say("WARNING", message)),
+        stop=stop,
+        on_failure=lambda message: say("RETRY", message),
+    )
     try:
-        done = _train(pipeline, stream.batches(config.optim.microbatch_size), args, router, stop)
+        done = _train(pipeline, batches, args, router, stop)
+    except DataError as error:  # a bad record further into the data
+        say("ERROR", str(error))
+        return 2
     finally:
         stop.set()
         for dht in dhts.values():
@@ -104,7 +140,11 @@ def _train(pipeline: Pipeline, batches, args, router: Router, stop: threading.Ev
         pending: dict[Future, int] = {}
         while not stop.is_set():
             while len(pending) < args.inflight and not (args.max_microbatches and done + len(pending) >= args.max_microbatches):
-                batch = next(batches)
+                try:
+                    batch = next(batches)
+                except DataError:
+                    stop.set()  # let the microbatches in flight finish, then report the error
+                    raise
                 pending[pool.submit(pipeline.train_microbatch, batch)] = batch[:, :-1].numel()
             if not pending:
                 break
@@ -120,7 +160,7 @@ def _train(pipeline: Pipeline, batches, args, router: Router, stop: threading.Ev
                         say("WARNING", f"microbatch dropped: {error}")
             if losses and (time.monotonic() - last_report >= args.report_every or not pending):
                 elapsed = time.monotonic() - last_report
-                roster = "; ".join(stats.summary() for stats in router.window_stats().values())
+                roster = "; ".join(_stage_summary(stats) for stats in router.window_stats().values())
                 say(
                     "PROGRESS",
                     f"microbatches={done} loss={sum(losses) / len(losses):.4f} tokens_per_s={tokens / elapsed:.1f} | {roster}",
@@ -129,3 +169,9 @@ def _train(pipeline: Pipeline, batches, args, router: Router, stop: threading.Ev
         stop.set()
     return done
 
+
+
+def _stage_summary(stats: StageStats) -> str:
+    """The balancer's summary plus the requests each worker served in the window."""
+    served = " ".join(f"{uid}={count}" for uid, count in sorted(stats.served.items()))
+    return f"{stats.summary()}, served [{served}]"

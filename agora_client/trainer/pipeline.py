@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from agora_client.trainer.balancer import Kind, Router, WorkerKey
+from agora_client.trainer.balancer import FailureVerdict, Kind, Router, WorkerKey
 from agora_client.trainer.errors import ErrorClass, RetryPolicy
 from agora_client.trainer.rpc import StageClient
 
@@ -56,10 +56,12 @@ class Pipeline:
         *,
         policy: RetryPolicy = RetryPolicy(),
         stop: threading.Event | None = None,
+        on_failure: Callable[[str], None] = lambda message: None,
     ):
         self.stages, self.clients, self.router, self.stall = list(stages), clients, router, stall
         self.policy = policy
         self.stop = stop or threading.Event()
+        self.on_failure = on_failure  # one line per failed request: which worker, which kind, what happens next
 
     def train_microbatch(self, batch: torch.Tensor) -> float:
         """Forward and backward one [B, T+1] token batch; returns its mean loss."""
@@ -107,9 +109,9 @@ class Pipeline:
                 excluded.clear()
                 time.sleep(STALL_POLL_SECONDS)
                 lease = balancer.choose(kind, units, prefer=prefer)
-            self.stall.resumed(stage)
             attempts_on_worker = attempts_on_worker + 1 if lease.key == prefer else 1
             attempts += 1
+            started = time.monotonic()
             try:
                 if kind == "forward":
                     outputs = client.forward(lease.worker, inputs)
@@ -118,6 +120,7 @@ class Pipeline:
             except Exception as error:  # every RPC failure is classified; none may kill the trainer
                 verdict = balancer.report_failure(lease, error)
                 step = self.policy.next_step(verdict.error_class, attempts, attempts_on_worker)
+                self._report_failure(stage, kind, lease.worker.uid, time.monotonic() - started, verdict, step, error)
                 if step is None:
                     raise RequestFailed(f"{stage} {kind} given up after {attempts} attempt(s) on {lease.worker.uid}: {error}") from error
                 if step is ErrorClass.RETRY_SAME:
@@ -127,4 +130,15 @@ class Pipeline:
                     prefer = None
                 continue
             balancer.report_success(lease)
+            self.stall.resumed(stage)  # only a request that succeeded proves the stage is back
             return lease.key, outputs
+
+    def _report_failure(
+        self, stage: str, kind: Kind, uid: str, elapsed: float, verdict: FailureVerdict, step: ErrorClass | None, error: Exception
+    ) -> None:
+        what_next = {None: "giving up", ErrorClass.RETRY_SAME: "retrying there", ErrorClass.RETRY_OTHER: "retrying elsewhere"}
+        detail = (str(error).strip().splitlines() or [error.__class__.__name__])[0][:160]
+        self.on_failure(
+            f"{stage} {kind} on {uid} failed after {elapsed:.1f}s ({verdict.error_class.value}"
+            f"{', banned' if verdict.banned else ''}): {detail}; {what_next[step]}"
+        )

@@ -9,6 +9,7 @@ and are consumed by the stage's own optimizer at the next stage epoch.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Callable
 
 import torch
@@ -34,10 +35,11 @@ class StageBackend(ModuleBackend):
         device: torch.device,
         on_forward: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], None],
         on_backward: Callable[[torch.Tensor], None],
+        slowdown_s: float = 0.0,
         **kwargs,
     ):
         super().__init__(name, module, **kwargs)
-        self.epochs = epochs
+        self.epochs, self.slowdown_s = epochs, slowdown_s
         self._autocast = autocast_context(device)
         self._on_forward, self._on_backward = on_forward, on_backward
 
@@ -45,12 +47,14 @@ class StageBackend(ModuleBackend):
         with self.epochs.lock, self._autocast():
             outputs = super().forward(*inputs)
         outputs = tuple(out.float() if out.is_floating_point() else out for out in outputs)
+        time.sleep(self.slowdown_s)  # emulates a slower GPU in tests and benchmarks (0 by default)
         self._on_forward(_tokens(inputs), outputs)
         return outputs
 
     def backward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         with self.epochs.lock, self._autocast():
             grads = super().backward(*inputs)  # re-runs forward, autograd, then calls on_backward
+        time.sleep(self.slowdown_s)
         self._on_backward(_tokens(inputs))
         return tuple(grad.float() if grad.is_floating_point() else grad for grad in grads)
 

@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from agora_client.config import ConfigError, load_config
 from agora_client.events import EventWriter
@@ -20,6 +21,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--join", action="store_true", help="join a running swarm through sync phases 1 and 2")
     parser.add_argument("--index", type=int, default=None, help="uid index <stage>.0.<index> (default: lowest free)")
     parser.add_argument("--init-seed", type=int, default=None, help="seed for this worker's initial weights")
+    parser.add_argument("--slowdown", type=float, default=0.0, help="seconds added to every request (emulates a slow GPU)")
+    parser.add_argument("--publish-snapshots", type=Path, default=None, metavar="DIR", help="write stage snapshots here")
+    parser.add_argument("--publish-every", type=int, default=5, help="epochs between snapshots (default 5)")
+    parser.add_argument("--snapshot", type=Path, default=None, help="start from this downloaded snapshot directory")
     parser.add_argument("--events", default=None, help="also write JSON-line events to this file ('-' = stdout)")
 
 
@@ -40,8 +45,18 @@ def run(args: argparse.Namespace) -> int:
     elif args.events:
         events.add_sink(open(args.events, "a", buffering=1))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    options = WorkerOptions(config, args.stage, args.seeds, device=device, joining=args.join, index=args.index,
-        init_seed=args.init_seed
+    options = WorkerOptions(
+        config,
+        args.stage,
+        args.seeds,
+        device=device,
+        joining=args.join,
+        index=args.index,
+        init_seed=args.init_seed,
+        slowdown_s=args.slowdown,
+        snapshot=args.snapshot,
+        publish_dir=args.publish_snapshots,
+        publish_every=args.publish_every,
     )
     try:
         node = WorkerNode(options, events)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -13,6 +14,7 @@ from hivemind.utils.tensor_descr import BatchTensorDescriptor
 from agora_client.config import RunConfig
 from agora_client.events import EventWriter, StageEvent, StepEvent
 from agora_client.model import build_stage
+from agora_client.snapshots import load_stage_snapshot, save_stage_snapshot
 from agora_client.swarm.dht import connect_dht
 from agora_client.swarm.roster import WorkerRecord, fetch_roster, free_index, stage_uid
 from agora_client.worker.backend import StageBackend
@@ -32,7 +34,15 @@ class WorkerOptions:
     num_handlers: int = 2
     index: int | None = None  # uid index (<stage>.0.<index>); default: the lowest free one
     init_seed: int | None = None  # different seeds give different starting weights (tests of averaging)
+    slowdown_s: float = 0.0  # added to every request: emulates a slow GPU in tests and benchmarks
+    snapshot: Path | None = None  # a downloaded stage snapshot to start from
+    publish_dir: Path | None = None  # write a snapshot of this stage here every publish_every epochs
+    publish_every: int = 5
+    publish_keep: int = 3
     dht_kwargs: dict = field(default_factory=dict)
+
+
+STABLE_WINDOW_MAX_WAIT = 120.0  # a stage that never looks stable must not keep a joiner out forever
 
 
 class RequestCounter:
@@ -68,7 +78,7 @@ class RequestCounter:
 
 
 class WorkerNode:
-    def __init__(self, options: WorkerOptions, events: EventWriter, *, epoch_hooks: list[Callable[[int], None]] = ()):
+    def __init__(self, options: WorkerOptions, events: EventWriter):
         self.options, self.events = options, events
         config, stage = options.config, options.stage
         self.device = torch.device(options.device)
@@ -83,10 +93,15 @@ class WorkerNode:
             self.parameters, lr=config.optim.lr, betas=config.optim.betas, weight_decay=config.optim.weight_decay
         )
         index = options.index if options.index is not None else free_index(fetch_roster(self.dht, stage), stage)
+        start_epoch = 0
+        if options.snapshot is not None:
+            start_epoch = load_stage_snapshot(options.snapshot, self.module, self.optimizer, stage=stage).epoch
+            events.log(f"restored {stage} from its snapshot at epoch {start_epoch}", tag="DOWNLOAD")
         self.uid = stage_uid(stage, index)
         self.sync = SyncState(config.sync, events.emit, joining=options.joining)
         self.requests = RequestCounter()
-        self._epoch_hooks = list(epoch_hooks)
+        self._epoch_hooks: list[Callable[[int], None]] = []
+        self._request_hooks: list[Callable[[str, torch.Tensor], None]] = []
         self.epochs = EpochController(
             self.dht,
             stage,
@@ -96,6 +111,7 @@ class WorkerNode:
             clip_norm=config.clip_norm(stage),
             sync=self.sync,
             on_epoch=self._on_epoch,
+            epoch=start_epoch,
         )
         is_tail = stage == "tail"
         max_batch = config.optim.microbatch_size * 8
@@ -105,8 +121,9 @@ class WorkerNode:
             self.module,
             epochs=self.epochs,
             device=self.device,
-            on_forward=lambda tokens, outputs: self.requests.on_forward(outputs, is_tail),
-            on_backward=lambda tokens: self.requests.on_backward(),
+            on_forward=lambda tokens, outputs: self._on_request("forward", tokens, outputs, is_tail),
+            on_backward=lambda tokens: self._on_request("backward", tokens, (), is_tail),
+            slowdown_s=options.slowdown_s,
             args_schema=tuple(BatchTensorDescriptor.from_tensor(tensor) for tensor in example),
             min_batch_size=1,
             max_batch_size=max_batch,
@@ -128,12 +145,42 @@ class WorkerNode:
         )
 
     def add_epoch_hook(self, hook: Callable[[int], None]) -> None:
+        """``hook(epoch)`` runs after every stage epoch, outside the parameter lock."""
         self._epoch_hooks.append(hook)
 
-    def start(self) -> None:
+    def add_request_hook(self, hook: Callable[[str, torch.Tensor], None]) -> None:
+        """``hook(kind, tokens)`` runs after every forward or backward request this worker served."""
+        self._request_hooks.append(hook)
+
+    def _on_request(self, kind: str, tokens: torch.Tensor, outputs: tuple[torch.Tensor, ...], is_tail: bool) -> None:
+        if kind == "forward":
+            self.requests.on_forward(outputs, is_tail)
+        else:
+            self.requests.on_backward()
+        for hook in self._request_hooks:
+            hook(kind, tokens)
+
+    def start(self, stop: threading.Event | None = None) -> None:
         self.server.run_in_background(await_ready=True, timeout=120)
         self.events.emit(StageEvent(stage=self.options.stage, peer_id=self.peer_id))
         self.events.log(f"serving {self.uid} as peer {self.peer_id}", tag="TRAINING")
+        if self.options.publish_dir is not None:  # joiners always find a snapshot, even before the first epoch
+            self.publish_snapshot(self.epochs.epoch)
+        if self.sync.target_epoch is None:  # a joiner: start phase 1 in a stable window
+            self._wait_for_stable_window(stop or threading.Event())
+            self.sync.begin(self.epochs.stage_epoch)
+            self.server.announcer.refresh.set()
+
+    def _wait_for_stable_window(self, stop: threading.Event) -> None:
+        """Wait until no averaging round is in flight and the stage is early in its epoch."""
+        period = self.options.config.sparta.period
+        deadline = time.monotonic() + STABLE_WINDOW_MAX_WAIT
+        while not stop.is_set() and time.monotonic() < deadline:
+            progress = self.epochs.tracker.global_progress
+            in_round_epoch = progress.epoch > 0 and progress.epoch % period == 0
+            if not in_round_epoch and progress.samples_accumulated < progress.target_batch_size / 2:
+                return
+            stop.wait(0.5)
 
     def _on_epoch(self, epoch: int) -> None:
         phase = self.sync.phase
@@ -152,6 +199,15 @@ class WorkerNode:
         )
         for hook in self._epoch_hooks:
             hook(epoch)
+        if self.options.publish_dir is not None and epoch % self.options.publish_every == 0:
+            self.publish_snapshot(epoch)
+
+    def publish_snapshot(self, epoch: int) -> Path:
+        """Write this stage's snapshot; under the lock, so weights and optimizer state are consistent."""
+        with self.epochs.lock:
+            return save_stage_snapshot(
+                self.options.publish_dir, self.options.stage, self.module, self.optimizer, epoch, self.options.publish_keep
+            )
 
     def shutdown(self) -> None:
         self.epochs.shutdown()

@@ -25,12 +25,17 @@ def duration_message(steps: int, target_epoch: int) -> str:
 class SyncState:
     """Current phase (1, 2 or 0 = active) and the epoch at which it ends; emits a SyncEvent per transition."""
 
-    def __init__(self, config: SyncConfig, emit: Callable[[SyncEvent], None], *, joining: bool, epoch: int = 0):
+    def __init__(self, config: SyncConfig, emit: Callable[[SyncEvent], None], *, joining: bool):
         self._config, self._emit = config, emit
         self._lock = threading.Lock()
-        self.phase, self.target_epoch = 0, epoch
-        if joining:
-            self._enter(1, epoch)
+        # A joiner is in phase 1 from the start (never routed to), but its phase-1 clock starts at begin().
+        self.phase = 1 if joining else 0
+        self.target_epoch: int | None = None if joining else 0
+
+    def begin(self, stage_epoch: int) -> None:
+        """Start counting phase 1 from the stage's current epoch (the joiner is in a stable window)."""
+        with self._lock:
+            self._enter(1, stage_epoch)
 
     @property
     def averaging_weight(self) -> float:
@@ -47,6 +52,8 @@ class SyncState:
 
     def on_epoch(self, local_epoch: int, stage_epoch: int) -> None:
         with self._lock:
+            if self.target_epoch is None:
+                return
             if stage_epoch - local_epoch > self._config.max_allowed_stale and self.phase != 1:
                 self._enter(1, stage_epoch)
                 return

@@ -1,0 +1,45 @@
+"""`agora demo`: the local tiny swarm plus the contributor client joined to it as one more worker.
+
+The swarm (seeds, one worker per stage publishing snapshots, a trainer, the auth service with a
+local demo identity, the snapshot store) runs in the background; the app (or --headless) runs in
+the foreground with the demo user's token. Quitting the app stops everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--headless", action="store_true", help="print tagged lines instead of opening the app")
+    parser.add_argument("--run-dir", type=Path, default=Path("runs/demo"), help="logs, snapshots and state go here")
+    parser.add_argument("--workers-per-stage", type=int, default=1)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tui import launch
+
+    run_dir = args.run_dir / time.strftime("%Y%m%d-%H%M%S")
+    options = SwarmOptions(workers_per_stage=args.workers_per_stage, run_dir=run_dir, publish_snapshots=True)
+    print(f"[DEMO] starting the local swarm (logs in {run_dir / 'logs'}); this takes about a minute...", flush=True)
+    with LocalSwarm(options) as swarm:
+        auth_url, token = swarm.start_join_services()
+        print(f"[DEMO] swarm up; auth service at {auth_url}; joining as the demo user", flush=True)
+        os.environ["HF_TOKEN"] = token  # the demo identity's token, from the swarm's own token file
+        client_args = argparse.Namespace(
+            headless=args.headless,
+            log_format="text",
+            swarm=auth_url,
+            gpu=None,
+            reconfigure=False,
+            config_dir=run_dir / "client",
+            runtime_cmd=None,
+        )
+        code = launch.run(client_args)
+        print("[DEMO] stopping the swarm...", flush=True)
+    return code

@@ -1,0 +1,77 @@
+"""Support bundle: contents, and no trace of a planted token anywhere in the zip."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+
+import pytest
+
+from agora_client.client_config import ClientConfig, ClientConfigStore
+from agora_client.events import AuthEvent, LogEvent
+from agora_client.logs import EventLog
+from agora_client.system.bundle import build_bundle, system_report
+from agora_client.system.redact import REDACTED, redact_line, redact_text
+
+TOKEN = "hf_PlantedToken0123456789abcdef"
+PEER = "12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo"
+PEM = "-----BEGIN PRIVATE KEY-----\nMC4CAQAwBQYDK2VwBCIEIJ+DYvh6SEqVTm50DFtMDoQikTmiCqirVv9mWG9qfSnF\n-----END PRIVATE KEY-----"
+
+
+@pytest.fixture
+def planted(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    config_dir = tmp_path / "config"
+    store = ClientConfigStore(config_dir)
+    store.save(ClientConfig(swarm_url="http://127.0.0.1:8470", gpu_index=0))
+    store.save_token(TOKEN)
+    # A log written without the known secret list, so only the pattern and key rules protect it.
+    log = EventLog(config_dir / "logs", "gpu0")
+    log.write_event(AuthEvent(status="authorized", identity="alice", peer_id=PEER, message=f"token {TOKEN[:-1]}X ok"))
+    log.close()
+    # Raw lines that bypassed EventLog (an older client, a hand-copied file).
+    with open(config_dir / "logs" / "gpu1.jsonl", "w") as raw:
+        raw.write(json.dumps({"kind": "log", "hf_token": TOKEN, "message": f"env HF_TOKEN={TOKEN}"}) + "\n")
+        raw.write(f"Authorization: Bearer {TOKEN}\n")
+        raw.write(json.dumps({"kind": "log", "message": PEM}) + "\n")
+    return config_dir
+
+
+def test_bundle_holds_logs_config_and_report_without_the_token(planted, tmp_path):
+    report = system_report(planted)
+    report["env_dump"] = f"HF_TOKEN={TOKEN}\nAGORA_API_KEY=sk-{TOKEN}"
+    extra = [f"12:00 [AUTH] using {TOKEN}", LogEvent(message=f"Bearer {TOKEN}").model_dump_json()]
+    path = build_bundle(tmp_path / "out", config_dir=planted, logs_dir=planted / "logs", extra_lines=extra, report=report)
+    with zipfile.ZipFile(path) as bundle:
+        names = set(bundle.namelist())
+        assert {"README.txt", "system.json", "config.json", "logs/gpu0.jsonl", "logs/gpu1.jsonl", "recent.txt"} <= names
+        blob = b"".join(bundle.read(name) for name in names)
+        config = json.loads(bundle.read("config.json"))
+        system = json.loads(bundle.read("system.json"))
+    for secret in (TOKEN, TOKEN[3:], TOKEN[:-1], "MC4CAQAwBQYDK2VwBCIEIJ"):
+        assert secret.encode() not in blob
+    assert config["hf_token"] == REDACTED and config["swarm_url"] == "http://127.0.0.1:8470"
+    assert {"os", "python", "torch", "nvidia", "ram", "disk", "packages"} <= set(system)
+    assert system["packages"]["textual"] != "not installed"
+    assert PEER.encode() in blob  # public peer ids stay, so support can find the peer
+
+
+def test_export_logs_command_prints_the_path_and_asks_for_review(planted, tmp_path, capsys):
+    from agora_client.cli import main
+
+    code = main(["export-logs", "--config-dir", str(planted), "--output", str(tmp_path / "cli-out")])
+    out = capsys.readouterr().out
+    assert code == 0
+    path = out.splitlines()[0].removeprefix("Support bundle written to ")
+    assert zipfile.is_zipfile(path) and "Review the bundle before sharing it" in out
+
+
+def test_redaction_rules():
+    assert redact_text(f"x HF_TOKEN={TOKEN} y") == f"x HF_TOKEN={REDACTED} y"
+    assert TOKEN not in redact_text(f"Authorization: Bearer {TOKEN}")
+    assert redact_text("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGq2ZxY host") == f"{REDACTED} host"
+    assert redact_text("loss 3.2141 at epoch 12, 24.0 MB/s") == "loss 3.2141 at epoch 12, 24.0 MB/s"
+    assert json.loads(redact_line(json.dumps({"private_key": "abc", "stage": "body1"}))) == {
+        "private_key": REDACTED, "stage": "body1",
+    }
+    assert redact_text("plain secret value", ["secret value"]) == f"plain {REDACTED}"

@@ -1,0 +1,98 @@
+"""First-run client config: token sources, 0600 secrets, GPU choice, --reconfigure."""
+
+from __future__ import annotations
+
+import json
+import stat
+
+import pytest
+
+from agora_client.client_config import (
+    ClientConfigError,
+    ClientConfigStore,
+    Prompts,
+    default_config_dir,
+    resolve_client,
+)
+from agora_client.system.gpu import GpuDevice
+
+TYPED = "hf_TypedToken123456789"
+LOGIN = "hf_LoginToken123456789"
+ENV = "hf_EnvToken1234567890"
+TWO_GPUS = [GpuDevice(0, "GPU A", 24 * 2**30), GpuDevice(1, "GPU B", 16 * 2**30)]
+
+
+class Answers:
+    """Scripted prompt answers; records every question asked."""
+
+    def __init__(self, *answers: str) -> None:
+        self.answers = list(answers)
+        self.asked: list[str] = []
+        self.said: list[str] = []
+
+    def prompts(self, interactive: bool = True) -> Prompts:
+        return Prompts(ask=self._answer, ask_secret=self._answer, say=self.said.append, interactive=interactive)
+
+    def _answer(self, question: str) -> str:
+        self.asked.append(question)
+        return self.answers.pop(0)
+
+
+def resolve(tmp_path, answers: Answers, *, env=None, login=None, gpus=(), **kwargs):
+    return resolve_client(
+        tmp_path, env=env or {}, prompts=answers.prompts(), login_token=lambda: login, list_gpus=lambda: list(gpus), **kwargs
+    )
+
+
+def test_first_run_asks_saves_the_token_0600_and_not_again(tmp_path):
+    answers = Answers("not a token", TYPED, "1")
+    client = resolve(tmp_path, answers, gpus=TWO_GPUS)
+    assert (client.token, client.token_source, client.config.gpu_index) == (TYPED, "typed", 1)
+    assert any("starts with hf_" in line for line in answers.said)
+    secrets = ClientConfigStore(tmp_path).secrets_path
+    assert stat.S_IMODE(secrets.stat().st_mode) == 0o600
+    assert TYPED not in (tmp_path / "config.json").read_text()
+    again = Answers()
+    client = resolve(tmp_path, again, gpus=TWO_GPUS)
+    assert (client.token, client.token_source, client.config.gpu_index) == (TYPED, "saved", 1)
+    assert again.asked == []
+
+
+def test_hf_token_env_wins_and_hf_login_token_is_used_without_asking(tmp_path):
+    ClientConfigStore(tmp_path).save_token(TYPED)
+    assert resolve(tmp_path, Answers(), env={"HF_TOKEN": ENV}, login=LOGIN).token == ENV
+    fresh = tmp_path / "fresh"
+    client = resolve(fresh, Answers(), login=LOGIN)
+    assert (client.token, client.token_source) == (LOGIN, "hf auth login")
+    assert not ClientConfigStore(fresh).secrets_path.exists()  # not copied: hf keeps it
+
+
+def test_reconfigure_asks_again(tmp_path):
+    resolve(tmp_path, Answers(TYPED, "0"), gpus=TWO_GPUS)
+    answers = Answers("hf_NewToken0000000000", "1")
+    client = resolve(tmp_path, answers, gpus=TWO_GPUS, reconfigure=True)
+    assert (client.token, client.config.gpu_index) == ("hf_NewToken0000000000", 1)
+    assert len(answers.asked) == 2
+    saved = json.loads(ClientConfigStore(tmp_path).secrets_path.read_text())
+    assert saved["hf_token"] == "hf_NewToken0000000000"
+    keep = Answers("", "")
+    assert resolve(tmp_path, keep, gpus=TWO_GPUS, reconfigure=True).token == "hf_NewToken0000000000"
+
+
+def test_overrides_and_bad_input_give_one_clear_error(tmp_path):
+    client = resolve(tmp_path, Answers(), env={"HF_TOKEN": ENV}, swarm="https://auth.example:8470/", gpu=1, gpus=TWO_GPUS)
+    assert (client.config.swarm_url, client.config.gpu_index) == ("https://auth.example:8470", 1)
+    with pytest.raises(ClientConfigError, match="--gpu 5 does not exist: GPUs 0..1 are visible"):
+        resolve(tmp_path, Answers(), env={"HF_TOKEN": ENV}, gpu=5, gpus=TWO_GPUS)
+    with pytest.raises(ClientConfigError, match="not an http"):
+        resolve(tmp_path, Answers(), env={"HF_TOKEN": ENV}, swarm="auth.example")
+    with pytest.raises(ClientConfigError, match="set HF_TOKEN"):
+        resolve_client(tmp_path / "none", env={}, prompts=Answers().prompts(interactive=False), login_token=lambda: None, list_gpus=list)
+    (tmp_path / "config.json").write_text("{broken")
+    with pytest.raises(ClientConfigError, match="run with --reconfigure"):
+        resolve(tmp_path, Answers(), env={"HF_TOKEN": ENV})
+    assert resolve(tmp_path, Answers(), env={"HF_TOKEN": ENV}, reconfigure=True).token == ENV
+
+
+def test_default_config_dir_follows_xdg(tmp_path):
+    assert default_config_dir({"XDG_CONFIG_HOME": str(tmp_path)}) == tmp_path / "agora"
