@@ -193,11 +193,18 @@ class EventWriter:
 
     def __init__(self, *sinks: IO[str]):
         self._sinks = list(sinks)
+        self._had_sinks = bool(sinks)
         self._lock = threading.Lock()
+
+    @property
+    def broken(self) -> bool:
+        """Every sink this writer had has failed (e.g. the app reading our stdout went away)."""
+        return self._had_sinks and not self._sinks
 
     def add_sink(self, sink: IO[str]) -> None:
         with self._lock:
             self._sinks.append(sink)
+            self._had_sinks = True
 
     def emit(self, event: Event) -> None:
         line = dump_event(event) + "\n"

@@ -33,7 +33,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")  # the front end shows events, not engine chatter
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # the app went away: exit instead of writing into the void
     events = EventWriter(sys.stdout)
     token = os.environ.get("HF_TOKEN", "")
     if not token:

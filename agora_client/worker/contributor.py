@@ -122,6 +122,9 @@ class Contributor:
         last_resources = last_metrics = 0.0
         previous: MetricsRecord | None = None
         while not self.stop.wait(TICK_SECONDS):
+            if self.events.broken:  # nobody reads our events any more: leave the swarm cleanly
+                self.stop.set()
+                break
             metrics.set_phase(NAMES[node.sync.phase])
             now = time.monotonic()
             if now - last_resources >= RESOURCES_EVERY:
