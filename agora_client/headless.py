@@ -117,13 +117,17 @@ class LineFormatter:
     """Turns events into tagged lines. High-rate kinds are throttled by event time, so the
     output for a recorded stream is the same on every run."""
 
-    def __init__(self, progress_interval_s: float = 1.0, summary_interval_s: float = 60.0) -> None:
+    def __init__(
+        self, progress_interval_s: float = 1.0, summary_interval_s: float = 60.0, epoch_interval_s: float = 10.0
+    ) -> None:
         self.progress_interval_s = progress_interval_s
         self.summary_interval_s = summary_interval_s
+        self.epoch_interval_s = epoch_interval_s  # small swarms step every second or two
         self._last_download: dict[str, float] = {}
         self._last_progress: float | None = None
         self._last_points: float | None = None
         self._epoch: int | None = None
+        self._last_epoch_line: float | None = None
         self._stage: tuple[str, str, tuple] | None = None
 
     def _line(self, event: Event, tag: str, text: str, level: str = "info") -> TaggedLine:
@@ -187,8 +191,9 @@ class LineFormatter:
 
     def _step(self, event: StepEvent) -> list[TaggedLine]:
         lines = []
-        if event.local_epoch != self._epoch:
-            self._epoch = event.local_epoch
+        epoch_due = self._last_epoch_line is None or event.ts - self._last_epoch_line >= self.epoch_interval_s
+        if event.local_epoch != self._epoch and epoch_due:
+            self._epoch, self._last_epoch_line = event.local_epoch, event.ts
             loss = f", loss {event.loss:.4f}" if event.loss is not None else ""
             lines.append(self._line(event, "TRAINING", f"Local epoch {event.local_epoch} on stage {event.stage}{loss}"))
         if self._last_progress is None or event.ts - self._last_progress >= self.summary_interval_s:

@@ -25,7 +25,7 @@ CONFIG = SpartaConfig(
     period=1, fraction=0.25, matchmaking_time=2.0, allreduce_timeout=15.0, sender_timeout=2.0, reducer_timeout=2.0
 )
 PARTITIONS = CONFIG.num_partitions
-REPLY_TIMEOUT = 60.0
+REPLY_TIMEOUT = 180.0  # bounds a hang, not speed: the machine may be shared and busy
 
 
 def _initial_values(seed: int) -> list[torch.Tensor]:
@@ -95,19 +95,21 @@ def _peer_main(conn: Connection, index: int, initial_peers: list[str], freeze: b
     finally:
         sparta.shutdown()
         dht.shutdown()
+        # interpreter teardown can take many seconds on a loaded machine; the test reaps this process group now
+        conn.send(("stopped", sparta.in_flight))
 
 
 class Swarm:
     """Peers of one stage in separate processes; every process group is SIGKILLed on close, even on failure."""
 
-    def __init__(self, size: int, freeze: tuple[int, ...] = ()):
-        self.context = mp.get_context("spawn")
+    def __init__(self, size: int, freeze: tuple[int, ...] = (), spawn: tuple[int, ...] = ()):
         self.processes: list[mp.Process] = []
         self.conns: list[Connection] = []
         self.initial_peers: list[str] = []
         for index in range(size):
-            parent, child = self.context.Pipe()
-            process = self.context.Process(
+            context = mp.get_context("spawn" if index in spawn else "fork")
+            parent, child = context.Pipe()
+            process = context.Process(
                 target=_peer_main, args=(child, index, self.initial_peers, index in freeze)
             )
             process.start()
@@ -144,18 +146,21 @@ class Swarm:
         with suppress(ProcessLookupError):
             os.killpg(self.processes[index].pid, signal.SIGKILL)
 
-    def close(self) -> None:
-        for conn, process in zip(self.conns, self.processes):
-            if process.is_alive():
-                with suppress(OSError):
-                    conn.send(("stop",))
-        deadline = time.monotonic() + 15
-        for process in self.processes:
-            process.join(max(0.1, deadline - time.monotonic()))
+    def close(self) -> list[Any]:
+        """Ask every live peer to shut down, then SIGKILL every peer's process group; returns the acks."""
+        asked = [index for index, process in enumerate(self.processes) if process.is_alive()]
+        for index in asked:
+            with suppress(OSError):
+                self.conns[index].send(("stop",))
+        acks = []
+        for index in asked:
+            with suppress(Exception):
+                acks.append(self._recv(index, timeout=20))
         for index in range(len(self.processes)):
-            self.kill(index)  # also reaps a peer's p2pd daemons if its shutdown left any behind
+            self.kill(index)  # also reaps a peer's DHT and p2pd daemons if its shutdown left any behind
         for process in self.processes:
-            process.join(5)
+            process.join(10)
+        return acks
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +169,7 @@ def swarm() -> Iterator[Swarm]:
     try:
         yield swarm
     finally:
-        swarm.close()
+        assert swarm.close() == [("stopped", False)] * 3, "every peer shuts down cleanly"
 
 
 def _slice_mask(part: int, total: int) -> torch.Tensor:
@@ -198,7 +203,7 @@ def test_rounds_converge_and_cover_every_parameter_once(swarm: Swarm) -> None:
         assert torch.equal(changed, _slice_mask(round_no, total)), "a round changed elements outside its slice"
         covered += changed
         for flat in current:
-            torch.testing.assert_close(flat[changed], mean[changed], rtol=0, atol=1e-5)
+            torch.testing.assert_close(flat[changed], mean[changed])
         spreads.append(float(torch.stack(current).std(0).norm()))
         previous = current
     assert all(later < earlier for earlier, later in zip(spreads, spreads[1:])), spreads
@@ -214,7 +219,7 @@ def test_weight_zero_peer_receives_the_others_average(swarm: Swarm) -> None:
     pair_mean = (initial[0] + initial[1]) / 2
     for index, (report, flat) in enumerate(results):
         assert report.ok and report.fraction == 1.0 and report.weight == [1.0, 1.0, 0.0][index], report
-        torch.testing.assert_close(flat[mask], pair_mean[mask], rtol=0, atol=1e-5)
+        torch.testing.assert_close(flat[mask], pair_mean[mask])
         assert torch.equal(flat[~mask], initial[index][~mask])
 
 
@@ -235,12 +240,12 @@ def test_delta_keeps_training_movement_during_the_round(swarm: Swarm) -> None:
     mean = torch.stack(initial).mean(0)
     for index, (report, flat) in enumerate(results):
         assert report.ok and report.fraction == 1.0, report
-        torch.testing.assert_close(flat[mask], mean[mask] + moves[index], rtol=0, atol=1e-5)
-        torch.testing.assert_close(flat[~mask], initial[index][~mask] + moves[index], rtol=0, atol=1e-6)
+        torch.testing.assert_close(flat[mask], mean[mask] + moves[index])
+        torch.testing.assert_close(flat[~mask], initial[index][~mask] + moves[index])
 
 
 def test_peer_killed_mid_round_is_dropped_and_the_next_round_works() -> None:
-    swarm = Swarm(3, freeze=(2,))
+    swarm = Swarm(3, freeze=(2,), spawn=(1,))  # peer 1 runs in a spawned host, where hivemind's averager must still fork
     try:
         initial = swarm.set_values([_initial_values(seed + 40) for seed in range(3)])
         for index, weight in enumerate([1.0, 1.0, 1.0]):
@@ -268,5 +273,6 @@ def test_peer_killed_mid_round_is_dropped_and_the_next_round_works() -> None:
             assert abs(report.bytes_sent - formula) <= 0.1 * formula, report
             assert abs(report.bytes_received - formula) <= 0.1 * formula, report
             assert abs(report.bytes_sent - _expected_traffic(2, partition.slice_size(1))) <= 0.01 * formula
+        assert swarm.close() == [("stopped", False)] * 2, "the survivors shut down cleanly"
     finally:
         swarm.close()

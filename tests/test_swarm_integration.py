@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
 from tests.swarm_helpers import events, progress, wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,19 @@ def test_loss_falls_over_stage_epochs(swarm):
     assert points[0][1] - min(loss for _, loss in points[-2:]) >= 1.0
     for stage in swarm.config.model.stage_names:
         assert _stage_epoch(swarm, stage) >= 3, f"{stage} did not step 3 times"
+
+
+def test_boundary_traffic_is_the_subspace_coefficients(swarm):
+    """Measured from the serialized RPC payloads: k floats per token forward and back, plus the token id."""
+    model = swarm.config.model
+    assert model.subspace.enabled
+    traffic = json.loads([line for line in swarm.trainers[0].lines() if line.startswith("[TRAFFIC]")][-1].split(" ", 1)[1])
+    k, d = model.subspace_rank, model.d_model
+    sent_forward = traffic["body1.forward_request"]  # coefficients + token ids into body1
+    returned_backward = traffic["body1.backward_reply"]  # dL/dc out of body1, plus zeros for the token ids
+    assert k * 4 + 8 <= sent_forward < (k * 4 + 8) * 1.05
+    assert k * 4 + 8 <= returned_backward < (k * 4 + 8) * 1.05
+    assert sent_forward < d * 4 / 4  # far below the dense hidden state
 
 
 def test_sigkill_of_one_worker_does_not_stop_training(swarm):

@@ -2,8 +2,9 @@
 
 Output lines (stdout), parseable by tests and the swarm launcher:
   [TRAINER] waiting for workers: ...
-  [PROGRESS] microbatches=<n> loss=<mean since last line> tokens_per_s=<x> | <per-stage roster, bans, served per uid>
+  [PROGRESS] microbatches=<n> loss=<mean since last line, n/a if none finished> tokens_per_s=<x> | <per-stage roster, bans, served per uid>
   [ROSTER] <stage>: +<uid joined> -<uid gone> (<n> workers)
+  [TRAFFIC] {"<stage>.<forward|backward>_<request|reply>": serialized bytes per token, ...}
   [RETRY] <stage> <kind> on <uid> failed after <s>s (<error class>[, banned]): <error>; <what happens next>
   [WARNING] ...
 """
@@ -11,15 +12,17 @@ Output lines (stdout), parseable by tests and the swarm launcher:
 from __future__ import annotations
 
 import argparse
+import json
 import itertools
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from agora_client.config import ConfigError, load_config
 from agora_client.swarm.dht import NoSeedAnswered, connect_dht
-from agora_client.swarm.roster import fetch_roster
+from agora_client.swarm.roster import WorkerRecord, fetch_roster
 from agora_client.trainer.balancer import RoundRobinBalancer, Router, StageBalancer, StageStats
 from agora_client.trainer.data import DataError, SequenceStream, Shard
 from agora_client.trainer.pipeline import Pipeline, RequestFailed, StallNotice
@@ -48,26 +51,43 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
+_SAY_LOCK = threading.Lock()
+
+
 def say(tag: str, message: str) -> None:
-    print(f"[{tag}] {message}", flush=True)
+    with _SAY_LOCK:  # microbatch threads report too: one whole line at a time
+        sys.stdout.write(f"[{tag}] {message}\n")
+        sys.stdout.flush()
 
 
 class RosterWatcher(threading.Thread):
     """Keeps the router's view of every stage current from the stage DHTs."""
 
+    MISSES_TO_FORGET = 2  # a loaded DHT sometimes answers one read empty: that alone must not drop live workers
+
     def __init__(self, dhts: dict, router: Router, period: float, stop: threading.Event):
         super().__init__(name="roster", daemon=True)
         self.dhts, self.router, self.period, self.stop = dhts, router, period, stop
         self.known: dict[str, set[str]] = {stage: set() for stage in dhts}
+        self.listed: dict[str, dict[str, tuple[WorkerRecord, int]]] = {stage: {} for stage in dhts}  # peer -> (record, misses)
 
     def refresh(self) -> None:
         for stage, dht in self.dhts.items():
             try:
-                records = list(fetch_roster(dht, stage).values())
-                self.router[stage].update_roster(records)
+                fetched = fetch_roster(dht, stage)
             except Exception as error:  # a DHT hiccup must not stop routing on the last known roster
                 say("WARNING", f"could not read the {stage} roster: {error}")
                 continue
+            listed = self.listed[stage]
+            for peer_id in [peer_id for peer_id in listed if peer_id not in fetched]:
+                record, misses = listed[peer_id]
+                if misses + 1 >= self.MISSES_TO_FORGET:
+                    del listed[peer_id]
+                else:
+                    listed[peer_id] = (record, misses + 1)
+            listed.update((peer_id, (record, 0)) for peer_id, record in fetched.items())
+            records = [record for record, _ in listed.values()]
+            self.router[stage].update_roster(records)
             self._say_changes(stage, {record.uid for record in records})
 
     def _say_changes(self, stage: str, uids: set[str]) -> None:
@@ -121,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         on_failure=lambda message: say("RETRY", message),
     )
     try:
-        done = _train(pipeline, batches, args, router, stop)
+        done = _train(pipeline, batches, args, router, traffic, stop)
     except DataError as error:  # a bad record further into the data
         say("ERROR", str(error))
         return 2
@@ -133,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(pipeline: Pipeline, batches, args, router: Router, stop: threading.Event) -> int:
+def _train(pipeline: Pipeline, batches, args, router: Router, traffic: TrafficCounter, stop: threading.Event) -> int:
     done, losses, tokens = 0, [], 0
     last_report = time.monotonic()
     with ThreadPoolExecutor(args.inflight, thread_name_prefix="microbatch") as pool:
@@ -158,13 +178,13 @@ def _train(pipeline: Pipeline, batches, args, router: Router, stop: threading.Ev
                 except RequestFailed as error:
                     if not stop.is_set():
                         say("WARNING", f"microbatch dropped: {error}")
-            if losses and (time.monotonic() - last_report >= args.report_every or not pending):
+            if time.monotonic() - last_report >= args.report_every or (losses and not pending):
+                # also while nothing finishes (a stalled or slow stage): the roster and bans are what matter then
                 elapsed = time.monotonic() - last_report
                 roster = "; ".join(_stage_summary(stats) for stats in router.window_stats().values())
-                say(
-                    "PROGRESS",
-                    f"microbatches={done} loss={sum(losses) / len(losses):.4f} tokens_per_s={tokens / elapsed:.1f} | {roster}",
-                )
+                loss = f"{sum(losses) / len(losses):.4f}" if losses else "n/a"
+                say("PROGRESS", f"microbatches={done} loss={loss} tokens_per_s={tokens / elapsed:.1f} | {roster}")
+                say("TRAFFIC", json.dumps(traffic.per_token()))  # serialized bytes per token, per stage and kind
                 losses, tokens, last_report = [], 0, time.monotonic()
         stop.set()
     return done

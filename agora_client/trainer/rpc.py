@@ -37,10 +37,14 @@ class TrafficCounter:
             self.bytes[stage, direction] += nbytes
             self.tokens[stage, direction] += tokens
 
-    def per_token(self, stage: str, direction: str) -> float:
+    def per_token(self) -> dict[str, float]:
+        """Serialized bytes per token for every ``<stage>.<kind>_<request|reply>`` seen so far."""
         with self._lock:
-            tokens = self.tokens.get((stage, direction), 0)
-            return self.bytes.get((stage, direction), 0) / tokens if tokens else 0.0
+            return {
+                f"{stage}.{direction}": round(self.bytes[stage, direction] / tokens, 3)
+                for (stage, direction), tokens in self.tokens.items()
+                if tokens
+            }
 
 
 class StageClient:

@@ -105,14 +105,15 @@ class Contributor:
                 list(auth.seeds),
                 device=options.device,
                 joining=True,
-                index=auth.slot,
                 snapshot=snapshot,
+                exit_snapshot_dir=options.config_dir / "snapshots" / "own",
                 dht_kwargs=dht_kwargs,
             ),
             self.events,
         )
         metrics = WorkerMetrics(options.config.model, auth.stage, peer_id=node.peer_id, identity=auth.identity, ticket=auth.ticket)
         node.add_request_hook(lambda kind, tokens: metrics.on_forward(tokens) if kind == "forward" else metrics.on_backward(tokens))
+        node.add_round_hook(lambda report: metrics.on_sparta_round(report.ok, report.fraction))
         node.start(self.stop)
         report_active(options.swarm_url, auth.ticket)
         self._serve(node, metrics, dht_kwargs["record_validators"][0])

@@ -20,6 +20,7 @@ from agora_client.swarm.roster import WorkerRecord, fetch_roster, free_index, st
 from agora_client.worker.backend import StageBackend
 from agora_client.worker.epochs import EpochController
 from agora_client.worker.server import StageServer
+from agora_client.worker.sparta import RoundReport, SpartaAverager
 from agora_client.worker.sync import SyncState
 
 
@@ -39,6 +40,7 @@ class WorkerOptions:
     publish_dir: Path | None = None  # write a snapshot of this stage here every publish_every epochs
     publish_every: int = 5
     publish_keep: int = 3
+    exit_snapshot_dir: Path | None = None  # on a graceful stop, save this worker's own state here
     dht_kwargs: dict = field(default_factory=dict)
 
 
@@ -113,6 +115,11 @@ class WorkerNode:
             on_epoch=self._on_epoch,
             epoch=start_epoch,
         )
+        self._round_hooks: list[Callable[[RoundReport], None]] = []
+        self._snapshot_due = options.publish_dir is not None  # the first one is written at start()
+        self.sparta = SpartaAverager(
+            self.dht, f"agora_{stage}_sparta", self.parameters, config.sparta, lock=self.epochs.lock, on_round=self._on_round
+        )
         is_tail = stage == "tail"
         max_batch = config.optim.microbatch_size * 8
         example = self.module.example_inputs(1)
@@ -147,6 +154,15 @@ class WorkerNode:
     def add_epoch_hook(self, hook: Callable[[int], None]) -> None:
         """``hook(epoch)`` runs after every stage epoch, outside the parameter lock."""
         self._epoch_hooks.append(hook)
+
+    def add_round_hook(self, hook: Callable[[RoundReport], None]) -> None:
+        """``hook(report)`` runs after every SPARTA round, from the round's thread."""
+        self._round_hooks.append(hook)
+
+    def _on_round(self, report: RoundReport) -> None:
+        self.events.emit(report.to_event())
+        for hook in self._round_hooks:
+            hook(report)
 
     def add_request_hook(self, hook: Callable[[str, torch.Tensor], None]) -> None:
         """``hook(kind, tokens)`` runs after every forward or backward request this worker served."""
@@ -199,18 +215,30 @@ class WorkerNode:
         )
         for hook in self._epoch_hooks:
             hook(epoch)
-        if self.options.publish_dir is not None and epoch % self.options.publish_every == 0:
-            self.publish_snapshot(epoch)
+        period = self.options.config.sparta.period
+        if epoch > 0 and epoch % period == 0:
+            self.sparta.begin_round(epoch // period, self.sync.averaging_weight)
+        if self.options.publish_dir is not None:
+            self._snapshot_due |= epoch % self.options.publish_every == 0
+            if self._snapshot_due and not self.sparta.in_flight:  # only outside averaging rounds: a consistent state
+                self.publish_snapshot(epoch)
 
     def publish_snapshot(self, epoch: int) -> Path:
         """Write this stage's snapshot; under the lock, so weights and optimizer state are consistent."""
         with self.epochs.lock:
+            self._snapshot_due = False
             return save_stage_snapshot(
                 self.options.publish_dir, self.options.stage, self.module, self.optimizer, epoch, self.options.publish_keep
             )
 
     def shutdown(self) -> None:
+        self.sparta.shutdown()  # leaves its averaging group first, so peers need not wait for us
         self.epochs.shutdown()
+        if self.options.exit_snapshot_dir is not None:
+            with self.epochs.lock:
+                save_stage_snapshot(
+                    self.options.exit_snapshot_dir, self.options.stage, self.module, self.optimizer, self.epochs.epoch, 1
+                )
         self.server.shutdown()
         self.server.join(timeout=10)
 

@@ -29,6 +29,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 from hivemind.dht import DHT
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
@@ -127,7 +128,7 @@ class _GroupAverager(DecentralizedAverager):
     """hivemind's averager with SPARTA's group rules. Runs in its own process, like its parent class."""
 
     # hivemind's averager hands its shared buffer and pipes to its process by fork; keep fork even in a spawned host
-    _Popen = staticmethod(mp.get_context("fork").Process._Popen)
+    _start_method, _Popen = "fork", staticmethod(mp.get_context("fork").Process._Popen)
 
     def __init__(self, buffer: torch.Tensor, dht: DHT, *, layout: bytes, **kwargs: Any):
         super().__init__([buffer], dht, start=False, **kwargs)
@@ -217,6 +218,7 @@ class SpartaAverager:
             # a reducer first waits up to sender_timeout for its slowest sender, then gets its own reducer_timeout
             reducer_timeout=config.sender_timeout + config.reducer_timeout,
             allow_state_sharing=False,
+            part_size_bytes=_part_size_bytes(self._buffer),
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparta-round")
         self._begin_lock = threading.Lock()
@@ -316,6 +318,12 @@ class SpartaAverager:
         self._executor.shutdown(wait=True)
         if self._averager.is_alive():
             self._averager.shutdown()
+
+
+def _part_size_bytes(buffer: torch.Tensor) -> int:
+    # hivemind hands each whole part to one reducer: parts much smaller than a slice spread the load evenly
+    # over the group (a slice in one part means one peer reduces everything); 8 KiB keeps headers under 1%
+    return min(DEFAULT_PART_SIZE_BYTES, max(8 * 1024, buffer.numel() * buffer.element_size() // 64))
 
 
 def _describe_failure(error: BaseException, find_group_timeout: float) -> str:

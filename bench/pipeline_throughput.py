@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""Tokens per second of the local swarm against the same model trained in one process, side by side.
+
+- swarm: `LocalSwarm` with the tiny preset, 2 seeds, 1 worker per stage and 1 trainer (shard 0/1), all
+  real processes on 127.0.0.1; throughput from the trainer's progress lines after a warm-up.
+- one process: the same stages (same construction and seed as the workers) chained in this process, fed
+  the same batches (the trainer's data stream: shard 0/1, same seed, same microbatch size), with the same
+  optimizer per stage (AdamW, the preset's settings), the same stage epochs (a step every
+  target_batch_size samples, gradients averaged over them, stage-wise clipping).
+  It runs once before and once after the swarm so that machine load drift shows.
+Also: the time from swarm start to the first optimizer step (the workers' first step events).
+Note the swarm recomputes each stage's forward on backward (activation recomputation), so it does 2 forwards
++ 1 backward per stage where the single process does 1 + 1. Last output line: one JSON object.
+
+    python bench/pipeline_throughput.py                    # ~3 min on 2 cores
+    python bench/pipeline_throughput.py --swarm-seconds 120 --local-seconds 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _trainer_progress import ProgressRecorder, tokens_per_second  # noqa: E402
+
+from agora_client.config import RunConfig, load_config  # noqa: E402
+from agora_client.model import build_stage  # noqa: E402
+from agora_client.swarm.launcher import LocalSwarm, SwarmOptions  # noqa: E402
+from agora_client.trainer.data import SequenceStream, Shard  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--swarm-seconds", type=float, default=75.0, help="measured seconds of the swarm")
+    parser.add_argument("--warmup", type=float, default=15.0, help="seconds of the trainer not measured")
+    parser.add_argument("--local-seconds", type=float, default=20.0, help="seconds of each single-process run")
+    parser.add_argument("--inflight", type=int, default=3, help="microbatches in flight in the trainer")
+    parser.add_argument("--run-dir", type=Path, default=None, help="logs go here (default: a temporary folder)")
+    return parser.parse_args()
+
+
+class InProcessPipeline:
+    """The tiny model's stages chained in this process, trained as the swarm's workers train them."""
+
+    def __init__(self, config: RunConfig):
+        self.config = config
+        self.stages = [build_stage(config.model, name, seed=config.seed) for name in config.model.stage_names]
+        optim = config.optim
+        self.optimizers = [
+            torch.optim.AdamW(stage.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+            for stage in self.stages
+        ]
+        self.clip = [config.clip_norm(name) for name in config.model.stage_names]
+        self.samples = 0
+        self.steps = 0
+
+    def train_microbatch(self, batch: torch.Tensor) -> float:
+        tokens, labels = batch[:, :-1], batch[:, 1:]
+        head, *bodies, tail = self.stages
+        boundary = head(tokens)
+        for body in bodies:
+            boundary = body(boundary, tokens)
+        losses = tail(boundary, tokens, labels)
+        losses.sum().backward()  # each sample's loss with weight 1, as the trainer sends it
+        self.samples += batch.shape[0]
+        if self.samples >= self.config.optim.target_batch_size:
+            self._step()
+        return float(losses.detach().mean())
+
+    def _step(self) -> None:
+        for stage, optimizer, clip in zip(self.stages, self.optimizers, self.clip):
+            parameters = [p for p in stage.parameters() if p.grad is not None]
+            for parameter in parameters:
+                parameter.grad.div_(self.samples)
+            torch.nn.utils.clip_grad_norm_(parameters, clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        self.samples = 0
+        self.steps += 1
+
+
+def run_in_process(config: RunConfig, seconds: float) -> dict:
+    model = InProcessPipeline(config)
+    batches = SequenceStream(None, config.model.seq_len, Shard(0, 1), seed=config.seed).batches(config.optim.microbatch_size)
+    model.train_microbatch(next(batches))  # first call pays one-off allocation costs
+    tokens, losses = 0, []
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        batch = next(batches)
+        losses.append(model.train_microbatch(batch))
+        tokens += batch[:, :-1].numel()
+    elapsed = time.monotonic() - start
+    return {"tokens_per_s": tokens / elapsed, "microbatches": len(losses), "loss_last": sum(losses[-5:]) / len(losses[-5:])}
+
+
+def first_steps(run_dir: Path, stages: list[str]) -> dict[str, float]:
+    """Wall time of each stage's first step event (its first optimizer step)."""
+    found = {}
+    for stage in stages:
+        path = run_dir / "events" / f"{stage}-0.jsonl"
+        for line in path.read_text().splitlines() if path.exists() else []:
+            event = json.loads(line)
+            if event.get("kind") == "step":
+                found[stage] = event["ts"]
+                break
+    return found
+
+
+def run_swarm(config: RunConfig, args: argparse.Namespace, run_dir: Path) -> dict:
+    recorder = ProgressRecorder()
+    options = SwarmOptions(
+        workers_per_stage=1,
+        trainers=1,
+        run_dir=run_dir,
+        report_every=2.0,
+        trainer_args=("--shard", "0/1", "--inflight", str(args.inflight)),
+    )
+    swarm = LocalSwarm(options, on_line=recorder)
+    started_wall = time.time()
+    try:
+        swarm.start()
+        workers_ready_s = time.time() - started_wall
+        trainer = swarm.trainers[0]
+        deadline = time.monotonic() + 240
+        while not recorder.of(trainer.name):
+            if time.monotonic() > deadline or not trainer.alive:
+                raise RuntimeError(f"the trainer made no progress; see {trainer.log_path}")
+            time.sleep(0.5)
+        measured_from = recorder.of(trainer.name)[0].at + args.warmup
+        time.sleep(max(0.0, measured_from + args.swarm_seconds - time.monotonic()))
+        points = [point for point in recorder.of(trainer.name) if point.at >= measured_from]
+        steps = first_steps(run_dir, list(config.model.stage_names))
+    finally:
+        swarm.stop()
+    tokens = config.optim.microbatch_size * config.model.seq_len
+    missing = [stage for stage in config.model.stage_names if stage not in steps]
+    if missing:
+        raise RuntimeError(f"no optimizer step seen for {', '.join(missing)}; see {run_dir / 'logs'}")
+    return {
+        "tokens_per_s": tokens_per_second(points, tokens),
+        "microbatches": points[-1].microbatches - points[0].microbatches if points else 0,
+        "loss_last": points[-1].loss if points else None,
+        "workers_ready_s": workers_ready_s,
+        "first_step_s": min(steps.values()) - started_wall,
+        "all_stages_stepped_s": max(steps.values()) - started_wall,
+    }
+
+
+def main() -> int:
+    args = parse_args()
+    if min(args.swarm_seconds, args.local_seconds, args.inflight) <= 0 or args.warmup < 0:
+        print("--swarm-seconds, --local-seconds and --inflight must be positive", file=sys.stderr)
+        return 2
+    config = load_config("tiny")
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="agora-bench-throughput-"))
+    before = run_in_process(config, args.local_seconds)
+    print(f"one process (before): {before['tokens_per_s']:.0f} tokens/s over {before['microbatches']} microbatches", flush=True)
+    swarm = run_swarm(config, args, run_dir)
+    print(
+        f"swarm: {swarm['tokens_per_s']:.0f} tokens/s over {swarm['microbatches']} microbatches; workers up after "
+        f"{swarm['workers_ready_s']:.1f}s, first optimizer step {swarm['first_step_s']:.1f}s after start "
+        f"(every stage by {swarm['all_stages_stepped_s']:.1f}s); logs in {run_dir / 'logs'}",
+        flush=True,
+    )
+    after = run_in_process(config, args.local_seconds)
+    print(f"one process (after): {after['tokens_per_s']:.0f} tokens/s over {after['microbatches']} microbatches", flush=True)
+    local = (before["tokens_per_s"] + after["tokens_per_s"]) / 2
+    result = {
+        "bench": "pipeline_throughput",
+        "preset": config.name,
+        "microbatch_size": config.optim.microbatch_size,
+        "seq_len": config.model.seq_len,
+        "swarm_tokens_per_s": round(swarm["tokens_per_s"], 1),
+        "swarm_microbatches_measured": swarm["microbatches"],
+        "single_process_tokens_per_s": round(local, 1),
+        "single_process_before_tokens_per_s": round(before["tokens_per_s"], 1),
+        "single_process_after_tokens_per_s": round(after["tokens_per_s"], 1),
+        "ratio_swarm_over_single_process": round(swarm["tokens_per_s"] / local, 3),
+        "swarm_workers_ready_s": round(swarm["workers_ready_s"], 1),
+        "swarm_first_optimizer_step_s": round(swarm["first_step_s"], 1),
+        "swarm_all_stages_stepped_s": round(swarm["all_stages_stepped_s"], 1),
+        "torch_threads": torch.get_num_threads(),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

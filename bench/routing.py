@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Least-loaded routing against round-robin, with one slow and one fast worker in a stage.
+
+One local swarm (tiny preset, real processes on 127.0.0.1): head, body2 and tail have one fast worker each;
+body1 has a fast worker and one made slow with `agora worker --slowdown S` (S seconds added to every
+request, as a slower GPU would). The same swarm then serves a trainer with `--routing least-loaded` and a
+trainer with `--routing round-robin`, one after the other (alternating per round so that machine load falls
+on both alike). For each policy: the share of body1's requests each worker served, and the trainer's
+pipeline throughput in tokens/s, both measured after a warm-up. Last output line: one JSON object.
+
+    python bench/routing.py                      # ~3-4 min on 2 cores
+    python bench/routing.py --rounds 2 --seconds 60 --slowdown 0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _trainer_progress import ProgressRecorder, served_by, tokens_per_second  # noqa: E402
+
+from agora_client.swarm.launcher import LocalSwarm, SwarmOptions  # noqa: E402
+
+POLICIES = ("least-loaded", "round-robin")
+SLOW_STAGE = "body1"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--slowdown", type=float, default=0.3, help="seconds added to every request of the slow worker")
+    parser.add_argument("--seconds", type=float, default=45.0, help="measured seconds per policy per round")
+    parser.add_argument("--warmup", type=float, default=15.0, help="seconds of each trainer not measured")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of (least-loaded, round-robin)")
+    parser.add_argument("--inflight", type=int, default=3, help="microbatches in flight per trainer")
+    parser.add_argument("--run-dir", type=Path, default=None, help="logs go here (default: a temporary folder)")
+    return parser.parse_args()
+
+
+def measure(swarm: LocalSwarm, recorder: ProgressRecorder, policy: str, args: argparse.Namespace) -> dict:
+    trainer = swarm.start_trainer("--routing", policy, "--shard", "0/1", "--inflight", str(args.inflight))
+    try:
+        deadline = time.monotonic() + 180
+        while not recorder.of(trainer.name):
+            if time.monotonic() > deadline or not trainer.alive:
+                raise RuntimeError(f"{trainer.name} made no progress; see {trainer.log_path}")
+            time.sleep(0.5)
+        measured_from = recorder.of(trainer.name)[0].at + args.warmup
+        time.sleep(max(0.0, measured_from + args.seconds - time.monotonic()))
+    finally:
+        trainer.stop()
+    points = [point for point in recorder.of(trainer.name) if point.at >= measured_from]
+    tokens = swarm.config.optim.microbatch_size * swarm.config.model.seq_len
+    return {"tokens_per_s": tokens_per_second(points, tokens), "served": served_by(points, SLOW_STAGE)}
+
+
+def main() -> int:
+    args = parse_args()
+    if args.slowdown <= 0 or min(args.seconds, args.warmup + 1, args.rounds, args.inflight) <= 0:
+        print("--slowdown, --seconds, --rounds and --inflight must be positive", file=sys.stderr)
+        return 2
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="agora-bench-routing-"))
+    recorder = ProgressRecorder()
+    swarm = LocalSwarm(SwarmOptions(workers_per_stage=1, trainers=0, run_dir=run_dir, report_every=2.0), on_line=recorder)
+    results: dict[str, list[dict]] = {policy: [] for policy in POLICIES}
+    try:
+        swarm.start()
+        slow = swarm.start_worker(SLOW_STAGE, "--slowdown", str(args.slowdown))
+        fast_uid, slow_uid = f"{SLOW_STAGE}.0.0", f"{SLOW_STAGE}.0.{slow.name.rsplit('-', 1)[1]}"
+        print(f"swarm up in {time.monotonic() - swarm.started_at:.0f}s; {SLOW_STAGE}: fast {fast_uid}, slow {slow_uid} "
+              f"(+{args.slowdown}s per request); logs in {run_dir / 'logs'}", flush=True)
+        for round_index in range(args.rounds):
+            for policy in POLICIES if round_index % 2 == 0 else POLICIES[::-1]:
+                result = measure(swarm, recorder, policy, args)
+                results[policy].append(result)
+                served = result["served"]
+                total = max(sum(served.values()), 1)
+                print(f"round {round_index + 1} {policy:12s}: {result['tokens_per_s']:7.1f} tokens/s; {SLOW_STAGE} "
+                      f"requests fast {served.get(fast_uid, 0)} ({served.get(fast_uid, 0) / total:.0%}), "
+                      f"slow {served.get(slow_uid, 0)} ({served.get(slow_uid, 0) / total:.0%})", flush=True)
+    finally:
+        swarm.stop()
+    summary: dict[str, object] = {"bench": "routing", "preset": swarm.config.name, "slowdown_s": args.slowdown,
+                                  "seconds_per_policy": args.seconds * args.rounds, "inflight": args.inflight}
+    for policy, runs in results.items():
+        key = policy.replace("-", "_")
+        fast = sum(run["served"].get(fast_uid, 0) for run in runs)
+        slow_count = sum(run["served"].get(slow_uid, 0) for run in runs)
+        summary[f"{key}_tokens_per_s"] = round(statistics.mean(run["tokens_per_s"] for run in runs), 1)
+        summary[f"{key}_fast_requests"] = fast
+        summary[f"{key}_slow_requests"] = slow_count
+        summary[f"{key}_slow_share"] = round(slow_count / max(fast + slow_count, 1), 3)
+    summary["throughput_ratio_least_loaded_over_round_robin"] = round(
+        summary["least_loaded_tokens_per_s"] / max(summary["round_robin_tokens_per_s"], 1e-9), 3  # type: ignore[operator]
+    )
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""A contributor joins a running local swarm: auth service, snapshot download, sync phases, active.
+
+One swarm serves both tests: the runtime alone (the join path, checked from its events and from
+the DHT), then the real Textual app supervising a real runtime until it shows Active.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from importlib import resources
+
+import psutil
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from hivemind.dht.crypto import RSASignatureValidator
+
+from agora_client.snapshots import latest_snapshot
+from agora_client.swarm.dht import connect_dht
+from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
+from agora_client.swarm.processes import ManagedProcess
+from agora_client.swarm.roster import fetch_roster
+from tests.swarm_helpers import wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+PHASE1_STEPS, PHASE2_STEPS = 8, 4
+SPARTA = {"period": 2, "fraction": 0.25}  # phase 1 spans 4 rounds: every parameter averaged once, as in production
+
+
+@pytest.fixture(scope="module")
+def join_swarm(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("join")
+    preset = yaml.safe_load((resources.files("agora_client") / "presets" / "tiny.yaml").read_text())
+    preset["sync"].update(phase1_steps=PHASE1_STEPS, phase2_steps=PHASE2_STEPS)  # phases long enough to observe
+    preset["sparta"].update(SPARTA)
+    preset_path = run_dir / "join.yaml"
+    preset_path.write_text(yaml.safe_dump(preset))
+    swarm = LocalSwarm(
+        SwarmOptions(preset=str(preset_path), workers_per_stage=1, run_dir=run_dir, publish_snapshots=True, report_every=3)
+    )
+    try:
+        swarm.start()
+        auth_url, token = swarm.start_join_services(pacing=2.0)
+        yield swarm, auth_url, token, preset_path
+    finally:
+        swarm.stop()
+
+
+def _events(process: ManagedProcess) -> list[dict]:
+    found = []
+    for line in process.lines():
+        if line.startswith("{"):
+            try:
+                found.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return found
+
+
+def _progress_samples(dht, stage: str, peer_id_bytes: bytes) -> int | None:
+    entry = dht.get(f"agora.progress.{stage}_progress", latest=True)
+    if entry is None or not isinstance(entry.value, dict):
+        return None
+    for item in entry.value.values():
+        value = item.value
+        if isinstance(value, dict) and value.get("peer_id") == peer_id_bytes:
+            return value["samples_accumulated"]
+    return None
+
+
+def test_joiner_passes_every_phase_in_order(join_swarm, tmp_path):
+    swarm, auth_url, token, preset_path = join_swarm
+    client_dir = tmp_path / "client"
+    runtime = ManagedProcess(
+        "runtime",
+        ["runtime", "--swarm", auth_url, "--config-dir", str(client_dir), "--preset", str(preset_path)],
+        tmp_path / "runtime.log",
+        env={"HF_TOKEN": token},
+    )
+    # Progress records are signed: a peer without the validator cannot even decode them.
+    observer = connect_dht(swarm.seed_addrs, record_validators=[RSASignatureValidator()])
+    observations: list[tuple[int, int | None, int]] = []  # (phase before, samples, phase after)
+    try:
+        wait_until(lambda: any(e["kind"] == "stage" for e in _events(runtime)), 240, "the joiner's worker to start")
+        stage_event = next(e for e in _events(runtime) if e["kind"] == "stage")
+        stage, peer_id = stage_event["stage"], stage_event["peer_id"]
+        from hivemind.p2p import PeerID
+
+        peer_bytes = PeerID.from_base58(peer_id).to_bytes()
+
+        def phase() -> int | None:
+            record = fetch_roster(observer, stage).get(peer_id)
+            return None if record is None else record.sync_phase
+
+        def active_with_steps() -> bool:
+            before = phase()
+            samples = _progress_samples(observer, stage, peer_bytes)
+            after = phase()
+            if before is not None and after is not None:
+                observations.append((before, samples, after))
+            events = _events(runtime)
+            sync = [i for i, e in enumerate(events) if e["kind"] == "sync" and e["phase"] == "active"]
+            return bool(sync) and sum(e["kind"] == "step" for e in events[sync[0] :]) >= 3
+
+        wait_until(active_with_steps, 300, "the joiner to become active and train 3 epochs", poll=0.5)
+    finally:
+        runtime.stop(grace=30)
+        observer.shutdown()
+
+    events = _events(runtime)
+    assert not runtime.alive
+    auth = [e for e in events if e["kind"] == "auth"]
+    assert auth[-1]["status"] == "authorized" and auth[-1]["stage"] == stage
+    assert any(e["kind"] == "download" and e["status"] == "done" for e in events)
+
+    # Every phase, in order, with the messages the contributor sees.
+    sync = [e for e in events if e["kind"] == "sync"]
+    assert [e["phase"] for e in sync] == ["sync1", "sync2", "active"]
+    assert sync[0]["message"].splitlines() == [
+        "Synchronising weights with peers. Node won't process batches in this phase.",
+        f"This phase will last {PHASE1_STEPS} steps (until local epoch {sync[0]['target_epoch']}).",
+    ]
+    assert sync[1]["message"].splitlines()[0].startswith("Synchronising optimizer state.")
+    assert sync[2]["message"] == "Sync complete. Node is now fully contributing to training."
+
+    # The DHT record follows the phases in order.
+    seen = [before for before, _, _ in observations]
+    order = [p for i, p in enumerate(seen) if i == 0 or p != seen[i - 1]]
+    assert order == [1, 2, 0], f"DHT phases seen in this order: {order}"
+
+    # Trainers route to it only from phase 2: no request while in phase 1.
+    index = {id(e): i for i, e in enumerate(events)}
+    phase1_steps = [e for e in events if e["kind"] == "step" and index[id(sync[0])] < index[id(e)] < index[id(sync[1])]]
+    phase2_steps = [e for e in events if e["kind"] == "step" and index[id(sync[1])] < index[id(e)] < index[id(sync[2])]]
+    assert phase1_steps and all(e["forward_per_min"] == 0 and e["backward_per_min"] == 0 for e in phase1_steps)
+    assert any(e["forward_per_min"] > 0 for e in phase2_steps + [e for e in events if e["kind"] == "step"][-3:])
+
+    # Its samples count toward the stage batch only once active.
+    syncing = [samples for before, samples, after in observations if before in (1, 2) and after in (1, 2)]
+    active = [samples for before, samples, after in observations if before == 0 and after == 0]
+    assert all(not samples for samples in syncing), syncing
+    assert any(samples for samples in active if samples), "no samples counted while active"
+
+    # SPARTA pulled it toward its peer: much closer to it than the snapshot it started from.
+    own = load_file(latest_snapshot(client_dir / "snapshots" / "own" / stage) / "params.safetensors")
+    peer = load_file(latest_snapshot(swarm.snapshot_dir / stage) / "params.safetensors")
+    start_dir = next(p for p in (client_dir / "snapshots" / stage).iterdir() if p.is_dir())
+    start = load_file(start_dir / "params.safetensors")
+    distance = lambda a, b: sum(float((a[k] - b[k]).pow(2).sum()) for k in b) ** 0.5  # noqa: E731
+    assert any(e["kind"] == "sparta" and e["ok"] and e["weight"] == 0.0 for e in events), "no receive-only round"
+    assert distance(own, peer) < 0.5 * distance(start, peer)
+
+
+def test_app_on_a_real_runtime_reaches_active_and_quits_clean(join_swarm, tmp_path):
+    from tui.app import AgoraApp
+    from tui.state import JoinStep
+    from tui.supervisor import runtime_command
+
+    swarm, auth_url, token, preset_path = join_swarm
+    command = runtime_command(token=token, swarm=auth_url, config_dir=tmp_path / "client")
+    command = type(command)((*command.argv, "--preset", str(preset_path)), command.env)
+    app = AgoraApp(command)
+
+    async def drive() -> list[int]:
+        async with app.run_test(size=(100, 34)) as pilot:
+            deadline = time.monotonic() + 300
+            while app.tracker.step != JoinStep.ACTIVE:
+                assert time.monotonic() < deadline, f"app stuck at {app.tracker.step.name}: {app.tracker.status}"
+                assert app.tracker.failure is None, app.tracker.failure
+                await pilot.pause(0.5)
+            pgid = app.process.pid
+            await pilot.press("q")
+            await pilot.pause(0.5)
+            deadline = time.monotonic() + 60
+            while app.is_running and time.monotonic() < deadline:
+                await pilot.pause(0.5)
+            return [p.pid for p in psutil.process_iter() if _in_group(p, pgid)]
+
+    leftovers = asyncio.run(drive())
+    assert leftovers == []
+
+
+def _in_group(process: psutil.Process, pgid: int) -> bool:
+    try:
+        import os
+
+        return os.getpgid(process.pid) == pgid and process.status() != psutil.STATUS_ZOMBIE
+    except (ProcessLookupError, psutil.Error):
+        return False
