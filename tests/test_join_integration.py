@@ -145,14 +145,16 @@ def test_joiner_passes_every_phase_in_order(join_swarm, tmp_path):
     assert all(not samples for samples in syncing), syncing
     assert any(samples for samples in active if samples), "no samples counted while active"
 
-    # SPARTA pulled it toward its peer: much closer to it than the snapshot it started from.
+    # SPARTA pulled it toward its peer: it ends closer to the peer than the snapshot it started from,
+    # although both kept training on different data (the exact weight-0 rule is tested in test_sparta).
     own = load_file(latest_snapshot(client_dir / "snapshots" / "own" / stage) / "params.safetensors")
     peer = load_file(latest_snapshot(swarm.snapshot_dir / stage) / "params.safetensors")
     start_dir = next(p for p in (client_dir / "snapshots" / stage).iterdir() if p.is_dir())
     start = load_file(start_dir / "params.safetensors")
     distance = lambda a, b: sum(float((a[k] - b[k]).pow(2).sum()) for k in b) ** 0.5  # noqa: E731
-    assert any(e["kind"] == "sparta" and e["ok"] and e["weight"] == 0.0 for e in events), "no receive-only round"
-    assert distance(own, peer) < 0.5 * distance(start, peer)
+    receive_only = [e for e in events if e["kind"] == "sparta" and e["weight"] == 0.0]
+    assert any(e["ok"] and e["fraction"] == 1.0 for e in receive_only), f"no complete receive-only round: {receive_only}"
+    assert distance(own, peer) < distance(start, peer)
 
 
 def test_app_on_a_real_runtime_reaches_active_and_quits_clean(join_swarm, tmp_path):

@@ -263,7 +263,10 @@ class SpartaAverager:
         self._averager.traffic.zero_()
         group_size, fraction, reason = 0, 0.0, None
         try:
-            self._averager.set_group_bits(format(round_no, "b"))  # one matchmaking key per round
+            if not self._averager.is_alive():
+                raise RuntimeError("hivemind's averager process is not running")
+            # one matchmaking key per round: workers on another round never land in this group
+            self._averager.set_group_bits(format(round_no, "b"), wait=False).result(timeout=self._find_group_timeout)
             outcome = self._run_step({"weight": weight}, weight)
         except Exception as error:
             reason = _describe_failure(error, self._find_group_timeout)
