@@ -11,6 +11,7 @@ import json
 import time
 from importlib import resources
 
+import httpx
 import psutil
 import pytest
 import torch
@@ -45,7 +46,8 @@ def join_swarm(tmp_path_factory):
     try:
         swarm.start()
         auth_url, token = swarm.start_join_services(pacing=2.0)
-        yield swarm, auth_url, token, preset_path
+        monitor_url = swarm.start_monitor(auth_url, interval=3.0)
+        yield swarm, auth_url, token, preset_path, monitor_url
     finally:
         swarm.stop()
 
@@ -73,11 +75,11 @@ def _progress_samples(dht, stage: str, peer_id_bytes: bytes) -> int | None:
 
 
 def test_joiner_passes_every_phase_in_order(join_swarm, tmp_path):
-    swarm, auth_url, token, preset_path = join_swarm
+    swarm, auth_url, token, preset_path, monitor_url = join_swarm
     client_dir = tmp_path / "client"
     runtime = ManagedProcess(
         "runtime",
-        ["runtime", "--swarm", auth_url, "--config-dir", str(client_dir), "--preset", str(preset_path)],
+        ["runtime", "--swarm", auth_url, "--config-dir", str(client_dir), "--preset", str(preset_path), "--monitor", monitor_url],
         tmp_path / "runtime.log",
         env={"HF_TOKEN": token},
     )
@@ -107,6 +109,13 @@ def test_joiner_passes_every_phase_in_order(join_swarm, tmp_path):
             return bool(sync) and sum(e["kind"] == "step" for e in events[sync[0] :]) >= 3
 
         wait_until(active_with_steps, 300, "the joiner to become active and train 3 epochs", poll=0.5)
+        # The monitor confirms its points from the signed metrics it publishes in the DHT.
+        wait_until(lambda: _confirmed(monitor_url, peer_id) > 0, 120, "the monitor to confirm the joiner's points")
+        wait_until(
+            lambda: any(e["kind"] == "points" and (e["confirmed"] or 0) > 0 for e in _events(runtime)),
+            60,
+            "the client to show its confirmed points",
+        )
     finally:
         runtime.stop(grace=30)
         observer.shutdown()
@@ -162,7 +171,7 @@ def test_app_on_a_real_runtime_reaches_active_and_quits_clean(join_swarm, tmp_pa
     from tui.state import JoinStep
     from tui.supervisor import runtime_command
 
-    swarm, auth_url, token, preset_path = join_swarm
+    swarm, auth_url, token, preset_path, _ = join_swarm
     command = runtime_command(token=token, swarm=auth_url, config_dir=tmp_path / "client")
     command = type(command)((*command.argv, "--preset", str(preset_path)), command.env)
     app = AgoraApp(command)
@@ -184,6 +193,11 @@ def test_app_on_a_real_runtime_reaches_active_and_quits_clean(join_swarm, tmp_pa
 
     leftovers = asyncio.run(drive())
     assert leftovers == []
+
+
+def _confirmed(monitor_url: str, peer_id: str) -> float:
+    reply = httpx.get(f"{monitor_url}/peers/{peer_id}", timeout=5)
+    return float(reply.json()["score"]) if reply.status_code == 200 else 0.0
 
 
 def _in_group(process: psutil.Process, pgid: int) -> bool:

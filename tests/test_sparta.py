@@ -65,13 +65,12 @@ def _peer_main(conn: Connection, index: int, initial_peers: list[str], freeze: b
     lock = threading.Lock()
     dht = DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     conn.send([str(addr) for addr in dht.get_visible_maddrs()])
-    kwargs: dict[str, Any] = dict(lock=lock)
     if freeze:
         sparta: SpartaAverager = _FreezesAfterMatchmaking(
-            dht, "test_sparta", parameters, CONFIG, on_grouped=lambda: conn.send("grouped"), **kwargs
+            dht, "test_sparta", parameters, CONFIG, lock=lock, on_grouped=lambda: conn.send("grouped")
         )
     else:
-        sparta = SpartaAverager(dht, "test_sparta", parameters, CONFIG, **kwargs)
+        sparta = SpartaAverager(dht, "test_sparta", parameters, CONFIG, lock=lock)
     conn.send("ready")
     try:
         while True:
@@ -106,6 +105,13 @@ class Swarm:
         self.processes: list[mp.Process] = []
         self.conns: list[Connection] = []
         self.initial_peers: list[str] = []
+        try:
+            self._start(size, freeze, spawn)
+        except BaseException:
+            self.close()  # a peer that did start must not outlive a failed setup
+            raise
+
+    def _start(self, size: int, freeze: tuple[int, ...], spawn: tuple[int, ...]) -> None:
         for index in range(size):
             context = mp.get_context("spawn" if index in spawn else "fork")
             parent, child = context.Pipe()
@@ -145,6 +151,8 @@ class Swarm:
     def kill(self, index: int) -> None:
         with suppress(ProcessLookupError):
             os.killpg(self.processes[index].pid, signal.SIGKILL)
+        if self.processes[index].is_alive():  # killed before it became its own process group
+            self.processes[index].kill()
 
     def close(self) -> list[Any]:
         """Ask every live peer to shut down, then SIGKILL every peer's process group; returns the acks."""

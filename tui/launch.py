@@ -22,6 +22,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--headless", action="store_true", help="no app: print tagged lines (for systemd, tmux)")
     parser.add_argument("--log-format", choices=("text", "json"), default="text", help="headless output format")
     parser.add_argument("--swarm", metavar="URL", help="auth service of the swarm to join")
+    parser.add_argument("--monitor", metavar="URL", help="points monitor of the swarm, for confirmed points")
     parser.add_argument("--gpu", metavar="N", type=int, help="GPU to contribute (NVML index)")
     parser.add_argument("--reconfigure", action="store_true", help="ask for the token and GPU again")
     parser.add_argument("--config-dir", type=Path, help="client config dir (default: $XDG_CONFIG_HOME/agora)")
@@ -33,7 +34,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _command(args: argparse.Namespace, token: str, swarm: str | None, gpu: int | None, config_dir: Path) -> ChildCommand:
     if args.runtime_cmd:
         return ChildCommand(tuple(shlex.split(args.runtime_cmd)), {"HF_TOKEN": token, "PYTHONUNBUFFERED": "1"})
-    return runtime_command(token=token, swarm=swarm, gpu=gpu, config_dir=config_dir)
+    return runtime_command(token=token, swarm=swarm, gpu=gpu, config_dir=config_dir, monitor=args.monitor)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -45,9 +45,14 @@ class ChildCommand:
 
 
 def runtime_command(
-    *, token: str, swarm: str | None = None, gpu: int | None = None, config_dir: Path | None = None
+    *,
+    token: str,
+    swarm: str | None = None,
+    gpu: int | None = None,
+    config_dir: Path | None = None,
+    monitor: str | None = None,
 ) -> ChildCommand:
-    """The real runtime: ``agora runtime [--swarm URL] [--gpu N] [--config-dir D]``, token in HF_TOKEN."""
+    """The real runtime: ``agora runtime [--swarm URL] [--gpu N] [--config-dir D] [--monitor URL]``, token in HF_TOKEN."""
     root = str(Path(agora_client.__file__).resolve().parent.parent)
     argv = [sys.executable, "-c", _BOOTSTRAP.format(root=root), "runtime"]
     if swarm:
@@ -56,6 +61,8 @@ def runtime_command(
         argv += ["--gpu", str(gpu)]
     if config_dir is not None:
         argv += ["--config-dir", str(config_dir)]
+    if monitor:
+        argv += ["--monitor", monitor]
     return ChildCommand(tuple(argv), {"HF_TOKEN": token, "PYTHONUNBUFFERED": "1"})
 
 

@@ -29,12 +29,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"[DEMO] starting the local swarm (logs in {run_dir / 'logs'}); this takes about a minute...", flush=True)
     with LocalSwarm(options) as swarm:
         auth_url, token = swarm.start_join_services()
-        print(f"[DEMO] swarm up; auth service at {auth_url}; joining as the demo user", flush=True)
+        monitor_url = swarm.start_monitor(auth_url)
+        print(f"[DEMO] swarm up; auth service at {auth_url}; leaderboard at {monitor_url}/leaderboard", flush=True)
+        print("[DEMO] joining as the demo user", flush=True)
         os.environ["HF_TOKEN"] = token  # the demo identity's token, from the swarm's own token file
         client_args = argparse.Namespace(
             headless=args.headless,
             log_format="text",
             swarm=auth_url,
+            monitor=monitor_url,
             gpu=None,
             reconfigure=False,
             config_dir=run_dir / "client",

@@ -23,6 +23,7 @@ from agora_client.swarm.seed import READY_PREFIX
 
 WORKER_READY = "[WORKER]"
 AUTH_READY = "[AUTH] listening on"
+MONITOR_READY = "[MONITOR] leaderboard on"
 START_TIMEOUT = 180.0
 
 
@@ -50,6 +51,7 @@ class LocalSwarm:
         self.trainers: list[ManagedProcess] = []
         self.seed_addrs: list[str] = []
         self.auth: ManagedProcess | None = None
+        self.monitor: ManagedProcess | None = None
         self.snapshot_server: SnapshotServer | None = None
         self.started_at = time.monotonic()
 
@@ -59,8 +61,8 @@ class LocalSwarm:
 
     @property
     def processes(self) -> list[ManagedProcess]:
-        auth = [self.auth] if self.auth is not None else []
-        return [*self.trainers, *(w for group in self.workers.values() for w in group), *auth, *self.seeds]
+        services = [process for process in (self.monitor, self.auth) if process is not None]
+        return [*self.trainers, *(w for group in self.workers.values() for w in group), *services, *self.seeds]
 
     def start_join_services(self, *, pacing: float = 5.0, max_workers_per_stage: int = 4) -> tuple[str, str]:
         """The snapshot store (HTTP) and the auth service with a local demo identity; returns (auth URL, demo token)."""
@@ -77,6 +79,13 @@ class LocalSwarm:
         self.auth = self._spawn("auth", args)
         url = self.auth.wait_for(AUTH_READY, START_TIMEOUT).split()[-1]
         return url, token
+
+    def start_monitor(self, auth_url: str, *, interval: float = 5.0) -> str:
+        """The points monitor, scraping the swarm's signed metrics; returns its base URL."""
+        args = ["monitor", "--initial-peers", *self.seed_addrs, "--auth-url", auth_url, "--config", self.options.preset]
+        args += ["--db", str(self.options.run_dir / "monitor" / "points.sqlite"), "--port", "0", "--interval", str(interval)]
+        self.monitor = self._spawn("monitor", args)
+        return self.monitor.wait_for(MONITOR_READY, START_TIMEOUT).split()[-1].removesuffix("/leaderboard")
 
     def _spawn(self, name: str, args: list[str]) -> ManagedProcess:
         return ManagedProcess(name, args, self.options.run_dir / "logs" / f"{name}.log", on_line=self.on_line)

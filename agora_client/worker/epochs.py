@@ -33,10 +33,11 @@ class EpochController:
         clip_norm: float,
         sync: SyncState,
         on_epoch: Callable[[int], None],
+        on_error: Callable[[Exception], None],
         epoch: int = 0,
     ):
         self.parameters, self.optimizer, self.clip_norm = parameters, optimizer, clip_norm
-        self.sync, self._on_epoch = sync, on_epoch
+        self.sync, self._on_epoch, self._on_error = sync, on_epoch, on_error
         self.lock = threading.RLock()
         self.epoch = epoch
         self.local_samples = 0  # samples whose gradients sit in .grad now
@@ -47,6 +48,9 @@ class EpochController:
             self.tracker.update_epoch(epoch)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow_stage, name=f"epochs-{stage}", daemon=True)
+
+    def start(self) -> None:
+        """Follow the stage's epochs in the background (call once the epoch hooks can run)."""
         self._thread.start()
 
     @property
@@ -82,9 +86,13 @@ class EpochController:
 
     def _follow_stage(self) -> None:
         while not self._stop.wait(EPOCH_POLL_SECONDS):
-            self.maybe_step()
+            try:
+                self.maybe_step()
+            except Exception as error:  # one failed epoch hook must not stop this worker from following its stage
+                self._on_error(error)
 
     def shutdown(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
         self.tracker.shutdown(timeout=5)

@@ -12,7 +12,7 @@ import torch
 from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
 from agora_client.config import RunConfig
-from agora_client.events import EventWriter, StageEvent, StepEvent
+from agora_client.events import ErrorEvent, EventWriter, StageEvent, StepEvent
 from agora_client.model import build_stage
 from agora_client.snapshots import load_stage_snapshot, save_stage_snapshot
 from agora_client.swarm.dht import connect_dht
@@ -113,6 +113,7 @@ class WorkerNode:
             clip_norm=config.clip_norm(stage),
             sync=self.sync,
             on_epoch=self._on_epoch,
+            on_error=self._on_epoch_error,
             epoch=start_epoch,
         )
         self._round_hooks: list[Callable[[RoundReport], None]] = []
@@ -178,6 +179,7 @@ class WorkerNode:
 
     def start(self, stop: threading.Event | None = None) -> None:
         self.server.run_in_background(await_ready=True, timeout=120)
+        self.epochs.start()
         self.events.emit(StageEvent(stage=self.options.stage, peer_id=self.peer_id))
         self.events.log(f"serving {self.uid} as peer {self.peer_id}", tag="TRAINING")
         if self.options.publish_dir is not None:  # joiners always find a snapshot, even before the first epoch
@@ -197,6 +199,9 @@ class WorkerNode:
             if not in_round_epoch and progress.samples_accumulated < progress.target_batch_size / 2:
                 return
             stop.wait(0.5)
+
+    def _on_epoch_error(self, error: Exception) -> None:
+        self.events.emit(ErrorEvent(message=f"{error.__class__.__name__}: {error}", where="stage epoch"))
 
     def _on_epoch(self, epoch: int) -> None:
         phase = self.sync.phase

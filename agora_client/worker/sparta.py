@@ -182,8 +182,10 @@ class SpartaAverager:
     :param dht: a running hivemind DHT of this worker
     :param prefix: DHT/matchmaking namespace shared by the workers of one stage, without '.' (e.g. "run_body1_sparta")
     :param parameters: the stage's trainable parameters, in the same order on every worker
-    :param lock: held by the training loop while it changes the parameters (optimizer.step)
-    :param on_round: called with each RoundReport from the background round thread
+    :param lock: the lock the training loop holds while it changes the parameters (optimizer.step, loading state);
+      SPARTA holds it only to copy the slice out (begin_round) and to add the delta (round thread)
+    :param on_round: called with each RoundReport from the round thread ("sparta-round"), or from the caller's
+      thread for a round skipped because the previous one is still in flight; it must not block for long
     """
 
     def __init__(

@@ -1,0 +1,108 @@
+"""Seconds from a contributor's start to its first processed batch on the local tiny swarm.
+
+Split into authorization, queue, snapshot download, sync phase 1 and sync phase 2, from the
+timestamps of the runtime's own events. The download rate (the client's resumable, verifying download) is
+compared, in the same run, with plain HTTP GETs of the same snapshot files from the same server,
+alternated five times; medians.
+
+Usage: python bench/join_time.py
+The last line is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from agora_client.events import NULL_WRITER
+from agora_client.snapshots import download_snapshot, latest_snapshot, read_manifest
+from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
+from agora_client.swarm.processes import ManagedProcess
+
+FIRST_BATCH_TIMEOUT = 600.0
+
+
+def runtime_events(runtime: ManagedProcess) -> list[dict]:
+    return [json.loads(line) for line in runtime.lines() if line.startswith("{")]
+
+
+def first(events: list[dict], kind: str, **match) -> dict | None:
+    return next((e for e in events if e["kind"] == kind and all(e.get(k) == v for k, v in match.items())), None)
+
+
+def first_batch(events: list[dict]) -> dict | None:
+    return next((e for e in events if e["kind"] == "step" and (e["forward_per_min"] or e["backward_per_min"])), None)
+
+
+def download_rates(swarm: LocalSwarm, stage: str, scratch: Path, repeats: int = 5) -> tuple[float, float]:
+    """Median bytes/s of the client's download against plain GETs of the same files, alternated."""
+    snapshot = latest_snapshot(swarm.snapshot_dir / stage)
+    manifest = read_manifest(snapshot / "manifest.json")
+    base = f"{swarm.snapshot_server.url}/{stage}/{snapshot.name}"
+    size = sum(entry["size"] for entry in manifest["files"].values())
+    ours, plain = [], []
+    with httpx.Client() as client:
+        for attempt in range(repeats):
+            started = time.perf_counter()
+            download_snapshot(f"{swarm.snapshot_server.url}/{stage}/latest.json", scratch / str(attempt), events=NULL_WRITER)
+            ours.append(size / (time.perf_counter() - started))
+            started = time.perf_counter()
+            for name in manifest["files"]:
+                client.get(f"{base}/{name}").raise_for_status()
+            plain.append(size / (time.perf_counter() - started))
+    return statistics.median(ours), statistics.median(plain)
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        options = SwarmOptions(workers_per_stage=1, run_dir=Path(tmp), publish_snapshots=True, report_every=5)
+        with LocalSwarm(options) as swarm:
+            auth_url, token = swarm.start_join_services(pacing=2.0)
+            swarm.trainers[0].wait_for("[PROGRESS]", timeout=300)  # join a swarm that is mid-run
+            started = time.time()
+            runtime = ManagedProcess(
+                "runtime", ["runtime", "--swarm", auth_url, "--config-dir", str(Path(tmp) / "client")],
+                Path(tmp) / "logs" / "runtime.log", env={"HF_TOKEN": token},
+            )
+            deadline = time.monotonic() + FIRST_BATCH_TIMEOUT
+            while first_batch(runtime_events(runtime)) is None:
+                if time.monotonic() > deadline or not runtime.alive:
+                    raise SystemExit(f"the joiner processed no batch; see {runtime.log_path}")
+                time.sleep(0.5)
+            events = runtime_events(runtime)
+            stage = first(events, "auth", status="authorized")["stage"]
+            runtime.stop()
+            our_rate, get_rate = download_rates(swarm, stage, Path(tmp) / "rates")
+
+    authorizing = first(events, "auth", status="authorizing")["ts"]
+    authorized = first(events, "auth", status="authorized")["ts"]
+    queued = first(events, "queue")
+    download_start, download_done = first(events, "download", status="started"), first(events, "download", status="done")
+    sync1, sync2, batch = first(events, "sync", phase="sync1"), first(events, "sync", phase="sync2"), first_batch(events)
+    figures = {
+        "stage": stage,
+        "process_start_s": round(authorizing - started, 2),
+        "authorization_s": round((queued["ts"] if queued else authorized) - authorizing, 2),
+        "queue_s": round(authorized - queued["ts"], 2) if queued else 0.0,
+        "download_s": round(download_done["ts"] - download_start["ts"], 2),
+        "worker_start_s": round(sync1["ts"] - download_done["ts"], 2),
+        "sync1_s": round(sync2["ts"] - sync1["ts"], 2),
+        "sync2_until_first_batch_s": round(batch["ts"] - sync2["ts"], 2),
+        "start_to_first_batch_s": round(batch["ts"] - started, 2),
+        "download_bytes": download_done["bytes"],
+        "download_rate_bps": round(our_rate),
+        "plain_get_rate_bps": round(get_rate),
+        "download_rate_vs_plain_get": round(our_rate / get_rate, 3),
+    }
+    for key, value in figures.items():
+        print(f"{key:28s} {value}")
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""SPARTA slices, reports and input checks; one real loopback DHT for the averager's own checks."""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator
+
+import pytest
+import torch
+
+from agora_client.config import SpartaConfig
+from agora_client.events import SpartaEvent, dump_event, parse_event
+from agora_client.worker.partition import StridedPartition, due_round, partition_of
+from agora_client.worker.sparta import RoundReport, SpartaAverager
+
+SIZES = [7, 0, 1, 13, 4, 29]  # includes an empty tensor and tensors smaller than the stride
+
+
+@pytest.mark.parametrize("partitions", [1, 3, 4, 20, 60])
+def test_slices_cover_every_element_exactly_once(partitions: int) -> None:
+    partition = StridedPartition(SIZES, partitions)
+    total = sum(SIZES)
+    owner = torch.full((total,), -1)
+    starts = torch.tensor([0, *SIZES]).cumsum(0)
+    for part in range(partitions):
+        assert sum(segment.count for segment in partition.segments(part)) == partition.slice_size(part)
+        for segment in partition.segments(part):
+            flat = starts[segment.tensor_index] + segment.start + torch.arange(segment.count) * partitions
+            assert bool((owner[flat] == -1).all()), "an element belongs to two slices"
+            owner[flat] = part
+    assert torch.equal(owner, torch.arange(total) % partitions)
+    sizes = [partition.slice_size(part) for part in range(partitions)]
+    assert max(sizes) - min(sizes) <= 1 and partition.max_slice_size == max(sizes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_gather_and_add_follow_the_flat_vector_in_any_dtype(dtype: torch.dtype) -> None:
+    # values below 256 so that bf16 holds them and their +1 exactly
+    tensors = [torch.arange(size, dtype=dtype).reshape(size, 1) + 10 * index for index, size in enumerate(SIZES)]
+    flat = torch.cat([tensor.reshape(-1) for tensor in tensors]).float()
+    partition = StridedPartition.of(tensors, 4)
+    for part in range(4):
+        mask = torch.arange(flat.numel()) % 4 == part
+        out = torch.zeros(partition.max_slice_size)
+        partition.gather(tensors, part, out)
+        assert torch.equal(out[: partition.slice_size(part)], flat[mask])
+        before = [tensor.clone() for tensor in tensors]
+        partition.add_(tensors, part, torch.ones(partition.slice_size(part)))
+        moved = torch.cat([(after - old).reshape(-1) for after, old in zip(tensors, before)]).float()
+        assert torch.equal(moved, mask.float())
+
+
+def test_fingerprint_separates_layouts_and_fractions() -> None:
+    assert StridedPartition(SIZES, 4).fingerprint == StridedPartition(list(SIZES), 4).fingerprint
+    assert StridedPartition(SIZES, 4).fingerprint != StridedPartition(SIZES, 5).fingerprint
+    assert StridedPartition(SIZES, 4).fingerprint != StridedPartition([*SIZES[:-1], 30], 4).fingerprint
+
+
+def test_rounds_rotate_with_the_stage_epoch() -> None:
+    assert [due_round(epoch, 20) for epoch in (0, 1, 19, 20, 39, 40)] == [None, None, None, 1, None, 2]
+    assert [partition_of(round_no, 20) for round_no in (0, 1, 19, 20, 41)] == [0, 1, 19, 0, 1]
+
+
+def test_non_contiguous_parameters_are_refused() -> None:
+    with pytest.raises(ValueError, match="not contiguous"):
+        StridedPartition.of([torch.zeros(4, 5).t()], 4)
+
+
+def test_round_report_becomes_a_sparta_event() -> None:
+    report = RoundReport(3, 3, 2, 0.5, 100, 90, 1.5, 0.0, ok=True, reason="50 of 100 elements kept their local values")
+    event = report.to_event()
+    assert isinstance(event, SpartaEvent)
+    assert parse_event(dump_event(event)).model_dump(exclude={"ts"}) == event.model_dump(exclude={"ts"})
+    assert (event.round, event.fraction, event.bytes_received, event.weight, event.reason) == (3, 0.5, 90, 0.0, report.reason)
+
+
+@pytest.fixture(scope="module")
+def dht() -> Iterator[object]:
+    from hivemind import DHT
+
+    node = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    try:
+        yield node
+    finally:
+        node.shutdown()
+
+
+def test_bad_input_is_refused_with_one_clear_error(dht: object) -> None:
+    parameters = [torch.nn.Parameter(torch.randn(40))]
+    config = SpartaConfig(fraction=0.25, matchmaking_time=1.0)
+    with pytest.raises(ValueError, match="without '.'"):
+        SpartaAverager(dht, "stage.body1", parameters, config, lock=threading.Lock())
+    sparta = SpartaAverager(dht, "units_bad_input", parameters, config, lock=threading.Lock())
+    try:
+        for weight in (-1.0, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="finite number >= 0"):
+                sparta.begin_round(1, weight)
+        with pytest.raises(ValueError, match="round number"):
+            sparta.begin_round(-1, 1.0)
+        assert not sparta.in_flight
+    finally:
+        sparta.shutdown()
+
+
+def test_a_lone_worker_reports_a_failed_round_and_keeps_its_weights(dht: object) -> None:
+    parameters = [torch.nn.Parameter(torch.randn(40)), torch.nn.Parameter(torch.randn(3, 3))]
+    before = [parameter.detach().clone() for parameter in parameters]
+    seen: list[RoundReport] = []
+    config = SpartaConfig(fraction=0.25, matchmaking_time=1.0)
+    sparta = SpartaAverager(dht, "units_lone", parameters, config, lock=threading.Lock(), on_round=seen.append)
+    try:
+        first = sparta.begin_round(5, 1.0)
+        second = sparta.begin_round(6, 1.0)  # the first is still looking for a group
+        assert second.done() and not second.result().ok and "still in flight" in second.result().reason
+        report = first.result(timeout=60)
+        assert not report.ok and report.group_size == 0 and report.fraction == 0.0 and report.partition == 1
+        assert "no other worker" in report.reason
+        assert seen == [second.result(), report]
+        assert all(torch.equal(parameter, old) for parameter, old in zip(parameters, before))
+    finally:
+        sparta.shutdown()
