@@ -4,12 +4,16 @@ against headless, side by side on one local swarm, and the app process's CPU sha
 
 - swarm: `LocalSwarm` with the tiny preset (2 seeds, 1 worker per stage, 1 trainer, snapshot store and
   auth service), all real processes on 127.0.0.1.
-- each run: one contributor joins it with a fresh config dir, started as a contributor starts it:
+- each run: one contributor joins it, started as a contributor starts it, all runs with one config dir
+  (as a contributor who restarts the client):
   headless: `python3 agora_cli.py --headless --swarm URL --config-dir DIR` (tagged lines to a log file);
   app:      `python3 agora_cli.py --swarm URL --config-dir DIR` under a real pseudo-terminal (the bench
             drains the terminal's output and counts the bytes the app renders).
   Token in HF_TOKEN. Once the runtime reports Active, the run is measured for --seconds, then the
   contributor is stopped as a user stops it (`q` in the app, SIGINT headless) and must leave no process.
+  Every run must join the same stage (the auth service gives the neediest one): when a stopped
+  contributor's slot is still held, the bench reports it and restarts the auth service and snapshot
+  store (a fresh slot book) before the next run.
 - measured per run, over the same window:
   throughput: the joined worker's forward + backward requests per minute, from its `step` events in the
   client's JSONL event log (each event's rates times the time since the previous one = requests served);
@@ -19,7 +23,7 @@ against headless, side by side on one local swarm, and the app process's CPU sha
 - modes alternate (headless, app, headless, app, ... --repeats pairs) and the summary holds medians, since
   the machine is shared. Last output line: one JSON object.
 
-    python bench/client_overhead.py                        # ~8-10 min on 2 cores
+    python bench/client_overhead.py                        # ~9 min on a quiet 2-core machine, more under load
     python bench/client_overhead.py --seconds 30 --repeats 1
 """
 
@@ -39,9 +43,10 @@ import tempfile
 import termios
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,7 +90,6 @@ class TerminalReader:
 
     master: int
     total: int = 0
-    tail: bytearray = field(default_factory=bytearray)
 
     def __post_init__(self) -> None:
         self._thread = threading.Thread(target=self._read, name="pty-reader", daemon=True)
@@ -100,7 +104,6 @@ class TerminalReader:
             if not chunk:
                 return
             self.total += len(chunk)
-            self.tail = (self.tail + chunk)[-200_000:]
 
     def join(self) -> None:
         self._thread.join(timeout=5)
@@ -114,6 +117,7 @@ class Contributor:
         argv = [sys.executable, str(ROOT / "agora_cli.py"), "--swarm", auth_url, "--config-dir", str(config_dir)]
         env = {**os.environ, "HF_TOKEN": token, "PYTHONUNBUFFERED": "1"}
         self.terminal: TerminalReader | None = None
+        self.launched = time.time()  # the config dir's logs also hold earlier runs
         self._log = log_path.open("wb")
         if mode == "headless":
             self.proc = subprocess.Popen(
@@ -135,7 +139,7 @@ class Contributor:
         self.runtime_pgid: int | None = None
 
     def events(self) -> list[dict]:
-        """The runtime's events, from the client's rotating JSONL logs (both modes write them)."""
+        """This run's runtime events, from the client's rotating JSONL logs (both modes write them)."""
         found = []
         for path in sorted(logs_dir(self.config_dir).glob("*.jsonl")):
             for line in path.read_text(errors="replace").splitlines():
@@ -144,7 +148,7 @@ class Contributor:
                         found.append(json.loads(line))
                     except json.JSONDecodeError:
                         continue
-        return sorted(found, key=lambda event: event.get("ts", 0.0))
+        return sorted((e for e in found if e.get("ts", 0.0) >= self.launched), key=lambda event: event["ts"])
 
     def find_runtime(self) -> int | None:
         """The runtime child's pid (= its process group: it runs in its own session)."""
@@ -243,10 +247,27 @@ def worker_throughput(events: list[dict], start: float, end: float) -> dict:
     }
 
 
-def measure(mode: str, index: int, swarm: LocalSwarm, recorder: ProgressRecorder, args, auth_url: str, token: str) -> dict:
+class JoinServices:
+    """The swarm's auth service and snapshot store, restartable when a stopped contributor left its slot held."""
+
+    def __init__(self, swarm: LocalSwarm, pacing: float):
+        self.swarm, self.pacing = swarm, pacing
+        self.url, self.token = swarm.start_join_services(pacing=pacing)
+
+    def slots_held(self) -> int:
+        return int(httpx.get(f"{self.url}/v1/status", timeout=10).json()["occupied"])
+
+    def restart(self) -> None:
+        assert self.swarm.auth is not None and self.swarm.snapshot_server is not None
+        self.swarm.auth.stop()
+        self.swarm.snapshot_server.close()
+        self.url, self.token = self.swarm.start_join_services(pacing=self.pacing)
+
+
+def measure(mode: str, index: int, swarm: LocalSwarm, recorder: ProgressRecorder, args, services: JoinServices) -> dict:
     run_dir: Path = swarm.options.run_dir
     contributor = Contributor(
-        mode, auth_url, token, run_dir / "clients" / f"{index}-{mode}", run_dir / "logs" / f"client-{index}-{mode}.log",
+        mode, services.url, services.token, run_dir / "client", run_dir / "logs" / f"client-{index}-{mode}.log",
         (args.cols, args.rows),
     )
     launched = time.monotonic()
@@ -267,6 +288,7 @@ def measure(mode: str, index: int, swarm: LocalSwarm, recorder: ProgressRecorder
     finally:
         stop_s = contributor.stop()
     left = contributor.leftovers()
+    held = services.slots_held()  # the stopped peer should have left its slot
     worker = worker_throughput(contributor.events(), wall0, wall1)
     trainer = swarm.trainers[0]
     points = [p for p in recorder.of(trainer.name) if mono0 <= p.at <= mono1]
@@ -287,8 +309,12 @@ def measure(mode: str, index: int, swarm: LocalSwarm, recorder: ProgressRecorder
         "app_render_bytes_per_s": round((bytes1 - bytes0) / elapsed) if mode == "app" else None,
         "stop_s": round(stop_s, 1),
         "leftover_pids": left,
+        "slots_held_after_stop": held,
     }
     print(f"  {json.dumps(result)}", flush=True)
+    if held:
+        print(f"  [WARNING] {held} slot(s) still held after the stop: restarting the auth service for the next run", flush=True)
+        services.restart()
     return result
 
 
@@ -306,14 +332,18 @@ def main() -> int:
     runs: list[dict] = []
     print(f"[BENCH] starting the tiny swarm (1 worker per stage, 1 trainer); logs in {run_dir / 'logs'}", flush=True)
     started = time.monotonic()
-    with LocalSwarm(options, on_line=recorder) as swarm:
-        auth_url, token = swarm.start_join_services(pacing=args.pacing)
-        print(f"[BENCH] swarm up after {time.monotonic() - started:.0f}s; auth service at {auth_url}", flush=True)
-        for repeat in range(args.repeats):
-            for mode in MODES:
-                index = len(runs)
-                print(f"[BENCH] run {index + 1}/{2 * args.repeats}: {mode}, {args.seconds:.0f}s from Active", flush=True)
-                runs.append(measure(mode, index, swarm, recorder, args, auth_url, token))
+    try:
+        with LocalSwarm(options, on_line=recorder) as swarm:
+            services = JoinServices(swarm, args.pacing)
+            print(f"[BENCH] swarm up after {time.monotonic() - started:.0f}s; auth service at {services.url}", flush=True)
+            for _ in range(args.repeats):
+                for mode in MODES:
+                    index = len(runs)
+                    print(f"[BENCH] run {index + 1}/{2 * args.repeats}: {mode}, {args.seconds:.0f}s from Active", flush=True)
+                    runs.append(measure(mode, index, swarm, recorder, args, services))
+    except RuntimeError as error:  # a role or the contributor failed: its log says why
+        print(f"[ERROR] {error}; logs in {run_dir / 'logs'}", flush=True)
+        return 1
     swarm_left = swarm.leftover_pids()
     by_mode = {mode: [run for run in runs if run["mode"] == mode] for mode in MODES}
     headless_rate = median(by_mode["headless"], "requests_per_min")
@@ -343,6 +373,7 @@ def main() -> int:
         "app_render_bytes_per_s": median(by_mode["app"], "app_render_bytes_per_s"),
         "stages": sorted({run["stage"] for run in runs if run["stage"]}),
         "load_average_1m": round(os.getloadavg()[0], 1),
+        "slots_not_freed_on_stop": sum(run["slots_held_after_stop"] > 0 for run in runs),
         "leftover_processes": sum(len(run["leftover_pids"]) for run in runs) + len(swarm_left),
         "total_s": round(time.monotonic() - started, 1),
     }

@@ -49,7 +49,8 @@ def download_rates(swarm: LocalSwarm, stage: str, scratch: Path, repeats: int = 
     with httpx.Client() as client:
         for attempt in range(repeats):
             started = time.perf_counter()
-            download_snapshot(f"{swarm.snapshot_server.url}/{stage}/latest.json", scratch / str(attempt), events=NULL_WRITER)
+            latest = f"{swarm.snapshot_server.url}/{stage}/latest.json"
+            download_snapshot(latest, scratch / str(attempt), events=NULL_WRITER, client=client)  # same client as the GETs
             ours.append(size / (time.perf_counter() - started))
             started = time.perf_counter()
             for name in manifest["files"]:

@@ -9,6 +9,10 @@
   target_batch_size samples, gradients averaged over them, stage-wise clipping).
   It runs once before and once after the swarm so that machine load drift shows.
 Also: the time from swarm start to the first optimizer step (the workers' first step events).
+Wall-clock tokens/s depend on how much of a shared machine each side gets (a swarm of 7 processes wins CPU
+time from other load that one process does not), so tokens per CPU-second are reported too: the single
+process's own CPU time, and the summed CPU time of every swarm process (seeds, workers, trainer, their p2p
+daemons) over the measured window.
 Note the swarm recomputes each stage's forward on backward (activation recomputation), so it does 2 forwards
 + 1 backward per stage where the single process does 1 + 1. Last output line: one JSON object.
 
@@ -25,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,6 +40,8 @@ from agora_client.config import RunConfig, load_config  # noqa: E402
 from agora_client.model import build_stage  # noqa: E402
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions  # noqa: E402
 from agora_client.trainer.data import SequenceStream, Shard  # noqa: E402
+
+MIN_LOCAL_MICROBATCHES = 4  # a loaded machine can be that slow: fewer says little
 
 
 def parse_args() -> argparse.Namespace:
@@ -92,13 +99,26 @@ def run_in_process(config: RunConfig, seconds: float) -> dict:
     batches = SequenceStream(None, config.model.seq_len, Shard(0, 1), seed=config.seed).batches(config.optim.microbatch_size)
     model.train_microbatch(next(batches))  # first call pays one-off allocation costs
     tokens, losses = 0, []
-    start = time.monotonic()
-    while time.monotonic() - start < seconds:
+    start, cpu_start = time.monotonic(), time.process_time()
+    while time.monotonic() - start < seconds or len(losses) < MIN_LOCAL_MICROBATCHES:
         batch = next(batches)
         losses.append(model.train_microbatch(batch))
         tokens += batch[:, :-1].numel()
-    elapsed = time.monotonic() - start
-    return {"tokens_per_s": tokens / elapsed, "microbatches": len(losses), "loss_last": sum(losses[-5:]) / len(losses[-5:])}
+    elapsed, cpu = time.monotonic() - start, time.process_time() - cpu_start
+    return {"tokens_per_s": tokens / elapsed, "tokens_per_cpu_s": tokens / cpu, "microbatches": len(losses)}
+
+
+def cpu_seconds(swarm: LocalSwarm) -> dict[int, float]:
+    """User + system CPU seconds so far of every process of the swarm (whole process groups), by pid."""
+    used = {}
+    for process in swarm.processes:
+        for pid in process.group_pids():
+            try:
+                times = psutil.Process(pid).cpu_times()
+            except psutil.Error:
+                continue
+            used[pid] = times.user + times.system
+    return used
 
 
 def first_steps(run_dir: Path, stages: list[str]) -> dict[str, float]:
@@ -134,8 +154,10 @@ def run_swarm(config: RunConfig, args: argparse.Namespace, run_dir: Path) -> dic
             if time.monotonic() > deadline or not trainer.alive:
                 raise RuntimeError(f"the trainer made no progress; see {trainer.log_path}")
             time.sleep(0.5)
-        measured_from = recorder.of(trainer.name)[0].at + args.warmup
-        time.sleep(max(0.0, measured_from + args.swarm_seconds - time.monotonic()))
+        time.sleep(max(0.0, recorder.of(trainer.name)[0].at + args.warmup - time.monotonic()))
+        measured_from, cpu_before = time.monotonic(), cpu_seconds(swarm)
+        time.sleep(args.swarm_seconds)
+        cpu_after = cpu_seconds(swarm)
         points = [point for point in recorder.of(trainer.name) if point.at >= measured_from]
         steps = first_steps(run_dir, list(config.model.stage_names))
     finally:
@@ -144,10 +166,12 @@ def run_swarm(config: RunConfig, args: argparse.Namespace, run_dir: Path) -> dic
     missing = [stage for stage in config.model.stage_names if stage not in steps]
     if missing:
         raise RuntimeError(f"no optimizer step seen for {', '.join(missing)}; see {run_dir / 'logs'}")
+    microbatches = points[-1].microbatches - points[0].microbatches if points else 0
+    cpu = sum(used - cpu_before.get(pid, 0.0) for pid, used in cpu_after.items())
     return {
         "tokens_per_s": tokens_per_second(points, tokens),
-        "microbatches": points[-1].microbatches - points[0].microbatches if points else 0,
-        "loss_last": points[-1].loss if points else None,
+        "tokens_per_cpu_s": microbatches * tokens / cpu if cpu > 0 else 0.0,
+        "microbatches": microbatches,
         "workers_ready_s": workers_ready_s,
         "first_step_s": min(steps.values()) - started_wall,
         "all_stages_stepped_s": max(steps.values()) - started_wall,
@@ -162,17 +186,22 @@ def main() -> int:
     config = load_config("tiny")
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="agora-bench-throughput-"))
     before = run_in_process(config, args.local_seconds)
-    print(f"one process (before): {before['tokens_per_s']:.0f} tokens/s over {before['microbatches']} microbatches", flush=True)
+    print(f"one process (before): {before['tokens_per_s']:.0f} tokens/s, {before['tokens_per_cpu_s']:.0f} per CPU-second, "
+          f"over {before['microbatches']} microbatches", flush=True)
     swarm = run_swarm(config, args, run_dir)
     print(
-        f"swarm: {swarm['tokens_per_s']:.0f} tokens/s over {swarm['microbatches']} microbatches; workers up after "
+        f"swarm: {swarm['tokens_per_s']:.0f} tokens/s, {swarm['tokens_per_cpu_s']:.0f} per CPU-second, over "
+        f"{swarm['microbatches']} microbatches; workers up after "
         f"{swarm['workers_ready_s']:.1f}s, first optimizer step {swarm['first_step_s']:.1f}s after start "
         f"(every stage by {swarm['all_stages_stepped_s']:.1f}s); logs in {run_dir / 'logs'}",
         flush=True,
     )
     after = run_in_process(config, args.local_seconds)
-    print(f"one process (after): {after['tokens_per_s']:.0f} tokens/s over {after['microbatches']} microbatches", flush=True)
+    print(f"one process (after): {after['tokens_per_s']:.0f} tokens/s, {after['tokens_per_cpu_s']:.0f} per CPU-second, "
+          f"over {after['microbatches']} microbatches", flush=True)
     local = (before["tokens_per_s"] + after["tokens_per_s"]) / 2
+    local_cpu = (before["tokens_per_cpu_s"] + after["tokens_per_cpu_s"]) / 2
+    load = psutil.getloadavg()[0]
     result = {
         "bench": "pipeline_throughput",
         "preset": config.name,
@@ -184,10 +213,15 @@ def main() -> int:
         "single_process_before_tokens_per_s": round(before["tokens_per_s"], 1),
         "single_process_after_tokens_per_s": round(after["tokens_per_s"], 1),
         "ratio_swarm_over_single_process": round(swarm["tokens_per_s"] / local, 3),
+        "swarm_tokens_per_cpu_s": round(swarm["tokens_per_cpu_s"], 1),
+        "single_process_tokens_per_cpu_s": round(local_cpu, 1),
+        "ratio_per_cpu_s_swarm_over_single_process": round(swarm["tokens_per_cpu_s"] / local_cpu, 3),
         "swarm_workers_ready_s": round(swarm["workers_ready_s"], 1),
         "swarm_first_optimizer_step_s": round(swarm["first_step_s"], 1),
         "swarm_all_stages_stepped_s": round(swarm["all_stages_stepped_s"], 1),
         "torch_threads": torch.get_num_threads(),
+        "cpus": psutil.cpu_count(),
+        "load_average_1min_at_end": round(load, 1),
     }
     print(json.dumps(result))
     return 0

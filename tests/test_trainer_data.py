@@ -140,3 +140,12 @@ def test_the_trainer_offline_with_a_hub_name_says_to_use_data():
     assert "[ERROR] could not stream 'someone/corpus'" in result.stdout
     assert "--data PATH" in result.stdout
     assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_a_malformed_shard_is_refused_with_the_expected_form():
+    from agora_client.trainer.main import _parse_shard
+
+    assert _parse_shard("1/2") == Shard(1, 2)
+    for text in ("3", "a/b", "1/2/3"):
+        with pytest.raises(DataError, match=r"is not INDEX/COUNT; pass e\.g\. --shard 0/2"):
+            _parse_shard(text)

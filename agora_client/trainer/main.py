@@ -105,8 +105,8 @@ class RosterWatcher(threading.Thread):
 def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.preset)
-        index, count = (int(part) for part in args.shard.split("/"))
-        stream = SequenceStream(args.data, config.model.seq_len, Shard(index, count), seed=config.seed + index)
+        shard = _parse_shard(args.shard)
+        stream = SequenceStream(args.data, config.model.seq_len, shard, seed=config.seed + shard.index)
         batches = stream.batches(config.optim.microbatch_size)
         batches = itertools.chain([next(batches)], batches)  # read the source now: bad --data fails before joining
     except (ConfigError, DataError, ValueError) as error:
@@ -189,6 +189,14 @@ def _train(pipeline: Pipeline, batches, args, router: Router, traffic: TrafficCo
         stop.set()
     return done
 
+
+
+def _parse_shard(text: str) -> Shard:
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise DataError(f"--shard {text!r} is not INDEX/COUNT; pass e.g. --shard 0/2 for the first of two trainers") from None
+    return Shard(index, count)
 
 
 def _stage_summary(stats: StageStats) -> str:
