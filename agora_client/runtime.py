@@ -47,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
 
     from agora_client.auth.client import AuthRejected, AuthError
     from agora_client.worker.contributor import Contributor, ContributorOptions
+    from agora_client.system.lifetime import die_with_parent
+
+    die_with_parent()  # a killed worker must not leave hivemind's helpers serving requests
 
     config_dir = args.config_dir or _default_config_dir()
     options = ContributorOptions(

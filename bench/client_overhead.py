@@ -17,6 +17,8 @@ against headless, side by side on one local swarm, and the app process's CPU sha
 - measured per run, over the same window:
   throughput: the joined worker's forward + backward requests per minute, from its `step` events in the
   client's JSONL event log (each event's rates times the time since the previous one = requests served);
+  share: its part of all requests its stage served (the swarm's own workers' step events, same window),
+  which machine load moves less than the throughput (a slower worker gets fewer requests routed to it);
   front-end CPU: user + system time of the front-end process (the app, or the headless printer) over
   wall time, in percent of one core, its children excluded; runtime CPU: the same for the runtime child
   and everything in its process group (p2pd included); swarm tokens/s: the trainer's progress lines.
@@ -109,6 +111,18 @@ class TerminalReader:
         self._thread.join(timeout=5)
 
 
+def read_events(path: Path) -> list[dict]:
+    """The JSON events of a JSONL file (other lines, and a line still being written, are skipped)."""
+    found = []
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                found.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return found
+
+
 class Contributor:
     """One contributor process (`agora_cli.py`, headless or the app), its runtime child, and how to stop them."""
 
@@ -140,14 +154,7 @@ class Contributor:
 
     def events(self) -> list[dict]:
         """This run's runtime events, from the client's rotating JSONL logs (both modes write them)."""
-        found = []
-        for path in sorted(logs_dir(self.config_dir).glob("*.jsonl")):
-            for line in path.read_text(errors="replace").splitlines():
-                if line.startswith("{"):
-                    try:
-                        found.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        continue
+        found = [event for path in sorted(logs_dir(self.config_dir).glob("*.jsonl")) for event in read_events(path)]
         return sorted((e for e in found if e.get("ts", 0.0) >= self.launched), key=lambda event: event["ts"])
 
     def find_runtime(self) -> int | None:
@@ -266,6 +273,10 @@ class JoinServices:
 
 def measure(mode: str, index: int, swarm: LocalSwarm, recorder: ProgressRecorder, args, services: JoinServices) -> dict:
     run_dir: Path = swarm.options.run_dir
+    held_before = services.slots_held()
+    if held_before:  # the previous contributor's slot: the next joiner would get another stage
+        print(f"  [WARNING] {held_before} slot(s) still held by stopped contributors: restarting the auth service", flush=True)
+        services.restart()
     contributor = Contributor(
         mode, services.url, services.token, run_dir / "client", run_dir / "logs" / f"client-{index}-{mode}.log",
         (args.cols, args.rows),
@@ -290,6 +301,11 @@ def measure(mode: str, index: int, swarm: LocalSwarm, recorder: ProgressRecorder
     left = contributor.leftovers()
     held = services.slots_held()  # the stopped peer should have left its slot
     worker = worker_throughput(contributor.events(), wall0, wall1)
+    peers = [  # the swarm's own workers of the joined stage, over the same window
+        worker_throughput(read_events(path), wall0, wall1)["requests_per_min"]
+        for path in sorted((run_dir / "events").glob(f"{worker['stage']}-*.jsonl"))
+    ]
+    stage_total = worker["requests_per_min"] + sum(peers)
     trainer = swarm.trainers[0]
     points = [p for p in recorder.of(trainer.name) if mono0 <= p.at <= mono1]
     config = swarm.config
@@ -303,6 +319,7 @@ def measure(mode: str, index: int, swarm: LocalSwarm, recorder: ProgressRecorder
         "requests_per_min": round(worker["requests_per_min"], 1),
         "forward_per_min": round(worker["forward_per_min"], 1),
         "backward_per_min": round(worker["backward_per_min"], 1),
+        "share_of_stage": round(worker["requests_per_min"] / stage_total, 3) if stage_total else None,
         "front_cpu_percent": round(100 * (front1 - front0) / elapsed, 1),
         "runtime_cpu_percent": round(100 * runtime_cpu / elapsed, 1),
         "swarm_tokens_per_s": round(tokens_per_second(points, config.optim.microbatch_size * config.model.seq_len), 1),
@@ -312,9 +329,6 @@ def measure(mode: str, index: int, swarm: LocalSwarm, recorder: ProgressRecorder
         "slots_held_after_stop": held,
     }
     print(f"  {json.dumps(result)}", flush=True)
-    if held:
-        print(f"  [WARNING] {held} slot(s) still held after the stop: restarting the auth service for the next run", flush=True)
-        services.restart()
     return result
 
 
@@ -347,6 +361,7 @@ def main() -> int:
     swarm_left = swarm.leftover_pids()
     by_mode = {mode: [run for run in runs if run["mode"] == mode] for mode in MODES}
     headless_rate = median(by_mode["headless"], "requests_per_min")
+    headless_share, app_share = median(by_mode["headless"], "share_of_stage"), median(by_mode["app"], "share_of_stage")
     app_rate = median(by_mode["app"], "requests_per_min")
     pair_ratios = [
         round(app["requests_per_min"] / headless["requests_per_min"], 3)
@@ -364,6 +379,9 @@ def main() -> int:
         "app_requests_per_min": app_rate,
         "throughput_ratio_app_over_headless": round(app_rate / headless_rate, 3) if headless_rate else None,
         "throughput_ratio_per_pair": pair_ratios,
+        "headless_share_of_stage": headless_share,
+        "app_share_of_stage": app_share,
+        "share_ratio_app_over_headless": round(app_share / headless_share, 3) if headless_share and app_share else None,
         "app_cpu_percent": median(by_mode["app"], "front_cpu_percent"),
         "headless_front_cpu_percent": median(by_mode["headless"], "front_cpu_percent"),
         "runtime_cpu_percent_headless": median(by_mode["headless"], "runtime_cpu_percent"),

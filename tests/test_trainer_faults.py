@@ -147,7 +147,7 @@ def swarm(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trainer(swarm) -> TrainerView:
     view = TrainerView(swarm.trainers[0])
-    wait_until(lambda: view.done() >= 5, 120, "the first trainer's first microbatches")
+    wait_until(lambda: view.done() >= 5, 240, "the first trainer's first microbatches")
     return view
 
 

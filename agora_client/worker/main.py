@@ -32,6 +32,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from agora_client.worker.node import WorkerNode, WorkerOptions
+    from agora_client.system.lifetime import die_with_parent
+
+    die_with_parent()  # a killed worker must not leave hivemind's helpers serving requests
 
     try:
         config = load_config(args.preset)

@@ -87,7 +87,6 @@ class WorkerNode:
         self.dht = connect_dht(options.seeds, host=options.host, **options.dht_kwargs)
         self.peer_id = self.dht.peer_id.to_base58()
 
-        torch.manual_seed(config.seed)
         self.module = build_stage(config.model, stage, seed=options.init_seed if options.init_seed is not None else config.seed)
         self.module.to(self.device)
         self.parameters = [p for p in self.module.parameters() if p.requires_grad]
@@ -102,7 +101,6 @@ class WorkerNode:
         self.uid = stage_uid(stage, index)
         self.sync = SyncState(config.sync, events.emit, joining=options.joining)
         self.requests = RequestCounter()
-        self._epoch_hooks: list[Callable[[int], None]] = []
         self._request_hooks: list[Callable[[str, torch.Tensor], None]] = []
         self.epochs = EpochController(
             self.dht,
@@ -151,10 +149,6 @@ class WorkerNode:
         return WorkerRecord(
             uid=self.uid, peer_id=self.peer_id, stage=self.options.stage, sync_phase=self.sync.phase, epoch=self.epochs.epoch
         )
-
-    def add_epoch_hook(self, hook: Callable[[int], None]) -> None:
-        """``hook(epoch)`` runs after every stage epoch, outside the parameter lock."""
-        self._epoch_hooks.append(hook)
 
     def add_round_hook(self, hook: Callable[[RoundReport], None]) -> None:
         """``hook(report)`` runs after every SPARTA round, from the round's thread."""
@@ -218,8 +212,6 @@ class WorkerNode:
                 loss=loss,
             )
         )
-        for hook in self._epoch_hooks:
-            hook(epoch)
         period = self.options.config.sparta.period
         if epoch > 0 and epoch % period == 0:
             self.sparta.begin_round(epoch // period, self.sync.averaging_weight)
