@@ -21,7 +21,8 @@ against headless, side by side on one local swarm, and the app process's CPU sha
   which machine load moves less than the throughput (a slower worker gets fewer requests routed to it);
   front-end CPU: user + system time of the front-end process (the app, or the headless printer) over
   wall time, in percent of one core, its children excluded; runtime CPU: the same for the runtime child
-  and everything in its process group (p2pd included); swarm tokens/s: the trainer's progress lines.
+  and everything in its process group (p2pd included); swarm tokens/s: the trainer's progress lines;
+  join time: from the contributor's start to Active (not in the measured window).
 - modes alternate (headless, app, headless, app, ... --repeats pairs) and the summary holds medians, since
   the machine is shared. Last output line: one JSON object.
 
@@ -56,7 +57,6 @@ sys.path.insert(0, str(ROOT))
 
 from _trainer_progress import ProgressRecorder, tokens_per_second  # noqa: E402
 
-from agora_client.config import load_config  # noqa: E402
 from agora_client.logs import logs_dir  # noqa: E402
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions  # noqa: E402
 from tui.supervisor import group_members  # noqa: E402
@@ -237,7 +237,7 @@ class Contributor:
 def worker_throughput(events: list[dict], start: float, end: float) -> dict:
     """Requests served between the first and the last step event inside [start, end] (wall clock)."""
     steps = [e for e in events if e.get("kind") == "step" and start <= e["ts"] <= end]
-    if len(steps) < 2:
+    if len(steps) < 2 or steps[-1]["ts"] <= steps[0]["ts"]:
         return {"requests_per_min": 0.0, "forward_per_min": 0.0, "backward_per_min": 0.0, "epochs": len(steps), "stage": None}
     forward = backward = 0.0
     for previous, step in zip(steps, steps[1:]):
@@ -334,7 +334,7 @@ def measure(mode: str, index: int, swarm: LocalSwarm, recorder: ProgressRecorder
 
 def median(runs: list[dict], key: str) -> float | None:
     values = [run[key] for run in runs if run[key] is not None]
-    return round(statistics.median(values), 2) if values else None
+    return round(statistics.median(values), 3) if values else None
 
 
 def main() -> int:
@@ -389,6 +389,8 @@ def main() -> int:
         "swarm_tokens_per_s_headless": median(by_mode["headless"], "swarm_tokens_per_s"),
         "swarm_tokens_per_s_app": median(by_mode["app"], "swarm_tokens_per_s"),
         "app_render_bytes_per_s": median(by_mode["app"], "app_render_bytes_per_s"),
+        "headless_join_s": median(by_mode["headless"], "join_s"),
+        "app_join_s": median(by_mode["app"], "join_s"),
         "stages": sorted({run["stage"] for run in runs if run["stage"]}),
         "load_average_1m": round(os.getloadavg()[0], 1),
         "slots_not_freed_on_stop": sum(run["slots_held_after_stop"] > 0 for run in runs),

@@ -85,7 +85,7 @@ def test_token_never_leaks_from_service_or_client(tmp_path: Path, caplog, capsys
     threading.Thread(target=hub.serve_forever, args=(0.05,), daemon=True).start()
     try:
         with serve_directory(tmp_path / "store") as store:
-            policy = AdmissionPolicy(stages=("head",), max_workers_per_stage=2, per_identity_cap=1, pacing_s=1.0)
+            policy = AdmissionPolicy(stages=("head",), max_workers_per_stage=2, per_identity_cap=1, pacing_s=5.0)  # long enough to queue under load
             settings = ServiceSettings(policy=policy, snapshot_url=store.url, poll_every_s=0.05)
             for source in (TokenFileIdentity(token_file), HuggingFaceIdentity(f"http://127.0.0.1:{hub.server_address[1]}")):
                 good = demo_token if isinstance(source, TokenFileIdentity) else HF_TOKEN

@@ -7,7 +7,6 @@ the DHT), then the real Textual app supervising a real runtime until it shows Ac
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from importlib import resources
 
@@ -25,7 +24,7 @@ from agora_client.swarm.dht import connect_dht
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
 from agora_client.swarm.processes import ManagedProcess
 from agora_client.swarm.roster import fetch_roster
-from tests.swarm_helpers import wait_until
+from tests.swarm_helpers import json_events, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 PHASE1_STEPS, PHASE2_STEPS = 8, 4
@@ -53,14 +52,7 @@ def join_swarm(tmp_path_factory):
 
 
 def _events(process: ManagedProcess) -> list[dict]:
-    found = []
-    for line in process.lines():
-        if line.startswith("{"):
-            try:
-                found.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return found
+    return json_events(process.lines())
 
 
 def _progress_samples(dht, stage: str, peer_id_bytes: bytes) -> int | None:

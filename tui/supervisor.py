@@ -1,8 +1,10 @@
 """The worker runtime as a child process: started in its own session, read line by line,
 stopped gracefully, and never left behind.
 
-Stopping: SIGINT to the child's process group (the runtime finishes the current request and
-leaves its averaging group), then SIGTERM, then SIGKILL, each after a bounded wait. Whatever
+Stopping: SIGINT to the child (the runtime finishes the current request, leaves its averaging
+group and frees its slot), then SIGTERM, then SIGKILL to its whole group, each after a bounded
+wait. Only the child itself is interrupted: its helper processes must stay up while it shuts them
+down in order (they die with it if it is killed). Whatever
 is left in the group after the child exits (p2pd, say) is terminated the same way.
 This module has no Textual import: the app and the headless client share it.
 """
@@ -163,7 +165,7 @@ class RuntimeProcess:
         return code
 
     async def stop(self) -> int | None:
-        """Graceful stop: SIGINT, then SIGTERM, then SIGKILL to the group, each after a bounded wait."""
+        """Graceful stop: SIGINT, then SIGTERM to the child, then SIGKILL to its group, each after a bounded wait."""
         if self._process is None:
             return None
         self.stop_requested = True
@@ -171,7 +173,10 @@ class RuntimeProcess:
         for signum, timeout in steps:
             if self._process.returncode is not None:
                 break
-            self._signal_group(signum)
+            if signum == signal.SIGKILL:
+                self._signal_group(signum)
+            else:
+                self._signal_child(signum)
             try:
                 await asyncio.wait_for(self._process.wait(), timeout)
             except TimeoutError:
@@ -199,6 +204,13 @@ class RuntimeProcess:
         """Last resort when no event loop is left to wait in: SIGKILL the whole group now."""
         if self._process is not None:
             self._signal_group(signal.SIGKILL)
+
+    def _signal_child(self, signum: int) -> None:
+        assert self._process is not None
+        try:
+            os.kill(self._process.pid, signum)
+        except ProcessLookupError:
+            pass
 
     def _signal_group(self, signum: int) -> None:
         assert self._process is not None

@@ -103,8 +103,9 @@ class ManagedProcess:
         return pids
 
     def stop(self, grace: float = 10.0) -> None:
-        """SIGINT the group (graceful), then SIGKILL whatever is left of it after ``grace`` seconds."""
-        _signal_group(self.pgid, signal.SIGINT)
+        """SIGINT the role (it shuts its helpers down in order), then SIGKILL its group after ``grace`` seconds."""
+        if self.alive:
+            os.kill(self.proc.pid, signal.SIGINT)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and (self.alive or self.group_pids()):
             time.sleep(0.1)
