@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import IO, Annotated, Any, Literal, Union
+from typing import IO, Annotated, Any, Iterable, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -182,6 +182,18 @@ def parse_event(line: str | bytes | dict[str, Any]) -> Event:
         return _adapter.validate_python(data)
     except ValidationError as error:
         raise BadEvent(f"invalid {data.get('kind')!r} event: {error.errors()[0]['msg']}") from None
+
+
+def json_objects(lines: Iterable[str]) -> list[dict[str, Any]]:
+    """The JSON objects among a stream's lines, unvalidated (log lines and a line still being written are skipped)."""
+    found = []
+    for line in lines:
+        if line.startswith("{"):
+            try:
+                found.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return found
 
 
 def dump_event(event: Event) -> str:

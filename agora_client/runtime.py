@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _exit(events: EventWriter, code: int, reason: str) -> int:
-    if code not in (EXIT_OK,):
+    if code != EXIT_OK:
         events.emit(ErrorEvent(message=reason, where="runtime"))
     events.emit(ExitEvent(code=code, reason=reason))
     return code

@@ -57,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 from _trainer_progress import ProgressRecorder, tokens_per_second  # noqa: E402
 
+from agora_client.events import json_objects  # noqa: E402
 from agora_client.logs import logs_dir  # noqa: E402
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions  # noqa: E402
 from tui.supervisor import group_members  # noqa: E402
@@ -112,15 +113,7 @@ class TerminalReader:
 
 
 def read_events(path: Path) -> list[dict]:
-    """The JSON events of a JSONL file (other lines, and a line still being written, are skipped)."""
-    found = []
-    for line in path.read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            try:
-                found.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return found
+    return json_objects(path.read_text(errors="replace").splitlines())
 
 
 class Contributor:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from agora_client.events import NULL_WRITER
+from agora_client.events import NULL_WRITER, json_objects
 from agora_client.snapshots import download_snapshot, latest_snapshot, read_manifest
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
 from agora_client.swarm.processes import ManagedProcess
@@ -28,7 +28,7 @@ FIRST_BATCH_TIMEOUT = 600.0
 
 
 def runtime_events(runtime: ManagedProcess) -> list[dict]:
-    return [json.loads(line) for line in runtime.lines() if line.startswith("{")]
+    return json_objects(runtime.lines())
 
 
 def first(events: list[dict], kind: str, **match) -> dict | None:

@@ -13,18 +13,18 @@ from importlib import resources
 import httpx
 import psutil
 import pytest
-import torch
 import yaml
 from safetensors.torch import load_file
 
 from hivemind.dht.crypto import RSASignatureValidator
 
+from agora_client.events import json_objects
 from agora_client.snapshots import latest_snapshot
 from agora_client.swarm.dht import connect_dht
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
 from agora_client.swarm.processes import ManagedProcess
 from agora_client.swarm.roster import fetch_roster
-from tests.swarm_helpers import json_events, wait_until
+from tests.swarm_helpers import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 PHASE1_STEPS, PHASE2_STEPS = 8, 4
@@ -52,7 +52,7 @@ def join_swarm(tmp_path_factory):
 
 
 def _events(process: ManagedProcess) -> list[dict]:
-    return json_events(process.lines())
+    return json_objects(process.lines())
 
 
 def _progress_samples(dht, stage: str, peer_id_bytes: bytes) -> int | None:

@@ -112,7 +112,7 @@ class TokenFileIdentity:
             candidate = key if _HASHED_KEY.match(key) else f"sha256:{token_fingerprint(Secret(key))}"
             if hmac.compare_digest(candidate, wanted):
                 return name
-        raise InvalidToken(f"the token is not one of those listed in the swarm's token file; ask the swarm operator for one")
+        raise InvalidToken("the token is not one of those listed in the swarm's token file; ask the swarm operator for one")
 
     def describe(self) -> str:
         return f"token file {self.path}"
