@@ -39,6 +39,7 @@ class ModelConfig(_Strict):
     vocab_size: int = Field(ge=2)
     d_model: int = Field(ge=8)
     n_heads: int = Field(ge=1)
+    n_kv_heads: int | None = Field(default=None, ge=1, description="key/value heads (grouped-query attention); default n_heads")
     ffn_hidden: int = Field(ge=8)
     n_layers: int = Field(ge=3)
     seq_len: int = Field(ge=2, description="tokens per sequence fed to the head")
@@ -51,6 +52,15 @@ class ModelConfig(_Strict):
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the key and value projections' outputs: n_kv_heads * head_dim."""
+        return self.kv_heads * self.head_dim
 
     @property
     def subspace_rank(self) -> int:
@@ -79,6 +89,11 @@ class ModelConfig(_Strict):
     def _check_shapes(self) -> "ModelConfig":
         if self.d_model % self.n_heads:
             raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.kv_heads}): "
+                "every key/value head serves the same number of query heads"
+            )
         if self.head_dim % 2:
             raise ValueError("model.d_model / model.n_heads must be even for rotary embeddings")
         if self.subspace.enabled and not 1 <= self.subspace_rank <= self.d_model:
@@ -139,6 +154,8 @@ class RunConfig(_Strict):
     sparta: SpartaConfig = SpartaConfig()
     sync: SyncConfig = SyncConfig()
     announce_period: float = Field(default=30.0, gt=0, description="seconds between a worker's DHT announcements")
+    use_mixed_precision: bool = Field(default=True, description="forward under bf16 autocast; weights and grads stay fp32")
+    offload_optimizer: bool = Field(default=True, description="AdamW moments in (pinned) host memory, stepped in chunks")
 
     def clip_norm(self, stage: str) -> float:
         """Stage-wise gradient clipping: 1/sqrt(S) for head and bodies, 5/sqrt(S) for the tail."""

@@ -13,7 +13,7 @@ from hivemind.proto.runtime_pb2 import CompressionType
 from agora_client.config import ConfigError, ModelConfig, load_config
 from agora_client.model import StageModule, build_stage, serialized_boundary_bytes
 from agora_client.model import describe
-from agora_client.model.subspace import SubspaceLinear
+from agora_client.model.subspace import SubspaceLinear, fixed_embedding
 
 SEED = 11
 BATCH, SEQ = 2, 24
@@ -110,18 +110,31 @@ def test_basis_is_orthonormal_and_the_same_on_every_stage_and_build() -> None:
     basis = head.subspace.basis
     assert basis.shape == (config.d_model, config.subspace_rank) and basis.dtype == torch.float32
     torch.testing.assert_close(basis.T @ basis, torch.eye(config.subspace_rank), atol=1e-6, rtol=0)
+    every_token = torch.arange(config.vocab_size)
+    table = head.subspace.embed(every_token)
     for other in (tail, again):
         assert torch.equal(other.subspace.basis, basis)
-        assert torch.equal(other.subspace.fixed_embedding, head.subspace.fixed_embedding)
-    assert torch.linalg.matrix_rank(head.subspace.fixed_embedding) == min(config.vocab_size, config.d_model)
+        assert torch.equal(other.subspace.embed(every_token), table)
+    assert torch.linalg.matrix_rank(table) == min(config.vocab_size, config.d_model)
+    assert torch.equal(table, fixed_embedding(config.vocab_size, config.d_model, config.init_std, SEED))
     assert not torch.equal(build_stage(config, "head", seed=SEED + 1).subspace.basis, basis)
 
 
-def test_basis_and_fixed_embedding_are_frozen_buffers_outside_snapshots() -> None:
+def test_fixed_embedding_rows_are_generated_not_stored() -> None:
+    config = tiny()
+    table = fixed_embedding(config.vocab_size, config.d_model, config.init_std, SEED)
+    tokens = torch.tensor([[3, 200, 3], [255, 0, 17]])
+    rows = build_stage(config, "body1", seed=SEED).subspace.embed(tokens)
+    assert rows.shape == (2, 3, config.d_model) and torch.equal(rows, table[tokens])
+    assert abs(float(table.std()) / config.init_std - 1) < 0.02 and abs(float(table.mean())) < 1e-3 * 2
+    assert not torch.equal(table, fixed_embedding(config.vocab_size, config.d_model, config.init_std, SEED + 1))
+
+
+def test_basis_is_a_frozen_buffer_outside_snapshots_and_e_f_takes_no_memory() -> None:
     for name in tiny().stage_names:
         stage = build_stage(tiny(), name, seed=SEED)
         buffers = dict(stage.named_buffers())
-        assert {"subspace.basis", "subspace.fixed_embedding"} <= buffers.keys()
+        assert set(buffers) == {"subspace.basis"}
         assert not any(key.startswith("subspace.") for key in stage.state_dict())
         assert not any(key.startswith("subspace.") for key, _ in stage.named_parameters())
 
@@ -143,20 +156,20 @@ def test_only_blocks_whose_output_crosses_a_boundary_are_constrained() -> None:
         assert block.attn_norm.weight is not None and block.mlp_norm.weight is not None
 
 
-def test_describe_8b_reports_k_40_and_about_100x(capsys: pytest.CaptureFixture[str]) -> None:
+def test_describe_8b_reports_k_51_and_about_100x(capsys: pytest.CaptureFixture[str]) -> None:
     assert describe.run(argparse.Namespace(preset="8b", json=True)) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["k"] == 40 and info["d_model"] == 4096
-    assert [stage["boundary_width"] for stage in info["stages"]] == [40] * 6 + [None]
-    assert info["bytes_per_token"]["compressed_activation"] == 160
+    assert info["k"] == 51 and info["d_model"] == 5120
+    assert [stage["boundary_width"] for stage in info["stages"]] == [51] * 6 + [None]
+    assert info["bytes_per_token"]["compressed_activation"] == 204
 
     assert describe.run(argparse.Namespace(preset="8b", json=False)) == 0
     table = capsys.readouterr().out
-    assert "k = 40" in table and "body5" in table
+    assert "k = 51" in table and "body5" in table
 
     seq = 8  # the same serializer the workers use, on real [1, T, k] and [1, T, d] tensors
-    dense = serialize_torch_tensor(torch.randn(1, seq, 4096), CompressionType.NONE).ByteSize()
-    compressed = serialize_torch_tensor(torch.randn(1, seq, 40), CompressionType.NONE).ByteSize()
+    dense = serialize_torch_tensor(torch.randn(1, seq, 5120), CompressionType.NONE).ByteSize()
+    compressed = serialize_torch_tensor(torch.randn(1, seq, 51), CompressionType.NONE).ByteSize()
     assert 95 < dense / compressed < 105
     assert abs(dense / compressed - info["bytes_per_token"]["ratio_activation"]) < 5
 
@@ -173,7 +186,7 @@ def test_serialized_boundary_bytes_from_real_stage_runs() -> None:
     assert tiny_bytes["dense"]["token_id_bytes"] == tiny_bytes["compressed"]["token_id_bytes"]
 
     big = serialized_boundary_bytes(load_config("8b").model, "head", batch=1, seq_len=16, device="meta")
-    assert big["compressed"]["width"] == 40 and big["dense"]["width"] == 4096
+    assert big["compressed"]["width"] == 51 and big["dense"]["width"] == 5120
     assert 95 < big["ratio_activation"] < 105 and 90 < big["ratio_total"] < 105
     with pytest.raises(ConfigError, match="tail sends no boundary"):
         serialized_boundary_bytes(tiny(), "tail", batch=1, seq_len=4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.amp.autocast_mode import is_autocast_available
 from torch import nn
 
 from agora_client.config import ModelConfig
@@ -26,8 +27,23 @@ class RMSNorm(nn.Module):
         self.scalar_gain = 1.0  # used only when frozen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed * self.weight if self.weight is not None else normed * self.scalar_gain
+        # Statistics in fp32 and the result in the input's dtype, the same on every device's autocast.
+        wide = x.float()
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        scaled = normed * self.weight if self.weight is not None else normed * self.scalar_gain
+        return scaled.to(x.dtype)
+
+
+def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls on tensor's device run in right now: autocast's when it is on, else tensor's."""
+    if is_autocast_available(tensor.device.type) and torch.is_autocast_enabled(tensor.device.type):
+        return torch.get_autocast_dtype(tensor.device.type)
+    return tensor.dtype
+
+
+def lower_precision(x: torch.Tensor) -> torch.Tensor:
+    """x in the matmuls' dtype: one cast shared by every projection that reads x (autocast would cast per use)."""
+    return x.to(compute_dtype(x))
 
 
 def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> Rotary:
@@ -38,7 +54,7 @@ def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.devic
 
 def apply_rotary(x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
     """Rotate [B, H, T, head_dim] by position (half-split layout)."""
-    cos, sin = rotary
+    cos, sin = (table.to(x.dtype) for table in rotary)
     first, second = x.chunk(2, dim=-1)
     return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
 
@@ -54,25 +70,29 @@ def _write(layer: nn.Module, x: torch.Tensor, subspace: Subspace | None) -> torc
 
 
 class Attention(nn.Module):
+    """Grouped-query attention: n_heads query heads share n_kv_heads key/value heads (OLMo2 layout)."""
+
     def __init__(self, config: ModelConfig, constrained: bool) -> None:
         super().__init__()
-        d = config.d_model
-        self.n_heads = config.n_heads
+        d, kv = config.d_model, config.kv_width
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_dim
         self.q_proj = nn.Linear(d, d, bias=False)
-        self.k_proj = nn.Linear(d, d, bias=False)
-        self.v_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, kv, bias=False)
+        self.v_proj = nn.Linear(d, kv, bias=False)
         # QK-norm acts inside attention, never on the residual stream: it stays trainable per channel.
         self.q_norm = RMSNorm(d, config.norm_eps)
-        self.k_norm = RMSNorm(d, config.norm_eps)
+        self.k_norm = RMSNorm(kv, config.norm_eps)
         self.o_proj = _residual_writer(d, config, constrained)
 
     def forward(self, x: torch.Tensor, rotary: Rotary, subspace: Subspace | None) -> torch.Tensor:
         batch, seq, d = x.shape
-        shape = (batch, seq, self.n_heads, d // self.n_heads)
-        q = self.q_norm(self.q_proj(x)).view(shape).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x)).view(shape).transpose(1, 2)
-        v = self.v_proj(x).view(shape).transpose(1, 2)
-        out = F.scaled_dot_product_attention(apply_rotary(q, rotary), apply_rotary(k, rotary), v, is_causal=True)
+        x = lower_precision(x)
+        q = self.q_norm(self.q_proj(x)).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x)).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            apply_rotary(q, rotary), apply_rotary(k, rotary), v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        )
         return _write(self.o_proj, out.transpose(1, 2).reshape(batch, seq, d), subspace)
 
 
@@ -84,6 +104,7 @@ class SwiGLU(nn.Module):
         self.down_proj = _residual_writer(config.ffn_hidden, config, constrained)
 
     def forward(self, x: torch.Tensor, subspace: Subspace | None) -> torch.Tensor:
+        x = lower_precision(x)
         return _write(self.down_proj, F.silu(self.gate_proj(x)) * self.up_proj(x), subspace)
 
 

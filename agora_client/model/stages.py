@@ -12,11 +12,11 @@ initialized from (seed, its name), so stages built anywhere match each other and
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from agora_client.config import ConfigError, ModelConfig
 from agora_client.model.layers import Block, RMSNorm, rotary_tables
+from agora_client.model.loss import per_sample_loss
 from agora_client.model.seeding import generator_for
 from agora_client.model.subspace import Subspace
 
@@ -45,12 +45,6 @@ def _embed(embed: nn.Embedding, subspace: Subspace | None, tokens: torch.Tensor)
     """Dense: emb(tokens). Subspace: h0 = E_f[tokens] + emb'(tokens) U^T, emb' of width k."""
     trainable = embed(tokens)
     return trainable if subspace is None else subspace.embed(tokens) + subspace.lift(trainable)
-
-
-def _per_sample_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    batch, seq, vocab = logits.shape
-    losses = F.cross_entropy(logits.reshape(batch * seq, vocab).float(), labels.reshape(-1), reduction="none")
-    return losses.view(batch, seq).mean(dim=1)
 
 
 def _check_tokens(name: str, tokens: torch.Tensor, config: ModelConfig, batch_like: torch.Tensor | None = None) -> None:
@@ -149,7 +143,7 @@ class TailStage(StageModule):
         """Per-sample mean cross-entropy, float32 [B]."""
         _check_tokens("labels", labels, self.config, boundary)
         h = _run_layers(self.layers, self.receive(boundary, tokens), self.config, self.subspace)
-        return _per_sample_loss(self.lm_head(self.final_norm(h)), labels)
+        return per_sample_loss(self.final_norm(h), self.lm_head.weight, labels)
 
 
 class FullModel(nn.Module):
@@ -169,7 +163,7 @@ class FullModel(nn.Module):
         _check_tokens("tokens", tokens, self.config)
         _check_tokens("labels", labels, self.config, tokens)
         h = _run_layers(self.layers, _embed(self.embed, self.subspace, tokens), self.config, self.subspace)
-        return _per_sample_loss(self.lm_head(self.final_norm(h)), labels)
+        return per_sample_loss(self.final_norm(h), self.lm_head.weight, labels)
 
 
 @torch.no_grad()

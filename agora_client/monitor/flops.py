@@ -6,7 +6,8 @@ What is counted: every matrix multiplication, at 2*m*n*k FLOPs, in the stage's f
     with Subspace Networks a residual writer W = W' U^T is two products: x W'^T (width k), then the lift c U^T;
   - the head's embedding lift emb'(tokens) U^T (subspace), the boundary reconstruction c U^T on a
     receiving stage and the projection (h - E_f[tokens]) U on a sending stage (compressed boundaries);
-  - the tail's lm_head.
+  - the tail's lm_head (its loss is chunked: the backward recomputes each chunk's logits, so its
+    backward costs 3x its forward: logits again, then the gradients of the hidden state and the weight).
 Not counted: embedding lookups, norms, RoPE, softmax, SiLU, additions, the loss (not matmuls).
 
 Backward: each matmul costs 2*m*n*k again for every operand that needs a gradient. Weights and
@@ -31,7 +32,7 @@ RequestKind = Literal["forward", "backward"]
 class Matmul:
     name: str
     forward: int  # FLOPs of the forward product
-    grads: int  # operands that need a gradient (1 or 2): the backward costs grads * forward
+    grads: int  # the backward costs grads * forward: operands needing a gradient (1 or 2); 3 for the chunked lm_head
 
     @property
     def backward(self) -> int:
@@ -43,14 +44,14 @@ def _mm(name: str, m: int, n: int, k: int, grads: int = 2) -> Matmul:
 
 
 def _block(config: ModelConfig, index: int, batch: int, seq_len: int, constrained: bool) -> list[Matmul]:
-    d, f = config.d_model, config.ffn_hidden
+    d, f, kv = config.d_model, config.ffn_hidden, config.kv_width
     tokens = batch * seq_len
     prefix = f"layers.{index}"
     heads = batch * config.n_heads
     products = [
         _mm(f"{prefix}.attn.q_proj", tokens, d, d),
-        _mm(f"{prefix}.attn.k_proj", tokens, d, d),
-        _mm(f"{prefix}.attn.v_proj", tokens, d, d),
+        _mm(f"{prefix}.attn.k_proj", tokens, d, kv),
+        _mm(f"{prefix}.attn.v_proj", tokens, d, kv),
         Matmul(f"{prefix}.attn.scores", heads * 2 * seq_len * seq_len * config.head_dim, 2),
         Matmul(f"{prefix}.attn.values", heads * 2 * seq_len * seq_len * config.head_dim, 2),
     ]
@@ -87,7 +88,7 @@ def stage_matmuls(
         constrained = config.subspace.enabled and index < tail_first
         products += _block(config, index, batch, seq_len, constrained)
     if stage == "tail":
-        products.append(_mm("lm_head", tokens, d, config.vocab_size))
+        products.append(_mm("lm_head", tokens, d, config.vocab_size, grads=3))
     elif compress:
         products.append(_mm("send.project", tokens, d, rank, grads=1))
     return products
