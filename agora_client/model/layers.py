@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch.amp.autocast_mode import is_autocast_available
@@ -27,11 +29,37 @@ class RMSNorm(nn.Module):
         self.scalar_gain = 1.0  # used only when frozen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in fp32 and the result in the input's dtype, the same on every device's autocast.
-        wide = x.float()
-        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        scaled = normed * self.weight if self.weight is not None else normed * self.scalar_gain
-        return scaled.to(x.dtype)
+        return _RMSNormFunction.apply(x, self.weight, self.scalar_gain, self.eps)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """y = gain * x / rms(x), computed in fp32, returned in x's dtype; saves only x and 1/rms(x).
+
+    Autograd of the plain expression would keep fp32 copies of x and of the normalized x, which
+    under bf16 autocast is four times the bytes of x.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, gain: float | torch.Tensor, eps: float) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False) if is_autocast_available(x.device.type) else nullcontext():
+            wide = x.float()
+            rstd = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+            out = wide * rstd * (weight if weight is not None else gain)
+        ctx.save_for_backward(x, rstd, weight)
+        ctx.gain = gain
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, rstd, weight = ctx.saved_tensors
+        normed = x.float() * rstd
+        grad = grad_out.float()
+        scaled = grad * (weight if weight is not None else ctx.gain)
+        grad_x = rstd * (scaled - normed * (scaled * normed).mean(-1, keepdim=True))
+        grad_weight = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_weight = (grad * normed).reshape(-1, normed.shape[-1]).sum(0)
+        return grad_x.to(x.dtype), grad_weight, None, None
 
 
 def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
@@ -46,15 +74,16 @@ def lower_precision(x: torch.Tensor) -> torch.Tensor:
     return x.to(compute_dtype(x))
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> Rotary:
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype = torch.float32) -> Rotary:
+    """cos and sin per (position, frequency), in the dtype the rotated q and k have."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
-    return angles.cos(), angles.sin()
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
     """Rotate [B, H, T, head_dim] by position (half-split layout)."""
-    cos, sin = (table.to(x.dtype) for table in rotary)
+    cos, sin = rotary
     first, second = x.chunk(2, dim=-1)
     return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
 

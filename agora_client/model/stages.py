@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from agora_client.config import ConfigError, ModelConfig
-from agora_client.model.layers import Block, RMSNorm, rotary_tables
+from agora_client.model.layers import Block, RMSNorm, compute_dtype, rotary_tables
 from agora_client.model.loss import per_sample_loss
 from agora_client.model.seeding import generator_for
 from agora_client.model.subspace import Subspace
@@ -35,7 +35,7 @@ def _layer_dict(config: ModelConfig, indices: range) -> nn.ModuleDict:
 
 
 def _run_layers(layers: nn.ModuleDict, h: torch.Tensor, config: ModelConfig, subspace: Subspace | None) -> torch.Tensor:
-    rotary = rotary_tables(h.shape[1], config.head_dim, config.rope_theta, h.device)
+    rotary = rotary_tables(h.shape[1], config.head_dim, config.rope_theta, h.device, compute_dtype(h))
     for layer in layers.values():
         h = layer(h, rotary, subspace)
     return h

@@ -18,11 +18,15 @@ from hivemind.moe.server.module_backend import ModuleBackend
 from agora_client.worker.epochs import EpochController
 
 
-def autocast_context(device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    """bf16 autocast on GPUs with native bf16 (compute capability >= 8.0); plain fp32 elsewhere."""
-    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
-        return lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext
+def autocast_context(device: torch.device, mixed_precision: bool) -> Callable[[], contextlib.AbstractContextManager]:
+    """bf16 autocast when the run asks for mixed precision, on the CPU too; parameters and grads stay fp32.
+
+    A GPU without native bf16 (compute capability < 8.0) would emulate it slower than fp32: it runs fp32
+    (contributors with such cards are refused at join, see agora_client/model/memory.py).
+    """
+    if not mixed_precision or (device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False)):
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
 class StageBackend(ModuleBackend):
@@ -33,6 +37,7 @@ class StageBackend(ModuleBackend):
         *,
         epochs: EpochController,
         device: torch.device,
+        mixed_precision: bool,
         on_forward: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], None],
         on_backward: Callable[[torch.Tensor], None],
         slowdown_s: float = 0.0,
@@ -40,7 +45,7 @@ class StageBackend(ModuleBackend):
     ):
         super().__init__(name, module, **kwargs)
         self.epochs, self.slowdown_s = epochs, slowdown_s
-        self._autocast = autocast_context(device)
+        self._autocast = autocast_context(device, mixed_precision)
         self._on_forward, self._on_backward = on_forward, on_backward
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -19,6 +19,7 @@ from agora_client.swarm.dht import connect_dht
 from agora_client.swarm.roster import WorkerRecord, fetch_roster, free_index, stage_uid
 from agora_client.worker.backend import StageBackend
 from agora_client.worker.epochs import EpochController
+from agora_client.worker.optimizer import build_optimizer
 from agora_client.worker.server import StageServer
 from agora_client.worker.sparta import RoundReport, SpartaAverager
 from agora_client.worker.sync import SyncState
@@ -90,9 +91,7 @@ class WorkerNode:
         self.module = build_stage(config.model, stage, seed=options.init_seed if options.init_seed is not None else config.seed)
         self.module.to(self.device)
         self.parameters = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.parameters, lr=config.optim.lr, betas=config.optim.betas, weight_decay=config.optim.weight_decay
-        )
+        self.optimizer = build_optimizer(self.parameters, config)
         index = options.index if options.index is not None else free_index(fetch_roster(self.dht, stage), stage)
         start_epoch = 0
         if options.snapshot is not None:
@@ -127,6 +126,7 @@ class WorkerNode:
             self.module,
             epochs=self.epochs,
             device=self.device,
+            mixed_precision=config.use_mixed_precision,
             on_forward=lambda tokens, outputs: self._on_request("forward", tokens, outputs, is_tail),
             on_backward=lambda tokens: self._on_request("backward", tokens, (), is_tail),
             slowdown_s=options.slowdown_s,

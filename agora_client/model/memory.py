@@ -1,0 +1,196 @@
+"""The memory plan of one stage: GPU and host bytes from the run config's shapes alone, allocating nothing.
+
+One function, ``plan_stage``, serves ``agora describe`` and the join-time fit check.
+
+GPU, resident: fp32 weights, fp32 gradients (they accumulate between optimizer steps), the frozen
+basis U (E_f is hashed on demand, never stored), and the AdamW moments unless they are offloaded.
+GPU, per microbatch: what autograd saves during the recomputed forward of a backward request
+(counted tensor by tensor below, mirroring agora_client/model/layers.py, stages.py and loss.py),
+then a transient while backward runs (an estimate: the largest gradient buffers alive at once).
+Host: the moments when offloaded, and SPARTA's averaging buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from agora_client.config import ModelConfig, RunConfig
+from agora_client.model.loss import LOSS_CHUNK_TOKENS
+
+FP32, BF16, TOKEN_ID = 4, 2, 8
+OPTIMIZER_CHUNK_BYTES = 3 * 4 * (1 << 22)  # OffloadAdamW's device chunks: exp_avg, exp_avg_sq, denominator
+
+
+@dataclass(frozen=True)
+class StageShapes:
+    """Element counts of the tensors a stage builds."""
+
+    trainable: int  # parameters (and, element for element, their gradients and each AdamW moment)
+    matmul_weights: int  # of those, the ones a matmul reads (cast to bf16 and saved under autocast)
+    frozen: int  # the basis U
+    lifts: int  # products with U per forward (each saves its own bf16 copy of U under autocast)
+    largest_weight: int  # the largest single weight of a block (its gradient is a block's biggest backward buffer)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: str
+    microbatch: int
+    mixed_precision: bool
+    offload_optimizer: bool
+    weights: int
+    gradients: int
+    frozen: int
+    moments: int
+    saved_activations: int  # per microbatch
+    backward_transient: int
+    averaging: int
+
+    @property
+    def gpu_resident(self) -> int:
+        return self.weights + self.gradients + self.frozen + (0 if self.offload_optimizer else self.moments)
+
+    @property
+    def gpu_peak(self) -> int:
+        """The most the stage holds at once: during a recomputing backward (or the optimizer step, if larger)."""
+        backward = self.gpu_resident + self.saved_activations + self.backward_transient
+        step = self.gpu_resident + (OPTIMIZER_CHUNK_BYTES if self.offload_optimizer else 0)
+        return max(backward, step)
+
+    @property
+    def host(self) -> int:
+        return (self.moments if self.offload_optimizer else 0) + self.averaging
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "gpu_resident": self.gpu_resident, "gpu_peak": self.gpu_peak, "host": self.host}
+
+
+def _layer_shapes(config: ModelConfig, constrained: bool) -> tuple[int, int, int]:
+    """(matmul weight elements, norm gains, largest weight) of one block."""
+    d, kv, f, k = config.d_model, config.kv_width, config.ffn_hidden, config.subspace_rank
+    writers = k * d + k * f if constrained else d * d + f * d  # o_proj, down_proj
+    matmul = d * d + 2 * d * kv + 2 * d * f + writers
+    norms = d + kv + (0 if constrained else 2 * d)  # q_norm, k_norm; output norms are frozen scalars when constrained
+    return matmul, norms, d * f
+
+
+def stage_shapes(config: ModelConfig, stage: str) -> StageShapes:
+    spec, first, tail_first = config.stage(stage), config.first_layer(stage), config.first_layer("tail")
+    subspace, d, k = config.subspace.enabled, config.d_model, config.subspace_rank
+    matmul = norms = largest = lifts = 0
+    for index in range(first, first + spec.layers):
+        constrained = subspace and index < tail_first
+        layer_matmul, layer_norms, layer_largest = _layer_shapes(config, constrained)
+        matmul, norms, largest = matmul + layer_matmul, norms + layer_norms, max(largest, layer_largest)
+        lifts += 2 if constrained else 0
+    extra = 0
+    if stage == "head":
+        extra = config.vocab_size * (k if subspace else d)  # the token embedding, low-rank under subspace
+        lifts += 1 if subspace else 0
+    if stage == "tail":
+        extra = d + config.vocab_size * d  # final_norm, lm_head (read by the loss in chunks, never cast whole and saved)
+    if subspace:
+        lifts += (stage != "head") + (stage != "tail")  # receive c U^T, send (h - E_f) U
+    return StageShapes(
+        trainable=matmul + norms + extra,
+        matmul_weights=matmul,
+        frozen=d * k if subspace else 0,
+        lifts=lifts,
+        largest_weight=largest,
+    )
+
+
+def _block_activation_bytes(config: ModelConfig, tokens: int, width: int) -> int:
+    """Bytes one block saves for backward over `tokens` tokens; `width` is the matmuls' dtype size."""
+    d, kv, f, heads = config.d_model, config.kv_width, config.ffn_hidden, config.n_heads
+    attention = (
+        d * width  # x in the matmul dtype, read by q, k and v
+        + (d + kv) * width + 2 * FP32  # q and k before QK-norm, and their 1/rms
+        + (d + kv) * width  # rotated q and k (saved by attention)
+        + kv * width  # v
+        + d * width + heads * FP32  # attention output and its log-sum-exp
+        + d * width  # heads merged back to [tokens, d], read by o_proj
+        + d * width + FP32  # o_proj's output and its 1/rms in the output norm
+    )
+    mlp = (
+        d * width  # x in the matmul dtype, read by gate and up
+        + 4 * f * width  # gate output, silu(gate), up output, their product
+        + d * width + FP32  # down_proj's output and its 1/rms in the output norm
+    )
+    return tokens * (attention + mlp)
+
+
+def saved_activation_bytes(config: ModelConfig, stage: str, microbatch: int, *, mixed_precision: bool) -> int:
+    """What autograd keeps between the recomputed forward and the backward, for `microbatch` sequences."""
+    width = BF16 if mixed_precision else FP32
+    seq, d = config.seq_len, config.d_model
+    tokens = microbatch * seq
+    shapes = stage_shapes(config, stage)
+    total = config.stage(stage).layers * _block_activation_bytes(config, tokens, width)
+    total += 2 * seq * (config.head_dim // 2) * width  # rotary cos and sin, shared by the stage's layers
+    if mixed_precision:  # autocast's bf16 copies of every matmul weight and of U per product, kept for backward
+        total += (shapes.matmul_weights + shapes.lifts * shapes.frozen) * BF16
+    if stage == "head":
+        total += tokens * TOKEN_ID  # the embedding's indices
+    if stage == "tail":
+        total += tokens * (d * FP32 + FP32)  # final_norm's input and 1/rms
+        total += tokens * (d * width + TOKEN_ID)  # the loss's hidden state (matmul dtype) and labels
+    return total
+
+
+def backward_transient_bytes(config: ModelConfig, stage: str, microbatch: int, *, mixed_precision: bool) -> int:
+    """An estimate of the largest buffers backward holds at once on top of the saved activations.
+
+    Inside a block: the gradients of the four [tokens, ffn] activations and of the largest weight
+    (in bf16, then its fp32 cast). In the tail's loss: lm_head's gradient, its bf16 copy and one
+    chunk's product, one chunk of logits (and their bf16 / fp32 forms), the hidden state's gradient.
+    """
+    width = BF16 if mixed_precision else FP32
+    tokens = microbatch * config.seq_len
+    shapes = stage_shapes(config, stage)
+    weight_grad = shapes.largest_weight * (FP32 + (width if mixed_precision else 0))
+    block = 4 * tokens * config.ffn_hidden * width + weight_grad + tokens * config.d_model * FP32
+    if stage != "tail":
+        return block
+    vocab, d = config.vocab_size, config.d_model
+    chunk = min(LOSS_CHUNK_TOKENS, tokens)
+    loss = vocab * d * 2 * FP32 + chunk * vocab * (3 * FP32 if mixed_precision else 2 * FP32) + tokens * d * FP32
+    return max(block, loss)
+
+
+def plan_stage(run: RunConfig, stage: str, microbatch: int | None = None) -> StagePlan:
+    """The stage's GPU and host bytes at `microbatch` sequences per pass (default: the run's microbatch)."""
+    microbatch = run.optim.microbatch_size if microbatch is None else microbatch
+    if microbatch < 1:
+        raise ValueError(f"microbatch must be at least 1 sequence, got {microbatch}")
+    config, mixed = run.model, run.use_mixed_precision
+    shapes = stage_shapes(config, stage)
+    slice_size = math.ceil(shapes.trainable / run.sparta.num_partitions)
+    return StagePlan(
+        stage=stage,
+        microbatch=microbatch,
+        mixed_precision=mixed,
+        offload_optimizer=run.offload_optimizer,
+        weights=shapes.trainable * FP32,
+        gradients=shapes.trainable * FP32,
+        frozen=shapes.frozen * FP32,
+        moments=2 * shapes.trainable * FP32,
+        saved_activations=saved_activation_bytes(config, stage, microbatch, mixed_precision=mixed),
+        backward_transient=backward_transient_bytes(config, stage, microbatch, mixed_precision=mixed),
+        averaging=2 * slice_size * FP32,  # SPARTA's shared buffer and the gathered slice
+    )
+
+
+def largest_microbatch(run: RunConfig, stage: str, usable_bytes: int, limit: int = 64) -> int:
+    """The most sequences per pass whose planned peak fits in usable_bytes (0: not even one)."""
+    best = 0
+    for microbatch in range(1, limit + 1):
+        if plan_stage(run, stage, microbatch).gpu_peak > usable_bytes:
+            break
+        best = microbatch
+    return best
+
+
+def gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB"
