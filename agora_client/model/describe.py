@@ -1,4 +1,4 @@
-"""`agora describe --preset 8b`: a preset's stages, parameter counts and boundary traffic, allocating nothing."""
+"""`agora describe --preset 8b`: a preset's stages, parameter counts, boundary traffic and memory plan, allocating nothing."""
 
 from __future__ import annotations
 
@@ -6,11 +6,16 @@ import argparse
 import json
 import sys
 
-from agora_client.config import ConfigError, ModelConfig, SubspaceConfig, load_config
+from agora_client.config import ConfigError, ModelConfig, RunConfig, SubspaceConfig, load_config
+from agora_client.model.memory import gib, largest_microbatch, plan_stage
 from agora_client.model.stages import boundary_width, param_counts
 
 FLOAT_BYTES = 4  # boundaries travel as float32
 TOKEN_ID_BYTES = 8  # token ids travel as int64 beside every boundary, dense or compressed
+# Trainable parameters per stage of the production run, as the reference documents give them
+# (memory and communication: ~1.37B head, ~907M per body, ~2.73B tail).
+DOCUMENTED_8B = {"head": 1.37e9, "body": 907e6, "tail": 2.73e9}
+VRAM_SIZES_GIB = (24, 48, 80)  # cards the plan is shown for
 
 
 def describe_model(config: ModelConfig) -> dict:
@@ -53,19 +58,68 @@ def describe_model(config: ModelConfig) -> dict:
     }
 
 
+def documented_count(preset: str, stage: str) -> float | None:
+    if preset != "8b":
+        return None
+    return DOCUMENTED_8B["body" if stage.startswith("body") else stage]
+
+
+def describe_memory(run: RunConfig) -> list[dict]:
+    """Per stage: the memory plan at the run's microbatch and the largest microbatch on common cards."""
+    rows = []
+    for name in run.model.stage_names:
+        plan = plan_stage(run, name).to_dict()
+        plan["largest_microbatch"] = {f"{size}GiB": largest_microbatch(run, name, size * 2**30) for size in VRAM_SIZES_GIB}
+        rows.append(plan)
+    return rows
+
+
+def describe_run(run: RunConfig) -> dict:
+    info = describe_model(run.model)
+    for stage in info["stages"]:
+        stage["documented"] = documented_count(run.name, stage["name"])
+    info["use_mixed_precision"], info["offload_optimizer"] = run.use_mixed_precision, run.offload_optimizer
+    info["memory"] = describe_memory(run)
+    return info
+
+
+def format_memory(info: dict) -> list[str]:
+    precision = "bf16 autocast" if info["use_mixed_precision"] else "fp32"
+    moments = "host (offloaded)" if info["offload_optimizer"] else "GPU"
+    sizes = " / ".join(str(size) for size in VRAM_SIZES_GIB)
+    lines = [
+        f"memory plan ({precision}, AdamW moments on {moments}; GPU peak = during a recomputing backward):",
+        f"{'stage':<8}{'mb':>3}{'weights':>12}{'grads':>12}{'saved act':>12}{'backward':>12}{'GPU peak':>12}"
+        f"{'host':>12}   largest microbatch on {sizes} GiB",
+    ]
+    for plan in info["memory"]:
+        largest = " / ".join(str(count) for count in plan["largest_microbatch"].values())
+        lines.append(
+            f"{plan['stage']:<8}{plan['microbatch']:>3}{gib(plan['weights']):>12}{gib(plan['gradients']):>12}"
+            f"{gib(plan['saved_activations']):>12}{gib(plan['backward_transient']):>12}{gib(plan['gpu_peak']):>12}"
+            f"{gib(plan['host']):>12}   {largest}"
+        )
+    lines.append(
+        "  host = AdamW moments (when offloaded) + SPARTA averaging buffers; a card also keeps 1 GiB for CUDA itself"
+    )
+    return lines
+
+
 def format_description(name: str, info: dict) -> str:
     subspace = f"on, k = {info['k']}" if info["subspace"] else "off"
     lines = [
         f"preset {name}: d_model {info['d_model']}, {info['n_layers']} layers, vocab {info['vocab_size']}, "
         f"seq_len {info['seq_len']}, subspace {subspace}",
-        f"{'stage':<8}{'layers':<14}{'parameters':>16}   boundary sent",
+        f"{'stage':<8}{'layers':<14}{'parameters':>16}{'documents':>12}{'ratio':>7}   boundary sent",
     ]
     for stage in info["stages"]:
         first, last = stage["layers"]
         layers = f"{first}-{last} ({last - first + 1})"
         width = stage["boundary_width"]
         sent = "loss only" if width is None else f"{width} floats/token ({'k' if info['subspace'] else 'd'})"
-        lines.append(f"{stage['name']:<8}{layers:<14}{stage['parameters']:>16,}   {sent}")
+        documented = stage.get("documented")
+        reference = f"{documented / 1e9:>11.2f}B{stage['parameters'] / documented:>7.3f}" if documented else f"{'':>19}"
+        lines.append(f"{stage['name']:<8}{layers:<14}{stage['parameters']:>16,}{reference}   {sent}")
     lines.append(f"{'total':<8}{info['n_layers']:<14}{info['total_parameters']:>16,}")
     if info["subspace"]:
         lines.append(f"{'':<22}{info['total_parameters_unconstrained']:>16,}   without the subspace constraint")
@@ -76,6 +130,8 @@ def format_description(name: str, info: dict) -> str:
         f"(x{per_token['ratio_activation']:.1f}); plus {per_token['token_id']} B of token id forward "
         f"(x{per_token['ratio_forward_with_token_ids']:.1f} with it)"
     )
+    if "memory" in info:
+        lines += format_memory(info)
     return "\n".join(lines)
 
 
@@ -90,6 +146,6 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(error, file=sys.stderr)
         return 2
-    info = describe_model(config.model)
+    info = describe_run(config)
     print(json.dumps(info) if args.json else format_description(config.name, info))
     return 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +41,7 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, gain: float | torch.Tensor, eps: float) -> torch.Tensor:
-        with torch.autocast(x.device.type, enabled=False) if is_autocast_available(x.device.type) else nullcontext():
+        with autocast_off(x.device):
             wide = x.float()
             rstd = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
             out = wide * rstd * (weight if weight is not None else gain)
@@ -67,6 +67,11 @@ def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
     if is_autocast_available(tensor.device.type) and torch.is_autocast_enabled(tensor.device.type):
         return torch.get_autocast_dtype(tensor.device.type)
     return tensor.dtype
+
+
+def autocast_off(device: torch.device) -> AbstractContextManager:
+    """Autocast disabled inside (explicit dtypes), on any device, the meta device included."""
+    return torch.autocast(device.type, enabled=False) if is_autocast_available(device.type) else nullcontext()
 
 
 def lower_precision(x: torch.Tensor) -> torch.Tensor:

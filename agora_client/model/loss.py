@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from agora_client.model.layers import compute_dtype
+from agora_client.model.layers import autocast_off, compute_dtype
 
 LOSS_CHUNK_TOKENS = 1024  # logits alive at once: LOSS_CHUNK_TOKENS x vocab floats
 
@@ -18,7 +18,7 @@ LOSS_CHUNK_TOKENS = 1024  # logits alive at once: LOSS_CHUNK_TOKENS x vocab floa
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, dtype: torch.dtype):
-        with torch.autocast(hidden.device.type, enabled=False):
+        with autocast_off(hidden.device):
             low, low_weight = hidden.to(dtype), weight.to(dtype)
             losses = torch.empty(labels.shape, dtype=torch.float32, device=hidden.device)
             for start in range(0, labels.numel(), chunk):
@@ -33,7 +33,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         low, weight, labels = ctx.saved_tensors
         grad_hidden = torch.empty(low.shape, dtype=ctx.hidden_dtype, device=low.device)
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        with torch.autocast(low.device.type, enabled=False):
+        with autocast_off(low.device):
             low_weight = weight.to(low.dtype)
             for start in range(0, labels.numel(), ctx.chunk):
                 rows = slice(start, start + ctx.chunk)

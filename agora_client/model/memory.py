@@ -20,6 +20,7 @@ from agora_client.model.loss import LOSS_CHUNK_TOKENS
 
 FP32, BF16, TOKEN_ID = 4, 2, 8
 OPTIMIZER_CHUNK_BYTES = 3 * 4 * (1 << 22)  # OffloadAdamW's device chunks: exp_avg, exp_avg_sq, denominator
+CUDA_RESERVED_BYTES = 1 << 30  # CUDA context, kernels' workspaces and allocator slack, outside the plan
 
 
 @dataclass(frozen=True)
@@ -182,11 +183,16 @@ def plan_stage(run: RunConfig, stage: str, microbatch: int | None = None) -> Sta
     )
 
 
-def largest_microbatch(run: RunConfig, stage: str, usable_bytes: int, limit: int = 64) -> int:
-    """The most sequences per pass whose planned peak fits in usable_bytes (0: not even one)."""
-    best = 0
+def usable_bytes(memory_total: int) -> int:
+    """What a card of memory_total bytes leaves for the stage once CUDA has taken its share."""
+    return memory_total - CUDA_RESERVED_BYTES
+
+
+def largest_microbatch(run: RunConfig, stage: str, memory_total: int, limit: int = 64) -> int:
+    """The most sequences per pass whose planned peak fits a card of memory_total bytes (0: not even one)."""
+    usable, best = usable_bytes(memory_total), 0
     for microbatch in range(1, limit + 1):
-        if plan_stage(run, stage, microbatch).gpu_peak > usable_bytes:
+        if plan_stage(run, stage, microbatch).gpu_peak > usable:
             break
         best = microbatch
     return best

@@ -121,3 +121,24 @@ class GpuProbe:
         if self.available:
             _query(self._pynvml.nvmlShutdown)
             self.available = False
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """What the join-time fit check needs to know about the chosen GPU."""
+
+    name: str
+    memory_total: int  # bytes
+    capability: tuple[int, int]  # CUDA compute capability (major, minor)
+
+
+def probe_cuda_device(index: int) -> GpuSpec | None:
+    """The CUDA device `index` as torch sees it, or None without CUDA (the worker then runs on the CPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    if not 0 <= index < torch.cuda.device_count():
+        raise ValueError(f"there is no CUDA device {index}: this machine has {torch.cuda.device_count()}; choose another --gpu")
+    properties = torch.cuda.get_device_properties(index)
+    return GpuSpec(properties.name, int(properties.total_memory), (properties.major, properties.minor))

@@ -22,6 +22,7 @@ from agora_client.monitor.estimate import estimate_points, fetch_confirmed
 from agora_client.monitor.records import MetricsRecord, publish_metrics, signed_dht_kwargs
 from agora_client.snapshots import DownloadError, download_snapshot
 from agora_client.system.resources import ResourceProbe
+from agora_client.worker.gpu_fit import JoinFit
 from agora_client.worker.metrics import WorkerMetrics
 from agora_client.worker.node import WorkerNode, WorkerOptions
 from agora_client.worker.sync import NAMES
@@ -39,6 +40,7 @@ class ContributorOptions:
     config_dir: Path
     gpu: int | None = None
     monitor_url: str | None = None
+    batch_size_override: int | None = None  # may only lower the microbatch the memory plan allows
 
     @property
     def device(self) -> str:
@@ -91,8 +93,9 @@ class Contributor:
         dht_kwargs = signed_dht_kwargs(identity_path)  # peer id and metrics signatures share one key
         peer_id = _peer_id_of(identity_path)
         fetch = SnapshotFetch(options.config_dir / "snapshots", self.events)
+        fit = JoinFit(options.config, options.gpu, options.batch_size_override, self.events)  # refuses unfit GPUs
         self.auth = auth = authorize(
-            options.swarm_url, token, peer_id, events=self.events, on_assigned=fetch.start, stop=self.stop
+            options.swarm_url, token, peer_id, events=self.events, on_assigned=fit.guard(fetch.start), stop=self.stop
         )
         fetch.start(StageAssignment(stage=auth.stage, snapshot_url=auth.snapshot_url))
         snapshot = fetch.result()
@@ -107,6 +110,7 @@ class Contributor:
                 joining=True,
                 snapshot=snapshot,
                 exit_snapshot_dir=options.config_dir / "snapshots" / "own",
+                max_batch_size=fit.max_batch_size,
                 dht_kwargs=dht_kwargs,
             ),
             self.events,

@@ -42,6 +42,7 @@ class WorkerOptions:
     publish_every: int = 5
     publish_keep: int = 3
     exit_snapshot_dir: Path | None = None  # on a graceful stop, save this worker's own state here
+    max_batch_size: int | None = None  # sequences per pass (the GPU fit check's); default 8 microbatches
     dht_kwargs: dict = field(default_factory=dict)
 
 
@@ -119,7 +120,7 @@ class WorkerNode:
             self.dht, f"agora_{stage}_sparta", self.parameters, config.sparta, lock=self.epochs.lock, on_round=self._on_round
         )
         is_tail = stage == "tail"
-        max_batch = config.optim.microbatch_size * 8
+        max_batch = options.max_batch_size or config.optim.microbatch_size * 8
         example = self.module.example_inputs(1)
         self.backend = StageBackend(
             self.uid,

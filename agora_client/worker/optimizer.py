@@ -92,7 +92,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             avg.lerp_(grad, 1 - beta1)
             avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             chunk.addcdiv_(avg, (avg_sq.sqrt() / correction2_sqrt).add_(eps), value=-step_size)
-            if avg.data_ptr() != flat_avg[window].data_ptr():
+            if avg.device != flat_avg.device:
                 flat_avg[window].copy_(avg)  # blocking: the next chunk may reuse this device memory
                 flat_avg_sq[window].copy_(avg_sq)
 

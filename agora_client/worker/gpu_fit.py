@@ -1,0 +1,105 @@
+"""Join-time check, before any download: can the chosen GPU hold the assigned stage, and how many sequences per pass?
+
+The decision comes from the stage's memory plan (agora_client/model/memory.py), the same numbers
+``agora describe`` prints. ``--batch-size-override N`` may only lower the microbatch the plan allows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from agora_client.auth.client import StageAssignment
+from agora_client.config import RunConfig
+from agora_client.events import EventWriter
+from agora_client.model.memory import CUDA_RESERVED_BYTES, StagePlan, gib, largest_microbatch, plan_stage, usable_bytes
+from agora_client.system.gpu import GpuSpec, probe_cuda_device
+
+MIN_CAPABILITY = (8, 0)
+
+
+class GpuRefused(RuntimeError):
+    """This GPU cannot serve the run; the message says why, with the numbers, and what to do."""
+
+
+def check_capability(gpu: GpuSpec) -> None:
+    if gpu.capability < MIN_CAPABILITY:
+        major, minor = gpu.capability
+        raise GpuRefused(
+            f"{gpu.name} has compute capability {major}.{minor}; workers need 8.0 or newer, i.e. native BF16 "
+            "tensor cores (A100, H100, L40S, RTX 3090/4090 and similar). Cards without them, such as the T4 "
+            "and V100, would emulate BF16 and run slower than FP32. Choose another GPU with --gpu."
+        )
+
+
+@dataclass(frozen=True)
+class FitDecision:
+    microbatch: int  # sequences per pass this worker takes (its backend's max batch size)
+    largest: int  # what the GPU could hold
+    plan: StagePlan  # at `microbatch`
+
+
+def fit_stage(run: RunConfig, stage: str, gpu: GpuSpec, *, override: int | None = None) -> FitDecision:
+    check_capability(gpu)
+    largest = largest_microbatch(run, stage, gpu.memory_total)
+    if largest < 1:
+        plan = plan_stage(run, stage, 1)
+        raise GpuRefused(
+            f"{gpu.name} cannot hold stage {stage}: one sequence of {run.model.seq_len} tokens needs "
+            f"{gib(plan.gpu_peak)} of GPU memory (weights {gib(plan.weights)}, gradients {gib(plan.gradients)}, "
+            f"saved activations {gib(plan.saved_activations)}, backward {gib(plan.backward_transient)}), and the card has "
+            f"{gib(gpu.memory_total)}, {gib(usable_bytes(gpu.memory_total))} usable after {gib(CUDA_RESERVED_BYTES)} "
+            "for CUDA itself. "
+            "Use a GPU with more memory."
+        )
+    if override is not None and not 1 <= override <= largest:
+        raise GpuRefused(
+            f"--batch-size-override {override} is outside 1..{largest}: {gpu.name} holds at most {largest} "
+            f"sequences per pass on stage {stage}; the override may only lower that"
+        )
+    chosen = override if override is not None else largest
+    if chosen < run.optim.microbatch_size:
+        raise GpuRefused(
+            f"the run sends {run.optim.microbatch_size} sequences per request, but this worker would take at most "
+            f"{chosen} on stage {stage} ({gpu.name}, {gib(gpu.memory_total)}); use a larger GPU or drop the override"
+        )
+    return FitDecision(chosen, largest, plan_stage(run, stage, chosen))
+
+
+class JoinFit:
+    """The contributor's check: capability as soon as it starts, the stage's fit once the stage is assigned."""
+
+    def __init__(
+        self,
+        run: RunConfig,
+        gpu_index: int | None,
+        override: int | None,
+        events: EventWriter,
+        probe: Callable[[int], GpuSpec | None] = probe_cuda_device,
+    ):
+        self.run, self.override, self.events = run, override, events
+        self.gpu = probe(gpu_index) if gpu_index is not None else None  # None: a CPU worker, nothing to check
+        if self.gpu is not None:
+            check_capability(self.gpu)
+        self.max_batch_size: int | None = None  # set by check(); None keeps the worker's default
+
+    def check(self, stage: str) -> None:
+        if self.gpu is None:
+            return
+        decision = fit_stage(self.run, stage, self.gpu, override=self.override)
+        self.max_batch_size = decision.microbatch
+        self.events.log(
+            f"{self.gpu.name} ({gib(self.gpu.memory_total)}) holds stage {stage}: up to {decision.largest} sequences "
+            f"per pass, taking {decision.microbatch} (planned peak {gib(decision.plan.gpu_peak)}, "
+            f"host {gib(decision.plan.host)})",
+            tag="GPU",
+        )
+
+    def guard(self, start: Callable[[StageAssignment], None]) -> Callable[[StageAssignment], None]:
+        """Wraps the download starter: the stage is checked before its snapshot is fetched."""
+
+        def checked(assignment: StageAssignment) -> None:
+            self.check(assignment.stage)
+            start(assignment)
+
+        return checked
