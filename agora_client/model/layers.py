@@ -32,6 +32,10 @@ class RMSNorm(nn.Module):
         return _RMSNormFunction.apply(x, self.weight, self.scalar_gain, self.eps)
 
 
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class _RMSNormFunction(torch.autograd.Function):
     """y = gain * x / rms(x), computed in fp32, returned in x's dtype; saves only x and 1/rms(x).
 
@@ -42,7 +46,7 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, gain: float | torch.Tensor, eps: float) -> torch.Tensor:
         with autocast_off(x.device):
-            wide = x.float()
+            wide = _at_least_fp32(x)
             rstd = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
             out = wide * rstd * (weight if weight is not None else gain)
         ctx.save_for_backward(x, rstd, weight)
@@ -52,8 +56,8 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, rstd, weight = ctx.saved_tensors
-        normed = x.float() * rstd
-        grad = grad_out.float()
+        normed = _at_least_fp32(x) * rstd
+        grad = _at_least_fp32(grad_out)
         scaled = grad * (weight if weight is not None else ctx.gain)
         grad_x = rstd * (scaled - normed * (scaled * normed).mean(-1, keepdim=True))
         grad_weight = None
