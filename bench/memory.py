@@ -1,8 +1,9 @@
 """Measured peak memory of one stage step against the memory plan (agora_client/model/memory.py).
 
 One stage step is what a worker does: a backward request (the forward re-run under the run's
-autocast, then backward, accumulating fp32 gradients), then the optimizer step (OffloadAdamW,
-moments on the host when the run offloads them). The peak over both is compared with the plan.
+autocast, then backward, accumulating into fp32 gradients already there from earlier requests of
+the epoch), then the optimizer step (OffloadAdamW, moments on the host when the run offloads them).
+The peak over both is compared with the plan.
 
 - CUDA (default when a GPU is present): the 8b preset; the peak is torch.cuda.max_memory_allocated.
   Stages whose plan exceeds the card are reported as skipped, with their planned bytes.
@@ -10,7 +11,7 @@ moments on the host when the run offloads them). The peak over both is compared 
   CPU allocator's, from the profiler's running "Total Allocated" over the step, plus the bytes the
   stage's tensors held when the step began (weights, frozen basis, gradients; moments if not offloaded).
 
-Usage: python bench/memory.py [--device cuda|cpu] [--stages head,body1,tail] [--microbatch N]
+Usage: python bench/memory.py [--device cuda|cpu] [--stages head,body1,tail] [--microbatch N] [--fp32] [--no-offload]
 The last line is one JSON object: per stage the measured and planned peaks and their ratio.
 """
 
@@ -115,6 +116,7 @@ def measure_stage(run: RunConfig, stage: str, microbatch: int, device: torch.dev
 
     backward_request()  # warm-up: kernels, the optimizer's moments
     optimizer_step()
+    backward_request()  # gradients now accumulate: the state of a worker for all but the first request of an epoch
     meter = PeakMeter(device, module, optimizer, run.offload_optimizer)
     backward_peak = meter.measure(backward_request)
     step_peak = meter.measure(optimizer_step)
@@ -135,9 +137,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--stages", default="head,body1,tail", help="comma-separated stage names")
     parser.add_argument("--microbatch", type=int, default=None, help="sequences per pass (default: the run's)")
+    parser.add_argument("--fp32", action="store_true", help="use_mixed_precision: false")
+    parser.add_argument("--no-offload", action="store_true", help="offload_optimizer: false (moments on the device)")
     args = parser.parse_args()
     device = torch.device(args.device)
-    run = load_config("8b") if device.type == "cuda" else load_config("8b", SCALED_8B)
+    switches = {"use_mixed_precision": not args.fp32, "offload_optimizer": not args.no_offload}
+    run = load_config("8b", switches) if device.type == "cuda" else load_config("8b", {**SCALED_8B, **switches})
     microbatch = args.microbatch or run.optim.microbatch_size
     results, skipped = [], []
     capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None

@@ -173,3 +173,22 @@ def test_rmsnorm_gradient_matches_autograd_of_the_formula(trainable: bool) -> No
     torch.testing.assert_close(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * gain)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert norm(x.detach().to(torch.bfloat16)).dtype == torch.bfloat16  # returned in its input's dtype
+
+
+def test_a_stage_snapshot_carries_the_offloaded_optimizer_state(tmp_path) -> None:
+    from agora_client.model import build_stage
+    from agora_client.snapshots import load_stage_snapshot, save_stage_snapshot
+
+    config = load_config("tiny")
+    module = build_stage(config.model, "body1", seed=0)
+    optimizer = build_optimizer([p for p in module.parameters() if p.requires_grad], config)
+    _run(optimizer, list(module.parameters()), 2, seed=1)
+    path = save_stage_snapshot(tmp_path, "body1", module, optimizer, 7, 1)
+
+    restored = build_stage(config.model, "body1", seed=5)
+    restored_optimizer = build_optimizer([p for p in restored.parameters() if p.requires_grad], config)
+    assert load_stage_snapshot(path, restored, restored_optimizer, stage="body1").epoch == 7
+    for (name, param), copy in zip(module.named_parameters(), restored.parameters()):
+        assert torch.equal(param, copy), name
+        assert torch.equal(optimizer.state[param]["exp_avg_sq"], restored_optimizer.state[copy]["exp_avg_sq"])
+        assert restored_optimizer.state[copy]["step"] == 2
