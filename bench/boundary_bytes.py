@@ -3,7 +3,7 @@
 - tiny: measured from the serialized RPC payloads of a real running swarm (one worker per stage,
   one trainer), once with the preset's subspace compression and once with it disabled, one after
   the other in the same run.
-- 8b: a real [1, 4096, 4096] boundary (and its [1, 4096, 40] compressed form) run through the
+- 8b: a real [1, 4096, 5120] boundary (and its [1, 4096, 51] compressed form) run through the
   stage code on the meta device and serialized with hivemind's serializer, forward and backward.
 
 Usage: python bench/boundary_bytes.py [--microbatches 12]
