@@ -236,7 +236,7 @@ class _GroupAverager(DecentralizedAverager):
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: Optional[bytes] = None, **kwargs: Any
     ) -> None:
-        # hivemind builds AllReduceRunner by name here; this override is the only way to meter the wire
+        # hivemind builds AllReduceRunner by name here; this override is the only way to meter and bound the wire
         group_id = group_info.group_id if group_id is None else group_id
         runner = _SpartaAllReduceRunner(
             traffic=self.traffic,
