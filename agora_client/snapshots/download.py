@@ -7,9 +7,10 @@ manifest itself, is then dropped). Each file is written to ``<name>.part``; an i
 resumes with ``Range: bytes=<size of .part>-``; a finished file must match the manifest's sha256
 or it is downloaded again from scratch.
 
-At line rate: the sha256 is computed while the bytes stream in (a resumed file hashes only what is
-already on disk, once), each network block goes straight to the file without a copy, and nothing is
-read back after the transfer. No fsync: a file torn by a crash fails its hash when it is next used.
+At line rate: the sha256 is computed while the bytes stream in, on a thread of its own (hashlib releases
+the GIL, so hashing overlaps receiving; a resumed file hashes only what is already on disk, once), each
+network block goes straight to the file without a copy, and nothing is read back after the transfer.
+No fsync: a file torn by a crash fails its hash when it is next used.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -145,7 +148,7 @@ class _FileFetch:
         self.size: int = entry["size"]
         self.sha256: str = entry["sha256"]
         self.part = path.with_name(path.name + ".part")
-        self._digest, self._hashed = hashlib.sha256(), 0  # sha256 of the first _hashed bytes of .part
+        self._hasher = _Hasher()  # sha256 of the first _hasher.count bytes of .part
 
     def run(self, max_retries: int, backoff_s: float, max_corrupt_retries: int) -> None:
         if self.path.is_file() and self.path.stat().st_size == self.size and file_sha256(self.path) == self.sha256:
@@ -173,14 +176,14 @@ class _FileFetch:
                     time.sleep(backoff_s * 2 ** max(0, failures - 1))
                     continue
             self._hash_part_up_to(self.size)
-            digest = self._digest.hexdigest()
+            digest = self._hasher.hexdigest()
             if digest == self.sha256:
                 os.replace(self.part, self.path)
                 self.progress.file_done(self.name, self.size, f"{self.name} verified (sha256 {digest[:12]})")
                 return
             corrupt += 1
             self.part.unlink()
-            self._digest, self._hashed = hashlib.sha256(), 0
+            self._hasher = _Hasher()
             if corrupt > max_corrupt_retries:
                 raise DownloadError(
                     f"{self.name} from {_shown(self.url)} failed its sha256 check {corrupt} times: the snapshot store "
@@ -193,13 +196,13 @@ class _FileFetch:
 
     def _hash_part_up_to(self, offset: int) -> None:
         """Make _digest cover the first ``offset`` bytes of .part: kept across retries, rebuilt after a restart."""
-        if self._hashed == offset:
+        if self._hasher.count == offset:
             return
-        self._digest, self._hashed = hashlib.sha256(), 0
+        self._hasher.close()
+        self._hasher = _Hasher()
         with open(self.part, "rb") as handle:
-            while self._hashed < offset and (block := handle.read(min(_HASH_BLOCK, offset - self._hashed))):
-                self._digest.update(block)
-                self._hashed += len(block)
+            while self._hasher.count < offset and (block := handle.read(min(_HASH_BLOCK, offset - self._hasher.count))):
+                self._hasher.update(block)
 
     def _transfer(self, offset: int) -> None:
         headers = {"Accept-Encoding": "identity"}
@@ -210,7 +213,8 @@ class _FileFetch:
                 mode = self._write_mode(response, offset)
                 if mode == "wb":
                     offset = 0
-                    self._digest, self._hashed = hashlib.sha256(), 0
+                    self._hasher.close()
+                    self._hasher = _Hasher()
                 else:
                     self._hash_part_up_to(offset)
                 self.progress.file_started(self.name, offset)
@@ -221,8 +225,7 @@ class _FileFetch:
                         if len(block) > remaining:
                             block = block[:remaining]  # never store more than the manifest promises
                         _write_all(out, block)
-                        self._digest.update(block)
-                        self._hashed += len(block)
+                        self._hasher.update(block)
                         remaining -= len(block)
                         self.progress.received(len(block))
                         if remaining <= 0:
@@ -276,6 +279,38 @@ def _get_json(http: httpx.Client, url: str, max_retries: int, backoff_s: float) 
         return response.json()
     except ValueError:
         raise DownloadError(f"{_shown(url)} is not JSON: expected a snapshot manifest or latest.json") from None
+
+
+class _Hasher:
+    """sha256 of a stream of blocks, computed by a thread of its own; ``count`` is the bytes handed over so far."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._digest = hashlib.sha256()
+        self._blocks: queue.Queue[bytes | None] = queue.Queue(maxsize=64)  # bounds memory if hashing falls behind
+        self._thread: threading.Thread | None = None
+
+    def update(self, block: bytes) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="sha256", daemon=True)
+            self._thread.start()
+        self._blocks.put(block)
+        self.count += len(block)
+
+    def _run(self) -> None:
+        while (block := self._blocks.get()) is not None:
+            self._digest.update(block)
+
+    def close(self) -> None:
+        """Wait until every block handed over is hashed."""
+        if self._thread is not None:
+            self._blocks.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def hexdigest(self) -> str:
+        self.close()
+        return self._digest.hexdigest()
 
 
 def _write_all(out: Any, block: bytes) -> None:
