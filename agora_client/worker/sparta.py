@@ -9,7 +9,8 @@ Matchmaking: every round has its own group key, so workers on different rounds n
 worker of the stage to reach a round leads it and waits up to ``2 x matchmaking_time`` for the others
 (their epoch boundaries arrive at slightly different moments); the group is assembled as soon as every
 worker of the stage's roster has joined. A round still looking for its group when the next one is due
-gives way to it, so one missed round never makes the next one miss as well.
+gives way to it, so one missed round never makes the next one miss as well; a round due while the
+previous one is still averaging waits for it (another slice: the two never touch the same parameters).
 
 Each peer's influence is bounded (bounds.py): reducers bound every sender's part, senders bound every
 averaged part that comes back; the peers that had to be bounded are named in the round's report.
@@ -30,7 +31,7 @@ import multiprocessing as mp
 import signal
 import threading
 import time
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
@@ -205,6 +206,7 @@ class _GroupAverager(DecentralizedAverager):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host process decides when this one ends
         for name in _ROUND_LOGGERS:  # a logger's filter sees only its own records, not its children's
             logging.getLogger(name).addFilter(_reported_by_the_round)
+        logging.getLogger("asyncio").addFilter(_not_a_late_cancel)
         super().run()
 
     def set_round(self, group_bits: str, target_group_size: int | None) -> MPFuture:
@@ -260,7 +262,8 @@ class _GroupAverager(DecentralizedAverager):
 
 
 _ROUND_LOGGERS = ("hivemind.averaging.averager", "hivemind.averaging.allreduce", "hivemind.averaging.partition")
-_REPORTED_MESSAGES = ("did not finish", "Reducer: received")  # partial rounds: the RoundReport says how much was kept
+# partial rounds: the RoundReport says how much was kept
+_REPORTED_MESSAGES = ("did not finish", "Reducer: received", "Averaging: received")
 
 
 def _reported_by_the_round(record: logging.LogRecord) -> bool:
@@ -271,13 +274,21 @@ def _reported_by_the_round(record: logging.LogRecord) -> bool:
     return not any(text in message for text in _REPORTED_MESSAGES)
 
 
+def _not_a_late_cancel(record: logging.LogRecord) -> bool:
+    """A round called off just as its group formed still averages; hivemind then cannot set the cancelled
+    step's result, and asyncio logs that unretrieved error. The round was reported as called off already."""
+    error = record.exc_info[1] if record.exc_info else None
+    return not (isinstance(error, InvalidStateError) and "CANCELLED" in str(error))
+
+
 @dataclass
 class _Flight:
     """One round begun by begin_round, as the caller's and the round's threads both see it."""
 
+    round_no: int
     future: Future[RoundReport] | None = None
     control: StepControl | None = None  # hivemind's step, once it has been asked for
-    superseded_by: int | None = None  # the newer round that cancelled this one while it looked for its group
+    stop_reason: str | None = None  # why it was called off (a newer round was due, shutdown) before averaging
 
 
 class SpartaAverager:
@@ -334,7 +345,7 @@ class SpartaAverager:
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparta-round")
         self._begin_lock = threading.Lock()
-        self._flight = _Flight()  # the latest round begun
+        self._flight = _Flight(-1)  # the latest round begun
         if start:
             self.start()
 
@@ -353,7 +364,8 @@ class SpartaAverager:
             raise ValueError(f"SPARTA weight must be a finite number >= 0, got {weight}")
         started, part = time.monotonic(), partition_of(round_no, self.partition.num_partitions)
         with self._begin_lock:
-            if self.in_flight and not self._supersede(round_no):
+            # a full-parameter round (one slice) cannot wait behind the previous one: that one averages the same slice
+            if self.in_flight and not self._supersede(round_no) and self.partition.num_partitions == 1:
                 done: Future[RoundReport] = Future()
                 done.set_result(self._publish(RoundReport(
                     round_no, part, 0, 0.0, 0, 0, 0.0, float(weight), ok=False,
@@ -363,17 +375,22 @@ class SpartaAverager:
             sent = torch.empty(self.partition.slice_size(part), dtype=torch.float32)
             with self._lock:
                 self.partition.gather(self._parameters, part, sent)
-            self._flight = flight = _Flight()
+            self._flight = flight = _Flight(round_no)
             flight.future = self._executor.submit(self._run_round, flight, round_no, part, float(weight), sent, started)
             return flight.future
 
     def _supersede(self, round_no: int) -> bool:
-        """Cancel the round in flight if it is still looking for its group: its peers have moved on too."""
-        flight, control = self._flight, self._flight.control
+        """Call off the latest round if it has not found its group yet (its peers have moved on too)."""
+        return self._call_off(self._flight, f"gave way to round {round_no}: no group formed before it was due")
+
+    @staticmethod
+    def _call_off(flight: _Flight, reason: str) -> bool:
+        """Stop a round that is waiting for its turn or still matchmaking; False if it is averaging already."""
+        control = flight.control
         if control is not None and (control.done() or control.stage != AveragingStage.LOOKING_FOR_GROUP):
             return False
-        flight.superseded_by = round_no
-        if control is not None:  # else the round cancels itself as soon as it has its control
+        flight.stop_reason = reason
+        if control is not None:  # else the round stops itself before, or as soon as, it has its control
             control.cancel()
         return True
 
@@ -389,6 +406,8 @@ class SpartaAverager:
         try:
             if not self._averager.is_alive():
                 raise RuntimeError("hivemind's averager process is not running")
+            if flight.stop_reason is not None:  # called off while it waited behind the previous round
+                raise CancelledError()
             stage_size = self._stage_size() if self._stage_size is not None else 0
             # one matchmaking key per round: workers on another round never land in this group
             self._averager.set_round(format(round_no, "b"), stage_size if stage_size >= 2 else None).result(
@@ -396,8 +415,8 @@ class SpartaAverager:
             )
             outcome = self._run_step(flight, {"weight": weight}, weight)
         except Exception as error:
-            if flight.superseded_by is not None:
-                reason = f"gave way to round {flight.superseded_by}: no group formed before it was due"
+            if flight.stop_reason is not None:
+                reason = flight.stop_reason
             else:
                 reason = _describe_failure(error, self._find_group_timeout)
         else:
@@ -439,7 +458,7 @@ class SpartaAverager:
             wait=False,
         )
         flight.control = control
-        if flight.superseded_by is not None:  # a newer round was due before this one had a control to cancel
+        if flight.stop_reason is not None:  # called off before it had a control to cancel
             control.cancel()
         try:
             return control.result(timeout=self._round_timeout)
@@ -454,9 +473,7 @@ class SpartaAverager:
 
     def shutdown(self) -> None:
         """Cancel a round still looking for its group, wait for the round thread, stop hivemind's process."""
-        control = self._flight.control
-        if self.in_flight and control is not None and not control.done():
-            control.cancel()
+        self._call_off(self._flight, "cancelled: the averager is shutting down")
         self._executor.shutdown(wait=True)
         if self._averager.is_alive():
             self._averager.shutdown()
