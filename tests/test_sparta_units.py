@@ -124,3 +124,24 @@ def test_a_lone_worker_reports_a_failed_round_and_keeps_its_weights(dht: object)
         assert all(torch.equal(parameter, old) for parameter, old in zip(parameters, before))
     finally:
         sparta.shutdown()
+
+
+def test_hivemind_round_failures_do_not_reach_the_log_as_tracebacks() -> None:
+    import logging
+    from concurrent.futures import InvalidStateError
+
+    from hivemind.averaging.partition import AllreduceException
+
+    from agora_client.worker.sparta import _not_a_late_cancel, _reported_by_the_round
+
+    def record(message: str, error: BaseException | None = None, level: int = logging.ERROR) -> logging.LogRecord:
+        exc_info = (type(error), error, None) if error is not None else None
+        return logging.LogRecord("hivemind.averaging.averager", level, __file__, 1, message, None, exc_info)
+
+    # the round reports these itself, as one SpartaEvent with its reason
+    assert not _reported_by_the_round(record("Averaging step failed", AllreduceException("could not find a group")))
+    assert not _reported_by_the_round(record("Averaging: received 52.6% results", level=logging.WARNING))
+    assert _reported_by_the_round(record("something else entirely", level=logging.WARNING))
+    late = InvalidStateError("Can't set_result to a future that is CANCELLED (123)")
+    assert not _not_a_late_cancel(record("Task exception was never retrieved", late))
+    assert _not_a_late_cancel(record("Task exception was never retrieved", RuntimeError("a real bug")))
