@@ -125,7 +125,7 @@ class WorkerNode:
             config.sparta,
             lock=self.epochs.lock,
             on_round=self._on_round,
-            stage_size=lambda: len(fetch_roster(self.dht, stage)),
+            stage_size=lambda: self.epochs.tracker.global_progress.num_peers,  # no DHT lookup: the tracker has it
         )
         is_tail = stage == "tail"
         max_batch = config.optim.microbatch_size * 8
