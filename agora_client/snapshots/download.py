@@ -151,6 +151,12 @@ class _FileFetch:
         self._hasher = _Hasher()  # sha256 of the first _hasher.count bytes of .part
 
     def run(self, max_retries: int, backoff_s: float, max_corrupt_retries: int) -> None:
+        try:
+            self._fetch(max_retries, backoff_s, max_corrupt_retries)
+        finally:
+            self._hasher.close()  # its thread ends with the file, however the file ends
+
+    def _fetch(self, max_retries: int, backoff_s: float, max_corrupt_retries: int) -> None:
         if self.path.is_file() and self.path.stat().st_size == self.size and file_sha256(self.path) == self.sha256:
             self.progress.file_done(self.name, self.size, f"{self.name} already downloaded and verified")
             return
@@ -195,7 +201,7 @@ class _FileFetch:
             )
 
     def _hash_part_up_to(self, offset: int) -> None:
-        """Make _digest cover the first ``offset`` bytes of .part: kept across retries, rebuilt after a restart."""
+        """Make _hasher cover the first ``offset`` bytes of .part: kept across retries, rebuilt after a restart."""
         if self._hasher.count == offset:
             return
         self._hasher.close()
