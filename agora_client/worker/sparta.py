@@ -206,7 +206,7 @@ class _GroupAverager(DecentralizedAverager):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host process decides when this one ends
         for name in _ROUND_LOGGERS:  # a logger's filter sees only its own records, not its children's
             logging.getLogger(name).addFilter(_reported_by_the_round)
-        logging.getLogger("asyncio").addFilter(_not_a_late_cancel)
+        logging.getLogger("asyncio").addFilter(_not_cancel_noise)
         super().run()
 
     def set_round(self, group_bits: str, target_group_size: int | None) -> MPFuture:
@@ -261,7 +261,12 @@ class _GroupAverager(DecentralizedAverager):
         self._unshared = runner.unshared_elements()
 
 
-_ROUND_LOGGERS = ("hivemind.averaging.averager", "hivemind.averaging.allreduce", "hivemind.averaging.partition")
+_ROUND_LOGGERS = (
+    "hivemind.averaging.averager",
+    "hivemind.averaging.allreduce",
+    "hivemind.averaging.partition",
+    "hivemind.utils.asyncio",  # tracebacks of matchmaking tasks torn down by a cancelled step
+)
 # partial rounds: the RoundReport says how much was kept
 _REPORTED_MESSAGES = ("did not finish", "Reducer: received", "Averaging: received")
 
@@ -274,11 +279,15 @@ def _reported_by_the_round(record: logging.LogRecord) -> bool:
     return not any(text in message for text in _REPORTED_MESSAGES)
 
 
-def _not_a_late_cancel(record: logging.LogRecord) -> bool:
-    """A round called off just as its group formed still averages; hivemind then cannot set the cancelled
-    step's result, and asyncio logs that unretrieved error. The round was reported as called off already."""
+def _not_cancel_noise(record: logging.LogRecord) -> bool:
+    """What asyncio reports when a round is called off (SpartaAverager reported the round already): a step
+    cancelled just as its group formed cannot take its result; matchmaking tasks torn down mid-way."""
     error = record.exc_info[1] if record.exc_info else None
-    return not (isinstance(error, InvalidStateError) and "CANCELLED" in str(error))
+    if isinstance(error, InvalidStateError) and "CANCELLED" in str(error):
+        return False
+    if isinstance(error, RuntimeError) and "asynchronous generator is already running" in str(error):
+        return False
+    return not record.getMessage().startswith("Task was destroyed but it is pending")
 
 
 @dataclass
