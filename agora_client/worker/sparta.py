@@ -7,8 +7,8 @@ so the result is applied as a delta: param_slice += averaged - sent. Optimizer m
 
 Matchmaking: every round has its own group key, so workers on different rounds never meet. The first
 worker of the stage to reach a round leads it and waits up to ``2 x matchmaking_time`` for the others
-(their epoch boundaries arrive at slightly different moments); the group is assembled as soon as every
-worker of the stage's roster has joined. A round still looking for its group when the next one is due
+(their epoch boundaries arrive at slightly different moments), and never past half the time between
+two rounds; the group is assembled as soon as every worker the stage counts has joined. A round still looking for its group when the next one is due
 gives way to it, so one missed round never makes the next one miss as well; a round due while the
 previous one is still averaging waits for it (another slice: the two never touch the same parameters).
 
@@ -295,6 +295,7 @@ class _Flight:
     """One round begun by begin_round, as the caller's and the round's threads both see it."""
 
     round_no: int
+    gather_window: float  # seconds a leader waits for the whole stage to join
     future: Future[RoundReport] | None = None
     control: StepControl | None = None  # hivemind's step, once it has been asked for
     stop_reason: str | None = None  # why it was called off (a newer round was due, shutdown) before averaging
@@ -331,8 +332,9 @@ class SpartaAverager:
         self._parameters = list(parameters)
         self.partition = StridedPartition.of(self._parameters, config.num_partitions)
         self._lock, self._on_round, self._stage_size = lock, on_round, stage_size
-        # the leader waits this long for the stage's other workers, whose epochs end a little later than its own
-        self._gather_window = 2 * config.matchmaking_time
+        # the leader waits up to this long for the stage's other workers, whose epochs end a little later than its own
+        self._max_gather_window = 2 * config.matchmaking_time
+        self._last_begin: float | None = None  # when the previous round began (time.monotonic)
         self._find_group_timeout = 3 * config.matchmaking_time
         self._round_timeout = self._find_group_timeout + config.allreduce_timeout + config.matchmaking_time
         self._buffer = torch.zeros(self.partition.max_slice_size, dtype=torch.float32)
@@ -354,7 +356,7 @@ class SpartaAverager:
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparta-round")
         self._begin_lock = threading.Lock()
-        self._flight = _Flight(-1)  # the latest round begun
+        self._flight = _Flight(-1, 0.0)  # the latest round begun
         if start:
             self.start()
 
@@ -384,9 +386,16 @@ class SpartaAverager:
             sent = torch.empty(self.partition.slice_size(part), dtype=torch.float32)
             with self._lock:
                 self.partition.gather(self._parameters, part, sent)
-            self._flight = flight = _Flight(round_no)
+            self._flight = flight = _Flight(round_no, self._gather_window(started))
             flight.future = self._executor.submit(self._run_round, flight, round_no, part, float(weight), sent, started)
             return flight.future
+
+    def _gather_window(self, now: float) -> float:
+        """How long a leader waits for a full group: never past half the time between two rounds, so that a
+        peer that died (still counted in the stage until its record expires) cannot make the round overrun."""
+        interval = None if self._last_begin is None else now - self._last_begin
+        self._last_begin = now
+        return self._max_gather_window if interval is None else min(self._max_gather_window, max(0.5, interval / 2))
 
     def _supersede(self, round_no: int) -> bool:
         """Call off the latest round if it has not found its group yet (its peers have moved on too)."""
@@ -461,7 +470,7 @@ class SpartaAverager:
         control = self._averager.step(
             gather=gather,
             weight=weight,
-            scheduled_time=get_dht_time() + self._gather_window,
+            scheduled_time=get_dht_time() + flight.gather_window,
             timeout=self._find_group_timeout,
             allow_retries=False,
             wait=False,
