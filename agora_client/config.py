@@ -134,6 +134,9 @@ class SpartaConfig(_Strict):
     allreduce_timeout: float = Field(default=30.0, gt=0, description="bound on a whole round")
     sender_timeout: float = Field(default=10.0, gt=0, description="drop a peer that sends nothing this long")
     reducer_timeout: float = Field(default=10.0, gt=0, description="drop a reducer that answers nothing this long")
+    max_peer_delta: float = Field(
+        default=0.5, gt=0, description="bound on one peer's pull: its part of a slice may differ from ours by at most this x our part's norm"
+    )
 
     @property
     def num_partitions(self) -> int:

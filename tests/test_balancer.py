@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import heapq
+import itertools
 import threading
+from collections.abc import Callable
 
 import pytest
 from hivemind.p2p import P2P
@@ -114,6 +116,52 @@ def test_slow_worker_gets_smaller_share_than_fast_one() -> None:
     assert abs(rr_served["body1.0.0"] - rr_served["body1.0.1"]) <= 1  # the baseline ignores speed
     assert makespan < rr_makespan  # and so the pipeline waits on the slow worker
     assert least_loaded.stats().served == served
+
+
+def pipeline_throughput(make: Callable[..., StageBalancer], inflight: int, microbatches: int = 600) -> float:
+    """Microbatches per simulated second through head -> body1 -> body2 -> tail and back, ``inflight`` at once.
+
+    Every worker has its own hardware (a queue served one request at a time, 0.1 s each); body1 has a
+    second worker three times slower. A backward goes to the worker that ran its forward, as in the pipeline.
+    """
+    clock = FakeClock()
+    stages = ("head", "body1", "body2", "tail")
+    balancers = {stage: make(stage, clock=clock) for stage in stages}
+    seconds = {f"{stage}.0.0": 0.1 for stage in stages} | {"body1.0.1": 0.3}
+    for stage, balancer in balancers.items():
+        balancer.update_roster([worker(0, stage)] + ([worker(1, stage)] if stage == "body1" else []))
+    route = [(stage, "forward") for stage in stages] + [(stage, "backward") for stage in reversed(stages)]
+    busy_until = dict.fromkeys(seconds, clock.now)
+    pending: list = []
+    order = itertools.count()
+
+    def issue(step: int, forward_on: dict) -> None:
+        stage, kind = route[step]
+        lease = balancers[stage].choose(kind, prefer=forward_on.get(stage) if kind == "backward" else None)
+        uid = lease.worker.uid
+        busy_until[uid] = max(clock.now, busy_until[uid]) + seconds[uid]
+        heapq.heappush(pending, (busy_until[uid], next(order), step, lease, forward_on))
+
+    for _ in range(inflight):
+        issue(0, {})
+    started, start = inflight, clock.now
+    while pending:
+        clock.now, _, step, lease, forward_on = heapq.heappop(pending)
+        balancers[route[step][0]].report_success(lease)
+        forward_on = {**forward_on, route[step][0]: lease.key}
+        if step + 1 < len(route):
+            issue(step + 1, forward_on)
+        elif started < microbatches:
+            started += 1
+            issue(0, {})
+    return microbatches / (clock.now - start)
+
+
+@pytest.mark.parametrize("inflight", [2, 3, 8])
+def test_least_loaded_beats_round_robin_by_a_third_with_one_worker_three_times_slower(inflight: int) -> None:
+    # round-robin sends every other microbatch through the slow worker; least-loaded only when that is faster
+    ratio = pipeline_throughput(StageBalancer, inflight) / pipeline_throughput(RoundRobinBalancer, inflight)
+    assert ratio >= 1.3, ratio
 
 
 def test_new_worker_enters_at_the_back() -> None:

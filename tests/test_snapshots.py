@@ -25,7 +25,7 @@ from agora_client.snapshots import (
     serve_directory,
 )
 
-CHUNK = 64 * 1024
+CHUNK = 64 * 1024  # one network block: a cut connection must cost less than this
 
 
 class TinyStage(nn.Module):
@@ -187,7 +187,7 @@ def test_download_round_trip(tmp_path: Path):
     root, directory, module, optimizer = published(tmp_path)
     buffer = io.StringIO()
     with serve_directory(root) as server:
-        target = download_snapshot(f"{server.url}/body2/latest.json", tmp_path / "dest", events=EventWriter(buffer), chunk_size=CHUNK)
+        target = download_snapshot(f"{server.url}/body2/latest.json", tmp_path / "dest", events=EventWriter(buffer))
         assert server.bytes_sent == body_bytes(directory, root)
     assert target == tmp_path / "dest" / "body2" / directory.name
     restored, restored_opt = fresh(width=256)
@@ -200,7 +200,7 @@ def test_download_round_trip(tmp_path: Path):
 
     # A second call finds the files complete and verified: nothing is fetched again.
     with serve_directory(root) as server:
-        download_snapshot(f"{server.url}/body2/latest.json", tmp_path / "dest", events=EventWriter(), chunk_size=CHUNK)
+        download_snapshot(f"{server.url}/body2/latest.json", tmp_path / "dest", events=EventWriter())
         assert server.bytes_sent == body_bytes(directory, root) - sum(p.stat().st_size for p in target.glob("*.safetensors"))
 
 
@@ -235,7 +235,7 @@ def test_cut_download_resumes_and_refetches_less_than_a_chunk(tmp_path: Path):
     buffer = io.StringIO()
     with serve_directory(root, handler=CutOnce) as server:
         target = download_snapshot(
-            f"{server.url}/body2/latest.json", tmp_path / "dest", events=EventWriter(buffer), chunk_size=CHUNK, backoff_s=0.05
+            f"{server.url}/body2/latest.json", tmp_path / "dest", events=EventWriter(buffer), backoff_s=0.05
         )
         sent = server.bytes_sent
     assert CutOnce.cut_done.is_set()
@@ -256,6 +256,39 @@ def test_cut_download_resumes_and_refetches_less_than_a_chunk(tmp_path: Path):
 CUT_BOUNDS = (CutOnce.CUT_AFTER - CHUNK, CutOnce.CUT_AFTER)
 
 
+def test_a_part_left_by_an_earlier_run_is_hashed_once_and_resumed(tmp_path: Path):
+    root, directory, module, optimizer = published(tmp_path)
+    source = directory / "optimizer.safetensors"
+    kept = source.stat().st_size // 3
+    part = tmp_path / "dest" / "body2" / directory.name / "optimizer.safetensors.part"
+    part.parent.mkdir(parents=True)
+    part.write_bytes(source.read_bytes()[:kept])  # what a client killed mid-download leaves behind
+    buffer = io.StringIO()
+    with serve_directory(root) as server:
+        target = download_snapshot(f"{server.url}/body2/latest.json", tmp_path / "dest", events=EventWriter(buffer))
+        assert server.bytes_sent == body_bytes(directory, root) - kept
+    assert any(event.status == "started" and event.resumed_from == kept for event in events_of(buffer))
+    restored, restored_opt = fresh(width=256)
+    load_stage_snapshot(target, restored, restored_opt)
+    assert_same_state(module, optimizer, restored, restored_opt)
+
+
+def test_a_damaged_part_left_by_an_earlier_run_fails_its_hash_and_is_fetched_again(tmp_path: Path):
+    root, directory, module, optimizer = published(tmp_path)
+    source = directory / "optimizer.safetensors"
+    part = tmp_path / "dest" / "body2" / directory.name / "optimizer.safetensors.part"
+    part.parent.mkdir(parents=True)
+    part.write_bytes(b"\xff" * (source.stat().st_size // 2))
+    buffer = io.StringIO()
+    with serve_directory(root) as server:
+        target = download_snapshot(f"{server.url}/body2/latest.json", tmp_path / "dest", events=EventWriter(buffer))
+    retries = [event for event in events_of(buffer) if event.status == "retry"]
+    assert len(retries) == 1 and "sha256 mismatch for optimizer.safetensors" in retries[0].message
+    restored, restored_opt = fresh(width=256)
+    load_stage_snapshot(target, restored, restored_opt)
+    assert_same_state(module, optimizer, restored, restored_opt)
+
+
 class CorruptOnce(RangeRequestHandler):
     """Flips one byte of the first params.safetensors body it sends."""
 
@@ -272,7 +305,7 @@ def test_corrupted_file_is_detected_and_fetched_again(tmp_path: Path):
     root, directory, module, optimizer = published(tmp_path)
     buffer = io.StringIO()
     with serve_directory(root, handler=CorruptOnce) as server:
-        target = download_snapshot(f"{server.url}/body2/latest.json", tmp_path / "dest", events=EventWriter(buffer), chunk_size=CHUNK)
+        target = download_snapshot(f"{server.url}/body2/latest.json", tmp_path / "dest", events=EventWriter(buffer))
         sent = server.bytes_sent
     assert CorruptOnce.corrupted.is_set()
     assert sent == body_bytes(directory, root) + (directory / "params.safetensors").stat().st_size

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from agora_client.config import SpartaConfig
+from agora_client.worker.bounds import FLOOR_RMS
 from agora_client.worker.partition import StridedPartition
 from agora_client.worker.sparta import RoundReport, SpartaAverager
 
@@ -22,8 +23,15 @@ pytestmark = pytest.mark.integration
 
 SHAPES = [(300, 700), (1001,), (7, 11, 13)]  # 212002 elements: slices of ~53k floats, so protobuf headers are noise
 CONFIG = SpartaConfig(
-    period=1, fraction=0.25, matchmaking_time=2.0, allreduce_timeout=15.0, sender_timeout=2.0, reducer_timeout=2.0
+    period=1,
+    fraction=0.25,
+    matchmaking_time=2.0,
+    allreduce_timeout=15.0,
+    sender_timeout=2.0,
+    reducer_timeout=2.0,
+    max_peer_delta=4.0,  # these peers differ by up to ~3.2x a part's norm on purpose: the bound must not clip them
 )
+TIGHT = CONFIG.model_copy(update={"max_peer_delta": 0.5})
 PARTITIONS = CONFIG.num_partitions
 REPLY_TIMEOUT = 180.0  # bounds a hang, not speed: the machine may be shared and busy
 
@@ -44,7 +52,7 @@ class _FreezesAfterMatchmaking(SpartaAverager):
         super().__init__(*args, **kwargs)
         self._on_grouped = on_grouped
 
-    def _run_step(self, gather: dict, weight: float) -> dict:
+    def _run_step(self, flight: Any, gather: dict, weight: float) -> dict:
         from hivemind.averaging.control import AveragingStage
 
         control = self._averager.step(gather=gather, weight=weight, require_trigger=True, wait=False)
@@ -55,7 +63,7 @@ class _FreezesAfterMatchmaking(SpartaAverager):
         raise AssertionError("unreachable")
 
 
-def _peer_main(conn: Connection, index: int, initial_peers: list[str], freeze: bool) -> None:
+def _peer_main(conn: Connection, index: int, initial_peers: list[str], freeze: bool, config: SpartaConfig) -> None:
     """One worker of a stage: its own DHT, parameters and SpartaAverager, driven by commands over `conn`."""
     os.setpgrp()  # the test can SIGKILL this peer with its DHT, averager and p2pd processes at once
     from hivemind import DHT
@@ -67,11 +75,11 @@ def _peer_main(conn: Connection, index: int, initial_peers: list[str], freeze: b
     conn.send([str(addr) for addr in dht.get_visible_maddrs()])
     if freeze:
         sparta: SpartaAverager = _FreezesAfterMatchmaking(
-            dht, "test_sparta", parameters, CONFIG, lock=lock, on_grouped=lambda: conn.send("grouped")
+            dht, "test_sparta", parameters, config, lock=lock, on_grouped=lambda: conn.send("grouped")
         )
     else:
-        sparta = SpartaAverager(dht, "test_sparta", parameters, CONFIG, lock=lock)
-    conn.send("ready")
+        sparta = SpartaAverager(dht, "test_sparta", parameters, config, lock=lock)
+    conn.send(("ready", dht.peer_id.to_base58()))
     try:
         while True:
             command, *args = conn.recv()
@@ -101,7 +109,10 @@ def _peer_main(conn: Connection, index: int, initial_peers: list[str], freeze: b
 class Swarm:
     """Peers of one stage in separate processes; every process group is SIGKILLed on close, even on failure."""
 
-    def __init__(self, size: int, freeze: tuple[int, ...] = (), spawn: tuple[int, ...] = ()):
+    def __init__(
+        self, size: int, freeze: tuple[int, ...] = (), spawn: tuple[int, ...] = (), config: SpartaConfig = CONFIG
+    ):
+        self.config = config
         self.processes: list[mp.Process] = []
         self.conns: list[Connection] = []
         self.initial_peers: list[str] = []
@@ -116,7 +127,7 @@ class Swarm:
             context = mp.get_context("spawn" if index in spawn else "fork")
             parent, child = context.Pipe()
             process = context.Process(
-                target=_peer_main, args=(child, index, self.initial_peers, index in freeze)
+                target=_peer_main, args=(child, index, self.initial_peers, index in freeze, self.config)
             )
             process.start()
             self.processes.append(process)
@@ -125,8 +136,11 @@ class Swarm:
                 self.initial_peers = self._recv(0)
         for index in range(1, size):
             self._recv(index)
+        self.peer_ids = []
         for index in range(size):
-            assert self._recv(index) == "ready"
+            ready, peer_id = self._recv(index)
+            assert ready == "ready"
+            self.peer_ids.append(peer_id)
 
     def _recv(self, index: int, timeout: float = REPLY_TIMEOUT) -> Any:
         deadline = time.monotonic() + timeout
@@ -282,5 +296,37 @@ def test_peer_killed_mid_round_is_dropped_and_the_next_round_works() -> None:
             assert abs(report.bytes_received - formula) <= 0.1 * formula, report
             assert abs(report.bytes_sent - _expected_traffic(2, partition.slice_size(1))) <= 0.01 * formula
         assert swarm.close() == [("stopped", False)] * 2, "the survivors shut down cleanly"
+    finally:
+        swarm.close()
+
+
+def test_a_poisoning_peer_moves_honest_weights_at_most_by_the_bound() -> None:
+    swarm = Swarm(3, config=TIGHT)
+    try:
+        honest = _initial_values(50)
+        total = sum(value.numel() for value in honest)
+        for round_no, poison in enumerate((float("nan"), 1e30)):
+            noise = torch.Generator().manual_seed(round_no)
+            values = [[value + 0.01 * torch.randn(value.shape, generator=noise) for value in honest] for _ in range(2)]
+            values.append([torch.full_like(value, poison) for value in honest])
+            before = swarm.set_values(values)
+            mask = _slice_mask(round_no, total)
+            results = swarm.round([0, 1, 2], round_no, [1.0, 1.0, 1.0])
+            for index in (0, 1):
+                report, after = results[index]
+                assert bool(torch.isfinite(after).all()), f"honest peer {index} got non-finite weights from {poison}"
+                assert torch.equal(after[~mask], before[index][~mask]), "only the round's slice moves"
+                moved = float((after[mask].double() - before[index][mask].double()).norm())
+                own = float(before[index][mask].double().norm())
+                bound = TIGHT.max_peer_delta * own + FLOOR_RMS * int(mask.sum()) ** 0.5
+                assert moved <= bound * (1 + 1e-4), (poison, moved, bound)
+                assert report.group_size == 3, report
+                assert [peer for peer, _ in report.suspects] == [swarm.peer_ids[2]], report.suspects
+                if poison != poison:  # NaN: nothing of it is used; each element is the honest pair's mean or our own
+                    pair_mean = (before[0][mask] + before[1][mask]) / 2
+                    averaged = (after[mask] - pair_mean).abs() < 1e-5
+                    kept = after[mask] == before[index][mask]
+                    assert bool((averaged | kept).all()) and bool(averaged.any()), "the honest pair still averages"
+        assert swarm.close() == [("stopped", False)] * 3
     finally:
         swarm.close()

@@ -58,6 +58,10 @@ def test_fingerprint_separates_layouts_and_fractions() -> None:
 
 def test_rounds_rotate_with_the_stage_epoch() -> None:
     assert [due_round(epoch, 20) for epoch in (0, 1, 19, 20, 39, 40)] == [None, None, None, 1, None, 2]
+    # a worker whose epoch jumps over a round's first epoch still starts that round, once
+    assert [due_round(epoch, 2, since) for since, epoch in ((3, 5), (4, 5), (0, 3), (0, 1), (10, 100), (5, 6))] == [
+        2, None, 1, None, 50, 3
+    ]
     assert [partition_of(round_no, 20) for round_no in (0, 1, 19, 20, 41)] == [0, 1, 19, 0, 1]
 
 
@@ -110,12 +114,35 @@ def test_a_lone_worker_reports_a_failed_round_and_keeps_its_weights(dht: object)
     sparta = SpartaAverager(dht, "units_lone", parameters, config, lock=threading.Lock(), on_round=seen.append)
     try:
         first = sparta.begin_round(5, 1.0)
-        second = sparta.begin_round(6, 1.0)  # the first is still looking for a group
-        assert second.done() and not second.result().ok and "still in flight" in second.result().reason
-        report = first.result(timeout=60)
-        assert not report.ok and report.group_size == 0 and report.fraction == 0.0 and report.partition == 1
+        second = sparta.begin_round(6, 1.0)  # the first is still looking for a group: it gives way
+        superseded = first.result(timeout=60)
+        assert not superseded.ok and superseded.group_size == 0 and "gave way to round 6" in superseded.reason
+        report = second.result(timeout=60)
+        assert not report.ok and report.group_size == 0 and report.fraction == 0.0 and report.partition == 2
         assert "no other worker" in report.reason
-        assert seen == [second.result(), report]
+        assert seen == [superseded, report], "one report, hence one event, per failed round"
         assert all(torch.equal(parameter, old) for parameter, old in zip(parameters, before))
     finally:
         sparta.shutdown()
+
+
+def test_hivemind_round_failures_do_not_reach_the_log_as_tracebacks() -> None:
+    import logging
+    from concurrent.futures import InvalidStateError
+
+    from hivemind.averaging.partition import AllreduceException
+
+    from agora_client.worker.sparta import _not_cancel_noise, _reported_by_the_round
+
+    def record(message: str, error: BaseException | None = None, level: int = logging.ERROR) -> logging.LogRecord:
+        exc_info = (type(error), error, None) if error is not None else None
+        return logging.LogRecord("hivemind.averaging.averager", level, __file__, 1, message, None, exc_info)
+
+    # the round reports these itself, as one SpartaEvent with its reason
+    assert not _reported_by_the_round(record("Averaging step failed", AllreduceException("could not find a group")))
+    assert not _reported_by_the_round(record("Averaging: received 52.6% results", level=logging.WARNING))
+    assert _reported_by_the_round(record("something else entirely", level=logging.WARNING))
+    late = InvalidStateError("Can't set_result to a future that is CANCELLED (123)")
+    assert not _not_cancel_noise(record("Task exception was never retrieved", late))
+    assert not _not_cancel_noise(record("Task was destroyed but it is pending!\ntask: <Task cancelling ...>"))
+    assert _not_cancel_noise(record("Task exception was never retrieved", RuntimeError("a real bug")))

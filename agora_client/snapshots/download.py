@@ -6,12 +6,20 @@ otherwise the file name resolved against the manifest URL (whose query string, v
 manifest itself, is then dropped). Each file is written to ``<name>.part``; an interrupted transfer
 resumes with ``Range: bytes=<size of .part>-``; a finished file must match the manifest's sha256
 or it is downloaded again from scratch.
+
+At line rate: the sha256 is computed while the bytes stream in, on a thread of its own (hashlib releases
+the GIL, so hashing overlaps receiving; a resumed file hashes only what is already on disk, once), each
+network block goes straight to the file without a copy, and nothing is read back after the transfer.
+No fsync: a file torn by a crash fails its hash when it is next used.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import queue
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +30,8 @@ import httpx
 from agora_client.events import DownloadEvent, EventWriter
 
 from .format import MANIFEST_FILE, SnapshotError, check_manifest, file_sha256, snapshot_name
+
+_HASH_BLOCK = 8 << 20  # reading back what a previous run left in a .part file
 
 
 class DownloadError(Exception):
@@ -37,7 +47,6 @@ def download_snapshot(
     dest_dir: Path,
     *,
     events: EventWriter,
-    chunk_size: int = 1 << 20,
     client: httpx.Client | None = None,
     max_retries: int = 5,
     backoff_s: float = 0.5,
@@ -63,7 +72,7 @@ def download_snapshot(
         progress = _Progress(events, sum(entry["size"] for entry in manifest["files"].values()), progress_every_s)
         for name, entry in manifest["files"].items():
             file_url = entry.get("url") or urljoin(manifest_url, name)
-            fetcher = _FileFetch(http, file_url, target / name, entry, progress, chunk_size)
+            fetcher = _FileFetch(http, file_url, target / name, entry, progress)
             fetcher.run(max_retries, backoff_s, max_corrupt_retries)
         local = {**manifest, "files": {name: {"sha256": e["sha256"], "size": e["size"]} for name, e in manifest["files"].items()}}
         _write_json(target / MANIFEST_FILE, local)  # without per-file URLs: presigned signatures stay off disk
@@ -133,14 +142,21 @@ class _Progress:
 
 
 class _FileFetch:
-    def __init__(self, http: httpx.Client, url: str, path: Path, entry: dict[str, Any], progress: _Progress, chunk_size: int):
-        self.http, self.url, self.path, self.progress, self.chunk_size = http, url, path, progress, chunk_size
+    def __init__(self, http: httpx.Client, url: str, path: Path, entry: dict[str, Any], progress: _Progress):
+        self.http, self.url, self.path, self.progress = http, url, path, progress
         self.name = path.name
         self.size: int = entry["size"]
         self.sha256: str = entry["sha256"]
         self.part = path.with_name(path.name + ".part")
+        self._hasher = _Hasher()  # sha256 of the first _hasher.count bytes of .part
 
     def run(self, max_retries: int, backoff_s: float, max_corrupt_retries: int) -> None:
+        try:
+            self._fetch(max_retries, backoff_s, max_corrupt_retries)
+        finally:
+            self._hasher.close()  # its thread ends with the file, however the file ends
+
+    def _fetch(self, max_retries: int, backoff_s: float, max_corrupt_retries: int) -> None:
         if self.path.is_file() and self.path.stat().st_size == self.size and file_sha256(self.path) == self.sha256:
             self.progress.file_done(self.name, self.size, f"{self.name} already downloaded and verified")
             return
@@ -165,13 +181,15 @@ class _FileFetch:
                     self.progress.emit("retry", f"{self.name}: {error}; resuming at byte {reached}")
                     time.sleep(backoff_s * 2 ** max(0, failures - 1))
                     continue
-            digest = file_sha256(self.part)
+            self._hash_part_up_to(self.size)
+            digest = self._hasher.hexdigest()
             if digest == self.sha256:
                 os.replace(self.part, self.path)
                 self.progress.file_done(self.name, self.size, f"{self.name} verified (sha256 {digest[:12]})")
                 return
             corrupt += 1
             self.part.unlink()
+            self._hasher = _Hasher()
             if corrupt > max_corrupt_retries:
                 raise DownloadError(
                     f"{self.name} from {_shown(self.url)} failed its sha256 check {corrupt} times: the snapshot store "
@@ -182,6 +200,16 @@ class _FileFetch:
                 "retry", f"sha256 mismatch for {self.name} (expected {self.sha256[:12]}, got {digest[:12]}): downloading it again"
             )
 
+    def _hash_part_up_to(self, offset: int) -> None:
+        """Make _hasher cover the first ``offset`` bytes of .part: kept across retries, rebuilt after a restart."""
+        if self._hasher.count == offset:
+            return
+        self._hasher.close()
+        self._hasher = _Hasher()
+        with open(self.part, "rb") as handle:
+            while self._hasher.count < offset and (block := handle.read(min(_HASH_BLOCK, offset - self._hasher.count))):
+                self._hasher.update(block)
+
     def _transfer(self, offset: int) -> None:
         headers = {"Accept-Encoding": "identity"}
         if offset:
@@ -191,18 +219,23 @@ class _FileFetch:
                 mode = self._write_mode(response, offset)
                 if mode == "wb":
                     offset = 0
+                    self._hasher.close()
+                    self._hasher = _Hasher()
+                else:
+                    self._hash_part_up_to(offset)
                 self.progress.file_started(self.name, offset)
                 remaining = self.size - offset
-                with open(self.part, mode, buffering=self.chunk_size) as out:
-                    for block in response.iter_bytes():
-                        block = block[:remaining]  # never store more than the manifest promises
-                        out.write(block)
+                # unbuffered: each network block is written and hashed as it is, without a copy
+                with open(self.part, mode, buffering=0) as out:
+                    for block in response.iter_raw():
+                        if len(block) > remaining:
+                            block = block[:remaining]  # never store more than the manifest promises
+                        _write_all(out, block)
+                        self._hasher.update(block)
                         remaining -= len(block)
                         self.progress.received(len(block))
                         if remaining <= 0:
                             break
-                    out.flush()
-                    os.fsync(out.fileno())
         except httpx.TransportError as error:
             raise _Interrupted(f"connection lost ({type(error).__name__})") from None
         if remaining > 0:
@@ -252,6 +285,44 @@ def _get_json(http: httpx.Client, url: str, max_retries: int, backoff_s: float) 
         return response.json()
     except ValueError:
         raise DownloadError(f"{_shown(url)} is not JSON: expected a snapshot manifest or latest.json") from None
+
+
+class _Hasher:
+    """sha256 of a stream of blocks, computed by a thread of its own; ``count`` is the bytes handed over so far."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._digest = hashlib.sha256()
+        self._blocks: queue.Queue[bytes | None] = queue.Queue(maxsize=64)  # bounds memory if hashing falls behind
+        self._thread: threading.Thread | None = None
+
+    def update(self, block: bytes) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="sha256", daemon=True)
+            self._thread.start()
+        self._blocks.put(block)
+        self.count += len(block)
+
+    def _run(self) -> None:
+        while (block := self._blocks.get()) is not None:
+            self._digest.update(block)
+
+    def close(self) -> None:
+        """Wait until every block handed over is hashed."""
+        if self._thread is not None:
+            self._blocks.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def hexdigest(self) -> str:
+        self.close()
+        return self._digest.hexdigest()
+
+
+def _write_all(out: Any, block: bytes) -> None:
+    view = memoryview(block)  # an unbuffered write may take less than the whole block
+    while view:
+        view = view[out.write(view) :]
 
 
 def _shown(url: str) -> str:

@@ -1,17 +1,17 @@
-"""Choose which worker of a stage takes the next request: least accumulated virtual runtime first.
+"""Choose which worker of a stage takes the next request: shortest expected delay first.
 
-Each worker's virtual runtime is the sum of the estimated durations of the tasks routed to it. The
-estimate is charged when a request is handed out (so concurrent choices spread over the stage) and
-corrected when it completes, from a per-worker, per-kind moving average of measured round trips.
-Equal runtimes mean equal busy time, so a worker twice as slow ends up with half the requests.
+A request goes to the worker that would finish it first: (requests in flight there + 1) x its learned
+seconds per unit of work, a per-worker, per-kind moving average of measured round trips. A worker three
+times slower thus gets a request only while the fast one has three or more in flight: it adds capacity
+when the fast one is saturated and never adds its latency to a pipeline the fast one could carry alone
+(what equal-busy-time sharing would do). Ties go to the least accumulated virtual runtime (the estimated
+seconds of work routed so far), so equal workers take turns and newcomers enter at the back.
 
 Thread-safe: a pipeline loop may call everything from several microbatch threads at once.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -22,6 +22,7 @@ from agora_client.swarm.roster import WorkerRecord
 from agora_client.trainer.errors import ErrorClass, classify
 
 Kind = Literal["forward", "backward"]
+SAME_DELAY = 1.1  # expected delays within 10 % of the shortest are a tie
 WorkerKey = tuple[str, str]  # (expert uid, peer id): a restarted worker with a new peer id is a new worker
 
 
@@ -71,7 +72,7 @@ class StageStats:
 class _Worker:
     record: WorkerRecord
     vruntime: float = 0.0
-    heap_seq: int | None = None  # seq of its live heap entry; None while out of the heap
+    eligible: bool = False  # may take requests now (not banned, not in sync phase 1)
     per_unit: dict[str, float] = field(default_factory=dict)  # kind -> EMA seconds per unit of work
     banned_until: float | None = None
     transient_streak: int = 0  # consecutive transient failures without a success
@@ -104,8 +105,6 @@ class StageBalancer:
         self._clock = clock
         self._lock = threading.Lock()
         self._workers: dict[WorkerKey, _Worker] = {}
-        self._heap: list[tuple[float, int, WorkerKey]] = []
-        self._seq = itertools.count()
         self._done = self._retries = self._rejected = self._bans = 0
         self._served: dict[str, int] = {}
 
@@ -153,14 +152,13 @@ class StageBalancer:
             now = self._clock()
             self._refresh_membership(now)
             worker = self._workers.get(prefer) if prefer is not None else None
-            if worker is None or worker.heap_seq is None or prefer in exclude:
-                worker = self._select(exclude)
+            if worker is None or not worker.eligible or prefer in exclude:
+                worker = self._select(exclude, kind)
             if worker is None:
                 return None
             charge = self._estimate(worker, kind) * units
             worker.vruntime += charge
             worker.in_flight += 1
-            self._push(worker)
             return Lease(worker.record, kind, units, charge, now, worker)
 
     def report_success(self, lease: Lease, duration_s: float | None = None) -> None:
@@ -179,9 +177,8 @@ class StageBalancer:
             if previous is not None:
                 per_unit = previous + self._alpha * (per_unit - previous)
             worker.per_unit[lease.kind] = per_unit
-            if worker.heap_seq is not None:
+            if worker.eligible:
                 worker.vruntime += worker.per_unit[lease.kind] * lease.units - lease.charged
-                self._push(worker)
 
     def report_failure(self, lease: Lease, error: BaseException) -> FailureVerdict:
         """Classify the error; ban the worker if it is unreachable or keeps timing out."""
@@ -210,7 +207,7 @@ class StageBalancer:
         """No worker of the stage can take a request right now."""
         with self._lock:
             self._refresh_membership(self._clock())
-            return not any(worker.heap_seq is not None for worker in self._workers.values())
+            return not any(worker.eligible for worker in self._workers.values())
 
     def estimate(self, key: WorkerKey, kind: Kind) -> float | None:
         """Learned seconds per unit of work for a worker, None before its first measurement."""
@@ -225,7 +222,7 @@ class StageBalancer:
             return StageStats(
                 stage=self.stage,
                 workers=len(workers),
-                ready=sum(worker.heap_seq is not None for worker in workers),
+                ready=sum(worker.eligible for worker in workers),
                 syncing=sum(not worker.record.routable for worker in workers),
                 banned=sum(worker.banned_until is not None for worker in workers),
                 in_flight=sum(worker.in_flight for worker in workers),
@@ -238,49 +235,38 @@ class StageBalancer:
 
     # internals (call with the lock held) ----------------------------------------------------------
 
-    def _select(self, exclude: Collection[WorkerKey]) -> _Worker | None:
-        """Pop the least-loaded eligible worker off the heap (it is pushed back once charged)."""
-        skipped: list[tuple[float, int, WorkerKey]] = []
-        chosen = None
-        while self._heap:
-            entry = heapq.heappop(self._heap)
-            worker = self._workers.get(entry[2])
-            if worker is None or worker.heap_seq != entry[1]:
-                continue  # stale entry: the worker left, was banned, or was re-pushed since
-            if entry[2] in exclude:
-                skipped.append(entry)
-                continue
-            chosen = worker
-            break
-        for entry in skipped:
-            heapq.heappush(self._heap, entry)
-        return chosen
+    def _select(self, exclude: Collection[WorkerKey], kind: Kind) -> _Worker | None:
+        """The eligible worker expected to finish one more request first (a stage has a handful of workers)."""
+        delays = {
+            key: (w.in_flight + 1) * self._estimate(w, kind)
+            for key, w in self._workers.items()
+            if w.eligible and key not in exclude
+        }
+        if not delays:
+            return None
+        shortest = min(delays.values())
+        # delays within the noise of the estimates count as equal: then the worker with less work so far goes
+        return min(
+            (self._workers[key] for key, delay in delays.items() if delay <= shortest * SAME_DELAY),
+            key=lambda w: w.vruntime,
+        )
 
     def _refresh_membership(self, now: float) -> None:
-        """Lift expired bans; put newly eligible workers at the back of the heap, drop ineligible ones."""
-        back = max((w.vruntime for w in self._workers.values() if w.heap_seq is not None), default=0.0)
+        """Lift expired bans; newly eligible workers enter at the back of the turn order."""
+        back = max((w.vruntime for w in self._workers.values() if w.eligible), default=0.0)
         for worker in self._workers.values():
             if worker.banned_until is not None and worker.banned_until <= now:
                 worker.banned_until = None
                 worker.transient_streak = 0
             eligible = worker.banned_until is None and worker.record.routable  # phase-1 workers are skipped
-            if eligible and worker.heap_seq is None:
+            if eligible and not worker.eligible:
                 worker.vruntime = back  # newcomers enter at the back: they cannot take over proven workers
-                self._push(worker)
-            elif not eligible:
-                worker.heap_seq = None
+            worker.eligible = eligible
 
     def _ban(self, worker: _Worker, now: float, seconds: float) -> None:
         worker.banned_until = now + seconds
-        worker.heap_seq = None
+        worker.eligible = False
         self._bans += 1
-
-    def _push(self, worker: _Worker) -> None:
-        worker.heap_seq = next(self._seq)
-        heapq.heappush(self._heap, (worker.vruntime, worker.heap_seq, worker.record.key))
-        if len(self._heap) > 4 * len(self._workers) + 64:  # drop stale entries before they pile up
-            self._heap = [(w.vruntime, w.heap_seq, k) for k, w in self._workers.items() if w.heap_seq is not None]
-            heapq.heapify(self._heap)
 
     def _live(self, lease: Lease) -> _Worker | None:
         """The worker a lease went to, unless it has left the roster since (even if it came back)."""
@@ -302,8 +288,8 @@ class RoundRobinBalancer(StageBalancer):
         super().__init__(stage, **kwargs)
         self._turn = 0
 
-    def _select(self, exclude: Collection[WorkerKey]) -> _Worker | None:
-        ready = sorted(key for key, w in self._workers.items() if w.heap_seq is not None and key not in exclude)
+    def _select(self, exclude: Collection[WorkerKey], kind: Kind) -> _Worker | None:
+        ready = sorted(key for key, w in self._workers.items() if w.eligible and key not in exclude)
         if not ready:
             return None
         self._turn += 1

@@ -21,6 +21,7 @@ from agora_client.worker.backend import StageBackend
 from agora_client.worker.epochs import EpochController
 from agora_client.worker.optimizer import build_optimizer
 from agora_client.worker.server import StageServer
+from agora_client.worker.partition import due_round
 from agora_client.worker.sparta import RoundReport, SpartaAverager
 from agora_client.worker.sync import SyncState
 
@@ -115,9 +116,16 @@ class WorkerNode:
             epoch=start_epoch,
         )
         self._round_hooks: list[Callable[[RoundReport], None]] = []
+        self._last_epoch = start_epoch  # the epoch of the previous epoch hook: rounds crossed by a jump still start
         self._snapshot_due = options.publish_dir is not None  # the first one is written at start()
         self.sparta = SpartaAverager(
-            self.dht, f"agora_{stage}_sparta", self.parameters, config.sparta, lock=self.epochs.lock, on_round=self._on_round
+            self.dht,
+            f"agora_{stage}_sparta",
+            self.parameters,
+            config.sparta,
+            lock=self.epochs.lock,
+            on_round=self._on_round,
+            stage_size=lambda: self.epochs.tracker.global_progress.num_peers,  # no DHT lookup: the tracker has it
         )
         is_tail = stage == "tail"
         max_batch = options.max_batch_size or config.optim.microbatch_size * 8
@@ -157,6 +165,12 @@ class WorkerNode:
 
     def _on_round(self, report: RoundReport) -> None:
         self.events.emit(report.to_event())
+        for peer, problem in report.suspects:
+            self.events.log(
+                f"SPARTA round {report.round}: peer {peer} {problem}; its pull on our weights was bounded",
+                tag="SPARTA",
+                level="warning",
+            )
         for hook in self._round_hooks:
             hook(report)
 
@@ -190,8 +204,7 @@ class WorkerNode:
         deadline = time.monotonic() + STABLE_WINDOW_MAX_WAIT
         while not stop.is_set() and time.monotonic() < deadline:
             progress = self.epochs.tracker.global_progress
-            in_round_epoch = progress.epoch > 0 and progress.epoch % period == 0
-            if not in_round_epoch and progress.samples_accumulated < progress.target_batch_size / 2:
+            if due_round(progress.epoch, period) is None and progress.samples_accumulated < progress.target_batch_size / 2:
                 return
             stop.wait(0.5)
 
@@ -213,9 +226,10 @@ class WorkerNode:
                 loss=loss,
             )
         )
-        period = self.options.config.sparta.period
-        if epoch > 0 and epoch % period == 0:
-            self.sparta.begin_round(epoch // period, self.sync.averaging_weight)
+        round_no = due_round(epoch, self.options.config.sparta.period, since=self._last_epoch)
+        self._last_epoch = epoch
+        if round_no is not None:
+            self.sparta.begin_round(round_no, self.sync.averaging_weight)
         if self.options.publish_dir is not None:
             self._snapshot_due |= epoch % self.options.publish_every == 0
             if self._snapshot_due and not self.sparta.in_flight:  # only outside averaging rounds: a consistent state

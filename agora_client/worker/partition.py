@@ -101,8 +101,14 @@ def partition_of(round_no: int, num_partitions: int) -> int:
     return round_no % num_partitions
 
 
-def due_round(epoch: int, period: int) -> int | None:
-    """The round that a stage epoch starts, or None: round = epoch // period on every period-th epoch after 0."""
-    if epoch > 0 and epoch % period == 0:
-        return epoch // period
+def due_round(epoch: int, period: int, since: int | None = None) -> int | None:
+    """The round due when the stage epoch moves from ``since`` (default: epoch - 1) to ``epoch``, or None.
+
+    Round n starts at epoch n x period (n >= 1). A worker whose epoch jumps over that boundary (it caught up
+    with its stage by more than one epoch) still starts the latest round it crossed, with its peers.
+    """
+    since = epoch - 1 if since is None else since
+    latest = epoch // period
+    if latest >= 1 and latest * period > since:
+        return latest
     return None

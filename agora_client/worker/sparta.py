@@ -5,6 +5,16 @@ over the DHT and average one rotating slice of their parameters (see partition.p
 butterfly all-reduce, in float32, uncompressed. Training keeps stepping while a round is in flight,
 so the result is applied as a delta: param_slice += averaged - sent. Optimizer moments stay local.
 
+Matchmaking: every round has its own group key, so workers on different rounds never meet. The first
+worker of the stage to reach a round leads it and waits up to ``2 x matchmaking_time`` for the others
+(their epoch boundaries arrive at slightly different moments), and never past half the time between
+two rounds; the group is assembled as soon as every worker the stage counts has joined. A round still looking for its group when the next one is due
+gives way to it, so one missed round never makes the next one miss as well; a round due while the
+previous one is still averaging waits for it (another slice: the two never touch the same parameters).
+
+Each peer's influence is bounded (bounds.py): reducers bound every sender's part, senders bound every
+averaged part that comes back; the peers that had to be bounded are named in the round's report.
+
 Threads and processes:
 - the caller (the training loop) calls begin_round; it holds `lock` only while copying the slice out;
 - one background thread ("sparta-round") waits for hivemind, then holds `lock` while adding the delta,
@@ -15,28 +25,31 @@ Threads and processes:
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import multiprocessing as mp
 import signal
 import threading
 import time
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.control import StepControl
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
+from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, TensorPartReducer
 from hivemind.dht import DHT
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
 from agora_client.config import SpartaConfig
 from agora_client.events import SpartaEvent
+from agora_client.worker.bounds import bounded, bounded_weight
 from agora_client.worker.partition import StridedPartition, partition_of
 
 _SENT, _RECEIVED = 0, 1
@@ -56,6 +69,7 @@ class RoundReport:
     weight: float
     ok: bool
     reason: str | None = None
+    suspects: tuple[tuple[str, str], ...] = ()  # (peer id, what it sent) for every peer whose numbers were bounded
 
     def to_event(self) -> SpartaEvent:
         return SpartaEvent(
@@ -82,12 +96,63 @@ class _MeteredStub:
         return self._count_received(await self._stub.rpc_aggregate_part(inputs))
 
 
-class _MeteredAllReduceRunner(AllReduceRunner):
-    """hivemind's butterfly all-reduce, counting the serialized bytes of every message on the wire."""
+class _BoundedPartReducer(TensorPartReducer):
+    """hivemind's reducer; each sender's part is first bounded against this peer's own part of the slice."""
 
-    def __init__(self, *, traffic: torch.Tensor, **kwargs: Any):
+    def __init__(
+        self, own_parts: Sequence[torch.Tensor], num_senders: int, max_ratio: float, on_bounded: Callable[[int, str], None]
+    ):
+        super().__init__(tuple(part.shape for part in own_parts), num_senders)
+        self._own_parts, self._max_ratio, self._on_bounded = own_parts, max_ratio, on_bounded
+
+    async def accumulate_part(
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        weight = bounded_weight(weight)
+        if 0 <= part_index < self.num_parts:  # hivemind itself refuses other indices
+            tensor_part, problem = bounded(self._own_parts[part_index], tensor_part, self._max_ratio)
+            if problem is not None:
+                self._on_bounded(sender_index, problem)
+                if problem.startswith(("non-finite", "a part of shape")):
+                    weight = 0.0  # nothing of it enters the average
+        return await super().accumulate_part(sender_index, part_index, tensor_part, weight=weight)
+
+
+class _SpartaAllReduceRunner(AllReduceRunner):
+    """hivemind's butterfly all-reduce, counting the serialized bytes of every message on the wire and
+    bounding every peer's influence (as a sender here, as a reducer in bound_received)."""
+
+    def __init__(self, *, traffic: torch.Tensor, max_ratio: float, **kwargs: Any):
         super().__init__(**kwargs)
-        self._traffic = traffic
+        self._traffic, self._max_ratio = traffic, max_ratio
+        self.suspects: dict[PeerID, str] = {}
+        self.discarded = 0  # elements whose averaged value came back non-finite and was not used
+        # hivemind builds its reducer by name; marking that one finished keeps its __del__ quiet
+        self.tensor_part_reducer.finished.set()
+        self.tensor_part_reducer = _BoundedPartReducer(
+            self.parts_for_local_averaging,
+            len(self.sender_peer_ids),
+            max_ratio,
+            lambda sender, problem: self._suspect(self.sender_peer_ids[sender], f"sent {problem}"),
+        )
+
+    def _suspect(self, peer: PeerID, problem: str) -> None:
+        self.suspects.setdefault(peer, problem)
+
+    def bound_received(self, local: torch.Tensor, delta: torch.Tensor) -> None:
+        """Bound, in place, the averaged deltas that each remote reducer sent back for its parts of ``local``."""
+        part_values = int(self.tensor_part_container.part_size_bytes / local.element_size())
+        parts = iter(zip(local.view(-1).split(part_values), delta.view(-1).split(part_values)))
+        for peer, count in zip(self.ordered_peer_ids, self.tensor_part_container.num_parts_by_peer):
+            for own, change in (next(parts) for _ in range(count)):
+                if peer == self.peer_id:
+                    continue  # our own reduction used bounded parts already
+                value, problem = bounded(own, own + change, self._max_ratio)
+                if problem is not None:
+                    self._suspect(peer, f"returned {problem}")
+                    if problem.startswith("non-finite"):
+                        self.discarded += change.numel()
+                    change.copy_(value - own)
 
     async def _count_received(self, stream: AsyncIterator[averaging_pb2.AveragingData]) -> AsyncIterator:
         async for message in stream:
@@ -121,7 +186,7 @@ class _MeteredAllReduceRunner(AllReduceRunner):
             for index, shape in enumerate(reducer.part_shapes)
             if sum(index < failed_after for failed_after in reducer.sender_failed_after) < 2
         )
-        return self.tensor_part_container.failed_size + lonely
+        return self.tensor_part_container.failed_size + lonely + self.discarded
 
 
 class _GroupAverager(DecentralizedAverager):
@@ -130,15 +195,30 @@ class _GroupAverager(DecentralizedAverager):
     # hivemind's averager hands its shared buffer and pipes to its process by fork; keep fork even in a spawned host
     _start_method, _Popen = "fork", staticmethod(mp.get_context("fork").Process._Popen)
 
-    def __init__(self, buffer: torch.Tensor, dht: DHT, *, layout: bytes, **kwargs: Any):
+    def __init__(self, buffer: torch.Tensor, dht: DHT, *, layout: bytes, max_peer_delta: float, **kwargs: Any):
         super().__init__([buffer], dht, start=False, **kwargs)
         # peers that slice their parameters differently must never match: fold the layout into the schema
         self.schema_hash = hashlib.blake2b(self.schema_hash + layout, digest_size=20).digest()
         self.traffic = torch.zeros(2, dtype=torch.int64).share_memory_()
+        self._max_peer_delta = max_peer_delta
 
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host process decides when this one ends
+        for name in _ROUND_LOGGERS:  # a logger's filter sees only its own records, not its children's
+            logging.getLogger(name).addFilter(_reported_by_the_round)
+        logging.getLogger("asyncio").addFilter(_not_cancel_noise)
         super().run()
+
+    def set_round(self, group_bits: str, target_group_size: int | None) -> MPFuture:
+        """Use this group key, and assemble the group as soon as it has target_group_size peers (None: at the deadline)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_set_round", [], dict(group_bits=group_bits, target_group_size=target_group_size, future=future)))
+        return future
+
+    async def _set_round(self, group_bits: str, target_group_size: int | None, future: MPFuture) -> None:
+        self._matchmaking.group_key_manager.group_bits = group_bits
+        self._matchmaking.target_group_size = target_group_size
+        future.set_result(None)
 
     def run_in_background(self, await_ready: bool = True, timeout: Optional[float] = None) -> None:
         # hivemind's version ignores SIGINT in the host process (and fails off the main thread); run() does it here
@@ -151,17 +231,18 @@ class _GroupAverager(DecentralizedAverager):
         weights = [self.serializer.loads(self.serializer.loads(raw)[2])["weight"] for raw in group_info.gathered]
         if not any(weight > 0 for weight in weights):
             return dict(group_size=group_info.group_size, skipped="every worker in the group had weight 0", unshared=0)
-        self._unshared = 0
+        self._unshared, self._suspects = 0, {}
         await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        return dict(group_size=group_info.group_size, skipped=None, unshared=self._unshared)
+        return dict(group_size=group_info.group_size, skipped=None, unshared=self._unshared, suspects=self._suspects)
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: Optional[bytes] = None, **kwargs: Any
     ) -> None:
-        # hivemind builds AllReduceRunner by name here; this override is the only way to meter the wire
+        # hivemind builds AllReduceRunner by name here; this override is the only way to meter and bound the wire
         group_id = group_info.group_id if group_id is None else group_id
-        runner = _MeteredAllReduceRunner(
+        runner = _SpartaAllReduceRunner(
             traffic=self.traffic,
+            max_ratio=self._max_peer_delta,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -171,9 +252,53 @@ class _GroupAverager(DecentralizedAverager):
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
-        async for tensor, delta in azip(as_aiter(*tensors), runner):
-            tensor.add_(delta)  # parts whose reducer failed arrive as zero deltas and keep the local value
+        try:
+            async for tensor, delta in azip(as_aiter(*tensors), runner):
+                runner.bound_received(tensor, delta)
+                tensor.add_(delta)  # parts whose reducer failed arrive as zero deltas and keep the local value
+        finally:
+            self._suspects = {peer.to_base58(): problem for peer, problem in runner.suspects.items()}
         self._unshared = runner.unshared_elements()
+
+
+_ROUND_LOGGERS = (
+    "hivemind.averaging.averager",
+    "hivemind.averaging.allreduce",
+    "hivemind.averaging.partition",
+    "hivemind.utils.asyncio",  # tracebacks of matchmaking tasks torn down by a cancelled step
+)
+# partial rounds: the RoundReport says how much was kept
+_REPORTED_MESSAGES = ("did not finish", "Reducer: received", "Averaging: received")
+
+
+def _reported_by_the_round(record: logging.LogRecord) -> bool:
+    """hivemind logs a failed step with its traceback; SpartaAverager reports it as one RoundReport instead."""
+    if record.exc_info is not None:
+        return False
+    message = record.getMessage()
+    return not any(text in message for text in _REPORTED_MESSAGES)
+
+
+def _not_cancel_noise(record: logging.LogRecord) -> bool:
+    """What asyncio reports when a round is called off (SpartaAverager reported the round already): a step
+    cancelled just as its group formed cannot take its result; matchmaking tasks torn down mid-way."""
+    error = record.exc_info[1] if record.exc_info else None
+    if isinstance(error, InvalidStateError) and "CANCELLED" in str(error):
+        return False
+    if isinstance(error, RuntimeError) and "asynchronous generator is already running" in str(error):
+        return False
+    return not record.getMessage().startswith("Task was destroyed but it is pending")
+
+
+@dataclass
+class _Flight:
+    """One round begun by begin_round, as the caller's and the round's threads both see it."""
+
+    round_no: int
+    gather_window: float  # seconds a leader waits for the whole stage to join
+    future: Future[RoundReport] | None = None
+    control: StepControl | None = None  # hivemind's step, once it has been asked for
+    stop_reason: str | None = None  # why it was called off (a newer round was due, shutdown) before averaging
 
 
 class SpartaAverager:
@@ -186,6 +311,8 @@ class SpartaAverager:
       SPARTA holds it only to copy the slice out (begin_round) and to add the delta (round thread)
     :param on_round: called with each RoundReport from the round thread ("sparta-round"), or from the caller's
       thread for a round skipped because the previous one is still in flight; it must not block for long
+    :param stage_size: how many workers the stage has now (this one included), asked from the round thread
+      at the start of every round: the group is assembled as soon as that many have joined
     """
 
     def __init__(
@@ -197,13 +324,17 @@ class SpartaAverager:
         *,
         lock: threading.Lock,
         on_round: Callable[[RoundReport], None] | None = None,
+        stage_size: Callable[[], int] | None = None,
         start: bool = True,
     ):
         if not prefix or "." in prefix:
             raise ValueError(f"SPARTA prefix must be a non-empty name without '.', got {prefix!r}")
         self._parameters = list(parameters)
         self.partition = StridedPartition.of(self._parameters, config.num_partitions)
-        self._lock, self._on_round = lock, on_round
+        self._lock, self._on_round, self._stage_size = lock, on_round, stage_size
+        # the leader waits up to this long for the stage's other workers, whose epochs end a little later than its own
+        self._max_gather_window = 2 * config.matchmaking_time
+        self._last_begin: float | None = None  # when the previous round began (time.monotonic)
         self._find_group_timeout = 3 * config.matchmaking_time
         self._round_timeout = self._find_group_timeout + config.allreduce_timeout + config.matchmaking_time
         self._buffer = torch.zeros(self.partition.max_slice_size, dtype=torch.float32)
@@ -211,6 +342,7 @@ class SpartaAverager:
             self._buffer,
             dht,
             layout=self.partition.fingerprint,
+            max_peer_delta=config.max_peer_delta,
             prefix=prefix,
             min_group_size=2,
             min_matchmaking_time=config.matchmaking_time,
@@ -224,8 +356,7 @@ class SpartaAverager:
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparta-round")
         self._begin_lock = threading.Lock()
-        self._in_flight: Future[RoundReport] | None = None
-        self._control: StepControl | None = None
+        self._flight = _Flight(-1, 0.0)  # the latest round begun
         if start:
             self.start()
 
@@ -234,7 +365,7 @@ class SpartaAverager:
 
     @property
     def in_flight(self) -> bool:
-        return self._in_flight is not None and not self._in_flight.done()
+        return self._flight.future is not None and not self._flight.future.done()
 
     def begin_round(self, round_no: int, weight: float) -> Future[RoundReport]:
         """Start averaging slice round_no mod P with weight (0 = receive only); returns at once."""
@@ -244,36 +375,70 @@ class SpartaAverager:
             raise ValueError(f"SPARTA weight must be a finite number >= 0, got {weight}")
         started, part = time.monotonic(), partition_of(round_no, self.partition.num_partitions)
         with self._begin_lock:
-            if self.in_flight:
+            # a full-parameter round (one slice) cannot wait behind the previous one: that one averages the same slice
+            if self.in_flight and not self._supersede(round_no) and self.partition.num_partitions == 1:
                 done: Future[RoundReport] = Future()
                 done.set_result(self._publish(RoundReport(
                     round_no, part, 0, 0.0, 0, 0, 0.0, float(weight), ok=False,
-                    reason="skipped: the previous round is still in flight",
+                    reason="skipped: the previous round is still averaging",
                 )))
                 return done
             sent = torch.empty(self.partition.slice_size(part), dtype=torch.float32)
             with self._lock:
                 self.partition.gather(self._parameters, part, sent)
-            self._in_flight = self._executor.submit(self._run_round, round_no, part, float(weight), sent, started)
-            return self._in_flight
+            self._flight = flight = _Flight(round_no, self._gather_window(started))
+            flight.future = self._executor.submit(self._run_round, flight, round_no, part, float(weight), sent, started)
+            return flight.future
 
-    def _run_round(self, round_no: int, part: int, weight: float, sent: torch.Tensor, started: float) -> RoundReport:
+    def _gather_window(self, now: float) -> float:
+        """How long a leader waits for a full group: never past half the time between two rounds, so that a
+        peer that died (still counted in the stage until its record expires) cannot make the round overrun."""
+        interval = None if self._last_begin is None else now - self._last_begin
+        self._last_begin = now
+        return self._max_gather_window if interval is None else min(self._max_gather_window, max(0.5, interval / 2))
+
+    def _supersede(self, round_no: int) -> bool:
+        """Call off the latest round if it has not found its group yet (its peers have moved on too)."""
+        return self._call_off(self._flight, f"gave way to round {round_no}: no group formed before it was due")
+
+    @staticmethod
+    def _call_off(flight: _Flight, reason: str) -> bool:
+        """Stop a round that is waiting for its turn or still matchmaking; False if it is averaging already."""
+        control = flight.control
+        if control is not None and (control.done() or control.stage != AveragingStage.LOOKING_FOR_GROUP):
+            return False
+        flight.stop_reason = reason
+        if control is not None:  # else the round stops itself before, or as soon as, it has its control
+            control.cancel()
+        return True
+
+    def _run_round(
+        self, flight: _Flight, round_no: int, part: int, weight: float, sent: torch.Tensor, started: float
+    ) -> RoundReport:
         size = sent.numel()
         with self._averager.get_tensors() as (buffer,):
             buffer.zero_()
             buffer[:size].copy_(sent)
         self._averager.traffic.zero_()
-        group_size, fraction, reason = 0, 0.0, None
+        group_size, fraction, reason, suspects = 0, 0.0, None, {}
         try:
             if not self._averager.is_alive():
                 raise RuntimeError("hivemind's averager process is not running")
+            if flight.stop_reason is not None:  # called off while it waited behind the previous round
+                raise CancelledError()
+            stage_size = self._stage_size() if self._stage_size is not None else 0
             # one matchmaking key per round: workers on another round never land in this group
-            self._averager.set_group_bits(format(round_no, "b"), wait=False).result(timeout=self._find_group_timeout)
-            outcome = self._run_step({"weight": weight}, weight)
+            self._averager.set_round(format(round_no, "b"), stage_size if stage_size >= 2 else None).result(
+                timeout=self._find_group_timeout
+            )
+            outcome = self._run_step(flight, {"weight": weight}, weight)
         except Exception as error:
-            reason = _describe_failure(error, self._find_group_timeout)
+            if flight.stop_reason is not None:
+                reason = flight.stop_reason
+            else:
+                reason = _describe_failure(error, self._find_group_timeout)
         else:
-            group_size, reason = outcome["group_size"], outcome["skipped"]
+            group_size, reason, suspects = outcome["group_size"], outcome["skipped"], outcome.get("suspects", {})
             if reason is None:
                 with self._averager.get_tensors() as (buffer,):
                     delta = buffer[:size] - sent
@@ -297,14 +462,22 @@ class SpartaAverager:
             weight=weight,
             ok=group_size > 0 and fraction > 0,
             reason=reason,
+            suspects=tuple(sorted(suspects.items())),
         ))
 
-    def _run_step(self, gather: dict, weight: float) -> dict:
+    def _run_step(self, flight: _Flight, gather: dict, weight: float) -> dict:
         """Matchmaking and all-reduce in hivemind's process; returns _GroupAverager._aggregate_with_group's dict."""
         control = self._averager.step(
-            gather=gather, weight=weight, timeout=self._find_group_timeout, allow_retries=False, wait=False
+            gather=gather,
+            weight=weight,
+            scheduled_time=get_dht_time() + flight.gather_window,
+            timeout=self._find_group_timeout,
+            allow_retries=False,
+            wait=False,
         )
-        self._control = control
+        flight.control = control
+        if flight.stop_reason is not None:  # called off before it had a control to cancel
+            control.cancel()
         try:
             return control.result(timeout=self._round_timeout)
         except TimeoutError:
@@ -318,8 +491,7 @@ class SpartaAverager:
 
     def shutdown(self) -> None:
         """Cancel a round still looking for its group, wait for the round thread, stop hivemind's process."""
-        if self.in_flight and self._control is not None and not self._control.done():
-            self._control.cancel()
+        self._call_off(self._flight, "cancelled: the averager is shutting down")
         self._executor.shutdown(wait=True)
         if self._averager.is_alive():
             self._averager.shutdown()
