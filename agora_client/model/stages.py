@@ -148,8 +148,12 @@ class TailStage(StageModule):
     def forward(self, boundary: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-sample mean cross-entropy, float32 [B]."""
         _check_tokens("labels", labels, self.config, boundary)
+        return _per_sample_loss(self.logits(boundary, tokens), labels)
+
+    def logits(self, boundary: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [B, T, vocab] (what the loss is computed from; export checks compare them)."""
         h = _run_layers(self.layers, self.receive(boundary, tokens), self.config, self.subspace)
-        return _per_sample_loss(self.lm_head(self.final_norm(h)), labels)
+        return self.lm_head(self.final_norm(h))
 
 
 class FullModel(nn.Module):
