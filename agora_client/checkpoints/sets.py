@@ -8,6 +8,8 @@ run config whose model differs from the checkpoints'.
 
 from __future__ import annotations
 
+import json
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -79,15 +81,19 @@ class CheckpointSet:
             if not isinstance(record, dict) or not {"seed", "model"} <= record.keys():
                 raise CheckpointError(f"the {stage} checkpoint {self.members[stage].name} records no run config; "
                                       "it was not written as a checkpoint (a joiner snapshot?)")
-        first_stage, first = next(iter(records.items()))
-        for stage, record in records.items():
-            if (record["seed"], record["model"]) != (first["seed"], first["model"]):
-                raise CheckpointError(
-                    f"the {stage} checkpoint {self.members[stage].name} belongs to another run config than the "
-                    f"{first_stage} checkpoint {self.members[first_stage].name} ({_difference(first, record)}); "
-                    "these stages cannot form one model"
-                )
-        return first
+        # the odd ones out are named against the record most stages share
+        keys = {stage: json.dumps([record["seed"], record["model"]], sort_keys=True) for stage, record in records.items()}
+        common = Counter(keys.values()).most_common(1)[0][0]
+        reference = next(stage for stage, key in keys.items() if key == common)
+        odd = [stage for stage, key in keys.items() if key != common]
+        if odd:
+            stage = odd[0]
+            raise CheckpointError(
+                f"the {', '.join(odd)} checkpoint {self.members[stage].name} belongs to another run config than the "
+                f"{reference} checkpoint {self.members[reference].name} ({_difference(records[stage], records[reference])}); "
+                "these stages cannot form one model"
+            )
+        return records[reference]
 
     def check_config(self, config: RunConfig) -> None:
         """Resuming under ``config`` must rebuild exactly the checkpointed shapes and subspace."""

@@ -127,12 +127,7 @@ def load_stage_snapshot(
     manifest = read_manifest(directory / MANIFEST_FILE)
     if stage is not None and manifest["stage"] != stage:
         raise SnapshotError(f"{directory} is a snapshot of stage {manifest['stage']}, not {stage}; download the {stage} snapshot")
-    for file_name, expected in manifest["files"].items():
-        path = directory / file_name
-        if not path.is_file():
-            raise SnapshotError(f"{path} is missing; download the snapshot again")
-        if path.stat().st_size != expected["size"] or file_sha256(path) != expected["sha256"]:
-            raise SnapshotError(f"{path} does not match its sha256 in the manifest (corrupted or truncated); download the snapshot again")
+    verify_files(directory, manifest)
     params = _load_tensors(directory / PARAMS_FILE)
     _check_against(params, module.state_dict(), f"{directory / PARAMS_FILE}")
     optimizer_state = None
@@ -145,6 +140,16 @@ def load_stage_snapshot(
     if optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)
     return SnapshotInfo(epoch=manifest["epoch"], timestamp=manifest["timestamp"], stage=manifest["stage"], directory=directory)
+
+
+def verify_files(directory: Path, manifest: dict[str, Any]) -> None:
+    """Every file the manifest lists is in ``directory`` with its size and sha256, or SnapshotError naming it."""
+    for file_name, expected in manifest["files"].items():
+        path = Path(directory) / file_name
+        if not path.is_file():
+            raise SnapshotError(f"{path} is missing; download the snapshot again")
+        if path.stat().st_size != expected["size"] or file_sha256(path) != expected["sha256"]:
+            raise SnapshotError(f"{path} does not match its sha256 in the manifest (corrupted or truncated); download the snapshot again")
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
