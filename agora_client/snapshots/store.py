@@ -174,8 +174,10 @@ def open_store(location: str | Path) -> SnapshotStore:
     """``s3://bucket/prefix`` (endpoint and credentials from the usual AWS_* variables) or a local directory."""
     text = str(location)
     if text.startswith("s3://"):
-        from .s3 import S3Store  # boto3 only for operators who use S3
-
+        try:
+            from .s3 import S3Store  # boto3 only for operators who use S3
+        except ImportError as error:
+            raise SnapshotError(f"{text}: an S3 store needs boto3 ({error}); pip install boto3") from None
         return S3Store(text)
     if "://" in text:
         raise SnapshotError(f"{text} is neither a local directory nor an s3://bucket/prefix location")
