@@ -176,7 +176,7 @@ def test_export_refuses_an_existing_output(tmp_path):
 
 
 def test_writer_checkpoints_every_period_with_run_and_training_stats(tmp_path):
-    config = load_config("tiny", {"checkpoint": {"period_s": 0.2}})
+    config = load_config("tiny", {"checkpoint": {"period_s": 1.0}})
     module, optimizer = perturbed_stage("tail", 0)
     lock = threading.RLock()
     messages = []
@@ -186,14 +186,18 @@ def test_writer_checkpoints_every_period_with_run_and_training_stats(tmp_path):
     writer = CheckpointWriter(store, config, "tail", module, optimizer, lock, grad_norm=lambda: 0.5, events=events)
     writer.on_epoch(1, 4.0, averaging=False)  # not due yet
     assert store.list("tail") == []
-    writer.last_written -= 1.0
-    writer.on_epoch(2, 3.0, averaging=True)  # due, but never in an averaging round
+    writer.last_written -= 1.2
+    writer.on_epoch(2, 3.0, averaging=True)  # due, but waits for an epoch without an averaging round
     assert writer._thread is None
     writer.on_epoch(3, 2.0, averaging=False)
     writer._thread.join()
-    writer.close(4)
-    first, final = store.list("tail")
-    assert (first.epoch, final.epoch) == (3, 4)
+    writer.last_written -= 2.1  # overdue by a whole period: written even while a round is in flight
+    writer.on_epoch(4, 1.0, averaging=True)
+    writer._thread.join()
+    writer.close(5)
+    first, overdue, final = store.list("tail")
+    assert (first.epoch, overdue.epoch, final.epoch) == (3, 4, 5)
+    assert store.manifest(overdue)["training"]["loss"] == 1.0
     manifest = store.manifest(first)
     assert manifest["training"]["loss"] == pytest.approx(3.0)  # mean of the epochs since the last checkpoint
     assert manifest["training"]["clip_norm"] == config.clip_norm("tail") and manifest["training"]["last_grad_norm"] == 0.5
@@ -247,3 +251,15 @@ def test_export_gives_the_same_logits_as_the_stages(tmp_path):
     assert_export_matches_stages(store, select_set(store), tmp_path / "hf", tmp_path / "cache")
     provenance = json.loads((tmp_path / "hf" / "agora_export.json").read_text())
     assert set(provenance["stages"]) == set(CONFIG.model.stage_names)
+
+
+def test_export_command_picks_the_set_at_t(tmp_path, capsys):
+    store = LocalStore(tmp_path / "store")
+    older = full_set(store, T0)
+    full_set(store, T0 + 3600)
+    assert main(["export", "--store", str(tmp_path / "store"), "--at", str(T0 + 60), "--out", str(tmp_path / "hf")]) == 0
+    assert "[EXPORT]" in capsys.readouterr().out
+    provenance = json.loads((tmp_path / "hf" / "agora_export.json").read_text())
+    assert {stage: entry["checkpoint"] for stage, entry in provenance["stages"].items()} == {s: c.name for s, c in older.items()}
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+        "agora_export.json", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]

@@ -48,11 +48,17 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
 
     def on_epoch(self, epoch: int, loss: float | None, *, averaging: bool) -> None:
-        """After every stage epoch: note the loss; start a checkpoint when one is due (never mid-averaging)."""
+        """After every stage epoch: note the loss; start a checkpoint when one is due.
+
+        A due checkpoint waits for an epoch without an averaging round in flight (its upload would compete
+        with the round for bandwidth), but never longer than one more period: the state under the lock is
+        consistent either way, and a stage with rounds back to back must still be checkpointed.
+        """
         if loss is not None:
             self._losses.append(loss)
-        due = time.monotonic() - self.last_written >= self.period_s
-        if due and not averaging and not (self._thread and self._thread.is_alive()):
+        elapsed = time.monotonic() - self.last_written
+        due = elapsed >= self.period_s and (not averaging or elapsed >= 2 * self.period_s)
+        if due and not (self._thread and self._thread.is_alive()):
             self.last_written = time.monotonic()
             self._thread = threading.Thread(target=self._write_logged, args=(epoch,), name=f"checkpoint-{self.stage}", daemon=True)
             self._thread.start()

@@ -6,10 +6,12 @@ Layout under a snapshot root::
     <stage>/<epoch:08d>-<UTC time>/params.safetensors      the module's state_dict (persistent entries only)
     <stage>/<epoch:08d>-<UTC time>/optimizer.safetensors   optimizer state, keys "state.<param index>.<name>"
     <stage>/<epoch:08d>-<UTC time>/manifest.json           stage, epoch, timestamp, files {name: {sha256, size}},
-                                                           optimizer class, hyperparameters, parameter names
+                                                           optimizer class, hyperparameters, parameter names,
+                                                           and the caller's extra sections (a checkpoint's run
+                                                           config and training statistics)
 
-A snapshot directory appears only complete (written to a temporary directory, fsynced, renamed);
-``latest.json`` is replaced atomically after it. Readers verify every hash and shape before
+The manifest is written last; ``store.py`` makes a snapshot appear only complete (a renamed
+directory, or for S3 the manifest uploaded after the files) and replaces ``latest.json`` after it. Readers verify every hash and shape before
 touching the module or the optimizer.
 """
 
