@@ -11,8 +11,8 @@ Layout under a snapshot root::
                                                            config and training statistics)
 
 The manifest is written last; ``store.py`` makes a snapshot appear only complete (a renamed
-directory, or for S3 the manifest uploaded after the files) and replaces ``latest.json`` after it. Readers verify every hash and shape before
-touching the module or the optimizer.
+directory, or for S3 the manifest uploaded after the files) and replaces ``latest.json`` after it.
+Readers verify every hash and shape before touching the module or the optimizer.
 """
 
 from __future__ import annotations
