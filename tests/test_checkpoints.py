@@ -41,7 +41,8 @@ def save(store: LocalStore, stage: str, at: float, *, epoch: int = 1, seed: int 
 
 
 def full_set(store: LocalStore, at: float, **kwargs) -> dict[str, StoredSnapshot]:
-    return {stage: save(store, stage, at, seed=index, **kwargs) for index, stage in enumerate(CONFIG.model.stage_names)}
+    stages = kwargs.get("config", CONFIG).model.stage_names
+    return {stage: save(store, stage, at, seed=index, **kwargs) for index, stage in enumerate(stages)}
 
 
 # -- retention ---------------------------------------------------------------------------------------------
@@ -228,10 +229,10 @@ def pipeline_logits(stages: dict, tokens: torch.Tensor) -> torch.Tensor:
 def assert_export_matches_stages(store, chosen, out: Path, cache: Path) -> None:
     transformers = pytest.importorskip("transformers")
     export_set(store, chosen, out)
-    _, stages = load_set(store, chosen, cache)
+    config, stages = load_set(store, chosen, cache)
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(model).__name__ == "Olmo2ForCausalLM"
-    tokens = torch.randint(0, CONFIG.model.vocab_size, (2, CONFIG.model.seq_len), generator=torch.Generator().manual_seed(5))
+    tokens = torch.randint(0, config.vocab_size, (2, config.seq_len), generator=torch.Generator().manual_seed(5))
     ours = pipeline_logits(stages, tokens)
     with torch.no_grad():
         theirs = model(tokens).logits
@@ -245,9 +246,10 @@ def assert_export_matches_stages(store, chosen, out: Path, cache: Path) -> None:
     assert generated.shape == (1, 12) and torch.equal(generated[:, :4], prompt)
 
 
-def test_export_gives_the_same_logits_as_the_stages(tmp_path):
+@pytest.mark.parametrize("subspace", [True, False], ids=["subspace", "dense"])
+def test_export_gives_the_same_logits_as_the_stages(tmp_path, subspace):
     store = LocalStore(tmp_path / "store")
-    full_set(store, T0)
+    full_set(store, T0, config=load_config("tiny", {"model": {"subspace": {"enabled": subspace}}}))
     assert_export_matches_stages(store, select_set(store), tmp_path / "hf", tmp_path / "cache")
     provenance = json.loads((tmp_path / "hf" / "agora_export.json").read_text())
     assert set(provenance["stages"]) == set(CONFIG.model.stage_names)

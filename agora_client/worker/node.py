@@ -11,10 +11,10 @@ from typing import Callable
 import torch
 from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
+from agora_client.checkpoints.writer import CheckpointWriter
 from agora_client.config import RunConfig
 from agora_client.events import ErrorEvent, EventWriter, StageEvent, StepEvent
 from agora_client.model import build_stage
-from agora_client.checkpoints.writer import CheckpointWriter
 from agora_client.snapshots import keep_newest, load_stage_snapshot, open_store, save_stage_snapshot
 from agora_client.swarm.dht import connect_dht
 from agora_client.swarm.roster import WorkerRecord, fetch_roster, free_index, stage_uid
