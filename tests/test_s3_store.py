@@ -16,7 +16,11 @@ import torch
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
+from agora_client.auth.admission import AdmissionPolicy  # noqa: E402
+from agora_client.auth.client import authorize  # noqa: E402
+from agora_client.auth.identity import TokenFileIdentity, write_demo_token_file  # noqa: E402
 from agora_client.auth.main import _object_store_links  # noqa: E402
+from agora_client.auth.server import AuthServer, AuthService, ServiceSettings  # noqa: E402
 from agora_client.checkpoints import select_set  # noqa: E402
 from agora_client.checkpoints.export import load_set  # noqa: E402
 from agora_client.events import EventWriter, parse_event  # noqa: E402
@@ -89,9 +93,14 @@ def test_save_list_prune_and_load_round_trip(store, tmp_path):
         assert torch.equal(value, reference), name
 
 
-def test_joiners_download_through_presigned_links_resuming_a_partial_file(store, tmp_path):
+def test_auth_hands_joiners_presigned_links_and_the_download_resumes_against_them(store, tmp_path):
     snapshot = save(store, "head", T0, epoch=4)
-    url = _object_store_links(store.location)("head")  # what the auth service hands a joiner
+    token_file = tmp_path / "tokens.json"
+    token = write_demo_token_file(token_file, "alice")
+    settings = ServiceSettings(policy=AdmissionPolicy(stages=("head",), pacing_s=0.0),
+                               snapshot_links=_object_store_links(store.location))
+    with AuthServer(AuthService(settings, TokenFileIdentity(token_file), tmp_path / "auth")) as server:
+        url = authorize(server.url, token, "peer-a", events=EventWriter(), poll_every=0.05).snapshot_url
     assert url is not None and "X-Amz-Signature=" in url
     manifest = httpx.get(url).json()
     assert all("X-Amz-Signature=" in entry["url"] for entry in manifest["files"].values())
