@@ -22,10 +22,8 @@ from agora_client.model import StageModule, build_stage
 from agora_client.snapshots import SnapshotError, SnapshotStore, load_stage_snapshot, open_store
 
 from .olmo2 import ExportError, olmo2_config, olmo2_state_dict
-from .sets import CheckpointError, CheckpointSet, format_time, parse_time, select_set
+from .sets import DEFAULT_STORE, CheckpointError, CheckpointSet, format_time, parse_time, select_set
 from .tokenizer import BYTES, write_tokenizer
-
-DEFAULT_STORE = "runs/swarm/checkpoints"
 
 
 def load_set(store: SnapshotStore, checkpoints: CheckpointSet, cache: Path) -> tuple[ModelConfig, dict[str, StageModule]]:

@@ -8,9 +8,7 @@ import sys
 
 from agora_client.snapshots import SnapshotError, open_store
 
-from .sets import CheckpointError, CheckpointSet, format_time, list_sets, parse_time, select_set
-
-DEFAULT_STORE = "runs/swarm/checkpoints"
+from .sets import DEFAULT_STORE, CheckpointError, CheckpointSet, format_time, list_sets, parse_time, select_set
 
 
 def describe_set(checkpoints: CheckpointSet) -> dict:

@@ -17,6 +17,7 @@ from typing import Any
 from agora_client.config import RunConfig
 from agora_client.snapshots import SnapshotError, SnapshotStore, StoredSnapshot
 
+DEFAULT_STORE = "runs/swarm/checkpoints"  # where `agora swarm` checkpoints with its default --run-dir
 RUN_KEY = "run"  # manifest section: {"name", "seed", "model"}
 TRAINING_KEY = "training"  # manifest section: {"loss", "clip_norm", "last_grad_norm", "period_s"}
 
