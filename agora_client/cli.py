@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "describe": ("agora_client.model.describe", "show a preset's stages and parameter counts"),
     "runtime": ("agora_client.runtime", "the worker runtime the app supervises; writes events to stdout"),
     "export-logs": ("agora_client.system.bundle_cli", "write a support bundle (zip) for a ticket"),
+    "checkpoints": ("agora_client.checkpoints.list_cli", "list consistent checkpoint sets: per-stage times, loss"),
+    "export": ("agora_client.checkpoints.export", "write a checkpoint set as a Hugging Face OLMo2 model directory"),
 }
 CLIENT_MODULE = "tui.launch"  # no subcommand: the contributor client (TUI, or --headless)
 

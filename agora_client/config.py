@@ -149,6 +149,12 @@ class SyncConfig(_Strict):
     max_allowed_stale: int = Field(default=5, ge=0, description="epochs behind the stage before re-entering phase 1")
 
 
+class CheckpointConfig(_Strict):
+    period_s: float = Field(default=600.0, gt=0, description="seconds between a stage's checkpoints")
+    keep_all_s: float = Field(default=86400.0, ge=0, description="keep every checkpoint younger than this")
+    keep_hourly_s: float = Field(default=7 * 86400.0, ge=0, description="then one per hour up to this age; older: one per day")
+
+
 class RunConfig(_Strict):
     name: str
     seed: int = 0
@@ -156,6 +162,7 @@ class RunConfig(_Strict):
     optim: OptimConfig = OptimConfig()
     sparta: SpartaConfig = SpartaConfig()
     sync: SyncConfig = SyncConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     announce_period: float = Field(default=30.0, gt=0, description="seconds between a worker's DHT announcements")
     use_mixed_precision: bool = Field(default=True, description="forward under bf16 autocast; weights and grads stay fp32")
     offload_optimizer: bool = Field(default=True, description="AdamW moments in (pinned) host memory, stepped in chunks")

@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Callable
 
 from agora_client.config import ConfigError, load_config
 
@@ -17,6 +18,7 @@ from .server import AuthServer, AuthService, ServiceSettings
 
 READY_PREFIX = "[AUTH] listening on "
 PUBLIC_KEY_PREFIX = "[AUTH] public key "
+log = logging.getLogger(__name__)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +39,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="seconds after which an admitted peer no longer holds back joins to its stage")
     parser.add_argument("--ticket-ttl", type=float, default=3600.0, help="ticket lifetime in seconds (renewable)")
     parser.add_argument("--snapshot-url", default=None,
-                        help="snapshot store base URL (<base>/<stage>/latest.json) or a template with {stage}")
+                        help="snapshot store base URL (<base>/<stage>/latest.json), a template with {stage}, or "
+                             "s3://bucket/prefix (joiners get presigned URLs; endpoint and keys from AWS_* variables)")
     parser.add_argument("--seed", action="append", default=[], dest="seeds", help="seed multiaddr for clients (repeatable)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
@@ -50,6 +53,27 @@ def build_identity_source(args: argparse.Namespace) -> IdentitySource:
     return HuggingFaceIdentity(args.hf_endpoint)
 
 
+def _object_store_links(location: str | None) -> Callable[[str], str | None] | None:
+    """For an s3:// snapshot store: presigned links per stage (None, logged, if the bucket cannot be read)."""
+    if not location or not location.startswith("s3://"):
+        return None
+    from agora_client.snapshots import SnapshotError, open_store  # boto3 only for an S3 store
+
+    try:
+        store = open_store(location)
+    except SnapshotError as error:  # raised as ValueError: run() prints it as a start-up error
+        raise ValueError(str(error)) from None
+
+    def links(stage: str) -> str | None:
+        try:
+            return store.joiner_url(stage)
+        except SnapshotError as error:
+            log.warning("no snapshot link for stage %s: %s", stage, error)
+            return None
+
+    return links
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -59,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
             pacing_s=args.pacing, max_pending_per_stage=args.max_pending,
             integration_timeout_s=args.integration_timeout, ticket_ttl_s=args.ticket_ttl,
         )
-        settings = ServiceSettings(policy=policy, snapshot_url=args.snapshot_url, seeds=tuple(args.seeds))
+        links = _object_store_links(args.snapshot_url)
+        settings = ServiceSettings(policy=policy, snapshot_url=None if links else args.snapshot_url, seeds=tuple(args.seeds),
+                                   snapshot_links=links)
         service = AuthService(settings, build_identity_source(args), args.state_dir)
         server = AuthServer(service, args.host, args.port)
     except (ConfigError, IdentityError, ValueError, OSError) as error:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .admission import AdmissionPolicy, Decision, Queued, Rejected, SlotBook, UnknownQueueEntry
 from .identity import IdentitySource, IdentityUnavailable, InvalidToken
@@ -46,8 +46,12 @@ class ServiceSettings:
     seeds: tuple[str, ...] = ()
     poll_every_s: float = 5.0
     identity_cache_s: float = 300.0
+    snapshot_links: Callable[[str], str | None] | None = None
+    """An object store's presigned snapshot URL for a stage (``S3Store.joiner_url``); wins over snapshot_url."""
 
     def snapshot_url_for(self, stage: str) -> str | None:
+        if self.snapshot_links is not None:
+            return self.snapshot_links(stage)
         if not self.snapshot_url:
             return None
         if "{stage}" in self.snapshot_url:

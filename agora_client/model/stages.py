@@ -140,10 +140,17 @@ class TailStage(StageModule):
         return self._boundary(batch_size), self._tokens(batch_size), self._tokens(batch_size)
 
     def forward(self, boundary: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Per-sample mean cross-entropy, float32 [B]."""
+        """Per-sample mean cross-entropy, float32 [B], computed in chunks (the full logits never exist)."""
         _check_tokens("labels", labels, self.config, boundary)
+        return per_sample_loss(self._final_hidden(boundary, tokens), self.lm_head.weight, labels)
+
+    def logits(self, boundary: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [B, T, vocab] (what the loss is computed from; export checks compare them)."""
+        return self.lm_head(self._final_hidden(boundary, tokens))
+
+    def _final_hidden(self, boundary: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         h = _run_layers(self.layers, self.receive(boundary, tokens), self.config, self.subspace)
-        return per_sample_loss(self.final_norm(h), self.lm_head.weight, labels)
+        return self.final_norm(h)
 
 
 class FullModel(nn.Module):

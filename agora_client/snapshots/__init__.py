@@ -1,4 +1,5 @@
-"""Stage snapshots: the on-disk format, a Range-capable HTTP file server, and the resumable download."""
+"""Stage snapshots: the on-disk format, where they are stored (local directory or S3), a Range-capable
+HTTP file server, and the resumable download."""
 
 from .download import DownloadError, download_snapshot
 from .format import (
@@ -7,11 +8,12 @@ from .format import (
     latest_snapshot,
     load_stage_snapshot,
     read_manifest,
-    save_stage_snapshot,
 )
 from .server import RangeRequestHandler, SnapshotServer, serve_directory
+from .store import KeepPolicy, LocalStore, SnapshotStore, StoredSnapshot, keep_newest, open_store, save_stage_snapshot
 
 __all__ = [
-    "DownloadError", "RangeRequestHandler", "SnapshotError", "SnapshotInfo", "SnapshotServer", "download_snapshot",
-    "latest_snapshot", "load_stage_snapshot", "read_manifest", "save_stage_snapshot", "serve_directory",
+    "DownloadError", "KeepPolicy", "LocalStore", "RangeRequestHandler", "SnapshotError", "SnapshotInfo", "SnapshotServer",
+    "SnapshotStore", "StoredSnapshot", "download_snapshot", "keep_newest", "latest_snapshot", "load_stage_snapshot",
+    "open_store", "read_manifest", "save_stage_snapshot", "serve_directory",
 ]

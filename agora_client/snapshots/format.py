@@ -6,11 +6,13 @@ Layout under a snapshot root::
     <stage>/<epoch:08d>-<UTC time>/params.safetensors      the module's state_dict (persistent entries only)
     <stage>/<epoch:08d>-<UTC time>/optimizer.safetensors   optimizer state, keys "state.<param index>.<name>"
     <stage>/<epoch:08d>-<UTC time>/manifest.json           stage, epoch, timestamp, files {name: {sha256, size}},
-                                                           optimizer class, hyperparameters, parameter names
+                                                           optimizer class, hyperparameters, parameter names,
+                                                           and the caller's extra sections (a checkpoint's run
+                                                           config and training statistics)
 
-A snapshot directory appears only complete (written to a temporary directory, fsynced, renamed);
-``latest.json`` is replaced atomically after it. Readers verify every hash and shape before
-touching the module or the optimizer.
+The manifest is written last; ``store.py`` makes a snapshot appear only complete (a renamed
+directory, or for S3 the manifest uploaded after the files) and replaces ``latest.json`` after it.
+Readers verify every hash and shape before touching the module or the optimizer.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -66,55 +67,55 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def save_stage_snapshot(
-    root: Path, stage: str, module: nn.Module, optimizer: torch.optim.Optimizer, epoch: int, keep: int
-) -> Path:
-    """Write one snapshot of ``module`` and ``optimizer`` under ``root/stage``; keep the newest ``keep``.
+def snapshot_time(name: str) -> float | None:
+    """The wall-clock time a snapshot directory name carries, or None if it is not a snapshot name."""
+    if not _SNAPSHOT_NAME.match(name):
+        return None
+    moment = datetime.strptime(name.split("-", 1)[1], "%Y%m%dT%H%M%S.%fZ").replace(tzinfo=timezone.utc)
+    return moment.timestamp()
+
+
+def write_snapshot_files(
+    directory: Path,
+    stage: str,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    epoch: int,
+    *,
+    timestamp: float | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write params, optimizer state and the manifest (last) into the existing ``directory``; return the manifest.
 
     Call it outside averaging rounds so parameters and optimizer state belong to the same step.
-    Returns the snapshot directory.
+    ``extra`` adds JSON sections to the manifest (training statistics, the run config).
     """
-    if keep < 1:
-        raise SnapshotError(f"keep must be at least 1 (got {keep}): the snapshot just written is always kept")
-    stage_dir = Path(root) / stage
-    stage_dir.mkdir(parents=True, exist_ok=True)
-    timestamp = time.time()
-    name = snapshot_name(epoch, timestamp)
+    timestamp = time.time() if timestamp is None else timestamp
+    directory = Path(directory)
     params = _cpu_tensors(module.state_dict())
     optimizer_tensors, optimizer_meta = _flatten_optimizer(module, optimizer)
-    temporary = stage_dir / f".tmp-{name}-{os.getpid()}"
-    temporary.mkdir()
-    try:
-        save_file(params, str(temporary / PARAMS_FILE))
-        save_file(optimizer_tensors, str(temporary / OPTIMIZER_FILE))
-        files = {}
-        for file_name in (PARAMS_FILE, OPTIMIZER_FILE):
-            path = temporary / file_name
-            _fsync_file(path)
-            files[file_name] = {"sha256": file_sha256(path), "size": path.stat().st_size}
-        manifest = {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
-            "stage": stage,
-            "epoch": int(epoch),
-            "timestamp": timestamp,
-            "created": datetime.fromtimestamp(timestamp, tz=timezone.utc).isoformat(),
-            "files": files,
-            "params": {key: list(tensor.shape) for key, tensor in params.items()},
-            "optimizer": optimizer_meta,
-        }
-        _write_json(temporary / MANIFEST_FILE, manifest)
-        _fsync_dir(temporary)
-        final = stage_dir / name
-        os.rename(temporary, final)
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
-    _fsync_dir(stage_dir)
-    latest = {"stage": stage, "epoch": int(epoch), "timestamp": timestamp, "manifest": f"{name}/{MANIFEST_FILE}"}
-    _write_json(stage_dir / LATEST_FILE, latest)
-    _prune(stage_dir, keep, newest=name)
-    return final
+    save_file(params, str(directory / PARAMS_FILE))
+    save_file(optimizer_tensors, str(directory / OPTIMIZER_FILE))
+    files = {}
+    for file_name in (PARAMS_FILE, OPTIMIZER_FILE):
+        path = directory / file_name
+        _fsync_file(path)
+        files[file_name] = {"sha256": file_sha256(path), "size": path.stat().st_size}
+    manifest = {
+        **(extra or {}),
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "stage": stage,
+        "epoch": int(epoch),
+        "timestamp": timestamp,
+        "created": datetime.fromtimestamp(timestamp, tz=timezone.utc).isoformat(),
+        "files": files,
+        "params": {key: list(tensor.shape) for key, tensor in params.items()},
+        "optimizer": optimizer_meta,
+    }
+    write_json(directory / MANIFEST_FILE, manifest)
+    fsync_dir(directory)
+    return manifest
 
 
 def load_stage_snapshot(
@@ -128,12 +129,7 @@ def load_stage_snapshot(
     manifest = read_manifest(directory / MANIFEST_FILE)
     if stage is not None and manifest["stage"] != stage:
         raise SnapshotError(f"{directory} is a snapshot of stage {manifest['stage']}, not {stage}; download the {stage} snapshot")
-    for file_name, expected in manifest["files"].items():
-        path = directory / file_name
-        if not path.is_file():
-            raise SnapshotError(f"{path} is missing; download the snapshot again")
-        if path.stat().st_size != expected["size"] or file_sha256(path) != expected["sha256"]:
-            raise SnapshotError(f"{path} does not match its sha256 in the manifest (corrupted or truncated); download the snapshot again")
+    verify_files(directory, manifest)
     params = _load_tensors(directory / PARAMS_FILE)
     _check_against(params, module.state_dict(), f"{directory / PARAMS_FILE}")
     optimizer_state = None
@@ -146,6 +142,16 @@ def load_stage_snapshot(
     if optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)
     return SnapshotInfo(epoch=manifest["epoch"], timestamp=manifest["timestamp"], stage=manifest["stage"], directory=directory)
+
+
+def verify_files(directory: Path, manifest: dict[str, Any]) -> None:
+    """Every file the manifest lists is in ``directory`` with its size and sha256, or SnapshotError naming it."""
+    for file_name, expected in manifest["files"].items():
+        path = Path(directory) / file_name
+        if not path.is_file():
+            raise SnapshotError(f"{path} is missing; download the snapshot again")
+        if path.stat().st_size != expected["size"] or file_sha256(path) != expected["sha256"]:
+            raise SnapshotError(f"{path} does not match its sha256 in the manifest (corrupted or truncated); download the snapshot again")
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -324,23 +330,14 @@ def _check_against(saved: dict[str, torch.Tensor], expected: dict[str, torch.Ten
             )
 
 
-def _prune(stage_dir: Path, keep: int, newest: str) -> None:
-    snapshots = sorted((entry.name.split("-", 1)[1], entry.name) for entry in stage_dir.iterdir()
-                       if entry.is_dir() and _SNAPSHOT_NAME.match(entry.name))
-    names = [name for _, name in snapshots]
-    for name in names[:-keep]:
-        if name != newest:
-            shutil.rmtree(stage_dir / name, ignore_errors=True)  # another publisher may have pruned it already
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(temporary, "w", encoding="utf-8") as handle:
         json.dump(data, handle, indent=2, sort_keys=True)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temporary, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _fsync_file(path: Path) -> None:
@@ -348,7 +345,7 @@ def _fsync_file(path: Path) -> None:
         os.fsync(handle.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Callable
 
 from agora_client.auth.identity import write_demo_token_file
+from agora_client.checkpoints.sets import CheckpointError, CheckpointSet, format_time, parse_time, select_set
 from agora_client.config import ConfigError, load_config
-from agora_client.snapshots import SnapshotServer, serve_directory
+from agora_client.snapshots import SnapshotError, SnapshotServer, open_store, read_manifest, serve_directory
+from agora_client.snapshots.format import MANIFEST_FILE, verify_files
 from agora_client.swarm.processes import ManagedProcess, stop_all
 from agora_client.swarm.seed import READY_PREFIX
 
@@ -38,6 +40,10 @@ class SwarmOptions:
     report_every: float = 5.0
     publish_snapshots: bool = False  # the first worker of each stage publishes snapshots for joiners
     publish_every: int = 2
+    checkpoint_store: str | None = None  # the first worker of each stage writes timestamped checkpoints here
+    resume: bool = False  # start every stage from the checkpoint set nearest resume_at (None: the newest)
+    resume_at: float | None = None
+    resume_from: str | None = None  # the store to resume from; default checkpoint_store
 
 
 class LocalSwarm:
@@ -54,6 +60,7 @@ class LocalSwarm:
         self.monitor: ManagedProcess | None = None
         self.snapshot_server: SnapshotServer | None = None
         self.started_at = time.monotonic()
+        self.resume_dirs: dict[str, Path] = {}  # stage -> the checkpoint its workers start from
 
     @property
     def snapshot_dir(self) -> Path:
@@ -105,6 +112,10 @@ class LocalSwarm:
         (self.options.run_dir / "events").mkdir(parents=True, exist_ok=True)
         if index == 0 and self.options.publish_snapshots:
             args += ["--publish-snapshots", str(self.snapshot_dir), "--publish-every", str(self.options.publish_every)]
+        if index == 0 and self.options.checkpoint_store:
+            args += ["--checkpoints", self.options.checkpoint_store]
+        if stage in self.resume_dirs:
+            args += ["--snapshot", str(self.resume_dirs[stage])]
         worker = self._spawn(f"{stage}-{index}", [*args, *self.options.worker_args, *extra])
         self.workers[stage].append(worker)
         if wait:
@@ -119,8 +130,30 @@ class LocalSwarm:
         self.trainers.append(trainer)
         return trainer
 
+    def prepare_resume(self) -> CheckpointSet:
+        """Pick the checkpoint set to resume from and fetch it locally; CheckpointError says what is wrong."""
+        location = self.options.resume_from or self.options.checkpoint_store
+        if not location:
+            raise CheckpointError("resuming needs a checkpoint store: pass --checkpoints or --resume-from")
+        store = open_store(location)
+        checkpoints = select_set(store, self.options.resume_at)
+        checkpoints.check_config(self.config)
+        cache = self.options.run_dir / "resume"
+        resume_dirs = {}
+        for stage, snapshot in checkpoints.members.items():
+            directory = store.local_dir(snapshot, cache)
+            try:
+                verify_files(directory, read_manifest(directory / MANIFEST_FILE))
+            except SnapshotError as error:
+                raise CheckpointError(f"stage {stage}, checkpoint {snapshot.name}: {error}") from None
+            resume_dirs[stage] = directory
+        self.resume_dirs = resume_dirs
+        return checkpoints
+
     def start(self) -> "LocalSwarm":
         self.started_at = time.monotonic()
+        if self.options.resume and not self.resume_dirs:
+            self.prepare_resume()
         self.start_seeds()
         launching = []
         for stage in self.config.model.stage_names:
@@ -157,15 +190,31 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trainers", type=int, default=1)
     parser.add_argument("--run-dir", type=Path, default=Path("runs/swarm"), help="logs and events go here")
     parser.add_argument("--report-every", type=float, default=5.0, help="seconds between loss lines")
+    parser.add_argument("--checkpoints", default=None, metavar="STORE",
+                        help="checkpoint store, a directory or s3://bucket/prefix (default: <run-dir>/checkpoints)")
+    resume = parser.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true", help="start every stage from the newest checkpoint set")
+    resume.add_argument("--resume-at", default=None, metavar="T",
+                        help="start every stage from its checkpoint nearest T (ISO 8601 UTC or unix seconds)")
+    parser.add_argument("--resume-from", default=None, metavar="STORE", help="store to resume from (default: --checkpoints)")
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        resume_at = None if args.resume_at is None else parse_time(args.resume_at)
+    except CheckpointError as error:
+        print(f"[ERROR] --resume-at: {error}")
+        return 2
     options = SwarmOptions(
         preset=args.preset,
         workers_per_stage=args.workers_per_stage,
         trainers=args.trainers,
         run_dir=args.run_dir,
         report_every=args.report_every,
+        checkpoint_store=args.checkpoints or str(args.run_dir / "checkpoints"),
+        resume=args.resume or resume_at is not None,
+        resume_at=resume_at,
+        resume_from=args.resume_from,
     )
 
     def relay(name: str, line: str) -> None:
@@ -183,6 +232,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"[SWARM] starting {options.preset}: 2 seeds, {options.workers_per_stage} workers per stage, "
           f"{options.trainers} trainer(s); logs in {options.run_dir / 'logs'}", flush=True)
     try:
+        if options.resume:
+            checkpoints = swarm.prepare_resume()
+            for stage, snapshot in checkpoints.members.items():
+                print(f"[SWARM] {stage} resumes from {snapshot.name} (epoch {snapshot.epoch}, {format_time(snapshot.timestamp)})", flush=True)
         swarm.start()
         print(f"[SWARM] all workers up after {time.monotonic() - swarm.started_at:.1f}s; seeds: {' '.join(swarm.seed_addrs)}", flush=True)
         print("[SWARM] press Ctrl-C to stop", flush=True)
@@ -190,6 +243,9 @@ def run(args: argparse.Namespace) -> int:
             if not all(trainer.alive for trainer in swarm.trainers):
                 print("[ERROR] a trainer exited; see its log", flush=True)
                 return 1
+    except (CheckpointError, SnapshotError) as error:
+        print(f"[ERROR] cannot resume: {error}", flush=True)
+        return 2
     except RuntimeError as error:
         print(f"[ERROR] {error}", flush=True)
         return 1

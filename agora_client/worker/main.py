@@ -22,8 +22,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--index", type=int, default=None, help="uid index <stage>.0.<index> (default: lowest free)")
     parser.add_argument("--init-seed", type=int, default=None, help="seed for this worker's initial weights")
     parser.add_argument("--slowdown", type=float, default=0.0, help="seconds added to every request (emulates a slow GPU)")
-    parser.add_argument("--publish-snapshots", type=Path, default=None, metavar="DIR", help="write stage snapshots here")
+    parser.add_argument("--publish-snapshots", default=None, metavar="STORE", help="write stage snapshots here (directory or s3://bucket/prefix)")
     parser.add_argument("--publish-every", type=int, default=5, help="epochs between snapshots (default 5)")
+    parser.add_argument("--checkpoints", default=None, metavar="STORE",
+                        help="write timestamped checkpoints here (directory or s3://bucket/prefix), every checkpoint.period_s")
     parser.add_argument("--snapshot", type=Path, default=None, help="start from this downloaded snapshot directory")
     parser.add_argument("--events", default=None, help="also write JSON-line events to this file ('-' = stdout)")
 
@@ -31,6 +33,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from agora_client.snapshots import SnapshotError
     from agora_client.worker.node import WorkerNode, WorkerOptions
     from agora_client.system.lifetime import die_with_parent
 
@@ -60,12 +63,16 @@ def run(args: argparse.Namespace) -> int:
         snapshot=args.snapshot,
         publish_dir=args.publish_snapshots,
         publish_every=args.publish_every,
+        checkpoint_store=args.checkpoints,
     )
     try:
         node = WorkerNode(options, events)
     except NoSeedAnswered as error:
         print(f"[ERROR] {error}", file=sys.stderr)
         return 1
+    except SnapshotError as error:  # a --snapshot that is damaged or from another run config
+        print(f"[ERROR] {error}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())

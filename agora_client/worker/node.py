@@ -11,10 +11,11 @@ from typing import Callable
 import torch
 from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
+from agora_client.checkpoints.writer import CheckpointWriter
 from agora_client.config import RunConfig
 from agora_client.events import ErrorEvent, EventWriter, StageEvent, StepEvent
 from agora_client.model import build_stage
-from agora_client.snapshots import load_stage_snapshot, save_stage_snapshot
+from agora_client.snapshots import keep_newest, load_stage_snapshot, open_store, save_stage_snapshot
 from agora_client.swarm.dht import connect_dht
 from agora_client.swarm.roster import WorkerRecord, fetch_roster, free_index, stage_uid
 from agora_client.worker.backend import StageBackend
@@ -39,11 +40,12 @@ class WorkerOptions:
     init_seed: int | None = None  # different seeds give different starting weights (tests of averaging)
     slowdown_s: float = 0.0  # added to every request: emulates a slow GPU in tests and benchmarks
     snapshot: Path | None = None  # a downloaded stage snapshot to start from
-    publish_dir: Path | None = None  # write a snapshot of this stage here every publish_every epochs
+    publish_dir: Path | str | None = None  # snapshot store (directory or s3://) written every publish_every epochs
     publish_every: int = 5
     publish_keep: int = 3
     exit_snapshot_dir: Path | None = None  # on a graceful stop, save this worker's own state here
     max_batch_size: int | None = None  # sequences per pass (the GPU fit check's); default 8 microbatches
+    checkpoint_store: str | None = None  # timestamped checkpoints every config.checkpoint.period_s (directory or s3://)
     dht_kwargs: dict = field(default_factory=dict)
 
 
@@ -118,6 +120,13 @@ class WorkerNode:
         self._round_hooks: list[Callable[[RoundReport], None]] = []
         self._last_epoch = start_epoch  # the epoch of the previous epoch hook: rounds crossed by a jump still start
         self._snapshot_due = options.publish_dir is not None  # the first one is written at start()
+        self.snapshots = open_store(options.publish_dir) if options.publish_dir is not None else None
+        self.checkpoints = None
+        if options.checkpoint_store is not None:
+            self.checkpoints = CheckpointWriter(
+                open_store(options.checkpoint_store), config, stage, self.module, self.optimizer, self.epochs.lock,
+                grad_norm=lambda: self.epochs.last_grad_norm, events=events,
+            )
         self.sparta = SpartaAverager(
             self.dht,
             f"agora_{stage}_sparta",
@@ -230,22 +239,24 @@ class WorkerNode:
         self._last_epoch = epoch
         if round_no is not None:
             self.sparta.begin_round(round_no, self.sync.averaging_weight)
+        if self.checkpoints is not None:
+            self.checkpoints.on_epoch(epoch, loss, averaging=self.sparta.in_flight)
         if self.options.publish_dir is not None:
             self._snapshot_due |= epoch % self.options.publish_every == 0
             if self._snapshot_due and not self.sparta.in_flight:  # only outside averaging rounds: a consistent state
                 self.publish_snapshot(epoch)
 
-    def publish_snapshot(self, epoch: int) -> Path:
-        """Write this stage's snapshot; under the lock, so weights and optimizer state are consistent."""
-        with self.epochs.lock:
-            self._snapshot_due = False
-            return save_stage_snapshot(
-                self.options.publish_dir, self.options.stage, self.module, self.optimizer, epoch, self.options.publish_keep
-            )
+    def publish_snapshot(self, epoch: int) -> None:
+        """Write this stage's snapshot; serialized under the lock, so weights and optimizer state are consistent."""
+        self._snapshot_due = False
+        self.snapshots.save(self.options.stage, self.module, self.optimizer, epoch, lock=self.epochs.lock)
+        self.snapshots.prune(self.options.stage, keep_newest(self.options.publish_keep))
 
     def shutdown(self) -> None:
         self.sparta.shutdown()  # leaves its averaging group first, so peers need not wait for us
         self.epochs.shutdown()
+        if self.checkpoints is not None:
+            self.checkpoints.close(self.epochs.epoch)  # a stopped swarm resumes from where it stopped
         if self.options.exit_snapshot_dir is not None:
             with self.epochs.lock:
                 save_stage_snapshot(

@@ -1,0 +1,195 @@
+"""Where stage snapshots live: a local directory (served by ``server.py``) or an S3-compatible bucket.
+
+Both hold the same layout (see ``format.py``): ``<stage>/<epoch>-<UTC time>/{params,optimizer}.safetensors``,
+its ``manifest.json`` written last, and ``<stage>/latest.json``. A snapshot counts as present once its
+manifest is, so a reader never sees half of one. ``open_store`` picks the backend from the location;
+the S3 backend (and boto3) is imported only when a location starts with ``s3://``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .format import (
+    LATEST_FILE,
+    MANIFEST_FILE,
+    SnapshotError,
+    fsync_dir,
+    read_manifest,
+    snapshot_name,
+    snapshot_time,
+    write_json,
+    write_snapshot_files,
+)
+
+
+@dataclass(frozen=True, order=True)
+class StoredSnapshot:
+    """One complete snapshot in a store, known from its name alone (no manifest read)."""
+
+    timestamp: float
+    stage: str
+    name: str
+
+    @property
+    def epoch(self) -> int:
+        return int(self.name.split("-", 1)[0])
+
+
+# Given a stage's snapshots (oldest first) and the time now, the names to keep.
+KeepPolicy = Callable[[list[StoredSnapshot], float], set[str]]
+
+
+def keep_newest(count: int) -> KeepPolicy:
+    if count < 1:
+        raise SnapshotError(f"keep must be at least 1 (got {count}): the snapshot just written is always kept")
+    return lambda snapshots, now: {snapshot.name for snapshot in snapshots[-count:]}
+
+
+class SnapshotStore(ABC):
+    """A place for stage snapshots; ``location`` is what ``open_store`` was given."""
+
+    location: str
+
+    def save(
+        self,
+        stage: str,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        epoch: int,
+        *,
+        extra: dict[str, Any] | None = None,
+        timestamp: float | None = None,
+        lock: AbstractContextManager = nullcontext(),
+    ) -> StoredSnapshot:
+        """Write a snapshot; only the serialization runs under ``lock``, the upload (if any) after it."""
+        timestamp = time.time() if timestamp is None else timestamp
+        name = snapshot_name(epoch, timestamp)
+        staging = self._staging_dir(stage, name)
+        try:
+            with lock:
+                write_snapshot_files(staging, stage, module, optimizer, epoch, timestamp=timestamp, extra=extra)
+            self._commit(stage, name, staging)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return StoredSnapshot(snapshot_time(name) or timestamp, stage, name)
+
+    def prune(self, stage: str, policy: KeepPolicy, now: float | None = None) -> list[StoredSnapshot]:
+        """Remove the stage's snapshots the policy does not keep (never the newest); returns the removed ones."""
+        snapshots = self.list(stage)
+        if not snapshots:
+            return []
+        keep = policy(snapshots, time.time() if now is None else now) | {snapshots[-1].name}
+        removed = [snapshot for snapshot in snapshots if snapshot.name not in keep]
+        for snapshot in removed:
+            self.remove(snapshot)
+        return removed
+
+    @abstractmethod
+    def stages(self) -> list[str]:
+        """Stage names that hold at least one object."""
+
+    @abstractmethod
+    def list(self, stage: str) -> list[StoredSnapshot]:
+        """The stage's complete snapshots, oldest first."""
+
+    @abstractmethod
+    def manifest(self, snapshot: StoredSnapshot) -> dict[str, Any]:
+        """The snapshot's checked manifest."""
+
+    @abstractmethod
+    def local_dir(self, snapshot: StoredSnapshot, cache: Path) -> Path:
+        """A local directory holding the snapshot's files (downloaded under ``cache`` if remote); not yet verified."""
+
+    @abstractmethod
+    def remove(self, snapshot: StoredSnapshot) -> None: ...
+
+    @abstractmethod
+    def _staging_dir(self, stage: str, name: str) -> Path: ...
+
+    @abstractmethod
+    def _commit(self, stage: str, name: str, staging: Path) -> None:
+        """Make the files in ``staging`` the snapshot ``stage/name`` (manifest last), then point latest.json at it."""
+
+
+class LocalStore(SnapshotStore):
+    def __init__(self, root: Path | str):
+        self.root = Path(root)
+        self.location = str(self.root)
+
+    def stages(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(entry.name for entry in self.root.iterdir() if entry.is_dir() and not entry.name.startswith("."))
+
+    def list(self, stage: str) -> list[StoredSnapshot]:
+        stage_dir = self.root / stage
+        if not stage_dir.is_dir():
+            return []
+        found = []
+        for entry in stage_dir.iterdir():
+            moment = snapshot_time(entry.name)
+            if moment is not None and (entry / MANIFEST_FILE).is_file():
+                found.append(StoredSnapshot(moment, stage, entry.name))
+        return sorted(found)
+
+    def path(self, snapshot: StoredSnapshot) -> Path:
+        return self.root / snapshot.stage / snapshot.name
+
+    def manifest(self, snapshot: StoredSnapshot) -> dict[str, Any]:
+        return read_manifest(self.path(snapshot) / MANIFEST_FILE)
+
+    def local_dir(self, snapshot: StoredSnapshot, cache: Path) -> Path:
+        return self.path(snapshot)
+
+    def remove(self, snapshot: StoredSnapshot) -> None:
+        shutil.rmtree(self.path(snapshot), ignore_errors=True)  # another publisher may have pruned it already
+
+    def _staging_dir(self, stage: str, name: str) -> Path:
+        stage_dir = self.root / stage
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=stage_dir))  # same file system: rename is atomic
+
+    def _commit(self, stage: str, name: str, staging: Path) -> None:
+        stage_dir = self.root / stage
+        os.rename(staging, stage_dir / name)
+        fsync_dir(stage_dir)
+        latest = {"stage": stage, "epoch": int(name.split("-", 1)[0]), "timestamp": snapshot_time(name),
+                  "manifest": f"{name}/{MANIFEST_FILE}"}
+        write_json(stage_dir / LATEST_FILE, latest)
+
+
+def open_store(location: str | Path) -> SnapshotStore:
+    """``s3://bucket/prefix`` (endpoint and credentials from the usual AWS_* variables) or a local directory."""
+    text = str(location)
+    if text.startswith("s3://"):
+        try:
+            from .s3 import S3Store  # boto3 only for operators who use S3
+        except ImportError as error:
+            raise SnapshotError(f"{text}: an S3 store needs boto3 ({error}); pip install boto3") from None
+        return S3Store(text)
+    if "://" in text:
+        raise SnapshotError(f"{text} is neither a local directory nor an s3://bucket/prefix location")
+    return LocalStore(text)
+
+
+def save_stage_snapshot(
+    root: Path, stage: str, module: nn.Module, optimizer: torch.optim.Optimizer, epoch: int, keep: int
+) -> Path:
+    """Write one snapshot under ``root/stage`` and keep the newest ``keep``; returns the snapshot directory."""
+    policy = keep_newest(keep)
+    store = LocalStore(root)
+    written = store.save(stage, module, optimizer, epoch)
+    store.prune(stage, policy)
+    return store.path(written)
