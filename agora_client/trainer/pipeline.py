@@ -85,7 +85,7 @@ class Pipeline:
             boundary = outputs[0]
         losses = boundary
         if not bool(torch.isfinite(losses).all()):
-            tail_uid = trace[-1][1]
+            tail_uid = trace[-1][1][0]
             raise NonFiniteLoss(f"the loss from {tail_uid} is not finite; the microbatch is dropped without a backward pass")
         # Workers average gradients over the samples they accumulated, so each sample's loss gets weight 1.
         grad: torch.Tensor = torch.ones_like(losses)

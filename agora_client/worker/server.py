@@ -84,12 +84,16 @@ class GuardedConnectionHandler(ConnectionHandler):
             check_descriptors(request.tensors, self._schemas[request.uid, "backward"], self._max_request_batch)
             return await super().rpc_backward(request, context)
 
-    async def rpc_forward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext):
+    async def rpc_forward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         with self._refusals(context):
             async for reply in super().rpc_forward_stream(self._checked_stream(requests, context, "forward"), context):
                 yield reply
 
-    async def rpc_backward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext):
+    async def rpc_backward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         with self._refusals(context):
             async for reply in super().rpc_backward_stream(self._checked_stream(requests, context, "backward"), context):
                 yield reply

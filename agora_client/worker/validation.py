@@ -52,12 +52,14 @@ class DescriptorCheck:
 
     def __init__(self, schema: Sequence[BatchTensorDescriptor], max_batch_size: int):
         self.schema, self.max_batch_size = schema, max_batch_size
-        self._wire_dtypes = [serialize_torch_tensor(torch.zeros(1, dtype=d.dtype)).dtype for d in schema]
+        self._wire = [serialize_torch_tensor(torch.zeros(1, dtype=d.dtype)) for d in schema]
         self._index, self._budget, self._batch = -1, 0, None
+        self._exact = False  # uncompressed tensors must carry exactly the bytes their shape needs
 
     def feed(self, parts: Iterable[runtime_pb2.Tensor]) -> None:
         for part in parts:
             if part.dtype:  # the header part of the next tensor
+                self._end_tensor()
                 self._start_tensor(part)
             elif self._index < 0:
                 raise BadRequest("a tensor part arrived before any tensor header; send serialized hivemind tensors")
@@ -67,6 +69,12 @@ class DescriptorCheck:
                     f"tensor {self._index} carries more bytes than its declared shape {tuple(self._declared)} holds",
                     reason="oversized",
                 )
+
+    def _end_tensor(self) -> None:
+        if self._index >= 0 and self._exact and self._budget != _BYTES_SLACK:
+            raise BadRequest(
+                f"tensor {self._index} is {_BYTES_SLACK - self._budget} bytes short of its declared shape {tuple(self._declared)}"
+            )
 
     def _start_tensor(self, part: runtime_pb2.Tensor) -> None:
         self._index += 1
@@ -88,12 +96,15 @@ class DescriptorCheck:
         if self._batch is not None and batch != self._batch:
             raise BadRequest(f"all tensors must share a leading batch dimension, got {self._batch} and {batch}")
         self._batch = batch
-        if part.dtype != self._wire_dtypes[self._index]:
-            raise BadRequest(f"tensor {self._index} has dtype {part.dtype}, expected {self._wire_dtypes[self._index]}")
-        element_bytes = max(torch.empty((), dtype=descriptor.dtype).element_size(), 4)  # bf16 travels as fp32
+        wire = self._wire[self._index]
+        if part.dtype != wire.dtype:
+            raise BadRequest(f"tensor {self._index} has dtype {part.dtype}, expected {wire.dtype}")
+        element_bytes = len(wire.buffer)  # bytes per element on the wire (bf16 travels as fp32)
         self._budget = batch * math.prod(expected_tail) * element_bytes + _BYTES_SLACK
+        self._exact = part.compression == runtime_pb2.CompressionType.NONE
 
     def finish(self) -> None:
+        self._end_tensor()
         if self._index + 1 != len(self.schema):
             raise BadRequest(f"expected {len(self.schema)} tensors, got {self._index + 1}")
 
