@@ -100,8 +100,8 @@ class LocalSwarm:
     def _spawn(self, name: str, args: list[str]) -> ManagedProcess:
         return ManagedProcess(name, args, self.options.run_dir / "logs" / f"{name}.log", on_line=self.on_line)
 
-    def start_seeds(self) -> list[str]:
-        for index in range(2):
+    def start_seeds(self, count: int = 2) -> list[str]:
+        for index in range(count):
             seed = self._spawn(f"seed{index}", ["seed", "--seeds", *self.seed_addrs])
             self.seeds.append(seed)
             self.seed_addrs.append(seed.wait_for(READY_PREFIX, START_TIMEOUT).split()[-1])
