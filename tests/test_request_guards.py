@@ -10,6 +10,7 @@ import pytest
 import torch
 from hivemind import DHT
 from hivemind.compression import serialize_torch_tensor
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import split_for_streaming
 from hivemind.utils.tensor_descr import BatchTensorDescriptor
@@ -19,7 +20,9 @@ from agora_client.auth.tickets import generate_signing_key, issue_ticket, public
 from agora_client.config import SyncConfig
 from agora_client.swarm.roster import WorkerRecord
 from agora_client.trainer.balancer import Router, StageBalancer
+from agora_client.trainer.errors import ErrorClass, classify
 from agora_client.trainer.pipeline import NonFiniteLoss, Pipeline, StallNotice
+from agora_client.worker.backend import WorkerUnhealthy
 from agora_client.worker.epochs import EpochController
 from agora_client.worker.rejections import RejectionLog
 from agora_client.worker.sync import SyncState
@@ -277,3 +280,11 @@ def test_a_microbatch_with_a_non_finite_loss_is_dropped_before_backward(loss: fl
     pipeline = Pipeline(stages, {stage: healthy for stage in stages}, router, StallNotice(lambda message: None))
     assert pipeline.train_microbatch(torch.zeros(2, 9, dtype=torch.int64)) == pytest.approx(2.0)
     assert healthy.backwards == 2
+
+
+def test_trainers_move_off_an_unhealthy_worker_and_give_up_on_a_refused_request() -> None:
+    assert classify(P2PHandlerError(repr(WorkerUnhealthy(WorkerUnhealthy.MESSAGE)))) is ErrorClass.RETRY_OTHER
+    refused = TicketRejected("expired_ticket", "ticket expired 12s ago; join the swarm again for a new one")
+    assert classify(P2PHandlerError(repr(refused))) is ErrorClass.FATAL
+    oversized = BadRequest("batch size 64 is outside 1..8, the stage's largest microbatch; split the request", "oversized")
+    assert classify(P2PHandlerError(f"Failed to call handler `rpc_forward_stream` at 12D3: {oversized}")) is ErrorClass.FATAL
