@@ -41,7 +41,7 @@ KEY = generate_signing_key()
 
 
 def ticket(role: str = "trainer", peer_id: str = CALLER, stage: str = "trainer", key=KEY, **kwargs) -> bytes:
-    kwargs.setdefault("ttl_s", 60)
+    kwargs.setdefault("ttl_s", 6 * 3600)  # built at collection time: must outlive a slow suite
     return issue_ticket(key, identity="op", peer_id=peer_id, stage=stage, slot=0, role=role, **kwargs).encode()
 
 
@@ -63,6 +63,7 @@ def test_gate_accepts_a_trainer_ticket_from_the_peer_it_names() -> None:
         (ticket(role="worker"), "wrong_role", "a worker ticket may not make this call"),
         (ticket(peer_id="12D3KooWsomeoneelse"), "wrong_peer", "not to the caller"),
     ],
+    ids=["missing", "not_ascii", "malformed", "expired", "forged", "wrong_role", "wrong_peer"],
 )
 def test_gate_refuses_with_a_reason(presented: bytes, reason: str, says: str) -> None:
     with pytest.raises(TicketRejected, match=says) as refused:
