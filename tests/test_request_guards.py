@@ -58,7 +58,7 @@ def test_gate_accepts_a_trainer_ticket_from_the_peer_it_names() -> None:
         (b"", "no_ticket", "carries no ticket"),
         (b"\xff\xfe garbage", "malformed_ticket", "not ASCII"),
         (b"not-a-ticket", "malformed_ticket", "malformed ticket"),
-        (ticket(now=time.time() - 7200), "expired_ticket", "expired"),
+        (ticket(now=time.time() - 7200, ttl_s=60), "expired_ticket", "expired"),
         (ticket(key=generate_signing_key()), "bad_signature_ticket", "signature does not match"),
         (ticket(role="worker"), "wrong_role", "a worker ticket may not make this call"),
         (ticket(peer_id="12D3KooWsomeoneelse"), "wrong_peer", "not to the caller"),
