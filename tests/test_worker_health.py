@@ -43,6 +43,7 @@ def test_broken_weights_take_the_worker_out_of_routing_until_it_reloaded(tmp_pat
         EventWriter(sink),
     )
     try:
+        node.start()
         assert node.record().healthy and node.record().routable
         node.epochs.optimizer = torch.optim.SGD(node.parameters, lr=math.inf)  # a step that breaks every weight
         for parameter in node.parameters:
@@ -66,6 +67,7 @@ def test_without_a_snapshot_source_it_stays_out_of_routing(tmp_path) -> None:
     sink = Recorder()
     node = WorkerNode(WorkerOptions(config, "body1", [], index=0), EventWriter(sink))
     try:
+        node.start()
         node.mark_unhealthy("its forward outputs turned non-finite on finite inputs")
         assert not node.record().healthy and not node.record().routable
         wait_until(lambda: any("restart this worker to rejoin" in line for line in sink.events), 10, "the warning", poll=0.2)
