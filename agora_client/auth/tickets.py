@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 TICKET_VERSION = 1
 _MAX_TICKET_CHARS = 4096
+ROLES = ("worker", "trainer")  # a worker serves one stage; a trainer (operator) calls forward / backward
 
 
 class InvalidTicket(ValueError):
@@ -39,6 +40,7 @@ class TicketClaims:
     slot: int
     issued_at: float
     expires_at: float
+    role: str = "worker"  # tickets issued before roles existed were all workers' tickets
 
 
 def generate_signing_key() -> Ed25519PrivateKey:
@@ -112,11 +114,14 @@ def issue_ticket(
     slot: int,
     ttl_s: float,
     now: float | None = None,
+    role: str = "worker",
 ) -> str:
     if ttl_s <= 0:
         raise ValueError(f"ticket ttl_s must be positive, got {ttl_s}")
+    if role not in ROLES:
+        raise ValueError(f"ticket role must be one of {', '.join(ROLES)}, got {role!r}")
     issued_at = time.time() if now is None else now
-    claims = TicketClaims(identity, peer_id, stage, int(slot), issued_at, issued_at + ttl_s)
+    claims = TicketClaims(identity, peer_id, stage, int(slot), issued_at, issued_at + ttl_s, role)
     payload = json.dumps({"v": TICKET_VERSION, **asdict(claims)}, separators=(",", ":"), sort_keys=True)
     encoded = _b64encode(payload.encode("utf-8"))
     signature = key.sign(encoded.encode("ascii"))
@@ -144,7 +149,7 @@ def verify_ticket(public_key: str | Ed25519PublicKey, ticket: str, *, now: float
         if data.pop("v") != TICKET_VERSION:
             raise ValueError("version")
         claims = TicketClaims(**data)
-        if not all(isinstance(getattr(claims, name), str) for name in ("identity", "peer_id", "stage")):
+        if not all(isinstance(getattr(claims, name), str) for name in ("identity", "peer_id", "stage", "role")):
             raise ValueError("types")
         if not isinstance(claims.slot, int) or not all(
             isinstance(value, (int, float)) for value in (claims.issued_at, claims.expires_at)

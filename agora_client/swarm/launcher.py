@@ -3,6 +3,9 @@
 Two seeds, then workers for every stage, then trainers. The trainers' progress lines (loss) are
 relayed to the console; every process writes its own log under the run directory. Ctrl-C stops
 everything, p2p daemons included.
+
+The swarm's ticket signing key (the one its auth service uses, if started) is created first: the
+operator's own workers and trainers sign their tickets with it, and workers serve only its tickets.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from agora_client.auth.identity import write_demo_token_file
+from agora_client.auth.tickets import load_or_create_signing_key
 from agora_client.checkpoints.sets import CheckpointError, CheckpointSet, format_time, parse_time, select_set
 from agora_client.config import ConfigError, load_config
 from agora_client.snapshots import SnapshotError, SnapshotServer, open_store, read_manifest, serve_directory
@@ -61,6 +65,12 @@ class LocalSwarm:
         self.snapshot_server: SnapshotServer | None = None
         self.started_at = time.monotonic()
         self.resume_dirs: dict[str, Path] = {}  # stage -> the checkpoint its workers start from
+        load_or_create_signing_key(self.signing_key_path)
+
+    @property
+    def signing_key_path(self) -> Path:
+        """Where the auth service of this swarm keeps its key (``start_join_services`` uses the same state dir)."""
+        return self.options.run_dir / "auth" / "state" / "signing_key.pem"
 
     @property
     def snapshot_dir(self) -> Path:
@@ -78,7 +88,7 @@ class LocalSwarm:
         auth_dir = self.options.run_dir / "auth"
         token_file = auth_dir / "tokens.json"
         token = write_demo_token_file(token_file)
-        args = ["auth", "--state-dir", str(auth_dir / "state"), "--config", self.options.preset]
+        args = ["auth", "--state-dir", str(self.signing_key_path.parent), "--config", self.options.preset]
         args += ["--identity", "token-file", "--token-file", str(token_file), "--snapshot-url", self.snapshot_server.url]
         args += ["--pacing", str(pacing), "--max-workers-per-stage", str(max_workers_per_stage)]
         for seed in self.seed_addrs:
@@ -97,8 +107,8 @@ class LocalSwarm:
     def _spawn(self, name: str, args: list[str]) -> ManagedProcess:
         return ManagedProcess(name, args, self.options.run_dir / "logs" / f"{name}.log", on_line=self.on_line)
 
-    def start_seeds(self) -> list[str]:
-        for index in range(2):
+    def start_seeds(self, count: int = 2) -> list[str]:
+        for index in range(count):
             seed = self._spawn(f"seed{index}", ["seed", "--seeds", *self.seed_addrs])
             self.seeds.append(seed)
             self.seed_addrs.append(seed.wait_for(READY_PREFIX, START_TIMEOUT).split()[-1])
@@ -107,11 +117,13 @@ class LocalSwarm:
     def start_worker(self, stage: str, *extra: str, wait: bool = True) -> ManagedProcess:
         index = len(self.workers[stage])
         args = ["worker", "--stage", stage, "--index", str(index), "--preset", self.options.preset]
-        args += ["--seeds", *self.seed_addrs]
+        args += ["--seeds", *self.seed_addrs, "--ticket-key", str(self.signing_key_path)]
         args += ["--events", str(self.options.run_dir / "events" / f"{stage}-{index}.jsonl")]
         (self.options.run_dir / "events").mkdir(parents=True, exist_ok=True)
-        if index == 0 and self.options.publish_snapshots:
-            args += ["--publish-snapshots", str(self.snapshot_dir), "--publish-every", str(self.options.publish_every)]
+        if self.options.publish_snapshots:
+            args += ["--recover-from", str(self.snapshot_dir)]
+            if index == 0:
+                args += ["--publish-snapshots", str(self.snapshot_dir), "--publish-every", str(self.options.publish_every)]
         if index == 0 and self.options.checkpoint_store:
             args += ["--checkpoints", self.options.checkpoint_store]
         if stage in self.resume_dirs:
@@ -124,7 +136,7 @@ class LocalSwarm:
 
     def start_trainer(self, *extra: str) -> ManagedProcess:
         index = len(self.trainers)
-        args = ["trainer", "--preset", self.options.preset, "--seeds", *self.seed_addrs]
+        args = ["trainer", "--preset", self.options.preset, "--seeds", *self.seed_addrs, "--ticket-key", str(self.signing_key_path)]
         args += ["--shard", f"{index}/{max(self.options.trainers, index + 1)}", "--report-every", str(self.options.report_every)]
         trainer = self._spawn(f"trainer{index}", [*args, *self.options.trainer_args, *extra])
         self.trainers.append(trainer)

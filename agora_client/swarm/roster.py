@@ -24,6 +24,7 @@ class WorkerRecord(BaseModel):
     stage: str
     sync_phase: SyncPhaseCode = 0
     epoch: int = 0
+    healthy: bool = True  # False: its own outputs turned non-finite; it serves nothing until it has reloaded
 
     @property
     def key(self) -> tuple[str, str]:
@@ -32,8 +33,8 @@ class WorkerRecord(BaseModel):
 
     @property
     def routable(self) -> bool:
-        """Trainers send batches to active workers and to workers warming up their optimizer (phase 2)."""
-        return self.sync_phase != 1
+        """Trainers send batches to healthy workers that are active or warming up their optimizer (phase 2)."""
+        return self.healthy and self.sync_phase != 1
 
 
 def roster_key(stage: str) -> str:

@@ -19,7 +19,9 @@ import sys
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from pathlib import Path
 
+from agora_client.auth.ticket_source import SelfIssuedTickets
 from agora_client.config import ConfigError, load_config
 from agora_client.swarm.dht import NoSeedAnswered, connect_dht
 from agora_client.swarm.roster import WorkerRecord, fetch_roster
@@ -43,6 +45,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ban-seconds", type=float, default=30.0, help="how long an unreachable worker is skipped")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a request is given up")
     parser.add_argument("--max-microbatches", type=int, default=0, help="stop after this many (0 = run until stopped)")
+    parser.add_argument(
+        "--ticket-key", type=Path, default=None, metavar="PEM",
+        help="the auth service's signing key (operator host): sign this trainer's tickets for workers that check them",
+    )
     parser.add_argument(
         "--routing",
         choices=sorted(BALANCERS),
@@ -109,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         stream = SequenceStream(args.data, config.model.seq_len, shard, seed=config.seed + shard.index)
         batches = stream.batches(config.optim.microbatch_size)
         batches = itertools.chain([next(batches)], batches)  # read the source now: bad --data fails before joining
+        tickets = SelfIssuedTickets.from_file(args.ticket_key, role="trainer", stage="trainer") if args.ticket_key else None
     except (ConfigError, DataError, ValueError) as error:
         say("ERROR", str(error))
         return 2
@@ -122,7 +129,9 @@ def run(args: argparse.Namespace) -> int:
         say("ERROR", str(error))
         return 1
     traffic = TrafficCounter()
-    clients = {stage: StageClient(stage, dhts[stage], traffic, args.timeout) for stage in stages}
+    if tickets is None:
+        say("WARNING", "no --ticket-key: requests carry no ticket, and workers that check tickets will refuse them")
+    clients = {stage: StageClient(stage, dhts[stage], traffic, args.timeout, tickets) for stage in stages}
     balancer = BALANCERS[args.routing]
     router = Router(stages, lambda stage: balancer(stage, ban_seconds=args.ban_seconds))
     watcher = RosterWatcher(dhts, router, args.roster_every, stop)

@@ -27,6 +27,10 @@ class RequestFailed(RuntimeError):
     """A request that cannot succeed by retrying (rejected as malformed, or out of attempts)."""
 
 
+class NonFiniteLoss(RequestFailed):
+    """The tail returned a NaN or infinite loss: the microbatch is dropped before any backward."""
+
+
 class StallNotice:
     """Says once that a stage has no reachable worker, and once that it is back."""
 
@@ -80,6 +84,9 @@ class Pipeline:
             trace.append((stage, worker, inputs))
             boundary = outputs[0]
         losses = boundary
+        if not bool(torch.isfinite(losses).all()):
+            tail_uid = trace[-1][1][0]
+            raise NonFiniteLoss(f"the loss from {tail_uid} is not finite; the microbatch is dropped without a backward pass")
         # Workers average gradients over the samples they accumulated, so each sample's loss gets weight 1.
         grad: torch.Tensor = torch.ones_like(losses)
         for stage, worker, inputs in reversed(trace):

@@ -4,6 +4,10 @@ Activations cross the process boundary detached, so on backward the worker re-ru
 on the resent input to rebuild the autograd graph (hivemind's ModuleBackend.backward does exactly
 that), then returns only the gradient with respect to the input. Parameter gradients stay here
 and are consumed by the stage's own optimizer at the next stage epoch.
+
+Inputs reaching the backend are finite (the connection handler checked them), so outputs or input
+gradients that are not finite mean this worker's own weights are broken: it reports itself unhealthy
+and fails the batch rather than hand the numbers on.
 """
 
 from __future__ import annotations
@@ -16,6 +20,15 @@ import torch
 from hivemind.moe.server.module_backend import ModuleBackend
 
 from agora_client.worker.epochs import EpochController
+
+
+class WorkerUnhealthy(RuntimeError):
+    """This worker is out of routing (its own outputs turned non-finite); callers should go elsewhere."""
+
+    MESSAGE = (
+        "this worker is not ready: its outputs turned non-finite and it is reloading a peer's state; "
+        "send the request to another worker of the stage"
+    )
 
 
 def autocast_context(device: torch.device, mixed_precision: bool) -> Callable[[], contextlib.AbstractContextManager]:
@@ -40,18 +53,20 @@ class StageBackend(ModuleBackend):
         mixed_precision: bool,
         on_forward: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], None],
         on_backward: Callable[[torch.Tensor], None],
+        on_unhealthy: Callable[[str], None],
         slowdown_s: float = 0.0,
         **kwargs,
     ):
         super().__init__(name, module, **kwargs)
         self.epochs, self.slowdown_s = epochs, slowdown_s
         self._autocast = autocast_context(device, mixed_precision)
-        self._on_forward, self._on_backward = on_forward, on_backward
+        self._on_forward, self._on_backward, self._on_unhealthy = on_forward, on_backward, on_unhealthy
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         with self.epochs.lock, self._autocast():
             outputs = super().forward(*inputs)
         outputs = tuple(out.float() if out.is_floating_point() else out for out in outputs)
+        self._require_finite(outputs, "forward outputs")
         time.sleep(self.slowdown_s)  # emulates a slower GPU in tests and benchmarks (0 by default)
         self._on_forward(_tokens(inputs), outputs)
         return outputs
@@ -59,9 +74,16 @@ class StageBackend(ModuleBackend):
     def backward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         with self.epochs.lock, self._autocast():
             grads = super().backward(*inputs)  # re-runs forward, autograd, then calls on_backward
+        grads = tuple(grad.float() if grad.is_floating_point() else grad for grad in grads)
+        self._require_finite(grads, "input gradients")
         time.sleep(self.slowdown_s)
         self._on_backward(_tokens(inputs))
-        return tuple(grad.float() if grad.is_floating_point() else grad for grad in grads)
+        return grads
+
+    def _require_finite(self, tensors: tuple[torch.Tensor, ...], what: str) -> None:
+        if not all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point()):
+            self._on_unhealthy(f"its {what} turned non-finite on finite inputs")
+            raise WorkerUnhealthy(WorkerUnhealthy.MESSAGE)
 
     def on_backward(self, batch_size: int) -> None:
         # Replaces hivemind's per-request optimizer step: gradients accumulate until the stage epoch.

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from agora_client.auth.client import Authorization, StageAssignment, authorize, leave, renew_ticket, report_active
+from agora_client.auth.ticket_source import HeldTicket
 from agora_client.config import RunConfig
 from agora_client.events import EventWriter
 from agora_client.monitor.estimate import estimate_points, fetch_confirmed
@@ -86,6 +87,7 @@ class Contributor:
         self.options, self.events, self.stop = options, events, stop
         self.auth: Authorization | None = None
         self.node: WorkerNode | None = None
+        self.ticket = HeldTicket("")
 
     def run(self, token: str) -> None:
         options = self.options
@@ -101,6 +103,7 @@ class Contributor:
         snapshot = fetch.result()
         if self.stop.is_set():
             return
+        self.ticket.replace(auth.ticket)
         self.node = node = WorkerNode(
             WorkerOptions(
                 options.config,
@@ -112,6 +115,9 @@ class Contributor:
                 exit_snapshot_dir=options.config_dir / "snapshots" / "own",
                 max_batch_size=fit.max_batch_size,
                 dht_kwargs=dht_kwargs,
+                auth_public_key=auth.public_key,
+                tickets=self.ticket,
+                recovery=lambda: self._download_snapshot(auth.snapshot_url),
             ),
             self.events,
         )
@@ -148,7 +154,14 @@ class Contributor:
         if auth is not None and auth.expires_at - time.time() < RENEW_MARGIN:
             ticket, expires_at = renew_ticket(self.options.swarm_url, auth.ticket)
             self.auth = replace(auth, ticket=ticket, expires_at=expires_at)
+            self.ticket.replace(ticket)
             metrics.set_ticket(ticket)
+
+    def _download_snapshot(self, url: str | None) -> Path | None:
+        """The stage's latest published snapshot (a peer's state), for recovering from broken weights."""
+        if not url:
+            return None
+        return download_snapshot(url, self.options.config_dir / "snapshots", events=self.events)
 
     def close(self) -> None:
         """Leave gracefully: finish the current request, leave the stage, free the slot."""

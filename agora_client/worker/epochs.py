@@ -5,10 +5,14 @@ passes; a hivemind ProgressTracker sums the samples of all active workers of the
 and once the sum crosses ``target_batch_size`` every worker clips and steps locally and the stage
 epoch advances. ``lock`` guards parameters and gradients: backward, the optimizer step and the
 application of a SPARTA result never overlap.
+
+A step is taken only on finite gradients (a non-finite one is dropped, the weights stay as they were),
+and weights that turn non-finite anyway are reported, so the worker leaves routing and reloads.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Callable
 
@@ -34,10 +38,14 @@ class EpochController:
         sync: SyncState,
         on_epoch: Callable[[int], None],
         on_error: Callable[[Exception], None],
+        on_skipped_step: Callable[[str], None],
+        on_corrupt_weights: Callable[[str], None],
         epoch: int = 0,
     ):
         self.parameters, self.optimizer, self.clip_norm = parameters, optimizer, clip_norm
         self.sync, self._on_epoch, self._on_error = sync, on_epoch, on_error
+        self._on_skipped_step, self._on_corrupt_weights = on_skipped_step, on_corrupt_weights
+        self.skipped_steps = 0
         self.lock = threading.RLock()
         self.epoch = epoch
         self.local_samples = 0  # samples whose gradients sit in .grad now
@@ -81,8 +89,18 @@ class EpochController:
             if parameter.grad is not None:
                 parameter.grad.div_(self.local_samples)
         self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, self.clip_norm))
-        self.optimizer.step()
+        if not math.isfinite(self.last_grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+            self._on_skipped_step(
+                f"skipped the optimizer step of epoch {self.epoch}: the gradient norm is {self.last_grad_norm}; "
+                "the last good weights are kept"
+            )
+            return
+        self.optimizer.step()  # whatever optimizer the node built: only its step() is relied on
         self.optimizer.zero_grad(set_to_none=True)
+        if not all_finite(self.parameters):
+            self._on_corrupt_weights(f"its weights turned non-finite in the optimizer step of epoch {self.epoch}")
 
     def _follow_stage(self) -> None:
         while not self._stop.wait(EPOCH_POLL_SECONDS):
@@ -96,3 +114,8 @@ class EpochController:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self.tracker.shutdown(timeout=5)
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    with torch.no_grad():
+        return all(bool(torch.isfinite(tensor).all()) for tensor in tensors)

@@ -28,14 +28,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="write timestamped checkpoints here (directory or s3://bucket/prefix), every checkpoint.period_s")
     parser.add_argument("--snapshot", type=Path, default=None, help="start from this downloaded snapshot directory")
     parser.add_argument("--events", default=None, help="also write JSON-line events to this file ('-' = stdout)")
+    parser.add_argument("--auth-public-key", default=None, help="the auth service's public key: serve only its ticket holders")
+    parser.add_argument(
+        "--ticket-key", type=Path, default=None, metavar="PEM",
+        help="operator-run worker: the auth service's signing key, to issue this worker's own ticket (implies its public key)",
+    )
+    parser.add_argument(
+        "--recover-from", type=Path, default=None, metavar="DIR",
+        help="snapshot store directory to reload this stage from if this worker's weights break",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from agora_client.snapshots import SnapshotError
-    from agora_client.worker.node import WorkerNode, WorkerOptions
+    from agora_client.auth.ticket_source import SelfIssuedTickets
+    from agora_client.snapshots import SnapshotError, latest_snapshot
     from agora_client.system.lifetime import die_with_parent
+    from agora_client.worker.node import WorkerNode, WorkerOptions
 
     die_with_parent()  # a killed worker must not leave hivemind's helpers serving requests
 
@@ -51,6 +61,15 @@ def run(args: argparse.Namespace) -> int:
     elif args.events:
         events.add_sink(open(args.events, "a", buffering=1))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tickets, public_key = None, args.auth_public_key
+    if args.ticket_key is not None:
+        try:
+            tickets = SelfIssuedTickets.from_file(args.ticket_key, role="worker", stage=args.stage)
+        except ValueError as error:
+            print(f"[ERROR] {error}", file=sys.stderr)
+            return 2
+        public_key = public_key or tickets.public_key
+    recover_from = args.recover_from
     options = WorkerOptions(
         config,
         args.stage,
@@ -64,6 +83,9 @@ def run(args: argparse.Namespace) -> int:
         publish_dir=args.publish_snapshots,
         publish_every=args.publish_every,
         checkpoint_store=args.checkpoints,
+        auth_public_key=public_key,
+        tickets=tickets,
+        recovery=(lambda: latest_snapshot(recover_from / args.stage)) if recover_from is not None else None,
     )
     try:
         node = WorkerNode(options, events)

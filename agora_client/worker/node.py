@@ -11,20 +11,23 @@ from typing import Callable
 import torch
 from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
+from agora_client.auth.ticket_source import TicketSource
 from agora_client.checkpoints.writer import CheckpointWriter
 from agora_client.config import RunConfig
 from agora_client.events import ErrorEvent, EventWriter, StageEvent, StepEvent
 from agora_client.model import build_stage
-from agora_client.snapshots import keep_newest, load_stage_snapshot, open_store, save_stage_snapshot
+from agora_client.snapshots import SnapshotError, keep_newest, load_stage_snapshot, open_store, save_stage_snapshot
 from agora_client.swarm.dht import connect_dht
 from agora_client.swarm.roster import WorkerRecord, fetch_roster, free_index, stage_uid
 from agora_client.worker.backend import StageBackend
-from agora_client.worker.epochs import EpochController
+from agora_client.worker.epochs import EpochController, all_finite
 from agora_client.worker.optimizer import build_optimizer
-from agora_client.worker.server import StageServer
 from agora_client.worker.partition import due_round
+from agora_client.worker.rejections import RejectionLog
+from agora_client.worker.server import StageServer
 from agora_client.worker.sparta import RoundReport, SpartaAverager
 from agora_client.worker.sync import SyncState
+from agora_client.worker.ticket_gate import TicketGate
 
 
 @dataclass
@@ -47,6 +50,9 @@ class WorkerOptions:
     max_batch_size: int | None = None  # sequences per pass (the GPU fit check's); default 8 microbatches
     checkpoint_store: str | None = None  # timestamped checkpoints every config.checkpoint.period_s (directory or s3://)
     dht_kwargs: dict = field(default_factory=dict)
+    auth_public_key: str | None = None  # the auth service's key: callers must present its tickets (None: open worker)
+    tickets: TicketSource | None = None  # this worker's own ticket, presented to same-stage peers when averaging
+    recovery: Callable[[], Path | None] | None = None  # fetches a peer's stage snapshot after this worker broke
 
 
 STABLE_WINDOW_MAX_WAIT = 120.0  # a stage that never looks stable must not keep a joiner out forever
@@ -102,6 +108,8 @@ class WorkerNode:
             start_epoch = load_stage_snapshot(options.snapshot, self.module, self.optimizer, stage=stage).epoch
             events.log(f"restored {stage} from its snapshot at epoch {start_epoch}", tag="DOWNLOAD")
         self.uid = stage_uid(stage, index)
+        self._health_lock = threading.Lock()
+        self._build_gates(options, events)
         self.sync = SyncState(config.sync, events.emit, joining=options.joining)
         self.requests = RequestCounter()
         self._request_hooks: list[Callable[[str, torch.Tensor], None]] = []
@@ -115,6 +123,8 @@ class WorkerNode:
             sync=self.sync,
             on_epoch=self._on_epoch,
             on_error=self._on_epoch_error,
+            on_skipped_step=lambda message: events.log(message, tag="TRAINING", level="warning"),
+            on_corrupt_weights=self.mark_unhealthy,
             epoch=start_epoch,
         )
         self._round_hooks: list[Callable[[RoundReport], None]] = []
@@ -147,6 +157,7 @@ class WorkerNode:
             mixed_precision=config.use_mixed_precision,
             on_forward=lambda tokens, outputs: self._on_request("forward", tokens, outputs, is_tail),
             on_backward=lambda tokens: self._on_request("backward", tokens, (), is_tail),
+            on_unhealthy=self.mark_unhealthy,
             slowdown_s=options.slowdown_s,
             args_schema=tuple(BatchTensorDescriptor.from_tensor(tensor) for tensor in example),
             min_batch_size=1,
@@ -158,15 +169,69 @@ class WorkerNode:
             self.record,
             announce_period=config.announce_period,
             vocab_size=config.model.vocab_size,
-            max_batch_size=max_batch,
+            max_request_batch=config.optim.microbatch_size,  # the largest microbatch a trainer of this run sends
+            gate=self.call_gate,
+            rejections=self.rejections,
             num_connection_handlers=options.num_handlers,
             device=self.device,
         )
 
+    def _build_gates(self, options: WorkerOptions, events: EventWriter) -> None:
+        """Ticket checks for trainer calls and (through ``averaging_gate``) for same-stage averaging."""
+        self.rejections = RejectionLog(lambda message: events.log(message, tag="SECURITY", level="warning"))
+        if options.auth_public_key is None:
+            self.call_gate = self.averaging_gate = None
+            events.log("no auth public key given: this worker serves callers without tickets", tag="WARNING", level="warning")
+            return
+        self.call_gate = TicketGate(options.auth_public_key, roles=("trainer",))
+        self.averaging_gate = TicketGate(options.auth_public_key, roles=("worker",), stage=options.stage)
+
     def record(self) -> WorkerRecord:
         return WorkerRecord(
-            uid=self.uid, peer_id=self.peer_id, stage=self.options.stage, sync_phase=self.sync.phase, epoch=self.epochs.epoch
+            uid=self.uid, peer_id=self.peer_id, stage=self.options.stage, sync_phase=self.sync.phase,
+            epoch=self.epochs.epoch, healthy=self.healthy,
         )
+
+    @property
+    def healthy(self) -> bool:
+        return bool(self.server.healthy.value)
+
+    def mark_unhealthy(self, reason: str) -> None:
+        """Leave routing (handlers refuse, the roster says unhealthy) until a peer's state has been reloaded."""
+        with self._health_lock:
+            if not self.server.healthy.value:
+                return
+            self.server.healthy.value = False
+        self.events.emit(
+            ErrorEvent(
+                message=f"this worker is unhealthy: {reason}",
+                hint="it left routing and reloads its stage's latest snapshot, then re-syncs with its peers",
+                where="worker health",
+            )
+        )
+        self.server.announcer.refresh.set()
+        threading.Thread(target=self._recover, name="recover", daemon=True).start()
+
+    def _recover(self) -> None:
+        if self.options.recovery is None:
+            self.events.log("no snapshot source to recover from: restart this worker to rejoin", tag="WARNING", level="warning")
+            return
+        try:
+            path = self.options.recovery()
+            if path is None:
+                raise SnapshotError("no snapshot of this stage has been published yet")
+            with self.epochs.lock:
+                info = load_stage_snapshot(path, self.module, self.optimizer, stage=self.options.stage)
+                self.optimizer.zero_grad(set_to_none=True)
+                if not all_finite(self.parameters):
+                    raise SnapshotError(f"the snapshot at {path} holds non-finite weights")
+        except Exception as error:  # stay out of routing; a restart rejoins through the join flow
+            self.events.emit(ErrorEvent(message=f"could not recover: {error}", hint="restart this worker", where="worker health"))
+            return
+        self.sync.begin(self.epochs.stage_epoch)  # re-sync weights with peers before serving trainers again
+        self.server.healthy.value = True
+        self.server.announcer.refresh.set()
+        self.events.log(f"reloaded the {self.options.stage} snapshot of epoch {info.epoch}; re-syncing with peers", tag="SYNC")
 
     def add_round_hook(self, hook: Callable[[RoundReport], None]) -> None:
         """``hook(report)`` runs after every SPARTA round, from the round's thread."""
@@ -196,6 +261,7 @@ class WorkerNode:
             hook(kind, tokens)
 
     def start(self, stop: threading.Event | None = None) -> None:
+        self.rejections.start()
         self.server.run_in_background(await_ready=True, timeout=120)
         self.epochs.start()
         self.events.emit(StageEvent(stage=self.options.stage, peer_id=self.peer_id))
@@ -243,7 +309,7 @@ class WorkerNode:
             self.checkpoints.on_epoch(epoch, loss, averaging=self.sparta.in_flight)
         if self.options.publish_dir is not None:
             self._snapshot_due |= epoch % self.options.publish_every == 0
-            if self._snapshot_due and not self.sparta.in_flight:  # only outside averaging rounds: a consistent state
+            if self._snapshot_due and not self.sparta.in_flight and self.healthy:  # consistent and finite states only
                 self.publish_snapshot(epoch)
 
     def publish_snapshot(self, epoch: int) -> None:
@@ -264,4 +330,5 @@ class WorkerNode:
                 )
         self.server.shutdown()
         self.server.join(timeout=10)
+        self.rejections.shutdown()
 

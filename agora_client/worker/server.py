@@ -1,44 +1,138 @@
 """The worker's hivemind moe Server, with two seams swapped in.
 
-- Connection handlers validate every request against the stage schema before it reaches a pool.
+- Connection handlers check every request's ticket, size, schema and values before it reaches a pool.
 - The DHT handler thread is replaced by the StageAnnouncer, which publishes the stage-prefixed uid
   together with the sync phase (hivemind's own handler can only publish the uid).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import multiprocessing as mp
 import threading
-from typing import Callable
+from multiprocessing.sharedctypes import Synchronized
+from typing import AsyncIterator, Callable, Iterator
 
 from hivemind import DHT
 from hivemind.moe.server.connection_handler import ConnectionHandler
 from hivemind.moe.server.server import Server
 from hivemind.moe.server.task_pool import TaskPool
+from hivemind.p2p import P2PContext
+from hivemind.proto import runtime_pb2
 from hivemind.utils import nested_flatten
+from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
 from agora_client.swarm.roster import WorkerRecord, announce, withdraw
-from agora_client.worker.backend import StageBackend
-from agora_client.worker.validation import validate_inputs
+from agora_client.worker.backend import StageBackend, WorkerUnhealthy
+from agora_client.worker.rejections import RejectionLog
+from agora_client.worker.ticket_gate import TicketGate
+from agora_client.worker.validation import (
+    BadRequest,
+    DescriptorCheck,
+    MagnitudeGuard,
+    RequestRejected,
+    check_descriptors,
+    validate_inputs,
+)
 
 
-class ValidatingConnectionHandler(ConnectionHandler):
-    def __init__(self, dht: DHT, backends: dict[str, StageBackend], *, vocab_size: int, max_batch_size: int):
+class GuardedConnectionHandler(ConnectionHandler):
+    """hivemind's handler with every request checked in order, each step before the next is paid for:
+    ticket (nothing else read yet) -> this worker's health -> declared sizes, shapes and dtypes
+    (before the payload is deserialized) -> values (before the request reaches a pool)."""
+
+    def __init__(
+        self,
+        dht: DHT,
+        backends: dict[str, StageBackend],
+        *,
+        vocab_size: int,
+        max_request_batch: int,
+        gate: TicketGate | None,
+        rejections: RejectionLog,
+        healthy: Synchronized,
+    ):
         super().__init__(dht, backends)
-        self._input_schemas = {}
-        for backend in backends.values():
-            self._input_schemas[backend.forward_pool.name] = tuple(nested_flatten(backend.forward_schema))
-            self._input_schemas[backend.backward_pool.name] = tuple(nested_flatten(backend.backward_schema))
-        self._vocab_size, self._max_batch_size = vocab_size, max_batch_size
+        self._schemas: dict[tuple[str, str], tuple[BatchTensorDescriptor, ...]] = {}
+        self._pools: dict[str, tuple[str, str]] = {}
+        for uid, backend in backends.items():
+            for kind, pool, schema in (
+                ("forward", backend.forward_pool, backend.forward_schema),
+                ("backward", backend.backward_pool, backend.backward_schema),
+            ):
+                self._schemas[uid, kind] = tuple(nested_flatten(schema))
+                self._pools[pool.name] = (uid, kind)
+        self._magnitudes = {kind: MagnitudeGuard(kind) for kind in ("forward", "backward")}
+        self._vocab_size, self._max_request_batch = vocab_size, max_request_batch
+        self._gate, self._rejections, self._healthy = gate, rejections, healthy
 
     @classmethod
     def _get_handle_name(cls, namespace, method_name):
         # hivemind derives protocol names from the class name; keep ConnectionHandler's so clients find us
         return ConnectionHandler._get_handle_name(namespace, method_name)
 
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        with self._refusals(context):
+            self._admit(request, context, "forward")
+            check_descriptors(request.tensors, self._schemas[request.uid, "forward"], self._max_request_batch)
+            return await super().rpc_forward(request, context)
+
+    async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        with self._refusals(context):
+            self._admit(request, context, "backward")
+            check_descriptors(request.tensors, self._schemas[request.uid, "backward"], self._max_request_batch)
+            return await super().rpc_backward(request, context)
+
+    async def rpc_forward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        with self._refusals(context):
+            async for reply in super().rpc_forward_stream(self._checked_stream(requests, context, "forward"), context):
+                yield reply
+
+    async def rpc_backward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        with self._refusals(context):
+            async for reply in super().rpc_backward_stream(self._checked_stream(requests, context, "backward"), context):
+                yield reply
+
+    async def _checked_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext, kind: str
+    ) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        """The parts of a streamed request, each checked before hivemind deserializes it (the ticket is on the first)."""
+        check: DescriptorCheck | None = None
+        async for request in requests:
+            if check is None:
+                self._admit(request, context, kind)
+                check = DescriptorCheck(self._schemas[request.uid, kind], self._max_request_batch)
+            check.feed(request.tensors)
+            yield request
+        if check is None:
+            raise BadRequest("the request stream ended before its first part")
+        check.finish()
+
+    def _admit(self, request: runtime_pb2.ExpertRequest, context: P2PContext, kind: str) -> None:
+        if self._gate is not None:
+            self._gate.check(request.metadata, context.remote_id.to_base58())
+        if not self._healthy.value:
+            raise WorkerUnhealthy(WorkerUnhealthy.MESSAGE)
+        if (request.uid, kind) not in self._schemas:
+            raise KeyError(f"this worker serves {sorted(self.module_backends)}, not {request.uid!r}")
+
+    @contextlib.contextmanager
+    def _refusals(self, context: P2PContext) -> Iterator[None]:
+        try:
+            yield
+        except RequestRejected as error:
+            self._rejections.report(context.remote_id.to_base58(), error.reason, str(error))
+            raise
+
     async def _process_inputs(self, inputs, pool: TaskPool, schema):
-        validate_inputs(
-            inputs, self._input_schemas[pool.name], vocab_size=self._vocab_size, max_batch_size=self._max_batch_size
-        )
+        uid, kind = self._pools[pool.name]
+        validate_inputs(inputs, self._schemas[uid, kind], vocab_size=self._vocab_size, max_batch_size=self._max_request_batch)
+        self._magnitudes[kind].check(inputs)
         return await super()._process_inputs(inputs, pool, schema)
 
 
@@ -72,13 +166,19 @@ class StageServer(Server):
         *,
         announce_period: float,
         vocab_size: int,
-        max_batch_size: int,
+        max_request_batch: int,
+        gate: TicketGate | None,
+        rejections: RejectionLog,
         num_connection_handlers: int = 2,
         **runtime_kwargs,
     ):
         super().__init__(dht, {backend.name: backend}, num_connection_handlers=0, **runtime_kwargs)
+        self.healthy = mp.get_context("fork").Value(ctypes.c_bool, True)  # shared with the forked handlers
         self.conn_handlers = [
-            ValidatingConnectionHandler(dht, self.module_backends, vocab_size=vocab_size, max_batch_size=max_batch_size)
+            GuardedConnectionHandler(
+                dht, self.module_backends, vocab_size=vocab_size, max_request_batch=max_request_batch,
+                gate=gate, rejections=rejections, healthy=self.healthy,
+            )
             for _ in range(num_connection_handlers)
         ]
         self.dht_handler_thread = self.announcer = StageAnnouncer(dht, record, announce_period)
