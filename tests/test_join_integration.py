@@ -162,7 +162,7 @@ def test_joiner_passes_every_phase_in_order(join_swarm, tmp_path):
 def test_app_on_a_real_runtime_reaches_active_and_quits_clean(join_swarm, tmp_path):
     from tui.app import AgoraApp
     from tui.state import JoinStep
-    from tui.supervisor import runtime_command
+    from agora_client.frontend.supervisor import runtime_command
 
     swarm, auth_url, token, preset_path, _ = join_swarm
     command = runtime_command(token=token, swarm=auth_url, config_dir=tmp_path / "client")

@@ -15,7 +15,7 @@ from textual.content import Content
 from agora_client.events import ExitEvent, dump_event
 from tui.app import AgoraApp, BundleTarget
 from tui.state import JoinStep
-from tui.supervisor import ChildCommand
+from agora_client.frontend.supervisor import ChildCommand
 from tui.widgets import GpuPanel, IdentityPanel, JoinPanel, LogPane, PointsPanel, RuntimeStatus, Stepper, TrainingPanel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def replay(name: str, *args: str) -> ChildCommand:
-    return ChildCommand((sys.executable, "-m", "tui.replay", str(FIXTURES / f"{name}.jsonl"), *args), {"PYTHONPATH": str(ROOT)})
+    return ChildCommand((sys.executable, "-m", "agora_client.frontend.replay", str(FIXTURES / f"{name}.jsonl"), *args), {"PYTHONPATH": str(ROOT)})
 
 
 def make_app(name: str, *args: str, **kwargs) -> AgoraApp:
@@ -172,6 +172,16 @@ async def test_a_child_ignoring_sigint_is_terminated_within_the_bound():
         await pilot.press("ctrl+c")
         await until(pilot, lambda: gone(pid), timeout=10)
     assert app.process.returncode is not None and app.process.returncode < 0  # ended by a signal
+    assert app.return_code == 130  # Ctrl-C: interrupted, as in headless mode
+
+
+async def test_quitting_after_a_rejection_exits_3():
+    app = make_app("rejected", "--exit-code", "3")
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.query_one(RuntimeStatus).display)
+        await pilot.press("q")
+        await until(pilot, lambda: app.return_code is not None)
+    assert app.return_code == 3
 
 
 async def test_malformed_lines_are_warnings_not_crashes():

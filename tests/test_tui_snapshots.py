@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tui.app import AgoraApp
-from tui.supervisor import ChildCommand
+from agora_client.frontend.supervisor import ChildCommand
 from tui.widgets import RuntimeStatus
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def app_for(name: str, *args: str) -> AgoraApp:
-    command = ChildCommand((sys.executable, "-m", "tui.replay", str(FIXTURES / f"{name}.jsonl"), *args), {"PYTHONPATH": str(ROOT)})
+    command = ChildCommand((sys.executable, "-m", "agora_client.frontend.replay", str(FIXTURES / f"{name}.jsonl"), *args), {"PYTHONPATH": str(ROOT)})
     return AgoraApp(command, tz=datetime.timezone.utc, clock=lambda: T0)
 
 

@@ -6,7 +6,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 from agora_client.events import QueueEvent
-from agora_client.headless import human_duration
+from agora_client.frontend.lines import human_duration
 
 
 class QueuePanel(Widget):
