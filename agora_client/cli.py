@@ -14,6 +14,7 @@ import importlib
 import sys
 
 from agora_client.frontend.client import FrontEnd
+from agora_client.system.lifetime import exit_process
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -29,6 +30,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "runtime": ("agora_client.runtime", "the worker runtime the app supervises; writes events to stdout"),
     "export-logs": ("agora_client.system.bundle_cli", "write a support bundle (zip) for a ticket"),
 }
+# Commands that run hivemind peers: they leave with exit_process once they have stopped in order.
+ENGINE_COMMANDS = frozenset({"demo", "swarm", "seed", "worker", "trainer", "monitor", "runtime"})
 CLIENT_MODULE = "agora_client.frontend.client"  # no subcommand: the contributor client
 
 
@@ -61,7 +64,10 @@ def main(argv: list[str] | None = None, front_end: FrontEnd = _no_front_end) -> 
         module.configure(parser)
         parser.set_defaults(front_end=front_end)
         rest = argv[argv.index(command) + 1 :]
-        return int(module.run(parser.parse_args(rest)) or 0)
+        code = int(module.run(parser.parse_args(rest)) or 0)
+        if command in ENGINE_COMMANDS:
+            exit_process(code)  # skips the teardown where hivemind's leftovers print errors (P2P.__del__)
+        return code
     parser = build_parser()
     args = parser.parse_args(argv)
     return int(_load(CLIENT_MODULE).run(args, front_end) or 0)

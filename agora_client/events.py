@@ -72,6 +72,7 @@ class StepEvent(_Event):
     backward_per_min: float = 0.0
     samples: int = 0
     loss: float | None = None
+    stage_share: float | None = None  # this worker's share of the samples its stage processed in the epoch (0..1)
 
 
 class SpartaEvent(_Event):
@@ -86,6 +87,32 @@ class SpartaEvent(_Event):
     weight: float = 1.0
     ok: bool = True
     reason: str | None = None
+
+
+class TrafficEvent(_Event):
+    """Requests this worker served and the bytes it moved, counted where they happen (its connection
+    handlers and its SPARTA rounds). Rates are over the last ``window_s`` seconds."""
+
+    kind: Literal["traffic"] = "traffic"
+    forward_per_min: float = 0.0
+    backward_per_min: float = 0.0
+    upload_bps: float = 0.0
+    download_bps: float = 0.0
+    forward_total: int = 0
+    backward_total: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    window_s: float = 0.0
+
+
+class SwarmEvent(_Event):
+    """How the whole swarm is learning, from the trainers' progress records in the DHT."""
+
+    kind: Literal["swarm"] = "swarm"
+    trainers: int = 0
+    loss: float | None = None  # newest loss the trainers reported (mean over trainers)
+    loss_history: list[tuple[float, float]] = Field(default_factory=list)  # (ts, loss), oldest first
+    tokens_per_s: float = 0.0  # all trainers together
 
 
 class GpuInfo(BaseModel):
@@ -113,6 +140,8 @@ class PointsEvent(_Event):
     compute: float
     rate_per_hour: float = 0.0
     confirmed: float | None = None
+    rank: int | None = None  # place on the monitor's leaderboard (1 = first)
+    ranked: int | None = None  # contributors on the leaderboard
 
 
 class StageEvent(_Event):
@@ -153,13 +182,18 @@ Event = Annotated[
         ResourcesEvent,
         PointsEvent,
         StageEvent,
+        TrafficEvent,
+        SwarmEvent,
         LogEvent,
         ErrorEvent,
         ExitEvent,
     ],
     Field(discriminator="kind"),
 ]
-KINDS = ("auth", "download", "queue", "sync", "step", "sparta", "resources", "points", "stage", "log", "error", "exit")
+KINDS = (
+    "auth", "download", "queue", "sync", "step", "sparta", "resources", "points", "stage", "traffic", "swarm",
+    "log", "error", "exit",
+)
 
 _adapter: TypeAdapter[Event] = TypeAdapter(Event)
 

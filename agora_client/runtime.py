@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from agora_client.config import ConfigError, load_config
 from agora_client.events import ErrorEvent, EventWriter, ExitEvent
 from agora_client.frontend.exit_codes import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, EXIT_USAGE
+from agora_client.system.lifetime import stop_on_signals
+from agora_client.system.log_events import logs_to_events
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -33,8 +33,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")  # the front end shows events, not engine chatter
+    stop = stop_on_signals()  # first: nothing forked later may inherit the handler
     events = EventWriter(sys.stdout)
+    logs_to_events(events)  # the front end shows events; engine log records become events, not stderr
     token = os.environ.get("HF_TOKEN", "")
     if not token:
         return _exit(events, EXIT_USAGE, "no token: set HF_TOKEN (the app does this for you)")
@@ -42,10 +43,6 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.preset)
     except ConfigError as error:
         return _exit(events, EXIT_USAGE, str(error))
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
-
     from agora_client.auth.client import AuthRejected, AuthError
     from agora_client.worker.contributor import Contributor, ContributorOptions
     from agora_client.system.lifetime import die_with_parent

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any
 
 from agora_client.events import (
     AuthEvent,
