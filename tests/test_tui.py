@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 import sys
 import zipfile
 from pathlib import Path
@@ -23,7 +24,7 @@ FIXTURES = ROOT / "tests" / "fixtures" / "events"
 T0 = 1767225600.0
 SIZE = (100, 34)
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)
 
 
 def replay(name: str, *args: str) -> ChildCommand:
@@ -38,7 +39,7 @@ def line_count(name: str) -> int:
     return len((FIXTURES / f"{name}.jsonl").read_text().splitlines())
 
 
-async def until(pilot, condition, timeout: float = 20.0) -> None:
+async def until(pilot, condition, timeout: float = 45.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
@@ -80,10 +81,25 @@ async def test_every_panel_follows_an_active_stream_and_q_stops_the_child():
         assert app.query_one(TrainingPanel).step.local_epoch == 78
         assert app.query_one(PointsPanel).points.confirmed == 224.0
         assert app.query_one(GpuPanel).resources.gpu.name == "NVIDIA GeForce RTX 4090"
-        sparta = shown(app.query_one("#sparta-detail"))
+        sparta = shown(app.query_one("#sparta .detail"))
         assert "round 18" in sparta and "15/18 recent rounds ok (83%)" in sparta
-        chart = app.query_one("#sparta-chart").data
+        chart = app.query_one("#sparta .chart").data
         assert len(chart) == 18 and chart.count(0) == 3  # three failed rounds show as gaps
+        # the swarm's loss over time, from the trainers' records
+        last_swarm = [json.loads(line) for line in (FIXTURES / "active.jsonl").read_text().splitlines() if '"kind":"swarm"' in line][-1]
+        swarm_chart = app.query_one("#swarm .chart")
+        assert swarm_chart.data == [loss for _, loss in last_swarm["loss_history"]]
+        assert swarm_chart.display and swarm_chart.data[-1] < swarm_chart.data[0]
+        assert "2 trainer(s)" in shown(app.query_one("#swarm .detail"))
+        # requests per minute and bandwidth, one chart point per traffic sample
+        traffic = [line for line in (FIXTURES / "active.jsonl").read_text().splitlines() if '"kind":"traffic"' in line]
+        assert len(app.query_one("#training .chart-backward").data) == len(traffic)
+        assert len(app.query_one("#network .chart-up").data) == len(traffic)
+        assert "↑" in shown(app.query_one("#network .detail")) and "/min" in shown(app.query_one("#training .detail"))
+        # share of the stage, points with rank
+        assert "of body1's samples last epoch" in shown(app.query_one("#share .detail"))
+        points = shown(app.query_one("#points .detail"))
+        assert "rank #3 of 12" in points and "confirmed 224" in points
         text = log_text(app)
         assert "[SYNC] Sync complete. Node is now fully contributing to training." in text
         assert "[SPARTA] Round 11 failed" in text

@@ -33,7 +33,9 @@ from agora_client.events import (
     SpartaEvent,
     StageEvent,
     StepEvent,
+    SwarmEvent,
     SyncEvent,
+    TrafficEvent,
 )
 from agora_client.frontend import (
     EXIT_OK,
@@ -58,14 +60,18 @@ from tui.widgets import (
     IdentityPanel,
     JoinPanel,
     LogPane,
+    NetworkPanel,
     PointsPanel,
     RuntimeStatus,
+    SharePanel,
     SpartaPanel,
     Stepper,
+    SwarmPanel,
     TrainingPanel,
 )
 
 STDERR_TAIL = 20
+WIDE, NARROW, TALL, SHORT = 150, 70, 45, 30  # terminal sizes where the layout changes
 
 
 @dataclass(frozen=True)
@@ -126,13 +132,17 @@ class AgoraApp(App[int]):
         yield Stepper(id="stepper")
         yield RuntimeStatus(id="runtime-status")
         with VerticalScroll(id="dashboard"):
+            # Most wanted first: at 80x24 the first two rows are what shows without scrolling.
             with Grid(id="panels"):
-                yield IdentityPanel(id="identity", classes="panel")
                 yield JoinPanel(id="join", classes="panel")
-                yield GpuPanel(id="gpu", classes="panel")
-                yield SpartaPanel(id="sparta", classes="panel")
-                yield TrainingPanel(id="training", classes="panel")
                 yield PointsPanel(id="points", classes="panel")
+                yield SwarmPanel(id="swarm", classes="panel")
+                yield TrainingPanel(id="training", classes="panel")
+                yield NetworkPanel(id="network", classes="panel")
+                yield SharePanel(id="share", classes="panel")
+                yield SpartaPanel(id="sparta", classes="panel")
+                yield IdentityPanel(id="identity", classes="panel")
+                yield GpuPanel(id="gpu", classes="panel")
         yield LogPane(tz=self.tz, id="log-pane", classes="panel")
         yield Footer()
 
@@ -142,8 +152,11 @@ class AgoraApp(App[int]):
         self.supervise()
 
     def on_resize(self) -> None:
-        self.query_one("#panels").set_class(self.size.width < 70, "-narrow")
-        self.query_one(LogPane).set_class(self.size.height < 30, "-short")
+        width, height = self.size
+        self.set_class(width >= WIDE, "-wide")
+        self.set_class(width < NARROW, "-narrow")
+        self.set_class(height >= TALL, "-tall")
+        self.set_class(height < SHORT, "-short")
 
     # -- the runtime child ------------------------------------------------------------------
     @work(exclusive=True, group="runtime", exit_on_error=False)
@@ -194,6 +207,7 @@ class AgoraApp(App[int]):
             self.query_one(IdentityPanel).show_auth(event)
         elif isinstance(event, StageEvent):
             self.query_one(IdentityPanel).show_stage(event)
+            self.query_one(SharePanel).show_stage(event)
         elif isinstance(event, DownloadEvent):
             self.query_one("#download").show(event)
         elif isinstance(event, QueueEvent):
@@ -202,6 +216,13 @@ class AgoraApp(App[int]):
             self.query_one("#sync").show(event)
         elif isinstance(event, StepEvent):
             self.query_one(TrainingPanel).show(event)
+            self.query_one(SharePanel).show(event)
+            self.query_one("#sync").follow(event)
+        elif isinstance(event, TrafficEvent):
+            self.query_one(TrainingPanel).show_traffic(event)
+            self.query_one(NetworkPanel).show(event)
+        elif isinstance(event, SwarmEvent):
+            self.query_one(SwarmPanel).show(event)
         elif isinstance(event, SpartaEvent):
             self.query_one(SpartaPanel).show(event)
         elif isinstance(event, ResourcesEvent):

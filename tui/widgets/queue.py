@@ -22,7 +22,7 @@ class QueuePanel(Widget):
         if self.position is None:
             return "[$text-muted]not in the queue[/]"
         if self.position == 0:
-            return "[$text-success]✔ admitted[/]"
+            return "[$text-success]✔ admitted[/]: no wait in the join queue"
         return (
             f"position [b]{self.position}[/]\nestimated wait [b]{human_duration(self.wait_s)}[/]\n"
             "[$text-muted]joins are paced; the snapshot is kept[/]"
