@@ -262,3 +262,39 @@ async def test_palette_offers_the_app_commands():
         titles = [command.title for command in app.get_system_commands(app.screen)]
         assert {"Export support bundle", "Toggle logs", "Help", "Theme"} <= set(titles)
         assert "Restart worker" not in titles  # only offered once the worker stopped
+
+
+def test_the_stepper_says_what_happens_between_steps():
+    from agora_client.events import DownloadEvent, LogEvent, QueueEvent, SyncEvent
+    from tui.state import JoinTracker
+
+    tracker = JoinTracker()
+    tracker.apply(DownloadEvent(status="started", file="params.safetensors"))
+    assert tracker.apply(DownloadEvent(status="done")) and "Snapshot ready" in tracker.status
+    assert tracker.apply(QueueEvent(position=0, estimated_wait_s=0))  # admitted at once: the queue step is said
+    assert tracker.step == JoinStep.QUEUE and tracker.status == "Admitted: no wait in the join queue"
+    tracker.apply(LogEvent(tag="JOIN", message="Worker up. Waiting for a calm moment..."))
+    assert tracker.status == "Worker up. Waiting for a calm moment..."
+    tracker.apply(SyncEvent(phase="sync1", message="Synchronising weights"))
+    assert tracker.step == JoinStep.SYNC1
+
+
+async def test_the_sync_panel_follows_the_epochs():
+    from agora_client.events import StepEvent, SyncEvent
+    from tui.widgets import SyncPanel
+
+    app = make_app("sync1", "--hold")
+    async with app.run_test(size=SIZE) as pilot:
+        await replayed(pilot, app, "sync1")
+        panel = app.query_one(SyncPanel)
+        panel.show(SyncEvent(phase="sync2", steps_left=4, steps_total=4, target_epoch=9, local_epoch=5))
+        panel.follow(StepEvent(stage="head", local_epoch=7))
+        await pilot.pause()
+        assert "step 2 of 4 (local epoch 7)" in shown(panel)
+
+
+def test_small_points_keep_their_digits():
+    from tui.widgets.format import points_text, rate_text
+
+    assert [points_text(v) for v in (0, 0.0333, 0.0000012, 1.5, 309.4)] == ["0", "0.0333", "1.2e-06", "1.50", "309"]
+    assert rate_text(4_100_000) == "4.1 MB/s" and rate_text(12) == "12 B/s"
