@@ -164,7 +164,7 @@ def test_joiner_passes_every_phase_in_order(join_swarm, tmp_path):
 def test_app_on_a_real_runtime_reaches_active_and_quits_clean(join_swarm, tmp_path):
     from tui.app import AgoraApp
     from tui.state import JoinStep
-    from agora_client.frontend.supervisor import runtime_command
+    from agora_client.frontend.supervisor import INTERRUPT_TIMEOUT_S, runtime_command
 
     swarm, auth_url, token, preset_path, _ = join_swarm
     command = runtime_command(token=token, swarm=auth_url, config_dir=tmp_path / "client")
@@ -179,15 +179,21 @@ def test_app_on_a_real_runtime_reaches_active_and_quits_clean(join_swarm, tmp_pa
                 assert app.tracker.failure is None, app.tracker.failure
                 await pilot.pause(0.5)
             pgid = app.process.pid
+            started = time.monotonic()
             await pilot.press("q")
             await pilot.pause(0.5)
             deadline = time.monotonic() + 60
             while app.is_running and time.monotonic() < deadline:
                 await pilot.pause(0.5)
+            stopped.append(time.monotonic() - started)
             return [p.pid for p in psutil.process_iter() if _in_group(p, pgid)]
 
+    stopped: list[float] = []
     leftovers = asyncio.run(drive())
     assert leftovers == []
+    # It left by itself on SIGINT (exit 0), well before the supervisor's SIGTERM: a graceful stop.
+    assert app.process.returncode == 0 and stopped[0] < INTERRUPT_TIMEOUT_S, (app.process.returncode, stopped)
+    assert app.return_code == 0
 
 
 def _check_counts_and_points(events: list[dict], stage: str, preset_path) -> None:
