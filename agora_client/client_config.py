@@ -161,7 +161,7 @@ def _ask_swarm(prompts: Prompts, current: str | None) -> str:
         raise ClientConfigError(f"no swarm to join: pass --swarm URL, {SWARM_HINT}")
     keep = f" [{current}]" if current else ""
     for _ in range(_MAX_ATTEMPTS):
-        answer = prompts.ask(f"Swarm to join ({SWARM_HINT}){keep}: ").strip()
+        answer = prompts.ask(f"Swarm to join: its auth service URL, e.g. https://host:8470{keep}: ").strip()
         if not answer and current:
             return current
         try:

@@ -112,7 +112,7 @@ def test_no_saved_swarm_asks_for_its_address_and_saves_it(tmp_path):
     answers = Answers("auth.example", "https://auth.example:8470/")
     client = resolve(tmp_path, answers, env={"HF_TOKEN": ENV}, need_swarm=True)
     assert client.config.swarm_url == "https://auth.example:8470"
-    assert len(answers.asked) == 2 and "auth service" in answers.asked[0]
+    assert len(answers.asked) == 2 and "auth service URL" in answers.asked[0]
     assert "is not an http(s) URL" in answers.said[0]
     again = Answers()
     assert resolve(tmp_path, again, env={"HF_TOKEN": ENV}, need_swarm=True).config.swarm_url == "https://auth.example:8470"

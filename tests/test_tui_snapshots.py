@@ -40,7 +40,7 @@ def wait_for(name: str, crashed: bool = False):
             if done:
                 break
             await asyncio.sleep(0.05)
-        await pilot.pause(0.2)
+        await pilot.pause(0.5)  # the log pane scrolls to its last line
 
     return run_before
 

@@ -187,7 +187,7 @@ class LineFormatter:
             lines.append(self._line(event, "TRAINING", f"Local epoch {event.local_epoch} on stage {event.stage}{loss}"))
         if self._last_progress is None or event.ts - self._last_progress >= self.summary_interval_s:
             self._last_progress = event.ts
-            text = f"Processing {event.forward_per_min:.0f} forward and {event.backward_per_min:.0f} backward batches per minute"
+            text = f"Serving {event.forward_per_min:.0f} forward and {event.backward_per_min:.0f} backward requests per minute"
             lines.append(self._line(event, "PROGRESS", text))
         return lines
 
