@@ -111,6 +111,7 @@ def test_joiner_passes_every_phase_in_order(join_swarm, tmp_path):
             60,
             "the client to show its confirmed points",
         )
+        wait_until(lambda: _points_once_active(_events(runtime)) >= 2, 90, "two points estimates once active")
     finally:
         runtime.stop(grace=30)
         observer.shutdown()
@@ -194,6 +195,11 @@ def test_app_on_a_real_runtime_reaches_active_and_quits_clean(join_swarm, tmp_pa
     # It left by itself on SIGINT (exit 0), well before the supervisor's SIGTERM: a graceful stop.
     assert app.process.returncode == 0 and stopped[0] < INTERRUPT_TIMEOUT_S, (app.process.returncode, stopped)
     assert app.return_code == 0
+
+
+def _points_once_active(events: list[dict]) -> int:
+    active = next((i for i, e in enumerate(events) if e["kind"] == "sync" and e["phase"] == "active"), len(events))
+    return sum(e["kind"] == "points" for e in events[active:])
 
 
 def _check_counts_and_points(events: list[dict], stage: str, preset_path) -> None:
