@@ -34,7 +34,7 @@ from agora_client.snapshots.server import RangeRequestHandler, serve_directory
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # process start-up is slow on a loaded machine; the 5 s bound is on the stop
 
 
 class Trickle(RangeRequestHandler):
@@ -79,7 +79,7 @@ def test_ctrl_c_during_the_download_stops_within_5s_and_frees_the_slot(tmp_path)
             )
             try:
                 lines = []
-                deadline = time.monotonic() + 60
+                deadline = time.monotonic() + 180
                 while not any(line.startswith("[DOWNLOAD]") and "%" in line for line in lines):
                     assert time.monotonic() < deadline and client.poll() is None, lines
                     lines.append(client.stdout.readline().rstrip("\n"))

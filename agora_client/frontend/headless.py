@@ -14,17 +14,15 @@ import asyncio
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
 
 from agora_client.events import AuthEvent
+from agora_client.frontend.client import ClientSession
 from agora_client.frontend.exit_codes import EXIT_ERROR, client_exit_code
 from agora_client.frontend.lines import LineFormatter, TaggedLine
 from agora_client.frontend.stream import EventLine, MalformedLine, StderrLine, read_runtime
 from agora_client.frontend.supervisor import ChildCommand, RuntimeProcess
 from agora_client.logs import EventLog
-
-if TYPE_CHECKING:
-    from agora_client.frontend.client import ClientSession
 
 STOPPING = {
     signal.SIGINT: "Interrupted: stopping the worker (finishing the current request, freeing the slot)...",
@@ -116,7 +114,7 @@ async def run_headless(
     return client_exit_code(code, stop_signal, rejected)
 
 
-def run_session(session: "ClientSession") -> int:
+def run_session(session: ClientSession) -> int:
     """The headless front end for a prepared client session."""
     printer = HeadlessPrinter(sys.stdout, session.log_format)
     return asyncio.run(run_headless(session.command, printer, event_log=session.event_log()))
