@@ -8,8 +8,10 @@ Changing what a field means requires bumping ``VERSION``.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
+import weakref
 from typing import IO, Annotated, Any, Iterable, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -241,6 +243,10 @@ class EventWriter:
         self._sinks = list(sinks)
         self._had_sinks = bool(sinks)
         self._lock = threading.Lock()
+        # A helper forked while another thread held the lock would block on its first event (its log records
+        # come here too): the child starts with a fresh lock.
+        this = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _fresh_lock(this()))
 
     @property
     def broken(self) -> bool:
@@ -264,6 +270,11 @@ class EventWriter:
 
     def log(self, message: str, *, tag: str = "INFO", level: Level = "info") -> None:
         self.emit(LogEvent(tag=tag, level=level, message=message))
+
+
+def _fresh_lock(writer: EventWriter | None) -> None:
+    if writer is not None:
+        writer._lock = threading.Lock()
 
 
 NULL_WRITER = EventWriter()
