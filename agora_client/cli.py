@@ -2,6 +2,9 @@
 
 Each subcommand lives in its own module exposing ``configure(parser)`` and ``run(args) -> int``;
 modules are imported only when their command runs, so the app starts without loading torch.
+The front end (the app or the headless printer) is chosen by the entry point (``agora_cli.py``),
+which passes it in as ``front_end``; commands that run the client (``demo``) find it in
+``args.front_end``. This package never imports a front end.
 """
 
 from __future__ import annotations
@@ -9,6 +12,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from agora_client.frontend.client import FrontEnd
+from agora_client.system.lifetime import exit_process
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -26,7 +32,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "checkpoints": ("agora_client.checkpoints.list_cli", "list consistent checkpoint sets: per-stage times, loss"),
     "export": ("agora_client.checkpoints.export", "write a checkpoint set as a Hugging Face OLMo2 model directory"),
 }
-CLIENT_MODULE = "tui.launch"  # no subcommand: the contributor client (TUI, or --headless)
+# Commands that run hivemind peers: they leave with exit_process once they have stopped in order.
+ENGINE_COMMANDS = frozenset({"demo", "swarm", "seed", "worker", "trainer", "monitor", "runtime"})
+CLIENT_MODULE = "agora_client.frontend.client"  # no subcommand: the contributor client
 
 
 def _load(module_name: str):
@@ -43,7 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def _no_front_end(session) -> int:
+    print("agora: this entry point has no front end; run python3 agora_cli.py", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None, front_end: FrontEnd = _no_front_end) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((arg for arg in argv if not arg.startswith("-")), None)
     if command in COMMANDS:
@@ -51,8 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         module = _load(module_name)
         parser = argparse.ArgumentParser(prog=f"agora {command}", description=help_text)
         module.configure(parser)
+        parser.set_defaults(front_end=front_end)
         rest = argv[argv.index(command) + 1 :]
-        return int(module.run(parser.parse_args(rest)) or 0)
+        code = int(module.run(parser.parse_args(rest)) or 0)
+        if command in ENGINE_COMMANDS:
+            exit_process(code)  # skips the teardown where hivemind's leftovers print errors (P2P.__del__)
+        return code
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(_load(CLIENT_MODULE).run(args) or 0)
+    return int(_load(CLIENT_MODULE).run(args, front_end) or 0)

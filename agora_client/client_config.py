@@ -6,7 +6,8 @@ typed it, goes to ``secrets.json`` with mode 0600 (never into config.json, argv 
 
 Token, first found wins: ``HF_TOKEN`` in the environment; the token saved here; the token saved
 by ``hf auth login`` (huggingface_hub); else the user is asked. ``--reconfigure`` asks again
-(``HF_TOKEN`` still wins). The GPU is asked for when NVML sees several and none was chosen.
+(``HF_TOKEN`` still wins). The swarm (its auth service URL) is asked for when none was given or saved. The GPU is asked for
+when NVML sees several and none was chosen.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ CONFIG_FILE = "config.json"
 SECRETS_FILE = "secrets.json"
 TOKEN_PAGE = "https://huggingface.co/settings/tokens"
 _HF_TOKEN = re.compile(r"^hf_[A-Za-z0-9]{8,}$")
+TOKEN_RULE = "a token is hf_ followed by at least 8 letters or digits, and nothing else"
+SWARM_HINT = "the address of the swarm's auth service, e.g. https://host:8470 (the swarm's operator publishes it)"
 _MAX_ATTEMPTS = 3
 
 
@@ -149,8 +152,23 @@ def _ask_token(prompts: Prompts, current: str | None) -> str:
             return current
         if looks_like_hf_token(token):
             return token
-        prompts.say(f"That is not a Hugging Face token: it starts with hf_ and has no spaces. Create one at {TOKEN_PAGE}")
+        prompts.say(f"That is not a Hugging Face token: {TOKEN_RULE}. Create one at {TOKEN_PAGE}")
     raise ClientConfigError(f"no valid Hugging Face token after {_MAX_ATTEMPTS} tries; create one at {TOKEN_PAGE}")
+
+
+def _ask_swarm(prompts: Prompts, current: str | None) -> str:
+    if not prompts.interactive:
+        raise ClientConfigError(f"no swarm to join: pass --swarm URL, {SWARM_HINT}")
+    keep = f" [{current}]" if current else ""
+    for _ in range(_MAX_ATTEMPTS):
+        answer = prompts.ask(f"Swarm to join: its auth service URL, e.g. https://host:8470{keep}: ").strip()
+        if not answer and current:
+            return current
+        try:
+            return validate_swarm_url(answer)
+        except ClientConfigError as error:
+            prompts.say(str(error).replace("--swarm ", "", 1))
+    raise ClientConfigError(f"no valid swarm address after {_MAX_ATTEMPTS} tries; pass --swarm URL, {SWARM_HINT}")
 
 
 def _ask_gpu(prompts: Prompts, devices: list, current: int | None) -> int:
@@ -189,8 +207,11 @@ def resolve_client(
     prompts: Prompts | None = None,
     login_token: Callable[[], str | None] = hf_login_token,
     list_gpus: Callable[[], list] = _list_gpus,
+    need_swarm: bool = True,
 ) -> ResolvedClient:
-    """Load, complete (asking only what is missing) and save the client config; return it with the token."""
+    """Load, complete (asking only what is missing) and save the client config; return it with the token.
+
+    ``need_swarm=False`` (a replayed runtime in tests) does not ask for a swarm address."""
     prompts = prompts or Prompts()
     store = ClientConfigStore(config_dir)
     try:
@@ -214,6 +235,9 @@ def resolve_client(
         source = "kept" if token == current else "typed"
         if source == "typed":
             store.save_token(token)
+
+    if need_swarm and (swarm_url is None or (reconfigure and not swarm and prompts.interactive)):
+        swarm_url = _ask_swarm(prompts, swarm_url)
 
     devices = list_gpus()
     if gpu is not None:

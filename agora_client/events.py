@@ -8,8 +8,10 @@ Changing what a field means requires bumping ``VERSION``.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
+import weakref
 from typing import IO, Annotated, Any, Iterable, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -72,6 +74,7 @@ class StepEvent(_Event):
     backward_per_min: float = 0.0
     samples: int = 0
     loss: float | None = None
+    stage_share: float | None = None  # this worker's share of the samples its stage processed in the epoch (0..1)
 
 
 class SpartaEvent(_Event):
@@ -86,6 +89,32 @@ class SpartaEvent(_Event):
     weight: float = 1.0
     ok: bool = True
     reason: str | None = None
+
+
+class TrafficEvent(_Event):
+    """Requests this worker served and the bytes it moved, counted where they happen (its connection
+    handlers and its SPARTA rounds). Rates are over the last ``window_s`` seconds."""
+
+    kind: Literal["traffic"] = "traffic"
+    forward_per_min: float = 0.0
+    backward_per_min: float = 0.0
+    upload_bps: float = 0.0
+    download_bps: float = 0.0
+    forward_total: int = 0
+    backward_total: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    window_s: float = 0.0
+
+
+class SwarmEvent(_Event):
+    """How the whole swarm is learning, from the trainers' progress records in the DHT."""
+
+    kind: Literal["swarm"] = "swarm"
+    trainers: int = 0
+    loss: float | None = None  # newest loss the trainers reported (mean over trainers)
+    loss_history: list[tuple[float, float]] = Field(default_factory=list)  # (ts, loss), oldest first
+    tokens_per_s: float = 0.0  # all trainers together
 
 
 class GpuInfo(BaseModel):
@@ -113,6 +142,8 @@ class PointsEvent(_Event):
     compute: float
     rate_per_hour: float = 0.0
     confirmed: float | None = None
+    rank: int | None = None  # place on the monitor's leaderboard (1 = first)
+    ranked: int | None = None  # contributors on the leaderboard
 
 
 class StageEvent(_Event):
@@ -153,13 +184,18 @@ Event = Annotated[
         ResourcesEvent,
         PointsEvent,
         StageEvent,
+        TrafficEvent,
+        SwarmEvent,
         LogEvent,
         ErrorEvent,
         ExitEvent,
     ],
     Field(discriminator="kind"),
 ]
-KINDS = ("auth", "download", "queue", "sync", "step", "sparta", "resources", "points", "stage", "log", "error", "exit")
+KINDS = (
+    "auth", "download", "queue", "sync", "step", "sparta", "resources", "points", "stage", "traffic", "swarm",
+    "log", "error", "exit",
+)
 
 _adapter: TypeAdapter[Event] = TypeAdapter(Event)
 
@@ -207,6 +243,10 @@ class EventWriter:
         self._sinks = list(sinks)
         self._had_sinks = bool(sinks)
         self._lock = threading.Lock()
+        # A helper forked while another thread held the lock would block on its first event (its log records
+        # come here too): the child starts with a fresh lock.
+        this = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _fresh_lock(this()))
 
     @property
     def broken(self) -> bool:
@@ -230,6 +270,11 @@ class EventWriter:
 
     def log(self, message: str, *, tag: str = "INFO", level: Level = "info") -> None:
         self.emit(LogEvent(tag=tag, level=level, message=message))
+
+
+def _fresh_lock(writer: EventWriter | None) -> None:
+    if writer is not None:
+        writer._lock = threading.Lock()
 
 
 NULL_WRITER = EventWriter()

@@ -5,22 +5,23 @@ stage's snapshot (already while queued), waits in the join queue, then runs a wo
 through sync phases 1 and 2 to active. Everything it has to say goes to stdout as events, one JSON
 object per line (agora_client/events.py). SIGINT or SIGTERM stop it gracefully.
 
-Exit codes: 0 stopped on request, 1 runtime error, 2 bad usage or config, 3 rejected by the swarm.
+Exit codes: agora_client.frontend.exit_codes (0 stopped on request, 1 runtime error, 2 bad usage
+or config, 3 rejected by the swarm). The reason for a nonzero code is said once: by the event that
+reported the failure (an auth event, say), else by one error event.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from agora_client.config import ConfigError, load_config
 from agora_client.events import ErrorEvent, EventWriter, ExitEvent
-
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_REJECTED = 0, 1, 2, 3
+from agora_client.frontend.exit_codes import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, EXIT_USAGE
+from agora_client.system.lifetime import stop_on_signals
+from agora_client.system.log_events import logs_to_events
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -33,8 +34,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")  # the front end shows events, not engine chatter
+    stop = stop_on_signals()  # first: nothing forked later may inherit the handler
     events = EventWriter(sys.stdout)
+    logs_to_events(events)  # the front end shows events; engine log records become events, not stderr
     token = os.environ.get("HF_TOKEN", "")
     if not token:
         return _exit(events, EXIT_USAGE, "no token: set HF_TOKEN (the app does this for you)")
@@ -42,10 +44,6 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.preset)
     except ConfigError as error:
         return _exit(events, EXIT_USAGE, str(error))
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
-
     from agora_client.auth.client import AuthRejected, AuthError
     from agora_client.worker.contributor import Contributor, ContributorOptions
     from agora_client.system.lifetime import die_with_parent
@@ -60,20 +58,20 @@ def run(args: argparse.Namespace) -> int:
     contributor = Contributor(options, events, stop)
     try:
         contributor.run(token)
-    except AuthRejected as error:
-        return _exit(events, EXIT_REJECTED, str(error))
+    except AuthRejected as error:  # the auth event said why
+        return _exit(events, EXIT_REJECTED, str(error), said=True)
     except AuthError as error:
-        return _exit(events, EXIT_ERROR, str(error))
+        return _exit(events, EXIT_ERROR, str(error), said=True)
     except Exception as error:  # the app shows it; a bare traceback helps nobody
         events.emit(ErrorEvent(message=f"{error.__class__.__name__}: {error}", where="runtime"))
-        return _exit(events, EXIT_ERROR, "the worker runtime failed; see the error above")
+        return _exit(events, EXIT_ERROR, "the worker runtime failed", said=True)
     finally:
         contributor.close()
     return _exit(events, EXIT_OK, "stopped")
 
 
-def _exit(events: EventWriter, code: int, reason: str) -> int:
-    if code != EXIT_OK:
+def _exit(events: EventWriter, code: int, reason: str, *, said: bool = False) -> int:
+    if code != EXIT_OK and not said:
         events.emit(ErrorEvent(message=reason, where="runtime"))
     events.emit(ExitEvent(code=code, reason=reason))
     return code

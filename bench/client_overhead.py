@@ -60,7 +60,7 @@ from _trainer_progress import ProgressRecorder, tokens_per_second  # noqa: E402
 from agora_client.events import json_objects  # noqa: E402
 from agora_client.logs import logs_dir  # noqa: E402
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions  # noqa: E402
-from tui.supervisor import group_members  # noqa: E402
+from agora_client.frontend.supervisor import group_members  # noqa: E402
 
 STOP_TIMEOUT_S = 45.0  # the runtime's graceful stop is bounded by 15 + 5 s, plus leftover cleanup
 MODES = ("headless", "app")

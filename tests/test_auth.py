@@ -171,10 +171,10 @@ def test_per_identity_cap_holds(tmp_path: Path):
 def test_invalid_and_malformed_requests_get_clear_errors(tmp_path: Path):
     with auth_service(tmp_path) as (server, tokens), httpx.Client() as client:
         buffer = io.StringIO()
-        with pytest.raises(AuthFailed, match="did not accept your token") as failed:
+        with pytest.raises(AuthRejected, match="did not accept your token") as failed:  # exit code 3, no retry
             join(server, "hf_not_a_real_token", "peerX", events=EventWriter(buffer))
         assert "Traceback" not in str(failed.value)
-        assert auth_events(buffer)[-1].status == "failed"
+        assert auth_events(buffer)[-1].status == "rejected"
 
         invalid = client.post(f"{server.url}/v1/join", json={"token": "hf_nope", "peer_id": "peerX"})
         assert invalid.status_code == 401 and "token" in invalid.json()["error"]
@@ -332,7 +332,7 @@ def test_hugging_face_identity_uses_the_configured_endpoint(hub: str, monkeypatc
     with AuthServer(AuthService(settings, from_env, tmp_path / "state")) as server:
         granted = authorize(server.url, "hf_goodtoken123", "peerHF", events=EventWriter())
         assert granted.identity == "alice-hf" and granted.snapshot_url is None
-        with pytest.raises(AuthFailed, match="did not accept"):
+        with pytest.raises(AuthRejected, match="did not accept"):
             authorize(server.url, "hf_wrong", "peerHF2", events=EventWriter())
 
 

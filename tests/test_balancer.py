@@ -383,6 +383,10 @@ def test_router_reports_empty_stages_and_window_stats() -> None:
         (P2PHandlerError("Failed to call handler `rpc_forward` at 12D3: expected dtype int64"), ErrorClass.FATAL),
         (P2PHandlerError("RuntimeError('CUDA out of memory. Tried to allocate 2 GiB')"), ErrorClass.RETRY_OTHER),
         (P2PHandlerError("KeyError('body1.0.3')"), ErrorClass.RETRY_OTHER),
+        # a worker that is stopping: never a reason to give the microbatch up
+        (P2PHandlerError("RuntimeError('cannot schedule new futures after shutdown')"), ErrorClass.RETRY_OTHER),
+        (P2PHandlerError("Failed to call handler `rpc_backward` at 12D3: Event loop is closed"), ErrorClass.RETRY_OTHER),
+        (P2PHandlerError("CancelledError()"), ErrorClass.RETRY_OTHER),
         (P2PHandlerError("TimeoutError('task pool timed out')"), ErrorClass.RETRY_SAME),
         (TypeError("unsupported operand"), ErrorClass.FATAL),
     ],

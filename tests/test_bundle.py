@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +13,7 @@ from agora_client.client_config import ClientConfig, ClientConfigStore
 from agora_client.events import AuthEvent, LogEvent
 from agora_client.logs import EventLog
 from agora_client.system.bundle import build_bundle, system_report
-from agora_client.system.redact import REDACTED, redact_line, redact_text
+from agora_client.system.redact import REDACTED, redact_data, redact_line, redact_text
 
 TOKEN = "hf_PlantedToken0123456789abcdef"
 PEER = "12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo"
@@ -69,9 +71,56 @@ def test_export_logs_command_prints_the_path_and_asks_for_review(planted, tmp_pa
 def test_redaction_rules():
     assert redact_text(f"x HF_TOKEN={TOKEN} y") == f"x HF_TOKEN={REDACTED} y"
     assert TOKEN not in redact_text(f"Authorization: Bearer {TOKEN}")
-    assert redact_text("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGq2ZxY host") == f"{REDACTED} host"
+    assert redact_text("Authorization: Basic dXNlcjpwYXNzd29yZA==") == f"Authorization: {REDACTED}"
+    assert redact_text("AGORA_API_KEY=sk-abc123 db_password: hunter2") == f"AGORA_API_KEY={REDACTED} db_password: {REDACTED}"
+    assert redact_text('{"ticket": "eyJhbGciOi.x.y"}') == f'{{"ticket": "{REDACTED}"}}'
+    assert redact_text(f"{PEM}\nafter") == f"{REDACTED}\nafter"
     assert redact_text("loss 3.2141 at epoch 12, 24.0 MB/s") == "loss 3.2141 at epoch 12, 24.0 MB/s"
     assert json.loads(redact_line(json.dumps({"private_key": "abc", "stage": "body1"}))) == {
         "private_key": REDACTED, "stage": "body1",
     }
     assert redact_text("plain secret value", ["secret value"]) == f"plain {REDACTED}"
+
+
+@pytest.mark.parametrize(
+    "harmless",
+    [
+        # what redacting long runs of characters used to damage (issue #16)
+        "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/hivemind/averaging/averager.py line 412",
+        'File "/work/runs/demo/20261123-161000/client/snapshots/body1/20261123T160955Z/params.safetensors"',
+        "snapshot 2026-11-23T16:09:55.344241Z ready in 2026-11-23T16:10:02.344241Z",
+        "hf_token_from_env=False",
+        "sha256 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08 verified",
+        "peer 12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo joined",
+        "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGq2ZxY host",  # a public key
+        "max_tokens=512 num_tokens: 12 monkey=banana hf_transfer enabled",
+    ],
+)
+def test_harmless_text_is_kept(harmless):
+    assert redact_text(harmless) == harmless
+
+
+def test_a_flag_about_a_token_is_not_a_token():
+    assert redact_data({"hf_token_from_env": False, "tokens": 3, "hf_token": "hf_x"}) == {
+        "hf_token_from_env": False, "tokens": 3, "hf_token": REDACTED,
+    }
+
+
+def test_export_logs_finds_the_most_recent_run(tmp_path, monkeypatch, capsys):
+    from agora_client.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    saved = tmp_path / "xdg" / "agora"
+    with EventLog(saved / "logs", "cpu") as log:
+        log.write_event(LogEvent(message="an older run"))
+    demo = Path("runs") / "demo" / "20260101-000000" / "client"
+    with EventLog(demo / "logs", "cpu") as log:
+        log.write_event(LogEvent(message="the demo just now"))
+    os.utime(saved / "logs" / "cpu.jsonl", (1, 1))  # older than the demo's
+    assert main(["export-logs", "--output", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "most recent run, in runs/demo/20260101-000000/client/logs" in out
+    path = next(line for line in out.splitlines() if line.startswith("Support bundle written to ")).removeprefix("Support bundle written to ")
+    with zipfile.ZipFile(path) as bundle:
+        assert b"the demo just now" in bundle.read("logs/cpu.jsonl")

@@ -39,6 +39,7 @@ class Answers:
 
 
 def resolve(tmp_path, answers: Answers, *, env=None, login=None, gpus=(), **kwargs):
+    kwargs.setdefault("need_swarm", False)
     return resolve_client(
         tmp_path, env=env or {}, prompts=answers.prompts(), login_token=lambda: login, list_gpus=lambda: list(gpus), **kwargs
     )
@@ -48,7 +49,7 @@ def test_first_run_asks_saves_the_token_0600_and_not_again(tmp_path):
     answers = Answers("not a token", TYPED, "1")
     client = resolve(tmp_path, answers, gpus=TWO_GPUS)
     assert (client.token, client.token_source, client.config.gpu_index) == (TYPED, "typed", 1)
-    assert any("starts with hf_" in line for line in answers.said)
+    assert any("hf_ followed by at least 8 letters or digits" in line for line in answers.said)
     secrets = ClientConfigStore(tmp_path).secrets_path
     assert stat.S_IMODE(secrets.stat().st_mode) == 0o600
     assert TYPED not in (tmp_path / "config.json").read_text()
@@ -96,3 +97,29 @@ def test_overrides_and_bad_input_give_one_clear_error(tmp_path):
 
 def test_default_config_dir_follows_xdg(tmp_path):
     assert default_config_dir({"XDG_CONFIG_HOME": str(tmp_path)}) == tmp_path / "agora"
+
+
+def test_a_short_token_is_refused_with_the_rule_it_breaks(tmp_path):
+    answers = Answers("hf_bogus", TYPED)
+    assert resolve(tmp_path, answers).token == TYPED
+    assert answers.said == [
+        "That is not a Hugging Face token: a token is hf_ followed by at least 8 letters or digits, and nothing else. "
+        "Create one at https://huggingface.co/settings/tokens"
+    ]
+
+
+def test_no_saved_swarm_asks_for_its_address_and_saves_it(tmp_path):
+    answers = Answers("auth.example", "https://auth.example:8470/")
+    client = resolve(tmp_path, answers, env={"HF_TOKEN": ENV}, need_swarm=True)
+    assert client.config.swarm_url == "https://auth.example:8470"
+    assert len(answers.asked) == 2 and "auth service URL" in answers.asked[0]
+    assert "is not an http(s) URL" in answers.said[0]
+    again = Answers()
+    assert resolve(tmp_path, again, env={"HF_TOKEN": ENV}, need_swarm=True).config.swarm_url == "https://auth.example:8470"
+    assert again.asked == []
+
+
+def test_no_swarm_without_a_terminal_says_what_to_pass(tmp_path):
+    with pytest.raises(ClientConfigError, match="no swarm to join: pass --swarm URL"):
+        resolve_client(tmp_path, env={"HF_TOKEN": ENV}, prompts=Answers().prompts(interactive=False),
+                       login_token=lambda: None, list_gpus=lambda: [])

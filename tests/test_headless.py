@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from agora_client.events import SyncEvent
-from agora_client.headless import LineFormatter
+from agora_client.frontend.lines import LineFormatter
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "events"
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def client(tmp_path: Path, fixture: str, *replay_args: str, log_format: str = "text") -> list[str]:
-    runtime = shlex.join([sys.executable, "-m", "tui.replay", str(FIXTURES / f"{fixture}.jsonl"), *replay_args])
+    runtime = shlex.join([sys.executable, "-m", "agora_client.frontend.replay", str(FIXTURES / f"{fixture}.jsonl"), *replay_args])
     return [
         sys.executable, str(ROOT / "agora_cli.py"), "--headless", "--log-format", log_format,
         "--config-dir", str(tmp_path / "config"), "--runtime-cmd", runtime,
@@ -109,6 +109,9 @@ def test_ctrl_c_stops_the_child_gracefully_and_exits_130(tmp_path):
             process.kill()
     assert process.returncode == 130
     assert "[SYNC] Synchronising weights with peers. Node won't process batches in this phase." in out
+    assert out.rstrip().splitlines()[-1] == (
+        "[INFO] Interrupted: stopping the worker (finishing the current request, freeing the slot)..."
+    )  # and nothing but warnings or errors after it
     for pid in descendants:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 

@@ -111,6 +111,7 @@ def test_joiner_passes_every_phase_in_order(join_swarm, tmp_path):
             60,
             "the client to show its confirmed points",
         )
+        wait_until(lambda: _points_once_active(_events(runtime)) >= 2, 90, "two points estimates once active")
     finally:
         runtime.stop(grace=30)
         observer.shutdown()
@@ -147,6 +148,8 @@ def test_joiner_passes_every_phase_in_order(join_swarm, tmp_path):
     syncing = [samples for before, samples, after in observations if before in (1, 2) and after in (1, 2)]
     assert all(not samples for samples in syncing), syncing  # (and the wait above saw samples counted once active)
 
+    _check_counts_and_points(events, stage, preset_path)
+
     # SPARTA pulled it toward its peer: it ends closer to the peer than the snapshot it started from,
     # although both kept training on different data (the exact weight-0 rule is tested in test_sparta).
     own = load_file(latest_snapshot(client_dir / "snapshots" / "own" / stage) / "params.safetensors")
@@ -162,7 +165,7 @@ def test_joiner_passes_every_phase_in_order(join_swarm, tmp_path):
 def test_app_on_a_real_runtime_reaches_active_and_quits_clean(join_swarm, tmp_path):
     from tui.app import AgoraApp
     from tui.state import JoinStep
-    from tui.supervisor import runtime_command
+    from agora_client.frontend.supervisor import INTERRUPT_TIMEOUT_S, runtime_command
 
     swarm, auth_url, token, preset_path, _ = join_swarm
     command = runtime_command(token=token, swarm=auth_url, config_dir=tmp_path / "client")
@@ -177,15 +180,65 @@ def test_app_on_a_real_runtime_reaches_active_and_quits_clean(join_swarm, tmp_pa
                 assert app.tracker.failure is None, app.tracker.failure
                 await pilot.pause(0.5)
             pgid = app.process.pid
+            started = time.monotonic()
             await pilot.press("q")
             await pilot.pause(0.5)
             deadline = time.monotonic() + 60
             while app.is_running and time.monotonic() < deadline:
                 await pilot.pause(0.5)
+            stopped.append(time.monotonic() - started)
             return [p.pid for p in psutil.process_iter() if _in_group(p, pgid)]
 
+    stopped: list[float] = []
     leftovers = asyncio.run(drive())
     assert leftovers == []
+    # It left by itself on SIGINT (exit 0), well before the supervisor's SIGTERM: a graceful stop.
+    assert app.process.returncode == 0 and stopped[0] < INTERRUPT_TIMEOUT_S, (app.process.returncode, stopped)
+    assert app.return_code == 0
+
+
+def _points_once_active(events: list[dict]) -> int:
+    active = next((i for i, e in enumerate(events) if e["kind"] == "sync" and e["phase"] == "active"), len(events))
+    return sum(e["kind"] == "points" for e in events[active:])
+
+
+def _check_counts_and_points(events: list[dict], stage: str, preset_path) -> None:
+    """Requests are counted where they are answered, the head's backward ones too, and the points the
+    client shows are the FLOPs of exactly those requests plus the time it was registered (issue #16)."""
+    from agora_client.config import load_config
+    from agora_client.monitor.flops import request_flops
+    from agora_client.monitor.points import PFLOP, SECONDS_PER_HOUR
+
+    assert stage == "head"  # the first joiner gets the first stage: the one whose backward count was 0
+    active = next(i for i, e in enumerate(events) if e["kind"] == "sync" and e["phase"] == "active")
+    traffic = [e for e in events if e["kind"] == "traffic"]
+    assert traffic[-1]["backward_total"] > 0 and traffic[-1]["forward_total"] >= traffic[-1]["backward_total"]
+    assert any(e["backward_per_min"] > 0 for e in events[active:] if e["kind"] == "traffic")
+    assert any(e["backward_per_min"] > 0 for e in events[active:] if e["kind"] == "step")
+    assert any((e["stage_share"] or 0) > 0 for e in events[active:] if e["kind"] == "step")
+    assert traffic[-1]["bytes_received"] > 0 and traffic[-1]["bytes_sent"] > 0
+
+    config = load_config(str(preset_path))
+    rows, seq = config.optim.microbatch_size, config.model.seq_len
+    per_request = {kind: request_flops(config.model, stage, kind, rows, seq) for kind in ("forward", "backward")}
+    points = [(i, e) for i, e in enumerate(events) if e["kind"] == "points"]
+    after_active = [e for i, e in points if i > active]
+    assert len(after_active) >= 2 and after_active[-1]["compute"] > after_active[0]["compute"] > 0
+    for (i, event), (_, following) in zip(points, points[1:]):
+        # presence accrues with wall time while registered (1 point per hour)
+        gained = (following["presence"] - event["presence"]) * SECONDS_PER_HOUR
+        assert abs(gained - (following["ts"] - event["ts"])) < 3.0, (gained, following["ts"] - event["ts"])
+    for i, event in points:
+        # compute = the FLOPs of the requests counted by the meter up to then (bounded by the traffic samples around it)
+        before = [e for e in events[:i] if e["kind"] == "traffic"]
+        after = [e for e in events[i:] if e["kind"] == "traffic"]
+        if not before or not after:
+            continue
+        bound = lambda t: t["forward_total"] * per_request["forward"] + t["backward_total"] * per_request["backward"]  # noqa: E731
+        assert bound(before[-1]) <= event["compute"] * PFLOP * (1 + 1e-9) and event["compute"] * PFLOP <= bound(after[0]) * (1 + 1e-9)
+
+    swarm = [e for e in events if e["kind"] == "swarm" and e["loss"] is not None]
+    assert swarm and swarm[-1]["trainers"] >= 1 and len(swarm[-1]["loss_history"]) >= 2
 
 
 def _confirmed(monitor_url: str, peer_id: str) -> float:

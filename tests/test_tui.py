@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 import sys
 import zipfile
 from pathlib import Path
@@ -15,7 +16,7 @@ from textual.content import Content
 from agora_client.events import ExitEvent, dump_event
 from tui.app import AgoraApp, BundleTarget
 from tui.state import JoinStep
-from tui.supervisor import ChildCommand
+from agora_client.frontend.supervisor import ChildCommand
 from tui.widgets import GpuPanel, IdentityPanel, JoinPanel, LogPane, PointsPanel, RuntimeStatus, Stepper, TrainingPanel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,11 +24,11 @@ FIXTURES = ROOT / "tests" / "fixtures" / "events"
 T0 = 1767225600.0
 SIZE = (100, 34)
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)
 
 
 def replay(name: str, *args: str) -> ChildCommand:
-    return ChildCommand((sys.executable, "-m", "tui.replay", str(FIXTURES / f"{name}.jsonl"), *args), {"PYTHONPATH": str(ROOT)})
+    return ChildCommand((sys.executable, "-m", "agora_client.frontend.replay", str(FIXTURES / f"{name}.jsonl"), *args), {"PYTHONPATH": str(ROOT)})
 
 
 def make_app(name: str, *args: str, **kwargs) -> AgoraApp:
@@ -38,7 +39,7 @@ def line_count(name: str) -> int:
     return len((FIXTURES / f"{name}.jsonl").read_text().splitlines())
 
 
-async def until(pilot, condition, timeout: float = 20.0) -> None:
+async def until(pilot, condition, timeout: float = 45.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
@@ -80,10 +81,25 @@ async def test_every_panel_follows_an_active_stream_and_q_stops_the_child():
         assert app.query_one(TrainingPanel).step.local_epoch == 78
         assert app.query_one(PointsPanel).points.confirmed == 224.0
         assert app.query_one(GpuPanel).resources.gpu.name == "NVIDIA GeForce RTX 4090"
-        sparta = shown(app.query_one("#sparta-detail"))
+        sparta = shown(app.query_one("#sparta .detail"))
         assert "round 18" in sparta and "15/18 recent rounds ok (83%)" in sparta
-        chart = app.query_one("#sparta-chart").data
+        chart = app.query_one("#sparta .chart").data
         assert len(chart) == 18 and chart.count(0) == 3  # three failed rounds show as gaps
+        # the swarm's loss over time, from the trainers' records
+        last_swarm = [json.loads(line) for line in (FIXTURES / "active.jsonl").read_text().splitlines() if '"kind":"swarm"' in line][-1]
+        swarm_chart = app.query_one("#swarm .chart")
+        assert swarm_chart.data == [loss for _, loss in last_swarm["loss_history"]]
+        assert swarm_chart.display and swarm_chart.data[-1] < swarm_chart.data[0]
+        assert "2 trainer(s)" in shown(app.query_one("#swarm .detail"))
+        # requests per minute and bandwidth, one chart point per traffic sample
+        traffic = [line for line in (FIXTURES / "active.jsonl").read_text().splitlines() if '"kind":"traffic"' in line]
+        assert len(app.query_one("#training .chart-backward").data) == len(traffic)
+        assert len(app.query_one("#network .chart-up").data) == len(traffic)
+        assert "↑" in shown(app.query_one("#network .detail")) and "/min" in shown(app.query_one("#training .detail"))
+        # share of the stage, points with rank
+        assert "of body1's samples last epoch" in shown(app.query_one("#share .detail"))
+        points = shown(app.query_one("#points .detail"))
+        assert "rank #3 of 12" in points and "confirmed 224" in points
         text = log_text(app)
         assert "[SYNC] Sync complete. Node is now fully contributing to training." in text
         assert "[SPARTA] Round 11 failed" in text
@@ -172,6 +188,16 @@ async def test_a_child_ignoring_sigint_is_terminated_within_the_bound():
         await pilot.press("ctrl+c")
         await until(pilot, lambda: gone(pid), timeout=10)
     assert app.process.returncode is not None and app.process.returncode < 0  # ended by a signal
+    assert app.return_code == 130  # Ctrl-C: interrupted, as in headless mode
+
+
+async def test_quitting_after_a_rejection_exits_3():
+    app = make_app("rejected", "--exit-code", "3")
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.query_one(RuntimeStatus).display)
+        await pilot.press("q")
+        await until(pilot, lambda: app.return_code is not None)
+    assert app.return_code == 3
 
 
 async def test_malformed_lines_are_warnings_not_crashes():
@@ -236,3 +262,39 @@ async def test_palette_offers_the_app_commands():
         titles = [command.title for command in app.get_system_commands(app.screen)]
         assert {"Export support bundle", "Toggle logs", "Help", "Theme"} <= set(titles)
         assert "Restart worker" not in titles  # only offered once the worker stopped
+
+
+def test_the_stepper_says_what_happens_between_steps():
+    from agora_client.events import DownloadEvent, LogEvent, QueueEvent, SyncEvent
+    from tui.state import JoinTracker
+
+    tracker = JoinTracker()
+    tracker.apply(DownloadEvent(status="started", file="params.safetensors"))
+    assert tracker.apply(DownloadEvent(status="done")) and "Snapshot ready" in tracker.status
+    assert tracker.apply(QueueEvent(position=0, estimated_wait_s=0))  # admitted at once: the queue step is said
+    assert tracker.step == JoinStep.QUEUE and tracker.status == "Admitted: no wait in the join queue"
+    tracker.apply(LogEvent(tag="JOIN", message="Worker up. Waiting for a calm moment..."))
+    assert tracker.status == "Worker up. Waiting for a calm moment..."
+    tracker.apply(SyncEvent(phase="sync1", message="Synchronising weights"))
+    assert tracker.step == JoinStep.SYNC1
+
+
+async def test_the_sync_panel_follows_the_epochs():
+    from agora_client.events import StepEvent, SyncEvent
+    from tui.widgets import SyncPanel
+
+    app = make_app("sync1", "--hold")
+    async with app.run_test(size=SIZE) as pilot:
+        await replayed(pilot, app, "sync1")
+        panel = app.query_one(SyncPanel)
+        panel.show(SyncEvent(phase="sync2", steps_left=4, steps_total=4, target_epoch=9, local_epoch=5))
+        panel.follow(StepEvent(stage="head", local_epoch=7))
+        await pilot.pause()
+        assert "step 2 of 4 (local epoch 7)" in shown(panel)
+
+
+def test_small_points_keep_their_digits():
+    from tui.widgets.format import points_text, rate_text
+
+    assert [points_text(v) for v in (0, 0.0333, 0.0000012, 1.5, 309.4)] == ["0", "0.0333", "1.2e-06", "1.50", "309"]
+    assert rate_text(4_100_000) == "4.1 MB/s" and rate_text(12) == "12 B/s"

@@ -15,18 +15,18 @@ from pathlib import Path
 import pytest
 
 from tui.app import AgoraApp
-from tui.supervisor import ChildCommand
+from agora_client.frontend.supervisor import ChildCommand
 from tui.widgets import RuntimeStatus
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "events"
 T0 = 1767225600.0
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)
 
 
 def app_for(name: str, *args: str) -> AgoraApp:
-    command = ChildCommand((sys.executable, "-m", "tui.replay", str(FIXTURES / f"{name}.jsonl"), *args), {"PYTHONPATH": str(ROOT)})
+    command = ChildCommand((sys.executable, "-m", "agora_client.frontend.replay", str(FIXTURES / f"{name}.jsonl"), *args), {"PYTHONPATH": str(ROOT)})
     return AgoraApp(command, tz=datetime.timezone.utc, clock=lambda: T0)
 
 
@@ -40,19 +40,21 @@ def wait_for(name: str, crashed: bool = False):
             if done:
                 break
             await asyncio.sleep(0.05)
-        await pilot.pause(0.2)
+        await pilot.pause(0.5)  # the log pane scrolls to its last line
 
     return run_before
 
 
-@pytest.mark.parametrize("name", ["authorizing", "downloading", "queued", "sync1", "active", "no_gpu"])
-def test_running_states(snap_compare, name):
-    assert snap_compare(app_for(name, "--hold"), terminal_size=(100, 34), run_before=wait_for(name))
+SIZES = {"80x24": (80, 24), "160x50": (160, 50)}  # the smallest usual terminal, and a large one
 
 
-def test_child_crashed(snap_compare):
-    assert snap_compare(app_for("crash", "--exit-code", "1"), terminal_size=(100, 34), run_before=wait_for("crash", crashed=True))
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("name", ["authorizing", "downloading", "queued", "sync1", "sync2", "active", "no_gpu"])
+def test_running_states(snap_compare, name, size):
+    assert snap_compare(app_for(name, "--hold"), terminal_size=SIZES[size], run_before=wait_for(name))
 
 
-def test_active_at_80x24(snap_compare):
-    assert snap_compare(app_for("active", "--hold"), terminal_size=(80, 24), run_before=wait_for("active"))
+@pytest.mark.parametrize("size", SIZES)
+def test_child_crashed(snap_compare, size):
+    app = app_for("crash", "--exit-code", "1")
+    assert snap_compare(app, terminal_size=SIZES[size], run_before=wait_for("crash", crashed=True))

@@ -7,6 +7,7 @@ panels. If the child dies, the app says why and offers a restart; quitting stops
 
 from __future__ import annotations
 
+import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -23,41 +24,54 @@ from textual.widgets import Footer
 
 from agora_client.events import (
     AuthEvent,
-    BadEvent,
     DownloadEvent,
     ErrorEvent,
     ExitEvent,
-    LogEvent,
     PointsEvent,
     QueueEvent,
     ResourcesEvent,
     SpartaEvent,
     StageEvent,
     StepEvent,
+    SwarmEvent,
     SyncEvent,
-    parse_event,
+    TrafficEvent,
 )
-from agora_client.headless import LineFormatter, TaggedLine
+from agora_client.frontend import (
+    EXIT_OK,
+    ChildCommand,
+    EventLine,
+    LineFormatter,
+    MalformedLine,
+    RuntimeProcess,
+    StderrLine,
+    TaggedLine,
+    client_exit_code,
+    read_runtime,
+)
+from agora_client.frontend.supervisor import INTERRUPT_TIMEOUT_S, TERMINATE_TIMEOUT_S
 from agora_client.logs import EventLog
 from agora_client.system.bundle import REVIEW_NOTE, build_bundle
-from agora_client.system.redact import redact_text
 from tui.messages import RuntimeEvent, RuntimeExited, RuntimeMalformed, RuntimeStarted, RuntimeStderr
 from tui.screens.help import HelpScreen
 from tui.state import JoinTracker
-from tui.supervisor import INTERRUPT_TIMEOUT_S, TERMINATE_TIMEOUT_S, ChildCommand, RuntimeProcess
 from tui.widgets import (
     GpuPanel,
     IdentityPanel,
     JoinPanel,
     LogPane,
+    NetworkPanel,
     PointsPanel,
     RuntimeStatus,
+    SharePanel,
     SpartaPanel,
     Stepper,
+    SwarmPanel,
     TrainingPanel,
 )
 
 STDERR_TAIL = 20
+WIDE, NARROW, TALL, SHORT = 150, 70, 45, 30  # terminal sizes where the layout changes
 
 
 @dataclass(frozen=True)
@@ -75,7 +89,7 @@ class AgoraApp(App[int]):
     TITLE = "Agora"
     BINDINGS = [
         Binding("q", "quit", "Quit", id="quit", tooltip="Stop the worker gracefully and quit"),
-        Binding("ctrl+c", "quit", "Quit", show=False, priority=True, id="quit_ctrl_c"),
+        Binding("ctrl+c", "interrupt", "Quit", show=False, priority=True, id="quit_ctrl_c"),
         Binding("e", "export_bundle", "Export bundle", id="export_bundle", tooltip="Write a support bundle (zip)"),
         Binding("l", "toggle_logs", "Logs", id="toggle_logs", tooltip="Show or hide the log pane"),
         Binding("r", "restart", "Restart", id="restart", tooltip="Start the worker runtime again"),
@@ -109,6 +123,8 @@ class AgoraApp(App[int]):
         self.last_exit: ExitEvent | None = None
         self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL)
         self.quitting = False
+        self.rejected = False  # the swarm turned this client away (exit code 3)
+        self.ended_code: int | None = None  # exit code of a runtime that ended by itself
         self.last_bundle: Path | None = None
 
     # -- layout -----------------------------------------------------------------------------
@@ -116,13 +132,17 @@ class AgoraApp(App[int]):
         yield Stepper(id="stepper")
         yield RuntimeStatus(id="runtime-status")
         with VerticalScroll(id="dashboard"):
+            # Most wanted first: at 80x24 the first two rows are what shows without scrolling.
             with Grid(id="panels"):
-                yield IdentityPanel(id="identity", classes="panel")
                 yield JoinPanel(id="join", classes="panel")
-                yield GpuPanel(id="gpu", classes="panel")
-                yield SpartaPanel(id="sparta", classes="panel")
-                yield TrainingPanel(id="training", classes="panel")
                 yield PointsPanel(id="points", classes="panel")
+                yield SwarmPanel(id="swarm", classes="panel")
+                yield TrainingPanel(id="training", classes="panel")
+                yield NetworkPanel(id="network", classes="panel")
+                yield SharePanel(id="share", classes="panel")
+                yield SpartaPanel(id="sparta", classes="panel")
+                yield IdentityPanel(id="identity", classes="panel")
+                yield GpuPanel(id="gpu", classes="panel")
         yield LogPane(tz=self.tz, id="log-pane", classes="panel")
         yield Footer()
 
@@ -132,8 +152,11 @@ class AgoraApp(App[int]):
         self.supervise()
 
     def on_resize(self) -> None:
-        self.query_one("#panels").set_class(self.size.width < 70, "-narrow")
-        self.query_one(LogPane).set_class(self.size.height < 30, "-short")
+        width, height = self.size
+        self.set_class(width >= WIDE, "-wide")
+        self.set_class(width < NARROW, "-narrow")
+        self.set_class(height >= TALL, "-tall")
+        self.set_class(height < SHORT, "-short")
 
     # -- the runtime child ------------------------------------------------------------------
     @work(exclusive=True, group="runtime", exit_on_error=False)
@@ -151,23 +174,16 @@ class AgoraApp(App[int]):
             return
         self.post_message(RuntimeStarted(process.pid or 0))
         try:
-            async for stream, text in process.lines():
-                now = self.clock()
-                if stream == "stderr":
-                    self.post_message(RuntimeStderr(redact_text(text), now))
-                elif stream == "oversize":
-                    self.post_message(RuntimeMalformed("line longer than 1 MiB", "", now))
-                else:
+            async for item in read_runtime(process, event_log=self.event_log, clock=self.clock):
+                if isinstance(item, StderrLine):
+                    self.post_message(RuntimeStderr(item.text, item.ts))
+                elif isinstance(item, MalformedLine):
                     self.lines_read += 1
-                    if self.event_log:
-                        self.event_log.write_line(text)
-                    try:
-                        event = parse_event(text)
-                    except BadEvent as error:
-                        self.post_message(RuntimeMalformed(str(error), text, now))
-                        continue
+                    self.post_message(RuntimeMalformed(item.reason, item.raw, item.ts))
+                elif isinstance(item, EventLine):
+                    self.lines_read += 1
                     # Lines are made here, before any coalescing, so the log pane misses none.
-                    self.post_message(RuntimeEvent(event, self.formatter.format(event)))
+                    self.post_message(RuntimeEvent(item.event, self.formatter.format(item.event)))
             code = await process.wait()
             self.post_message(RuntimeExited(code, process.stop_requested))
         finally:
@@ -187,9 +203,11 @@ class AgoraApp(App[int]):
         if self.tracker.apply(event):
             self._show_step()
         if isinstance(event, AuthEvent):
+            self.rejected = self.rejected or event.status == "rejected"
             self.query_one(IdentityPanel).show_auth(event)
         elif isinstance(event, StageEvent):
             self.query_one(IdentityPanel).show_stage(event)
+            self.query_one(SharePanel).show_stage(event)
         elif isinstance(event, DownloadEvent):
             self.query_one("#download").show(event)
         elif isinstance(event, QueueEvent):
@@ -198,6 +216,13 @@ class AgoraApp(App[int]):
             self.query_one("#sync").show(event)
         elif isinstance(event, StepEvent):
             self.query_one(TrainingPanel).show(event)
+            self.query_one(SharePanel).show(event)
+            self.query_one("#sync").follow(event)
+        elif isinstance(event, TrafficEvent):
+            self.query_one(TrainingPanel).show_traffic(event)
+            self.query_one(NetworkPanel).show(event)
+        elif isinstance(event, SwarmEvent):
+            self.query_one(SwarmPanel).show(event)
         elif isinstance(event, SpartaEvent):
             self.query_one(SpartaPanel).show(event)
         elif isinstance(event, ResourcesEvent):
@@ -216,15 +241,13 @@ class AgoraApp(App[int]):
 
     def on_runtime_stderr(self, message: RuntimeStderr) -> None:
         self.stderr_tail.append(message.text)
-        line = self.formatter.stderr(message.text, message.ts)
-        if self.event_log:
-            self.event_log.write_event(LogEvent(ts=message.ts, level="warning", tag="STDERR", message=message.text))
-        self._log(line)
+        self._log(self.formatter.stderr(message.text, message.ts))
 
     def on_runtime_exited(self, message: RuntimeExited) -> None:
         self.refresh_bindings()
         if message.stop_requested or self.quitting:
             return
+        self.ended_code = message.code
         reason = message.detail
         hint = ""
         if self.last_error is not None:
@@ -260,26 +283,34 @@ class AgoraApp(App[int]):
         return True
 
     async def action_quit(self) -> None:
+        self._quit(None)
+
+    async def action_interrupt(self) -> None:
+        self._quit(signal.SIGINT)
+
+    def _quit(self, stop_signal: int | None) -> None:
         if self.quitting:
             return
         self.quitting = True
         self.tracker.status = "Stopping: finishing the current request and leaving the averaging group..."
         self._show_step()
-        self.stop_and_exit()
+        runtime_code = EXIT_OK if self.runtime_running or self.ended_code is None else self.ended_code
+        self.stop_and_exit(client_exit_code(runtime_code, stop_signal, self.rejected))
 
     @work(group="stop", exclusive=True)
-    async def stop_and_exit(self) -> None:
+    async def stop_and_exit(self, code: int) -> None:
         if self.process is not None:
             await self.process.stop()
         if self.event_log:
             self.event_log.close()
-        self.exit(0)
+        self.exit(code, return_code=code)
 
     def action_restart(self) -> None:
         if self.runtime_running or self.quitting:
             return
         self.tracker.restarted()
-        self.last_error = self.last_exit = None
+        self.last_error = self.last_exit = self.ended_code = None
+        self.rejected = False
         self.stderr_tail.clear()
         self.query_one(RuntimeStatus).hide()
         self._show_step()

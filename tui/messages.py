@@ -5,7 +5,7 @@ from __future__ import annotations
 from textual.message import Message
 
 from agora_client.events import DownloadEvent, Event
-from agora_client.headless import TaggedLine
+from agora_client.frontend import TaggedLine
 
 # Kinds where only the newest pending message matters: a newer one replaces a queued older one.
 _REPLACEABLE_KINDS = frozenset({"resources"})

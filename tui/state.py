@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-from agora_client.events import AuthEvent, DownloadEvent, ErrorEvent, Event, QueueEvent, SyncEvent
+from agora_client.events import AuthEvent, DownloadEvent, ErrorEvent, Event, LogEvent, QueueEvent, SyncEvent
 
 
 class JoinStep(IntEnum):
@@ -35,6 +35,7 @@ ADVICE = {
     JoinStep.ACTIVE: "restart; if it keeps failing, export a support bundle (e) and open a ticket",
 }
 REJECTED_ADVICE = "the swarm is full or this identity reached its cap: try again later"
+JOIN_TAG = "JOIN"  # log events with this tag say what happens between two steps (starting the worker...)
 _SYNC_STEPS = {"sync1": JoinStep.SYNC1, "sync2": JoinStep.SYNC2, "active": JoinStep.ACTIVE}
 
 
@@ -79,11 +80,19 @@ class JoinTracker:
             if event.status == "failed":
                 self._fail(event.message or "the snapshot download failed")
                 return True
+            if event.status == "done" and self.step == JoinStep.DOWNLOAD:
+                self.status = "Snapshot ready; waiting for the join queue's answer..."
+                return True
             return before != self.step
         if isinstance(event, QueueEvent):
+            self._advance(JoinStep.QUEUE)
             if event.position > 0:
-                self._advance(JoinStep.QUEUE)
                 self.status = "Waiting in the join queue; the downloaded snapshot is kept"
+            else:
+                self.status = "Admitted: no wait in the join queue"
+            return True
+        if isinstance(event, LogEvent) and event.tag == JOIN_TAG:  # what the runtime does between the steps
+            self.status = event.message
             return True
         if isinstance(event, SyncEvent):
             step = _SYNC_STEPS[event.phase]

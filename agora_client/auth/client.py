@@ -210,11 +210,10 @@ def _decode(response: httpx.Response, url: str) -> dict[str, Any]:
 
 def _answer_error(events: EventWriter, peer_id: str, error: Exception) -> AuthError:
     status_code = getattr(error, "status_code", None)
-    if status_code == 403:
-        events.emit(AuthEvent(status="rejected", peer_id=peer_id, message=str(error)))
-        return AuthRejected(str(error))
-    if status_code == 401:
-        return _fail(events, peer_id, f"the swarm did not accept your token: {error}")
+    if status_code in (401, 403):  # a refused token is a rejection too: retrying the same token cannot help
+        message = f"the swarm did not accept your token: {error}" if status_code == 401 else str(error)
+        events.emit(AuthEvent(status="rejected", peer_id=peer_id, message=message))
+        return AuthRejected(message)
     return _fail(events, peer_id, f"the auth service refused the join: {error}")
 
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Callable
 
 from agora_client.config import ConfigError, load_config
+from agora_client.system.lifetime import stop_on_signals
 
 from .admission import AdmissionPolicy
 from .identity import HuggingFaceIdentity, IdentityError, IdentitySource, TokenFileIdentity
@@ -75,6 +74,7 @@ def _object_store_links(location: str | None) -> Callable[[str], str | None] | N
 
 
 def run(args: argparse.Namespace) -> int:
+    stop = stop_on_signals()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         stages = load_config(args.config).model.stage_names
@@ -91,9 +91,6 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, IdentityError, ValueError, OSError) as error:
         print(f"[AUTH] cannot start the auth service: {error}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
     with server:
         print(f"{READY_PREFIX}{server.url}", flush=True)
         print(f"{PUBLIC_KEY_PREFIX}{service.public_key}", flush=True)

@@ -1,7 +1,7 @@
 """Metrics -> points -> leaderboard.
 
 Workers: ``WorkerMetrics`` (agora_client.worker.metrics) counts, ``publish_metrics`` signs and stores.
-Monitor: ``Scraper`` + ``PointsStore`` + ``LeaderboardServer``. Client: ``estimate_points``, ``fetch_confirmed``.
+Monitor: ``Scraper`` + ``PointsStore`` + ``LeaderboardServer``. Client: ``estimate_points``, ``fetch_confirmed``, ``fetch_rank``.
 Names that need hivemind or the auth package are imported on first use, so that the light
 parts (points, FLOPs, the leaderboard table) load without them.
 """
@@ -32,6 +32,7 @@ _LAZY = {
     "write_identity_file": "agora_client.monitor.records",
     "estimate_points": "agora_client.monitor.estimate",
     "fetch_confirmed": "agora_client.monitor.estimate",
+    "fetch_rank": "agora_client.monitor.estimate",
     "Scraper": "agora_client.monitor.scraper",
     "LeaderboardServer": "agora_client.monitor.http_api",
 }

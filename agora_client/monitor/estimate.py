@@ -12,7 +12,11 @@ from agora_client.monitor.records import MetricsRecord
 
 
 def estimate_points(
-    current: MetricsRecord, previous: MetricsRecord | None = None, *, confirmed: float | None = None
+    current: MetricsRecord,
+    previous: MetricsRecord | None = None,
+    *,
+    confirmed: float | None = None,
+    rank: tuple[int, int] | None = None,
 ) -> PointsEvent:
     """Presence and compute points of this peer alone (PFLOPs), as the monitor would credit them.
 
@@ -29,7 +33,10 @@ def estimate_points(
         if current.sync_phase in COMPUTE_PHASES:
             gained += (current.compute_flops - previous.compute_flops) / PFLOP
         rate = max(0.0, gained / hours)
-    return PointsEvent(presence=presence, compute=compute, rate_per_hour=rate, confirmed=confirmed)
+    place, ranked = rank if rank is not None else (None, None)
+    return PointsEvent(
+        presence=presence, compute=compute, rate_per_hour=rate, confirmed=confirmed, rank=place, ranked=ranked
+    )
 
 
 def fetch_confirmed(monitor_url: str, peer_id: str, *, timeout: float = 5.0) -> float | None:
@@ -45,3 +52,14 @@ def fetch_confirmed(monitor_url: str, peer_id: str, *, timeout: float = 5.0) -> 
         return float(response.json()["score"])
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def fetch_rank(monitor_url: str, identity: str, *, timeout: float = 5.0) -> tuple[int, int] | None:
+    """(place, contributors) of this identity on the monitor's leaderboard, or None if it is not listed or unreachable."""
+    try:
+        response = httpx.get(f"{monitor_url.rstrip('/')}/leaderboard", timeout=timeout)
+        rows = response.json()["rows"] if response.status_code == 200 else []
+        place = next((int(row["rank"]) for row in rows if row.get("username") == identity), None)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+    return None if place is None else (place, len(rows))

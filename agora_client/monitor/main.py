@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 from pathlib import Path
 
 import httpx
@@ -19,6 +17,7 @@ from agora_client.monitor.points import PointsPolicy
 from agora_client.monitor.scraper import Scraper
 from agora_client.monitor.store import PointsStore
 from agora_client.swarm.dht import NoSeedAnswered, connect_dht
+from agora_client.system.lifetime import stop_on_signals
 
 READY_PREFIX = "[MONITOR] leaderboard on "
 log = logging.getLogger("agora_client.monitor")
@@ -73,6 +72,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    stop = stop_on_signals()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         _check(args)
@@ -104,9 +104,6 @@ def run(args: argparse.Namespace) -> int:
         store.close()
         return 2
 
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
     scraper = Scraper(dht, stages, store, public_key)
     server.start()
     print(f"{READY_PREFIX}{server.url}/leaderboard", flush=True)

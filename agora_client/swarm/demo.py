@@ -2,29 +2,52 @@
 
 The swarm (seeds, one worker per stage publishing snapshots, a trainer, the auth service with a
 local demo identity, the snapshot store) runs in the background; the app (or --headless) runs in
-the foreground with the demo user's token. Quitting the app stops everything.
+the foreground with the demo user's token, through the front end the entry point chose
+(``args.front_end``). Quitting the app stops everything. Only the newest ``--keep-runs`` run
+directories are kept under ``--run-dir``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import time
 from pathlib import Path
 
+from agora_client.frontend.client import run as run_client
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
+
+RUN_NAME = "%Y%m%d-%H%M%S"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--headless", action="store_true", help="print tagged lines instead of opening the app")
     parser.add_argument("--run-dir", type=Path, default=Path("runs/demo"), help="logs, snapshots and state go here")
     parser.add_argument("--workers-per-stage", type=int, default=1)
+    parser.add_argument("--keep-runs", type=int, default=3, help="run directories to keep, this one included (default 3)")
+
+
+def prune_runs(run_dir: Path, keep: int) -> list[Path]:
+    """Remove all but the newest ``keep`` demo runs (directories named by their start time); returns the removed."""
+    runs = sorted((path for path in run_dir.glob("*") if path.is_dir() and _is_run_name(path.name)), key=lambda p: p.name)
+    removed = runs[: max(0, len(runs) - keep)]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def _is_run_name(name: str) -> bool:
+    try:
+        time.strptime(name, RUN_NAME)
+    except ValueError:
+        return False
+    return True
 
 
 def run(args: argparse.Namespace) -> int:
-    from tui import launch
-
-    run_dir = args.run_dir / time.strftime("%Y%m%d-%H%M%S")
+    prune_runs(args.run_dir, max(0, args.keep_runs - 1))  # room for this run
+    run_dir = args.run_dir / time.strftime(RUN_NAME)
     options = SwarmOptions(workers_per_stage=args.workers_per_stage, run_dir=run_dir, publish_snapshots=True)
     print(f"[DEMO] starting the local swarm (logs in {run_dir / 'logs'}); this takes about a minute...", flush=True)
     with LocalSwarm(options) as swarm:
@@ -43,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
             config_dir=run_dir / "client",
             runtime_cmd=None,
         )
-        code = launch.run(client_args)
+        code = run_client(client_args, args.front_end)
         print("[DEMO] stopping the swarm...", flush=True)
+    print(f"[DEMO] logs of this run: {run_dir / 'logs'} (swarm) and {run_dir / 'client' / 'logs'} (your client)", flush=True)
     return code

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import signal
-import threading
 
 from agora_client.swarm.dht import connect_dht
+from agora_client.system.lifetime import stop_on_signals
 
 READY_PREFIX = "[SEED] multiaddr "
 
@@ -19,13 +18,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    stop = stop_on_signals()
     extra = {"identity_path": args.identity} if args.identity else {}
     dht = connect_dht(args.seeds, host=args.host, port=args.port, **extra)
-    for maddr in dht.get_visible_maddrs():
-        print(f"{READY_PREFIX}{maddr}", flush=True)
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
-    stop.wait()
-    dht.shutdown()
+    try:
+        for maddr in dht.get_visible_maddrs():
+            print(f"{READY_PREFIX}{maddr}", flush=True)
+        stop.wait()
+    finally:
+        dht.shutdown()
     return 0

@@ -1,4 +1,4 @@
-"""Child processes that die with their parent.
+"""Child processes that die with their parent, and the graceful stop every role shares.
 
 hivemind forks helper processes (connection handlers, task pools, the DHT, the averager). If the
 worker's main process is killed outright they would live on, still accepting requests they can
@@ -12,6 +12,8 @@ import ctypes
 import os
 import signal
 import sys
+import threading
+from typing import NoReturn
 
 _PR_SET_PDEATHSIG = 1
 
@@ -32,3 +34,53 @@ def die_with_parent() -> None:
             os._exit(1)
 
     os.register_at_fork(before=before, after_in_child=in_child)
+
+
+_children_reset_registered = False
+
+
+def _reset_signals_in_child() -> None:
+    # A forked helper (task pool, connection handler) must not inherit our stop handler: it would
+    # swallow the SIGTERM its owner uses to end it. Ctrl-C on the terminal reaches the whole group;
+    # helpers ignore it and let the main process shut them down in order.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def stop_on_signals() -> threading.Event:
+    """An event the first SIGINT or SIGTERM sets, for a graceful stop; a second one ends the process at once.
+
+    Call it first thing in a role's ``run``: processes forked later get the default SIGTERM and ignore SIGINT.
+    """
+    global _children_reset_registered
+    stop = threading.Event()
+
+    def handle(signum: int, frame: object) -> None:
+        if stop.is_set():  # asked twice: stop now (forked helpers die with us, see die_with_parent)
+            os._exit(128 + signum)
+        stop.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, handle)
+    if not _children_reset_registered:
+        os.register_at_fork(after_in_child=_reset_signals_in_child)
+        _children_reset_registered = True
+    return stop
+
+
+def exit_process(code: int) -> NoReturn:
+    """Leave now, after a role has shut everything down in order.
+
+    The interpreter's teardown would garbage-collect hivemind objects (P2P, its daemon client) after
+    their event loop is gone, and their ``__del__`` prints errors about it; there is nothing left for
+    that teardown to do.
+    """
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # the reader went away
+            pass
+    os._exit(code)

@@ -1,9 +1,18 @@
-"""Secret redaction, by key and by token pattern, applied before anything is written to disk.
+"""Secret redaction by what secrets are, applied before anything is written to disk or shown.
 
-By key: any mapping key that names a secret (token, secret, password, key, authorization...)
-has its value replaced by ``**REDACTED**``; so does ``KEY=value`` text. By pattern: Hugging Face
-tokens, bearer tokens, PEM blocks, ed25519 / ssh keys and long base64-like strings. libp2p peer
-ids (``12D3KooW...``, ``Qm...``) are public and kept, so a bundle still says who the peer was.
+What counts as a secret:
+
+- a value we know (the user's token, passed in ``secrets``), wherever it appears;
+- a Hugging Face token (``hf_`` and 12+ letters or digits, with a digit or capital among them),
+  or an ``api_org_`` / ``hf_oauth_`` token;
+- a private key (a PEM block labelled PRIVATE KEY);
+- a bearer or authorization value (``Bearer x``, ``Authorization: x``);
+- the value of a key *named* token, secret, password, key, ticket, cookie, credential or
+  authorization (``HF_TOKEN=x``, ``"api_key": "x"``, ``private_key: x``), in text and in JSON.
+
+Nothing else: a long file path, a timestamp or a flag such as ``hf_token_from_env`` is not a
+secret and is kept as it is. libp2p peer ids (``12D3KooW...``) are public, so a bundle still
+says who the peer was.
 """
 
 from __future__ import annotations
@@ -14,48 +23,51 @@ from typing import Any, Iterable
 
 REDACTED = "**REDACTED**"
 
-_SECRET_KEY = re.compile(
-    r"token|secret|passw(or)?d|api[_-]?key|private[_-]?key|priv[_-]?key|authorization|credential|signature|ticket|cookie|^key$",
-    re.IGNORECASE,
-)
+# The last word of the key names what it holds: "hf_token", "API_KEY", "db-password"; not "hf_token_from_env".
+_SECRET_NAME = r"(?:token|secret|passw(?:or)?d|key|ticket|cookie|credentials?|authorization)"
+_SECRET_KEY = re.compile(rf"(?:^|[_.\-\s]){_SECRET_NAME}$|^{_SECRET_NAME}$", re.IGNORECASE)
 _ASSIGNMENT = re.compile(
-    r"(?P<key>\b[A-Za-z0-9_.-]*(?:TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|PRIVATE_?KEY|AUTHORIZATION|CREDENTIAL)[A-Za-z0-9_.-]*)"
-    r"(?P<sep>\s*[=:]\s*)(?P<quote>[\"']?)(?P<value>[^\s\"',;]+)",
+    rf"(?P<key>\b(?:[A-Za-z0-9_.\-]*[_.\-])?{_SECRET_NAME})\b(?P<sep>\"?\s*[=:]\s*)(?P<quote>[\"']?)(?P<value>[^\s\"',;]+)",
     re.IGNORECASE,
 )
 _PATTERNS = (
-    re.compile(r"-----BEGIN [A-Z0-9 ]+-----.*?(?:-----END [A-Z0-9 ]+-----|\Z)", re.DOTALL),
-    re.compile(r"\bhf_[A-Za-z0-9]{8,}"),
+    re.compile(r"(?i)(?<=authorization)(\"?\s*[:=]\s*\"?)(?:[A-Za-z]+\s+)?[^\s\"',;]+"),
+    re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)", re.DOTALL),
+    re.compile(r"\bhf_(?=[A-Za-z0-9]*[0-9A-Z])[A-Za-z0-9]{12,}"),
     re.compile(r"\b(?:api_org|hf_oauth)_[A-Za-z0-9]{8,}"),
-    re.compile(r"(?i)\bbearer\s+[A-Za-z0-9._~+/=-]{8,}"),
-    re.compile(r"\bssh-ed25519\s+[A-Za-z0-9+/=]{16,}"),
-    re.compile(r"(?i)\bed25519[:=]\s*[A-Za-z0-9+/=_-]{16,}"),
+    re.compile(r"(?i)\bbearer\s+[A-Za-z0-9._~+/=\-]{8,}"),
 )
-# Long base64/hex-like runs that mix letters and digits; public peer ids are excluded.
-_LONG_SECRET = re.compile(r"(?<![A-Za-z0-9+/_-])(?!12D3KooW|Qm)(?=[A-Za-z0-9+/=_-]*[0-9])(?=[A-Za-z0-9+/=_-]*[A-Za-z])[A-Za-z0-9+/_-]{40,}={0,2}")
+# Values that say whether or how much, never what: kept even under a secret-looking key.
+_HARMLESS_VALUES = re.compile(r"^(?:true|false|none|null|yes|no|\d+(?:\.\d+)?)$", re.IGNORECASE)
 
 
 def is_secret_key(key: str) -> bool:
-    return bool(_SECRET_KEY.search(key))
+    """A mapping key whose value is a secret (``hf_token``, ``api-key``), not one that merely mentions one."""
+    return bool(_SECRET_KEY.search(key.strip()))
+
+
+def _redact_assignment(match: re.Match[str]) -> str:
+    if _HARMLESS_VALUES.match(match["value"]) or match["value"] == REDACTED:
+        return match[0]
+    return f"{match['key']}{match['sep']}{match['quote']}{REDACTED}"
 
 
 def redact_text(text: str, secrets: Iterable[str] = ()) -> str:
-    """Text with known secret values and every secret-shaped run replaced by REDACTED."""
+    """Text with known secret values and every recognisable secret replaced by REDACTED."""
     for secret in secrets:
         if secret and len(secret) >= 4:
             text = text.replace(secret, REDACTED)
     for pattern in _PATTERNS:
-        text = pattern.sub(REDACTED, text)
-    text = _ASSIGNMENT.sub(lambda m: f"{m['key']}{m['sep']}{m['quote']}{REDACTED}", text)
-    return _LONG_SECRET.sub(REDACTED, text)
+        text = pattern.sub(lambda match: f"{match[1] or ''}{REDACTED}" if pattern.groups else REDACTED, text)
+    return _ASSIGNMENT.sub(_redact_assignment, text)
 
 
 def redact_data(data: Any, secrets: Iterable[str] = ()) -> Any:
-    """A copy of JSON-like data: values under secret keys replaced, strings redacted by pattern."""
+    """A copy of JSON-like data: string values under secret keys replaced, other strings redacted as text."""
     secrets = tuple(secrets)
     if isinstance(data, dict):
         return {
-            key: REDACTED if is_secret_key(str(key)) and value not in (None, "") else redact_data(value, secrets)
+            key: REDACTED if is_secret_key(str(key)) and isinstance(value, str) and value else redact_data(value, secrets)
             for key, value in data.items()
         }
     if isinstance(data, (list, tuple)):

@@ -55,6 +55,9 @@ _WORKER_SIDE_HINTS = (
     "sync phase",
     "not ready",
     "shutting down",
+    "after shutdown",  # "cannot schedule new futures after shutdown": the worker is stopping
+    "event loop is closed",
+    "cancellederror",
     "brokenpipeerror",
     "eoferror",
     "connectionerror",

@@ -7,6 +7,8 @@ Output lines (stdout), parseable by tests and the swarm launcher:
   [TRAFFIC] {"<stage>.<forward|backward>_<request|reply>": serialized bytes per token, ...}
   [RETRY] <stage> <kind> on <uid> failed after <s>s (<error class>[, banned]): <error>; <what happens next>
   [WARNING] ...
+Every [PROGRESS] report is also stored in the DHT (trainer/progress.py): contributors draw the
+swarm's loss from it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import itertools
-import signal
 import sys
 import threading
 import time
@@ -25,9 +26,11 @@ from agora_client.auth.ticket_source import SelfIssuedTickets
 from agora_client.config import ConfigError, load_config
 from agora_client.swarm.dht import NoSeedAnswered, connect_dht
 from agora_client.swarm.roster import WorkerRecord, fetch_roster
+from agora_client.system.lifetime import stop_on_signals
 from agora_client.trainer.balancer import RoundRobinBalancer, Router, StageBalancer, StageStats
 from agora_client.trainer.data import DataError, SequenceStream, Shard
 from agora_client.trainer.pipeline import Pipeline, RequestFailed, StallNotice
+from agora_client.trainer.progress import ProgressPublisher
 from agora_client.trainer.rpc import StageClient, TrafficCounter
 
 
@@ -109,6 +112,7 @@ class RosterWatcher(threading.Thread):
 
 
 def run(args: argparse.Namespace) -> int:
+    stop = stop_on_signals()
     try:
         config = load_config(args.preset)
         shard = _parse_shard(args.shard)
@@ -120,9 +124,6 @@ def run(args: argparse.Namespace) -> int:
         say("ERROR", str(error))
         return 2
     stages = list(config.model.stage_names)
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
     try:
         dhts = {stage: connect_dht(args.seeds) for stage in stages}  # one DHT peer per stage
     except NoSeedAnswered as error:
@@ -149,8 +150,9 @@ def run(args: argparse.Namespace) -> int:
         stop=stop,
         on_failure=lambda message: say("RETRY", message),
     )
+    progress = ProgressPublisher(dhts[stages[0]], ttl=max(60.0, 3 * args.report_every))
     try:
-        done = _train(pipeline, batches, args, router, traffic, stop)
+        done = _train(pipeline, batches, args, router, traffic, stop, progress)
     except DataError as error:  # a bad record further into the data
         say("ERROR", str(error))
         return 2
@@ -162,7 +164,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(pipeline: Pipeline, batches, args, router: Router, traffic: TrafficCounter, stop: threading.Event) -> int:
+def _train(
+    pipeline: Pipeline, batches, args, router: Router, traffic: TrafficCounter, stop: threading.Event,
+    progress: ProgressPublisher,
+) -> int:
     done, losses, tokens = 0, [], 0
     last_report = time.monotonic()
     with ThreadPoolExecutor(args.inflight, thread_name_prefix="microbatch") as pool:
@@ -191,9 +196,14 @@ def _train(pipeline: Pipeline, batches, args, router: Router, traffic: TrafficCo
                 # also while nothing finishes (a stalled or slow stage): the roster and bans are what matter then
                 elapsed = time.monotonic() - last_report
                 roster = "; ".join(_stage_summary(stats) for stats in router.window_stats().values())
-                loss = f"{sum(losses) / len(losses):.4f}" if losses else "n/a"
+                mean_loss = sum(losses) / len(losses) if losses else None
+                loss = "n/a" if mean_loss is None else f"{mean_loss:.4f}"
                 say("PROGRESS", f"microbatches={done} loss={loss} tokens_per_s={tokens / elapsed:.1f} | {roster}")
                 say("TRAFFIC", json.dumps(traffic.per_token()))  # serialized bytes per token, per stage and kind
+                try:  # contributors draw the swarm's loss from these records
+                    progress.publish(done, mean_loss, tokens / elapsed)
+                except Exception as error:  # a DHT hiccup must not stop training
+                    say("WARNING", f"could not publish the progress record: {error}")
                 losses, tokens, last_report = [], 0, time.monotonic()
         stop.set()
     return done

@@ -18,19 +18,23 @@ import torch
 from agora_client.auth.client import Authorization, StageAssignment, authorize, leave, renew_ticket, report_active
 from agora_client.auth.ticket_source import HeldTicket
 from agora_client.config import RunConfig
-from agora_client.events import EventWriter
-from agora_client.monitor.estimate import estimate_points, fetch_confirmed
+from agora_client.events import EventWriter, QueueEvent
+from agora_client.monitor.estimate import estimate_points, fetch_confirmed, fetch_rank
 from agora_client.monitor.records import MetricsRecord, publish_metrics, signed_dht_kwargs
 from agora_client.snapshots import DownloadError, download_snapshot
 from agora_client.system.resources import ResourceProbe
 from agora_client.worker.gpu_fit import JoinFit
 from agora_client.worker.metrics import WorkerMetrics
 from agora_client.worker.node import WorkerNode, WorkerOptions
+from agora_client.trainer.progress import fetch_progress, swarm_event
 from agora_client.worker.sync import NAMES
+from agora_client.worker.traffic import TrafficWindow
 
 TICK_SECONDS = 1.0
-RESOURCES_EVERY = 2.0
+RESOURCES_EVERY = 2.0  # resources and traffic
+SWARM_EVERY = 10.0  # the trainers' progress records
 METRICS_EVERY = 15.0
+STOP_POLL_SECONDS = 0.2
 RENEW_MARGIN = 300.0  # renew the ticket this many seconds before it expires
 
 
@@ -74,9 +78,12 @@ class SnapshotFetch:
         except (DownloadError, OSError) as error:
             self.error = error
 
-    def result(self) -> Path | None:
-        if self._thread is not None:
-            self._thread.join()
+    def result(self, stop: threading.Event) -> Path | None:
+        """The downloaded snapshot, or None as soon as ``stop`` is set (the download thread is a daemon:
+        it ends with the process, and the partial file is resumed next time)."""
+        while self._thread is not None and self._thread.is_alive():
+            if stop.wait(STOP_POLL_SECONDS):
+                return None
         if self.error is not None:
             raise self.error
         return self.path
@@ -100,10 +107,13 @@ class Contributor:
             options.swarm_url, token, peer_id, events=self.events, on_assigned=fit.guard(fetch.start), stop=self.stop
         )
         fetch.start(StageAssignment(stage=auth.stage, snapshot_url=auth.snapshot_url))
-        snapshot = fetch.result()
+        snapshot = fetch.result(self.stop)
         if self.stop.is_set():
             return
         self.ticket.replace(auth.ticket)
+        if auth.queued_s == 0:  # admitted at once: say so, or the queue step would pass without a word
+            self.events.emit(QueueEvent(position=0, estimated_wait_s=0.0))
+        self.events.log("Starting the worker: joining the swarm's DHT and loading the stage...", tag="JOIN")
         self.node = node = WorkerNode(
             WorkerOptions(
                 options.config,
@@ -122,15 +132,28 @@ class Contributor:
             self.events,
         )
         metrics = WorkerMetrics(options.config.model, auth.stage, peer_id=node.peer_id, identity=auth.identity, ticket=auth.ticket)
-        node.add_request_hook(lambda kind, tokens: metrics.on_forward(tokens) if kind == "forward" else metrics.on_backward(tokens))
+        def count(kind: str, tokens) -> None:
+            metrics.set_phase(NAMES[node.sync.phase])  # the phase at the time of the request decides if it earns
+            metrics.on_forward(tokens) if kind == "forward" else metrics.on_backward(tokens)
+
+        node.add_request_hook(count)
         node.add_round_hook(lambda report: metrics.on_sparta_round(report.ok, report.fraction))
+        if self.stop.is_set():
+            return
+        self.events.log(
+            "Worker up. Waiting for a calm moment in the stage (no averaging round, early in its step) to begin sync 1...",
+            tag="JOIN",
+        )
         node.start(self.stop)
+        if self.stop.is_set():
+            return
         report_active(options.swarm_url, auth.ticket)
         self._serve(node, metrics, dht_kwargs["record_validators"][0])
 
     def _serve(self, node: WorkerNode, metrics: WorkerMetrics, validator) -> None:
         probe = ResourceProbe(self.options.gpu)
-        last_resources = last_metrics = 0.0
+        traffic = TrafficWindow(node.meter)
+        last_resources = last_swarm = last_metrics = 0.0
         previous: MetricsRecord | None = None
         while not self.stop.wait(TICK_SECONDS):
             if self.events.broken:  # nobody reads our events any more: leave the swarm cleanly
@@ -140,14 +163,32 @@ class Contributor:
             now = time.monotonic()
             if now - last_resources >= RESOURCES_EVERY:
                 self.events.emit(probe.sample())
+                self.events.emit(traffic.sample())
                 last_resources = now
+            if now - last_swarm >= SWARM_EVERY:
+                self._report_swarm(node)
+                last_swarm = now
             if now - last_metrics >= METRICS_EVERY:
                 self._renew_ticket(metrics)
                 record = metrics.snapshot()
                 publish_metrics(node.dht, record, validator, ttl=METRICS_EVERY * 3)
-                confirmed = fetch_confirmed(self.options.monitor_url, node.peer_id) if self.options.monitor_url else None
-                self.events.emit(estimate_points(record, previous, confirmed=confirmed))
+                self.events.emit(estimate_points(record, previous, **self._standing(node)))
                 previous, last_metrics = record, now
+
+    def _report_swarm(self, node: WorkerNode) -> None:
+        try:
+            records = fetch_progress(node.dht)
+        except Exception as error:  # a DHT hiccup: the next read retries
+            self.events.log(f"could not read the trainers' progress: {error}", level="debug")
+            return
+        self.events.emit(swarm_event(records))
+
+    def _standing(self, node: WorkerNode) -> dict:
+        """The monitor's confirmed points and leaderboard place of this peer (nothing without a monitor)."""
+        monitor_url = self.options.monitor_url
+        if not monitor_url or self.auth is None:
+            return {}
+        return {"confirmed": fetch_confirmed(monitor_url, node.peer_id), "rank": fetch_rank(monitor_url, self.auth.identity)}
 
     def _renew_ticket(self, metrics: WorkerMetrics) -> None:
         auth = self.auth

@@ -51,6 +51,7 @@ class EpochController:
         self.local_samples = 0  # samples whose gradients sit in .grad now
         self.reported_samples = 0  # of those, the ones this worker counts toward the stage batch
         self.last_grad_norm: float | None = None
+        self.last_share: float | None = None  # this worker's share of the samples of the last stage epoch
         self.tracker = ProgressTracker(dht, f"agora.progress.{stage}", target_batch_size, start=True)
         with self.tracker.pause_updates():
             self.tracker.update_epoch(epoch)
@@ -77,6 +78,9 @@ class EpochController:
         if not self.tracker.ready_to_update_epoch:
             return
         with self.lock, self.tracker.pause_updates():
+            # samples of the stage's epoch: the reported ones of every peer, plus ours that do not count yet (phase 2)
+            stage_samples = self.tracker.global_progress.samples_accumulated - self.reported_samples + self.local_samples
+            self.last_share = min(1.0, self.local_samples / stage_samples) if stage_samples > 0 else 0.0
             if self.local_samples:
                 self._step()
             self.epoch = self.tracker.update_epoch(max(self.epoch + 1, self.tracker.global_epoch))

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from agora_client.config import ConfigError, load_config
@@ -40,11 +38,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from agora_client.system.lifetime import die_with_parent, stop_on_signals
+
+    stop = stop_on_signals()  # before anything forks: helpers must not inherit the handler
     import torch
 
     from agora_client.auth.ticket_source import SelfIssuedTickets
     from agora_client.snapshots import SnapshotError, latest_snapshot
-    from agora_client.system.lifetime import die_with_parent
     from agora_client.worker.node import WorkerNode, WorkerOptions
 
     die_with_parent()  # a killed worker must not leave hivemind's helpers serving requests
@@ -95,11 +95,13 @@ def run(args: argparse.Namespace) -> int:
     except SnapshotError as error:  # a --snapshot that is damaged or from another run config
         print(f"[ERROR] {error}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
-    node.start()
-    print(f"[WORKER] {node.uid} ready on peer {node.peer_id}", flush=True)
-    stop.wait()
-    node.shutdown()
+    try:
+        if not stop.is_set():
+            node.start(stop)
+            print(f"[WORKER] {node.uid} ready on peer {node.peer_id}", flush=True)
+            stop.wait()
+        print(f"[WORKER] stopping {node.uid}: leaving the averaging group and the roster...", flush=True)
+    finally:
+        node.shutdown()
+    print(f"[WORKER] {node.uid} stopped", flush=True)
     return 0

@@ -28,6 +28,7 @@ from agora_client.worker.server import StageServer
 from agora_client.worker.sparta import RoundReport, SpartaAverager
 from agora_client.worker.sync import SyncState
 from agora_client.worker.ticket_gate import TicketGate
+from agora_client.worker.traffic import MeterTotals, RequestMeter
 
 
 @dataclass
@@ -58,35 +59,31 @@ class WorkerOptions:
 STABLE_WINDOW_MAX_WAIT = 120.0  # a stage that never looks stable must not keep a joiner out forever
 
 
-class RequestCounter:
-    """Forward / backward requests and the tail's loss since the last epoch, for StepEvents."""
+class EpochStats:
+    """Requests served (from the meter) and the tail's loss since the last epoch, for StepEvents."""
 
-    def __init__(self):
+    def __init__(self, meter: RequestMeter):
+        self.meter = meter
         self._lock = threading.Lock()
-        self.reset()
+        self._reset(meter.totals())
 
-    def reset(self) -> None:
-        self.forward = self.backward = 0
+    def _reset(self, totals: MeterTotals) -> None:
+        self._base, self._since = totals, time.monotonic()
         self.loss_sum, self.loss_count = 0.0, 0
-        self.since = time.monotonic()
 
-    def on_forward(self, outputs: tuple[torch.Tensor, ...], is_tail: bool) -> None:
+    def on_tail_outputs(self, outputs: tuple[torch.Tensor, ...]) -> None:
         with self._lock:
-            self.forward += 1
-            if is_tail:
-                self.loss_sum += float(outputs[0].sum())
-                self.loss_count += outputs[0].numel()
-
-    def on_backward(self) -> None:
-        with self._lock:
-            self.backward += 1
+            self.loss_sum += float(outputs[0].sum())
+            self.loss_count += outputs[0].numel()
 
     def take(self) -> tuple[float, float, float | None]:
+        """(forward per minute, backward per minute, mean tail loss or None) since the last call."""
+        totals = self.meter.totals()
         with self._lock:
-            minutes = max(time.monotonic() - self.since, 1e-6) / 60
-            rates = (self.forward / minutes, self.backward / minutes)
+            minutes = max(time.monotonic() - self._since, 1e-6) / 60
+            rates = ((totals.forward - self._base.forward) / minutes, (totals.backward - self._base.backward) / minutes)
             loss = self.loss_sum / self.loss_count if self.loss_count else None
-            self.reset()
+            self._reset(totals)
         return (*rates, loss)
 
 
@@ -111,7 +108,8 @@ class WorkerNode:
         self._health_lock = threading.Lock()
         self._build_gates(options, events)
         self.sync = SyncState(config.sync, events.emit, joining=options.joining)
-        self.requests = RequestCounter()
+        self.meter = RequestMeter()  # before the server: its connection handlers fork with it
+        self.requests = EpochStats(self.meter)
         self._request_hooks: list[Callable[[str, torch.Tensor], None]] = []
         self.epochs = EpochController(
             self.dht,
@@ -174,6 +172,7 @@ class WorkerNode:
             rejections=self.rejections,
             num_connection_handlers=options.num_handlers,
             device=self.device,
+            meter=self.meter,
         )
 
     def _build_gates(self, options: WorkerOptions, events: EventWriter) -> None:
@@ -238,6 +237,7 @@ class WorkerNode:
         self._round_hooks.append(hook)
 
     def _on_round(self, report: RoundReport) -> None:
+        self.meter.on_transfer(report.bytes_sent, report.bytes_received)
         self.events.emit(report.to_event())
         for peer, problem in report.suspects:
             self.events.log(
@@ -249,14 +249,13 @@ class WorkerNode:
             hook(report)
 
     def add_request_hook(self, hook: Callable[[str, torch.Tensor], None]) -> None:
-        """``hook(kind, tokens)`` runs after every forward or backward request this worker served."""
+        """``hook(kind, tokens)`` runs after every forward or backward batch this worker computed (the runtime
+        may merge several requests into one batch: ``self.meter`` counts requests)."""
         self._request_hooks.append(hook)
 
     def _on_request(self, kind: str, tokens: torch.Tensor, outputs: tuple[torch.Tensor, ...], is_tail: bool) -> None:
-        if kind == "forward":
-            self.requests.on_forward(outputs, is_tail)
-        else:
-            self.requests.on_backward()
+        if kind == "forward" and is_tail:
+            self.requests.on_tail_outputs(outputs)
         for hook in self._request_hooks:
             hook(kind, tokens)
 
@@ -299,6 +298,7 @@ class WorkerNode:
                 forward_per_min=round(forward_rate, 2),
                 backward_per_min=round(backward_rate, 2),
                 loss=loss,
+                stage_share=self.epochs.last_share,
             )
         )
         round_no = due_round(epoch, self.options.config.sparta.period, since=self._last_epoch)

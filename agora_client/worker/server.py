@@ -1,6 +1,7 @@
 """The worker's hivemind moe Server, with two seams swapped in.
 
-- Connection handlers check every request's ticket, size, schema and values before it reaches a pool.
+- Connection handlers check every request's ticket, size, schema and values before it reaches a pool,
+  and count every answered request and its payload bytes (worker/traffic.py).
 - The DHT handler thread is replaced by the StageAnnouncer, which publishes the stage-prefixed uid
   together with the sync phase (hivemind's own handler can only publish the uid).
 """
@@ -27,6 +28,7 @@ from agora_client.swarm.roster import WorkerRecord, announce, withdraw
 from agora_client.worker.backend import StageBackend, WorkerUnhealthy
 from agora_client.worker.rejections import RejectionLog
 from agora_client.worker.ticket_gate import TicketGate
+from agora_client.worker.traffic import RequestMeter
 from agora_client.worker.validation import (
     BadRequest,
     DescriptorCheck,
@@ -52,6 +54,7 @@ class GuardedConnectionHandler(ConnectionHandler):
         gate: TicketGate | None,
         rejections: RejectionLog,
         healthy: Synchronized,
+        meter: RequestMeter | None = None,
     ):
         super().__init__(dht, backends)
         self._schemas: dict[tuple[str, str], tuple[BatchTensorDescriptor, ...]] = {}
@@ -66,6 +69,7 @@ class GuardedConnectionHandler(ConnectionHandler):
         self._magnitudes = {kind: MagnitudeGuard(kind) for kind in ("forward", "backward")}
         self._vocab_size, self._max_request_batch = vocab_size, max_request_batch
         self._gate, self._rejections, self._healthy = gate, rejections, healthy
+        self._meter = meter
 
     @classmethod
     def _get_handle_name(cls, namespace, method_name):
@@ -133,7 +137,11 @@ class GuardedConnectionHandler(ConnectionHandler):
         uid, kind = self._pools[pool.name]
         validate_inputs(inputs, self._schemas[uid, kind], vocab_size=self._vocab_size, max_batch_size=self._max_request_batch)
         self._magnitudes[kind].check(inputs)
-        return await super()._process_inputs(inputs, pool, schema)
+        outputs = await super()._process_inputs(inputs, pool, schema)
+        if self._meter is not None:  # every answered request, whichever rpc (plain or streamed) carried it
+            received = sum(tensor.numel() * tensor.element_size() for tensor in inputs)
+            self._meter.on_request(kind, received, sum(proto.ByteSize() for proto in outputs))
+        return outputs
 
 
 class StageAnnouncer(threading.Thread):
@@ -170,6 +178,7 @@ class StageServer(Server):
         gate: TicketGate | None,
         rejections: RejectionLog,
         num_connection_handlers: int = 2,
+        meter: RequestMeter | None = None,
         **runtime_kwargs,
     ):
         super().__init__(dht, {backend.name: backend}, num_connection_handlers=0, **runtime_kwargs)
@@ -177,8 +186,18 @@ class StageServer(Server):
         self.conn_handlers = [
             GuardedConnectionHandler(
                 dht, self.module_backends, vocab_size=vocab_size, max_request_batch=max_request_batch,
-                gate=gate, rejections=rejections, healthy=self.healthy,
+                gate=gate, rejections=rejections, healthy=self.healthy, meter=meter,
             )
             for _ in range(num_connection_handlers)
         ]
         self.dht_handler_thread = self.announcer = StageAnnouncer(dht, record, announce_period)
+        self._shutdown_once = threading.Lock()
+        self._is_shut_down = False
+
+    def shutdown(self) -> None:
+        # hivemind's run() calls shutdown() again once its runtime has stopped: the second call must do nothing
+        with self._shutdown_once:
+            if self._is_shut_down:
+                return
+            self._is_shut_down = True
+        super().shutdown()

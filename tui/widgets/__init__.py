@@ -5,15 +5,18 @@ from tui.widgets.gpu import GpuPanel
 from tui.widgets.identity import IdentityPanel
 from tui.widgets.join_panel import JoinPanel
 from tui.widgets.log_pane import LogPane
+from tui.widgets.network import NetworkPanel
 from tui.widgets.points import PointsPanel
 from tui.widgets.queue import QueuePanel
 from tui.widgets.runtime_status import RuntimeStatus
+from tui.widgets.share import SharePanel
 from tui.widgets.sparta import SpartaPanel
 from tui.widgets.stepper import Stepper
+from tui.widgets.swarm import SwarmPanel
 from tui.widgets.sync import SyncPanel
 from tui.widgets.training import TrainingPanel
 
 __all__ = [
-    "DownloadPanel", "GpuPanel", "IdentityPanel", "JoinPanel", "LogPane", "PointsPanel", "QueuePanel",
-    "RuntimeStatus", "SpartaPanel", "Stepper", "SyncPanel", "TrainingPanel",
+    "DownloadPanel", "GpuPanel", "IdentityPanel", "JoinPanel", "LogPane", "NetworkPanel", "PointsPanel",
+    "QueuePanel", "RuntimeStatus", "SharePanel", "SpartaPanel", "Stepper", "SwarmPanel", "SyncPanel", "TrainingPanel",
 ]

@@ -9,7 +9,7 @@ from textual.reactive import reactive
 from textual.widgets import ProgressBar, Static
 
 from agora_client.events import DownloadEvent
-from agora_client.headless import human_bytes, human_duration
+from agora_client.frontend.lines import human_bytes, human_duration
 
 
 class DownloadPanel(Vertical):

@@ -7,7 +7,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 from agora_client.events import ResourcesEvent
-from agora_client.headless import human_bytes
+from agora_client.frontend.lines import human_bytes
 
 
 class GpuPanel(Widget):

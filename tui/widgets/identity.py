@@ -7,7 +7,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 from agora_client.events import AuthEvent, StageEvent
-from agora_client.headless import short_peer_id
+from agora_client.frontend.lines import short_peer_id
 
 
 class IdentityPanel(Widget):

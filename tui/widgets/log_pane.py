@@ -10,7 +10,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import RichLog, Select
 
-from agora_client.headless import TAGS, TaggedLine
+from agora_client.frontend.lines import TAGS, TaggedLine
 
 BUFFER_LINES = 2000
 LEVELS = ("debug", "info", "warning", "error")

@@ -6,7 +6,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 from agora_client.events import QueueEvent
-from agora_client.headless import human_duration
+from agora_client.frontend.lines import human_duration
 
 
 class QueuePanel(Widget):
@@ -22,7 +22,7 @@ class QueuePanel(Widget):
         if self.position is None:
             return "[$text-muted]not in the queue[/]"
         if self.position == 0:
-            return "[$text-success]✔ admitted[/]"
+            return "[$text-success]✔ admitted[/]: no wait in the join queue"
         return (
             f"position [b]{self.position}[/]\nestimated wait [b]{human_duration(self.wait_s)}[/]\n"
             "[$text-muted]joins are paced; the snapshot is kept[/]"

@@ -1,7 +1,7 @@
 """Replays a recorded event stream (JSONL) as if it were the runtime: the child the tests and
 demos run in place of ``agora runtime``.
 
-    python -m tui.replay FILE [--delay S] [--hold] [--exit-code N] [--ignore-sigint] [--spawn-grandchild]
+    python -m agora_client.frontend.replay FILE [--delay S] [--hold] [--exit-code N] [--ignore-sigint] [--spawn-grandchild]
 
 Lines go to stdout unchanged (malformed ones too), one every ``--delay`` seconds. ``--hold`` keeps
 running after the last line, like a live worker. SIGINT makes it exit 0 after an ``exit`` event,
@@ -28,7 +28,7 @@ def _graceful_exit(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tui.replay", description="replay a recorded event stream")
+    parser = argparse.ArgumentParser(prog="python -m agora_client.frontend.replay", description="replay a recorded event stream")
     parser.add_argument("file", type=Path)
     parser.add_argument("--delay", type=float, default=0.0, help="seconds between lines")
     parser.add_argument("--hold", action="store_true", help="keep running after the last line")

@@ -1,35 +1,22 @@
-"""Headless printer: the runtime's events as tagged console lines, for systemd, tmux and logs.
+"""Tagged lines from the runtime's stream: what the headless client prints and the app's log pane shows.
 
-``python3 agora_cli.py --headless`` prints one line per event worth reading::
-
-    [AUTH] [DOWNLOAD] [QUEUE] [SYNC] [TRAINING] [PROGRESS] [SPARTA] [POINTS] [WARNING] [ERROR]
-
-or, with ``--log-format json``, one JSON object per line:
-``{"ts": ..., "tag": "SYNC", "level": "info", "message": "...", "event": {...}}``.
-
-What each event kind prints:
+Tags: ``[AUTH] [DOWNLOAD] [QUEUE] [SYNC] [TRAINING] [PROGRESS] [SPARTA] [POINTS] [WARNING] [ERROR]``.
+What each event kind gives:
 
 - auth: ``[AUTH]`` its message (or who / which stage / which slot); rejected or failed: ``[ERROR]``.
 - download: ``[DOWNLOAD]`` start (with resumed-from), progress at most once per second of event
   time, verified, done; retry: ``[WARNING]``; failed: ``[ERROR]``.
 - queue: ``[QUEUE] Authorization queue: position N, estimated wait: W``.
 - sync: ``[SYNC] <line>`` for each line of the event's message, exactly as the runtime wrote it.
-- step: ``[TRAINING]`` when the local epoch changes; ``[PROGRESS]`` batches per minute, at most
+- step: ``[TRAINING]`` when the local epoch changes; ``[PROGRESS]`` requests per minute, at most
   once per 60 s of event time.
 - sparta: ``[SPARTA]`` each round (failed rounds at level warning); points: ``[POINTS]`` at most
   once per 60 s; stage: ``[TRAINING]`` when the stage, peer or occupancy changes.
 - log: ``[<its tag>]``, or ``[WARNING]`` / ``[ERROR]`` by level; debug is not printed.
-- error: ``[ERROR]`` message, then ``[ERROR] What to do: <hint>``; exit: ``[ERROR]`` when nonzero.
-- resources: not printed (the app shows them; the JSONL log keeps them).
+- error: ``[ERROR]`` message, then ``[ERROR] What to do: <hint>``; exit: ``[ERROR]`` when nonzero
+  and no error event said why already.
+- resources, swarm: not printed (the app draws them; the JSONL log keeps them).
 - a line that is not a valid event: ``[WARNING] Ignored a malformed line from the runtime: ...``.
-
-Exit codes of the headless client:
-
-- 0: clean stop (the runtime exited 0, or SIGTERM asked it to stop and it did);
-- 1: runtime error (the runtime crashed or exited nonzero);
-- 2: bad usage or config (bad flag, no token in a non-interactive start, unknown GPU);
-- 3: rejected by the swarm (full, or this identity's cap reached);
-- 130: interrupted (Ctrl-C / SIGINT; the runtime was stopped gracefully first).
 """
 
 from __future__ import annotations
@@ -37,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any
 
 from agora_client.events import (
     AuthEvent,
@@ -54,12 +41,6 @@ from agora_client.events import (
     SyncEvent,
 )
 from agora_client.system.redact import redact_text
-
-EXIT_OK = 0
-EXIT_RUNTIME_ERROR = 1
-EXIT_USAGE = 2
-EXIT_REJECTED = 3
-EXIT_INTERRUPTED = 130
 
 TAGS = ("AUTH", "DOWNLOAD", "QUEUE", "SYNC", "TRAINING", "PROGRESS", "SPARTA", "POINTS", "WARNING", "ERROR")
 _TAG_CHARS = re.compile(r"[^A-Z0-9_]")
@@ -129,20 +110,28 @@ class LineFormatter:
         self._epoch: int | None = None
         self._last_epoch_line: float | None = None
         self._stage: tuple[str, str, tuple] | None = None
+        self._said_error = False  # an exit code needs no line of its own once an error said why
 
     def _line(self, event: Event, tag: str, text: str, level: str = "info") -> TaggedLine:
         return TaggedLine(event.ts, tag, level, text, event)
 
     def format(self, event: Event) -> list[TaggedLine]:
         handler = getattr(self, f"_{event.kind}", None)
-        return handler(event) if handler else []
+        lines = handler(event) if handler else []
+        self._said_error = self._said_error or any(line.level == "error" for line in lines)
+        return lines
 
     def malformed(self, reason: str, raw: str, ts: float) -> TaggedLine:
         preview = redact_text(raw.strip())[:_RAW_PREVIEW]
         return TaggedLine(ts, "WARNING", "warning", f"Ignored a malformed line from the runtime ({reason}): {preview}")
 
     def stderr(self, text: str, ts: float) -> TaggedLine:
-        return TaggedLine(ts, "STDERR", "warning", redact_text(text.rstrip()))
+        """A stderr line the stream reader already redacted (and folded, if it was a traceback)."""
+        return TaggedLine(ts, "STDERR", "warning", text.rstrip())
+
+    def note(self, text: str, ts: float, tag: str = "INFO", level: str = "info") -> TaggedLine:
+        """A line the front end says itself (starting, stopping), not one from the runtime."""
+        return TaggedLine(ts, tag, level, text)
 
     def _auth(self, event: AuthEvent) -> list[TaggedLine]:
         if event.status == "authorizing":
@@ -198,7 +187,7 @@ class LineFormatter:
             lines.append(self._line(event, "TRAINING", f"Local epoch {event.local_epoch} on stage {event.stage}{loss}"))
         if self._last_progress is None or event.ts - self._last_progress >= self.summary_interval_s:
             self._last_progress = event.ts
-            text = f"Processing {event.forward_per_min:.0f} forward and {event.backward_per_min:.0f} backward batches per minute"
+            text = f"Serving {event.forward_per_min:.0f} forward and {event.backward_per_min:.0f} backward requests per minute"
             lines.append(self._line(event, "PROGRESS", text))
         return lines
 
@@ -245,29 +234,7 @@ class LineFormatter:
         return lines
 
     def _exit(self, event: ExitEvent) -> list[TaggedLine]:
-        if event.code == 0:
+        if event.code == 0 or self._said_error:
             return []
         reason = f": {event.reason}" if event.reason else ""
         return [self._line(event, "ERROR", f"The runtime exited with code {event.code}{reason}", "error")]
-
-
-class HeadlessPrinter:
-    """Writes tagged lines (text or JSON) for every event, malformed line and stderr line."""
-
-    def __init__(self, out: TextIO, log_format: str = "text", formatter: LineFormatter | None = None) -> None:
-        if log_format not in ("text", "json"):
-            raise ValueError(f"log format {log_format!r} is not text or json")
-        self.out = out
-        self.log_format = log_format
-        self.formatter = formatter or LineFormatter()
-
-    def write(self, line: TaggedLine) -> None:
-        self.out.write((line.render_json() if self.log_format == "json" else line.render()) + "\n")
-        self.out.flush()
-
-    def event(self, event: Event) -> None:
-        for line in self.formatter.format(event):
-            self.write(line)
-
-    def malformed(self, reason: str, raw: str, ts: float) -> None:
-        self.write(self.formatter.malformed(reason, raw, ts))

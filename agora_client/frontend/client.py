@@ -1,0 +1,92 @@
+"""``python3 agora_cli.py`` with no subcommand: the contributor client, up to the choice of front end.
+
+First run asks for what is missing (token, swarm, GPU) and saves it; see agora_client.client_config.
+The result is a :class:`ClientSession` (what to run, where to log); ``agora_cli.py`` alone decides
+which front end (the app, or the headless printer) runs it. Exit codes:
+:mod:`agora_client.frontend.exit_codes`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from agora_client.client_config import ClientConfigError, Prompts, default_config_dir, resolve_client
+from agora_client.frontend.exit_codes import EXIT_INTERRUPTED, EXIT_USAGE
+from agora_client.frontend.supervisor import ChildCommand, runtime_command
+from agora_client.logs import EventLog, log_name, logs_dir
+
+
+@dataclass(frozen=True)
+class ClientSession:
+    """Everything a front end needs to run the contributor's runtime."""
+
+    command: ChildCommand
+    config_dir: Path
+    gpu: int | None
+    headless: bool = False
+    log_format: str = "text"
+    secrets: tuple[str, ...] = field(default=(), repr=False)
+
+    @property
+    def logs_dir(self) -> Path:
+        return logs_dir(self.config_dir)
+
+    def event_log(self) -> EventLog:
+        return EventLog(self.logs_dir, log_name(self.gpu), secrets=self.secrets)
+
+
+FrontEnd = Callable[[ClientSession], int]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--headless", action="store_true", help="no app: print tagged lines (for systemd, tmux)")
+    parser.add_argument("--log-format", choices=("text", "json"), default="text", help="headless output format")
+    parser.add_argument("--swarm", metavar="URL", help="auth service of the swarm to join")
+    parser.add_argument("--monitor", metavar="URL", help="points monitor of the swarm, for confirmed points")
+    parser.add_argument("--gpu", metavar="N", type=int, help="GPU to contribute (NVML index)")
+    parser.add_argument("--reconfigure", action="store_true", help="ask for the token, swarm and GPU again")
+    parser.add_argument("--config-dir", type=Path, help="client config dir (default: $XDG_CONFIG_HOME/agora)")
+    parser.add_argument(
+        "--runtime-cmd", metavar="CMD", help="run CMD instead of the built-in worker runtime (replays, testing)"
+    )
+
+
+def _command(args: argparse.Namespace, token: str, swarm: str, gpu: int | None, config_dir: Path) -> ChildCommand:
+    if args.runtime_cmd:
+        return ChildCommand(tuple(shlex.split(args.runtime_cmd)), {"HF_TOKEN": token, "PYTHONUNBUFFERED": "1"})
+    return runtime_command(token=token, swarm=swarm, gpu=gpu, config_dir=config_dir, monitor=args.monitor)
+
+
+def prepare(args: argparse.Namespace) -> ClientSession | int:
+    """The session to run, or the exit code when the config cannot be completed."""
+    config_dir = args.config_dir or default_config_dir()
+    try:
+        client = resolve_client(
+            config_dir, reconfigure=args.reconfigure, swarm=args.swarm, gpu=args.gpu,
+            prompts=Prompts(interactive=sys.stdin.isatty()), need_swarm=not args.runtime_cmd,
+        )
+    except ClientConfigError as error:
+        print(f"agora: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except (KeyboardInterrupt, EOFError):
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
+    gpu = client.config.gpu_index
+    return ClientSession(
+        command=_command(args, client.token, client.config.swarm_url or "", gpu, config_dir),
+        config_dir=Path(config_dir),
+        gpu=gpu,
+        headless=args.headless,
+        log_format=args.log_format,
+        secrets=(client.token,),
+    )
+
+
+def run(args: argparse.Namespace, front_end: FrontEnd) -> int:
+    session = prepare(args)
+    return session if isinstance(session, int) else front_end(session)

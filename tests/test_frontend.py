@@ -1,0 +1,112 @@
+"""The front-end core (agora_client.frontend): no Textual in it, one stream reader, one exit-code table."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agora_client.frontend import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_REJECTED, EXIT_USAGE, client_exit_code
+from agora_client.frontend.lines import LineFormatter
+from agora_client.frontend.stream import TracebackFolder
+from agora_client.events import AuthEvent, ErrorEvent, ExitEvent
+from agora_client.swarm.demo import prune_runs
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.timeout(120)
+
+_IMPORT_EVERYTHING = """
+import importlib, pkgutil, sys
+import agora_client
+names = [m.name for m in pkgutil.walk_packages(agora_client.__path__, "agora_client.")]
+for name in names:
+    importlib.import_module(name)
+leaked = sorted(m for m in sys.modules if m.split(".")[0] in ("tui", "textual"))
+print(len(names), leaked)
+"""
+
+
+def test_importing_agora_client_and_every_submodule_never_imports_tui_or_textual():
+    result = subprocess.run(
+        [sys.executable, "-c", _IMPORT_EVERYTHING], capture_output=True, text=True, timeout=110,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    count, leaked = result.stdout.split(" ", 1)
+    assert int(count) > 50  # every module was imported, not just the package
+    assert leaked.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("runtime_code", "stop_signal", "rejected", "expected"),
+    [
+        (0, None, False, EXIT_OK),
+        (1, None, False, EXIT_ERROR),
+        (-9, None, False, EXIT_ERROR),
+        (2, None, False, EXIT_USAGE),
+        (3, None, False, EXIT_REJECTED),
+        (1, None, True, EXIT_REJECTED),
+        (0, signal.SIGINT, False, EXIT_INTERRUPTED),
+        (1, signal.SIGTERM, False, EXIT_OK),
+    ],
+)
+def test_one_exit_code_table(runtime_code, stop_signal, rejected, expected):
+    assert client_exit_code(runtime_code, stop_signal, rejected) == expected
+
+
+def test_a_traceback_becomes_one_line_and_the_log_keeps_it_whole():
+    folder = TracebackFolder()
+    lines = [
+        "Traceback (most recent call last):",
+        '  File "/usr/lib/python3.11/site-packages/hivemind/averaging/averager.py", line 500, in _step',
+        "    raise AllreduceException('could not find a group')",
+        "hivemind.averaging.allreduce.AllreduceException: could not find a group",
+        "",
+        "plain line",
+    ]
+    out = [folded for folded in map(folder.feed, lines) if folded is not None]
+    assert out[0] == ("hivemind.averaging.allreduce.AllreduceException: could not find a group", "\n".join(lines[:4]))
+    assert out[1] == ("plain line", "")
+    assert len(out) == 2
+    folder.feed("Traceback (most recent call last):")
+    folder.feed('  File "x.py", line 1, in <module>')
+    assert folder.flush() == ('File "x.py", line 1, in <module>', 'Traceback (most recent call last):\n  File "x.py", line 1, in <module>')
+
+
+def test_a_failure_is_said_once():
+    formatter = LineFormatter()
+    lines = [
+        *formatter.format(AuthEvent(status="failed", message="could not reach the auth service at http://x")),
+        *formatter.format(ExitEvent(code=1, reason="could not reach the auth service at http://x")),
+    ]
+    assert [line.render() for line in lines] == ["[ERROR] Authorization failed: could not reach the auth service at http://x"]
+    fresh = LineFormatter()
+    assert [line.render() for line in fresh.format(ExitEvent(code=1, reason="killed"))] == [
+        "[ERROR] The runtime exited with code 1: killed"
+    ]
+    fresh.format(ErrorEvent(message="boom"))
+    assert fresh.format(ExitEvent(code=1, reason="boom")) == []
+
+
+def test_cli_without_a_front_end_says_so(capsys, monkeypatch, tmp_path):
+    from agora_client.cli import main
+
+    monkeypatch.setenv("HF_TOKEN", "hf_abcdefghijkl")
+    code = main(["--runtime-cmd", "true", "--config-dir", str(tmp_path)])
+    assert code == 2
+    assert "no front end" in capsys.readouterr().err
+
+
+def test_demo_keeps_only_the_newest_runs(tmp_path):
+    names = ["20260101-000000", "20260102-000000", "20260103-000000", "20260104-000000"]
+    for name in names:
+        (tmp_path / name / "client").mkdir(parents=True)
+    (tmp_path / "notes").mkdir()
+    removed = prune_runs(tmp_path, 2)
+    assert [path.name for path in removed] == names[:2]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [*names[2:], "notes"]

@@ -1,0 +1,37 @@
+"""This node's share of its stage's work: samples it processed of all its stage processed, per epoch."""
+
+from __future__ import annotations
+
+from textual.markup import escape
+
+from agora_client.events import StageEvent, StepEvent
+from tui.widgets.chart_panel import ChartPanel
+
+
+class SharePanel(ChartPanel):
+    TITLE = "Share of the stage"
+    EMPTY = "known after the first stage epoch with batches"
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.share: float | None = None
+        self.stage = ""
+        self.stage_workers: int | None = None
+
+    def show(self, event: StepEvent) -> None:
+        if event.stage_share is None:
+            return
+        self.share, self.stage = event.stage_share, event.stage
+        self.push("chart", event.stage_share)
+        self._describe()
+
+    def show_stage(self, event: StageEvent) -> None:
+        self.stage = event.stage
+        self.stage_workers = event.occupancy.get(event.stage, self.stage_workers)
+        self._describe()
+
+    def _describe(self) -> None:
+        if self.share is None:
+            return
+        fair = f" · fair share {1 / self.stage_workers:.0%} of {self.stage_workers}" if self.stage_workers else ""
+        self.describe(f"[b]{self.share:.0%}[/] of {escape(self.stage)}'s samples last epoch\n[$text-muted]{fair.lstrip(' ·')}[/]")
