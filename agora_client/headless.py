@@ -2,13 +2,16 @@
 
 ``python3 agora_cli.py --headless`` prints one line per event worth reading::
 
-    [AUTH] [DOWNLOAD] [QUEUE] [SYNC] [TRAINING] [PROGRESS] [SPARTA] [POINTS] [WARNING] [ERROR]
+    [PREFLIGHT] [REACHABILITY] [AUTH] [DOWNLOAD] [QUEUE] [SYNC] [TRAINING] [PROGRESS] [SPARTA] [POINTS] [WARNING] [ERROR]
 
 or, with ``--log-format json``, one JSON object per line:
 ``{"ts": ..., "tag": "SYNC", "level": "info", "message": "...", "event": {...}}``.
 
 What each event kind prints:
 
+- preflight: ``[PREFLIGHT] <check>: PASS|WARN|FAIL <value> (<reason>)``; warn and fail at levels warning / error.
+- reachability: ``[REACHABILITY]`` when the dial-back starts and when it succeeds; unreachable: one
+  ``[REACHABILITY]`` line per line of advice (level error), then when the next attempt comes.
 - auth: ``[AUTH]`` its message (or who / which stage / which slot); rejected or failed: ``[ERROR]``.
 - download: ``[DOWNLOAD]`` start (with resumed-from), progress at most once per second of event
   time, verified, done; retry: ``[WARNING]``; failed: ``[ERROR]``.
@@ -47,7 +50,9 @@ from agora_client.events import (
     ExitEvent,
     LogEvent,
     PointsEvent,
+    PreflightEvent,
     QueueEvent,
+    ReachabilityEvent,
     SpartaEvent,
     StageEvent,
     StepEvent,
@@ -61,7 +66,7 @@ EXIT_USAGE = 2
 EXIT_REJECTED = 3
 EXIT_INTERRUPTED = 130
 
-TAGS = ("AUTH", "DOWNLOAD", "QUEUE", "SYNC", "TRAINING", "PROGRESS", "SPARTA", "POINTS", "WARNING", "ERROR")
+TAGS = ("PREFLIGHT", "REACHABILITY", "AUTH", "DOWNLOAD", "QUEUE", "SYNC", "TRAINING", "PROGRESS", "SPARTA", "POINTS", "WARNING", "ERROR")
 _TAG_CHARS = re.compile(r"[^A-Z0-9_]")
 _RAW_PREVIEW = 120
 
@@ -143,6 +148,23 @@ class LineFormatter:
 
     def stderr(self, text: str, ts: float) -> TaggedLine:
         return TaggedLine(ts, "STDERR", "warning", redact_text(text.rstrip()))
+
+    def _preflight(self, event: PreflightEvent) -> list[TaggedLine]:
+        level = {"pass": "info", "warn": "warning", "fail": "error"}[event.status]
+        reason = f" ({event.reason})" if event.reason else ""
+        return [self._line(event, "PREFLIGHT", f"{event.check}: {event.status.upper()} {event.value}{reason}", level)]
+
+    def _reachability(self, event: ReachabilityEvent) -> list[TaggedLine]:
+        if event.status == "checking":
+            where = event.address or f"port {event.port}"
+            return [self._line(event, "REACHABILITY", f"Asking the swarm to connect back to {where}...")]
+        if event.status == "reachable":
+            return [self._line(event, "REACHABILITY", "The swarm reached this worker")]
+        lines = [self._line(event, "REACHABILITY", text, "error") for text in event.advice]
+        if event.retry_in_s is not None:
+            text = f"Not joining while unreachable; trying again in {human_duration(event.retry_in_s)}"
+            lines.append(self._line(event, "REACHABILITY", text, "warning"))
+        return lines
 
     def _auth(self, event: AuthEvent) -> list[TaggedLine]:
         if event.status == "authorizing":

@@ -17,6 +17,7 @@ import httpx
 
 from agora_client.events import AuthEvent, EventWriter, QueueEvent
 
+from .reachability import DialResult
 from .secret import Secret
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,14 @@ class AuthRejected(AuthError):
 
 class AuthFailed(AuthError):
     """The join could not be made (invalid token, service unreachable, bad answer, cancelled)."""
+
+
+class PeerUnreachable(AuthError):
+    """The auth service could not connect back to this peer's port; ``dial`` says where from and how it failed."""
+
+    def __init__(self, dial: DialResult):
+        super().__init__(f"the swarm could not connect to this worker at {dial.address} ({dial.error})")
+        self.dial = dial
 
 
 @dataclass(frozen=True)
@@ -71,12 +80,16 @@ def authorize(
     stop: threading.Event | None = None,
     client: httpx.Client | None = None,
     timeout_s: float = 30.0,
+    port: int | None = None,
+    announce: str | None = None,
 ) -> Authorization:
     """Join the swarm at ``swarm_url`` (the auth service); wait in its queue if it paces joins.
 
     Emits AuthEvent authorizing -> authorized | rejected | failed, and while queued a QueueEvent at
     once and then every ``queue_log_every`` seconds. ``on_assigned`` is called once, as soon as the
     stage is known (possibly while still queued), so the caller can start the snapshot download.
+    ``port`` (or ``announce`` HOST:PORT) is where this peer listens: the service dials it back before
+    admission and raises PeerUnreachable (no event: the caller diagnoses and retries) if it cannot connect.
     Raises AuthRejected or AuthFailed (after emitting the matching event).
     """
     secret = Secret(token)
@@ -86,7 +99,8 @@ def authorize(
     http = client or httpx.Client(timeout=timeout_s)
     queued_since: float | None = None
     try:
-        reply = _join(http, base, secret, peer_id, events)
+        where = {key: value for key, value in (("port", port), ("announce", announce)) if value is not None}
+        reply = _join(http, base, secret, peer_id, events, where)
         assigned = False
         last_queue_log = -float("inf")
         poll_failures = 0
@@ -107,7 +121,7 @@ def authorize(
                 poll_failures = 0
             except _PlaceLost:
                 log.info("the join queue place was lost; joining again")
-                reply = _join(http, base, secret, peer_id, events)
+                reply = _join(http, base, secret, peer_id, events, where)
             except _Unreachable as error:
                 poll_failures += 1
                 if poll_failures >= _MAX_POLL_FAILURES:
@@ -177,9 +191,11 @@ class _Refused(Exception):
         self.status_code = status_code
 
 
-def _join(http: httpx.Client, base: str, token: Secret, peer_id: str, events: EventWriter) -> dict[str, Any]:
+def _join(
+    http: httpx.Client, base: str, token: Secret, peer_id: str, events: EventWriter, where: dict[str, Any]
+) -> dict[str, Any]:
     try:
-        return _post(http, f"{base}/v1/join", {"token": token.reveal(), "peer_id": peer_id})
+        return _post(http, f"{base}/v1/join", {"token": token.reveal(), "peer_id": peer_id, **where})
     except _Unreachable as error:
         raise _fail(events, peer_id, str(error)) from None
     except (_Refused, _PlaceLost) as error:
@@ -205,6 +221,12 @@ def _decode(response: httpx.Response, url: str) -> dict[str, Any]:
         raise _Refused(response.status_code, f"{url} answered HTTP {response.status_code} without a JSON reply; is it an Agora auth service?")
     if reply["status"] in ("authorized", "queued", "ok"):
         return reply
+    if reply["status"] == "unreachable" and isinstance(reply.get("dial"), dict):
+        try:
+            dial = DialResult.from_json(reply["dial"])
+        except (KeyError, TypeError, ValueError):
+            raise _Refused(response.status_code, f"{url} answered an unreadable reachability result") from None
+        raise PeerUnreachable(dial)
     raise _Refused(response.status_code, str(reply.get("reason") or reply.get("error") or f"HTTP {response.status_code}"))
 
 
