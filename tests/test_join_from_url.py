@@ -292,3 +292,17 @@ def test_preflight_and_reachability_lines_for_headless_and_the_app():
     assert rendered[0].startswith(f"[REACHABILITY] The swarm could not connect to your worker at {result.address}")
     assert rendered[-1] == "[REACHABILITY] Not joining while unreachable; trying again in 30s"
     assert reachability_result(result, result.port).status == "fail"
+
+
+def _runtime_exit(*args: str) -> tuple[int, list[dict]]:
+    out = subprocess.run([sys.executable, str(REPO / "agora_cli.py"), "runtime", *args], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": str(REPO), "HF_TOKEN": "hf_test"}, cwd=REPO)
+    return out.returncode, [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def test_the_runtime_exits_cleanly_when_the_description_cannot_be_read_or_the_announce_is_bad(tmp_path):
+    code, events = _runtime_exit("--swarm", f"http://127.0.0.1:{closed_port()}", "--config-dir", str(tmp_path))
+    assert code == 1 and events[-1]["kind"] == "exit"
+    assert "could not read the run description" in events[-1]["reason"] and "hf_test" not in json.dumps(events)
+    code, events = _runtime_exit("--swarm", "http://127.0.0.1:1", "--announce-addr", "nowhere", "--config-dir", str(tmp_path))
+    assert code == 2 and "is not HOST:PORT" in events[-1]["reason"]

@@ -4,7 +4,7 @@ One swarm (preset tiny2: other shapes and stage count than tiny) serves the whol
 the contributor, given only the auth URL, first sits behind a firewall that drops its inbound port and
 gets the reachability diagnosis (never a silent join); once the port is open it joins on its own
 retry and reaches active; killed, it restarts with the same peer id and gets its slot back at once;
-another account reusing its key is refused; and the slot of a peer that vanished is freed.
+the slot of a peer that vanished is freed; and another account reusing its key is refused.
 """
 
 from __future__ import annotations
@@ -65,9 +65,13 @@ def _events(process: ManagedProcess, kind: str, **match) -> list[dict]:
     return [e for e in json_objects(process.lines()) if e["kind"] == kind and all(e.get(k) == v for k, v in match.items())]
 
 
-def _occupied(hosts: TwoHosts, auth_url: str) -> int:
+def _status(hosts: TwoHosts, auth_url: str) -> dict:
     with hosts.b.entered():
-        return int(httpx.get(f"{auth_url}/v1/status", timeout=10).json()["occupied"])
+        return httpx.get(f"{auth_url}/v1/status", timeout=10).json()
+
+
+def _occupied(hosts: TwoHosts, auth_url: str) -> int:
+    return int(_status(hosts, auth_url)["occupied"])
 
 
 def test_contributor_on_another_host_joins_from_the_url_alone(hosts_and_swarm, tmp_path):
@@ -113,20 +117,22 @@ def test_contributor_on_another_host_joins_from_the_url_alone(hosts_and_swarm, t
         assert again and (again[0]["peer_id"], again[0]["stage"], again[0]["slot"]) == (peer_id, stage, slot)
         assert _events(second, "queue") == []
 
-        # Bob copies alice's key: refused, because the key belongs to alice.
+        # The restarted peer vanishes for good: its slot is freed within the vanish window, not at ticket expiry.
+        wait_until(lambda: _status(hosts, auth_url)["stages"][stage]["active"] == 1 or not second.alive, 180,
+                   "the restarted worker to report active", poll=1.0)
+        second.kill_main(signal.SIGKILL)
+        wait_until(lambda: _occupied(hosts, auth_url) == 0, 120, "the vanished peer's slot to be freed", poll=2.0)
+
+        # Bob copies alice's key (while it is not in use, so libp2p lets him start): the auth service refuses him.
         copied = tmp_path / "bob"
         shutil.copytree(config_dir / "identity", copied / "identity")
         third = _runtime(hosts, "bob", auth_url, tokens["bob"], copied, hosts.b.free_port(), tmp_path)
         runtimes.append(third)
         wait_until(lambda: not third.alive, 180, "the runtime with a borrowed key to be turned away", poll=0.5)
-        assert third.proc.returncode == 3
+        assert third.proc.returncode == 3, f"see {third.log_path}"
         rejected = _events(third, "auth", status="rejected")
         assert rejected and "belongs to another Hugging Face account, not to bob" in rejected[0]["message"]
-
-        # The restarted peer vanishes for good: its slot is freed within the vanish window, not at ticket expiry.
-        wait_until(lambda: bool(_events(second, "stage")) or not second.alive, 180, "the restarted worker to serve", poll=0.5)
-        second.kill_main(signal.SIGKILL)
-        wait_until(lambda: _occupied(hosts, auth_url) == 0, 120, "the vanished peer's slot to be freed", poll=2.0)
+        assert _occupied(hosts, auth_url) == 0
     finally:
         for runtime in runtimes:
             runtime.stop(grace=20)

@@ -21,6 +21,7 @@ import psutil
 from agora_client.auth.reachability import DialResult
 from agora_client.auth.run_description import RunDescription
 from agora_client.events import PreflightEvent
+from agora_client.headless import human_bytes as human
 from agora_client.model.stages import param_counts
 
 STATE_BYTES_PER_PARAM = 12  # a snapshot: fp32 weights + AdamW's two moments
@@ -29,13 +30,6 @@ MIN_CAPABILITY = (7, 0)
 SLOW_DOWNLOAD_BPS = 5e6
 SLOW_SEED_RTT_S = 0.25
 _TCP_MADDR = re.compile(r"^/(ip4|ip6|dns4|dns6|dns)/([^/]+)/tcp/(\d+)")
-
-
-def human(count: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if count >= size:
-            return f"{count / size:.1f} {unit}"
-    return f"{count:.0f} B"
 
 
 def largest_stage_params(run: RunDescription) -> int:
