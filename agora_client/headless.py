@@ -159,7 +159,7 @@ class LineFormatter:
             where = event.address or f"port {event.port}"
             return [self._line(event, "REACHABILITY", f"Asking the swarm to connect back to {where}...")]
         if event.status == "reachable":
-            return [self._line(event, "REACHABILITY", "The swarm reached this worker")]
+            return [self._line(event, "REACHABILITY", f"The swarm reached this worker at {event.address} from {event.tested_from}")]
         lines = [self._line(event, "REACHABILITY", text, "error") for text in event.advice]
         if event.retry_in_s is not None:
             text = f"Not joining while unreachable; trying again in {human_duration(event.retry_in_s)}"

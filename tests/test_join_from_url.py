@@ -241,7 +241,7 @@ def test_the_service_admits_only_a_peer_it_can_dial_back(tmp_path):
         with listening() as open_port:
             granted = authorize(server.url, tokens["alice"], "PeerA", events=EventWriter(), poll_every=0.05,
                                 announce=f"127.0.0.1:{open_port}")
-        assert granted.identity == "alice"
+        assert granted.identity == "alice" and granted.dial.reachable and granted.dial.port == open_port
     audit = (tmp_path / "state" / "joins.jsonl").read_text()
     assert '"event": "unreachable"' in audit
 

@@ -105,6 +105,8 @@ def test_contributor_on_another_host_joins_from_the_url_alone(hosts_and_swarm, t
         stage, slot, peer_id = authorized["stage"], authorized["slot"], authorized["peer_id"]
         assert stage in ("head", "body1", "tail")
         assert _events(first, "stage")[0]["peer_id"] == peer_id
+        reached = _events(first, "reachability", status="reachable")
+        assert reached and reached[0]["tested_from"].startswith(hosts.a.address) and reached[0]["port"] == port
 
         # A crash: the restarted runtime has the same peer id and gets the same slot back without queueing.
         first.kill_main(signal.SIGKILL)

@@ -66,6 +66,7 @@ class Authorization:
     public_key: str
     swarm_url: str
     queued_s: float = 0.0
+    dial: DialResult | None = None  # the service's dial-back before admission; None if it did not check
 
 
 def authorize(
@@ -101,6 +102,7 @@ def authorize(
     try:
         where = {key: value for key, value in (("port", port), ("announce", announce)) if value is not None}
         reply = _join(http, base, secret, peer_id, events, where)
+        dial = reply.get("dial")  # only the join's reply carries it; polls come later
         assigned = False
         last_queue_log = -float("inf")
         poll_failures = 0
@@ -130,7 +132,7 @@ def authorize(
             except _Refused as error:
                 raise _answer_error(events, peer_id, error) from None
         try:
-            authorization = _authorization(reply, base, time.monotonic() - queued_since if queued_since else 0.0)
+            authorization = _authorization(reply, base, time.monotonic() - queued_since if queued_since else 0.0, dial)
         except AuthFailed as error:
             raise _fail(events, peer_id, str(error)) from None
         if on_assigned is not None and not assigned:
@@ -250,13 +252,14 @@ def _unreachable_message(url: str, error: httpx.HTTPError) -> str:
     return f"could not reach the auth service at {url} ({type(error).__name__}); check the address and your network, then try again"
 
 
-def _authorization(reply: dict[str, Any], base: str, waited_s: float) -> Authorization:
+def _authorization(reply: dict[str, Any], base: str, waited_s: float, dial: Any) -> Authorization:
     try:
         return Authorization(
             identity=str(reply["identity"]), peer_id=str(reply["peer_id"]), stage=str(reply["stage"]),
             slot=int(reply["slot"]), seeds=tuple(str(seed) for seed in reply.get("seeds", ())),
             snapshot_url=reply.get("snapshot_url"), ticket=str(reply["ticket"]), expires_at=float(reply["expires_at"]),
             public_key=str(reply["public_key"]), swarm_url=base, queued_s=waited_s,
+            dial=DialResult.from_json(dial) if isinstance(dial, dict) else None,
         )
     except (KeyError, TypeError, ValueError):
         raise AuthFailed(f"{base} answered an authorization without its fields; is it an Agora auth service of this version?") from None

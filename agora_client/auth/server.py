@@ -126,6 +126,7 @@ class AuthService:
             )
             self._audit("key_of_other_identity", token_hash=digest[:16], identity=identity, peer_id=peer_id)
             return HTTPStatus.FORBIDDEN, {"status": "rejected", "reason": reason}
+        dial = None
         if target is not None:
             dial = dial_back(*target, timeout_s=self.settings.dial_timeout_s)
             if not dial.reachable:
@@ -135,7 +136,10 @@ class AuthService:
                 return HTTPStatus.CONFLICT, {"status": "unreachable", "dial": dial.to_json(),
                                              "reason": f"could not connect to {dial.address} ({dial.error})"}
         now = time.time()
-        return self._answer(self.book.join(identity, peer_id, now), now, digest)
+        status, payload = self._answer(self.book.join(identity, peer_id, now), now, digest)
+        if dial is not None and payload["status"] != "rejected":
+            payload["dial"] = dial.to_json()  # the joiner shows where it was reached from
+        return status, payload
 
     def _dial_target(self, body: dict[str, Any], source: str) -> tuple[str, int]:
         announce = body.get("announce")

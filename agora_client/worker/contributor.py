@@ -174,8 +174,10 @@ class Contributor:
                 while not self.stop.is_set() and not self.retry_now.is_set() and time.monotonic() < deadline:
                     self.stop.wait(0.2)
                 continue
-            self.events.emit(ReachabilityEvent(status="reachable", address=options.announce_addr or "", port=port))
-            self.events.emit(reachability_result(None, port))
+            if auth.dial is not None:
+                self.events.emit(ReachabilityEvent(status="reachable", address=auth.dial.address, port=auth.dial.port,
+                                                   tested_from=auth.dial.tested_from))
+            self.events.emit(reachability_result(auth.dial, port))
             return auth
         return None
 

@@ -132,7 +132,8 @@ def check_seed_rtt(run: RunDescription, timeout_s: float = 3.0) -> PreflightEven
 
 def reachability_result(dial: DialResult | None, port: int) -> PreflightEvent:
     if dial is None:
-        return PreflightEvent(check="reachability", status="pass", value=f"port {port}", reason="admitted by the swarm")
+        return PreflightEvent(check="reachability", status="warn", value=f"port {port}",
+                              reason="the swarm admitted this worker without dialing it back: other peers may not reach it")
     if dial.reachable:
         return PreflightEvent(check="reachability", status="pass", value=dial.address, reason=f"reached from {dial.tested_from}")
     return PreflightEvent(check="reachability", status="fail", value=dial.address,
