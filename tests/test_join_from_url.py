@@ -306,3 +306,13 @@ def test_the_runtime_exits_cleanly_when_the_description_cannot_be_read_or_the_an
     assert "could not read the run description" in events[-1]["reason"] and "hf_test" not in json.dumps(events)
     code, events = _runtime_exit("--swarm", "http://127.0.0.1:1", "--announce-addr", "nowhere", "--config-dir", str(tmp_path))
     assert code == 2 and "is not HOST:PORT" in events[-1]["reason"]
+
+
+def test_the_app_tracker_offers_a_retry_while_unreachable():
+    from tui.state import JoinTracker
+
+    tracker = JoinTracker()
+    assert tracker.apply(ReachabilityEvent(status="unreachable", address="10.0.0.2:49200", port=49200, advice=["open it"]))
+    assert tracker.unreachable and "10.0.0.2:49200" in tracker.status and "press r" in tracker.status
+    tracker.apply(ReachabilityEvent(status="checking", port=49200))
+    assert not tracker.unreachable
