@@ -107,9 +107,11 @@ def test_contributor_on_another_host_joins_from_the_url_alone(hosts_and_swarm, t
         reached = _events(first, "reachability", status="reachable")
         assert reached and reached[0]["tested_from"].startswith(hosts.a.address) and reached[0]["port"] == port
 
-        # A crash: the restarted runtime has the same peer id and gets the same slot back without queueing.
+        # A crash: the runtime is killed without leaving its slot, then its front end clears the process group
+        # (as the app and the headless supervisor do). Restarted, it has the same peer id and gets the same slot
+        # back without queueing.
         first.kill_main(signal.SIGKILL)
-        wait_until(lambda: not first.group_pids(), 30, "the crashed runtime's processes to die with it", poll=0.2)
+        first.stop(grace=5)
         second = _runtime(hosts, "alice-2", auth_url, tokens["alice"], config_dir, port, tmp_path)
         runtimes.append(second)
         wait_until(lambda: bool(_events(second, "auth", status="authorized")) or not second.alive, 180,
@@ -122,6 +124,7 @@ def test_contributor_on_another_host_joins_from_the_url_alone(hosts_and_swarm, t
         wait_until(lambda: _status(hosts, auth_url)["stages"][stage]["active"] == 1 or not second.alive, 180,
                    "the restarted worker to report active", poll=1.0)
         second.kill_main(signal.SIGKILL)
+        second.stop(grace=5)
         wait_until(lambda: _occupied(hosts, auth_url) == 0, 120, "the vanished peer's slot to be freed", poll=2.0)
 
         # Bob copies alice's key (while it is not in use, so libp2p lets him start): the auth service refuses him.
