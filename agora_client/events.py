@@ -153,6 +153,29 @@ class StageEvent(_Event):
     occupancy: dict[str, int] = Field(default_factory=dict)
 
 
+class PreflightEvent(_Event):
+    """One check before authorization: pass, warn or fail, with the measured value and the reason."""
+
+    kind: Literal["preflight"] = "preflight"
+    check: Literal["gpu", "host_ram", "disk", "reachability", "download_rate", "seed_rtt"]
+    status: Literal["pass", "warn", "fail"]
+    value: str = ""
+    reason: str = ""
+
+
+class ReachabilityEvent(_Event):
+    """The auth service's dial-back to the announced address; ``advice`` says what to open when it failed."""
+
+    kind: Literal["reachability"] = "reachability"
+    status: Literal["checking", "reachable", "unreachable"]
+    address: str = ""
+    port: int | None = None
+    tested_from: str = ""
+    error: str = ""
+    advice: list[str] = Field(default_factory=list)
+    retry_in_s: float | None = None
+
+
 class LogEvent(_Event):
     kind: Literal["log"] = "log"
     level: Level = "info"
@@ -186,6 +209,8 @@ Event = Annotated[
         StageEvent,
         TrafficEvent,
         SwarmEvent,
+        PreflightEvent,
+        ReachabilityEvent,
         LogEvent,
         ErrorEvent,
         ExitEvent,
@@ -194,6 +219,7 @@ Event = Annotated[
 ]
 KINDS = (
     "auth", "download", "queue", "sync", "step", "sparta", "resources", "points", "stage", "traffic", "swarm",
+    "auth", "download", "queue", "sync", "step", "sparta", "resources", "points", "stage", "preflight", "reachability",
     "log", "error", "exit",
 )
 

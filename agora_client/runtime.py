@@ -1,6 +1,9 @@
 """`agora runtime`: the contributor's worker runtime, supervised by the app or the headless printer.
 
-It authorizes with the swarm's auth service (token from ``HF_TOKEN``), downloads the assigned
+It reads the run description from the swarm's auth service (``GET /v1/run``: the run config, seeds,
+snapshot and monitor URLs; no preset is assumed), runs the preflight checks, opens the worker's port,
+authorizes (token from ``HF_TOKEN``; the service dials the port back, and while it cannot, the
+runtime shows the diagnosis and retries every ``--retry-every`` seconds or at once on SIGUSR1), downloads the assigned
 stage's snapshot (already while queued), waits in the join queue, then runs a worker that passes
 through sync phases 1 and 2 to active. Everything it has to say goes to stdout as events, one JSON
 object per line (agora_client/events.py). SIGINT or SIGTERM stop it gracefully.
@@ -14,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
-from agora_client.config import ConfigError, load_config
 from agora_client.events import ErrorEvent, EventWriter, ExitEvent
 from agora_client.frontend.exit_codes import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, EXIT_USAGE
 from agora_client.system.lifetime import stop_on_signals
@@ -26,11 +29,16 @@ from agora_client.system.log_events import logs_to_events
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--swarm", required=True, help="URL of the swarm's auth service")
-    parser.add_argument("--gpu", type=int, default=None, help="CUDA device index (default: CPU when there is no GPU)")
+    parser.add_argument("--gpu", type=int, default=None, help="GPU number as nvidia-smi shows it (default: CPU)")
     parser.add_argument("--config-dir", type=Path, default=None, help="where identity keys and downloads live")
-    parser.add_argument("--preset", default="tiny", help="the swarm's run config preset")
-    parser.add_argument("--monitor", default=None, help="monitor URL for confirmed points")
-    parser.add_argument("--batch-size-override", type=int, default=None, metavar="N", help="lower the microbatch the GPU's memory plan allows to N")
+    parser.add_argument("--monitor", default=None, help="monitor URL for confirmed points (default: the swarm's)")
+    parser.add_argument("--host-port", type=int, default=None,
+                        help="TCP port other peers reach the worker on (default: 49200 + the GPU number; 0 = any free)")
+    parser.add_argument("--announce-addr", default=None, metavar="HOST:PORT",
+                        help="public address to announce when a NAT or cloud maps another port to this machine")
+    parser.add_argument("--retry-every", type=float, default=30.0, help="seconds between join attempts while unreachable")
+    parser.add_argument("--batch-size-override", type=int, default=None, metavar="N",
+                        help="lower the microbatch the GPU's memory plan allows to N")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,28 +48,44 @@ def run(args: argparse.Namespace) -> int:
     token = os.environ.get("HF_TOKEN", "")
     if not token:
         return _exit(events, EXIT_USAGE, "no token: set HF_TOKEN (the app does this for you)")
+    from agora_client.auth.reachability import AnnounceError, default_host_port, parse_announce
+    from agora_client.auth.run_description import RunDescriptionError, fetch_description
+
+    if args.announce_addr is not None:
+        try:
+            parse_announce(args.announce_addr)
+        except AnnounceError as error:
+            return _exit(events, EXIT_USAGE, str(error))
     try:
-        config = load_config(args.preset)
-    except ConfigError as error:
-        return _exit(events, EXIT_USAGE, str(error))
+        description = fetch_description(args.swarm)
+    except RunDescriptionError as error:
+        return _exit(events, EXIT_ERROR, str(error))
     from agora_client.auth.client import AuthRejected, AuthError
-    from agora_client.worker.contributor import Contributor, ContributorOptions
+    from agora_client.system.gpu import torch_device_for
+    from agora_client.worker.contributor import Contributor, ContributorOptions, PreflightFailed
+    from agora_client.worker.gpu_fit import GpuRefused
+    from agora_client.worker.peer_key import PeerKeyError
     from agora_client.system.lifetime import die_with_parent
 
     die_with_parent()  # a killed worker must not leave hivemind's helpers serving requests
 
-    config_dir = args.config_dir or _default_config_dir()
+    device, device_note = torch_device_for(args.gpu)
     options = ContributorOptions(
-        swarm_url=args.swarm, config=config, config_dir=config_dir, gpu=args.gpu, monitor_url=args.monitor,
-        batch_size_override=args.batch_size_override,
+        swarm_url=args.swarm, run=description, config_dir=args.config_dir or _default_config_dir(),
+        host_port=default_host_port(args.gpu) if args.host_port is None else args.host_port,
+        gpu=args.gpu, device=device, device_note=device_note, monitor_url=args.monitor or description.monitor_url,
+        announce_addr=args.announce_addr, retry_every=args.retry_every, batch_size_override=args.batch_size_override,
     )
     contributor = Contributor(options, events, stop)
+    signal.signal(signal.SIGUSR1, lambda *_: contributor.retry_now.set())  # the app's "retry now" key
     try:
         contributor.run(token)
     except AuthRejected as error:  # the auth event said why
         return _exit(events, EXIT_REJECTED, str(error), said=True)
     except AuthError as error:
         return _exit(events, EXIT_ERROR, str(error), said=True)
+    except (RunDescriptionError, PreflightFailed, PeerKeyError, GpuRefused) as error:
+        return _exit(events, EXIT_ERROR, str(error))
     except Exception as error:  # the app shows it; a bare traceback helps nobody
         events.emit(ErrorEvent(message=f"{error.__class__.__name__}: {error}", where="runtime"))
         return _exit(events, EXIT_ERROR, "the worker runtime failed", said=True)

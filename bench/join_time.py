@@ -1,20 +1,27 @@
 """Seconds from a contributor's start to its first processed batch on the local tiny swarm.
 
-Split into authorization, queue, snapshot download, sync phase 1 and sync phase 2, from the
-timestamps of the runtime's own events. The download rate (the client's resumable, verifying download) is
-compared, in the same run, with plain HTTP GETs of the same snapshot files from the same server,
-alternated five times; medians.
+By default on two hosts: the swarm in one network namespace, the contributor in another, joined by
+a veth pair (tests/netns.py; needs root, else pass --loopback). The contributor is given only the
+auth URL. Split into start-up (run description), preflight, opening the worker's port, authorization
+(with the dial-back), queue, snapshot download, worker start, sync phase 1 and sync phase 2, from
+the timestamps of the runtime's own events. The download rate (the client's resumable, verifying
+download) is compared, in the same run and from the contributor's host, with plain HTTP GETs of
+the same snapshot files from the same server, alternated five times; medians.
 
-Usage: python bench/join_time.py
+Usage: python bench/join_time.py [--loopback]
 The last line is one JSON object with the figures.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import statistics
+import sys
 import tempfile
 import time
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 import httpx
@@ -23,6 +30,9 @@ from agora_client.events import NULL_WRITER, json_objects
 from agora_client.snapshots import download_snapshot, latest_snapshot, read_manifest
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
 from agora_client.swarm.processes import ManagedProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the namespace helpers live in tests/netns.py
+from tests.netns import TwoHosts, unavailable  # noqa: E402
 
 FIRST_BATCH_TIMEOUT = 600.0
 
@@ -60,35 +70,54 @@ def download_rates(swarm: LocalSwarm, stage: str, scratch: Path, repeats: int = 
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        options = SwarmOptions(workers_per_stage=1, run_dir=Path(tmp), publish_snapshots=True, report_every=5)
-        with LocalSwarm(options) as swarm:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--loopback", action="store_true", help="swarm and contributor both on 127.0.0.1")
+    args = parser.parse_args()
+    if not args.loopback and unavailable():
+        raise SystemExit(f"two hosts need network namespaces: {unavailable()}; or pass --loopback")
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        hosts = None if args.loopback else stack.enter_context(TwoHosts(f"agi11b-{os.getpid()}"))
+        on_swarm_host = (lambda: hosts.a.entered()) if hosts else nullcontext
+        on_client_host = (lambda: hosts.b.entered()) if hosts else nullcontext
+        options = SwarmOptions(workers_per_stage=1, run_dir=Path(tmp), publish_snapshots=True, report_every=5,
+                               host=hosts.a.address if hosts else "127.0.0.1")
+        swarm = LocalSwarm(options)
+        stack.callback(swarm.stop)  # before the namespaces go (the stack unwinds last-in first-out)
+        with on_swarm_host():  # every role, the snapshot server included, on the swarm's host
+            swarm.start()
             auth_url, token = swarm.start_join_services(pacing=2.0)
-            swarm.trainers[0].wait_for("[PROGRESS]", timeout=300)  # join a swarm that is mid-run
-            started = time.time()
+        swarm.trainers[0].wait_for("[PROGRESS]", timeout=300)  # join a swarm that is mid-run
+        started = time.time()
+        with on_client_host():
             runtime = ManagedProcess(
-                "runtime", ["runtime", "--swarm", auth_url, "--config-dir", str(Path(tmp) / "client")],
+                "runtime", ["runtime", "--swarm", auth_url, "--config-dir", str(Path(tmp) / "client"), "--host-port", "0"],
                 Path(tmp) / "logs" / "runtime.log", env={"HF_TOKEN": token},
             )
-            deadline = time.monotonic() + FIRST_BATCH_TIMEOUT
-            while first_batch(runtime_events(runtime)) is None:
-                if time.monotonic() > deadline or not runtime.alive:
-                    raise SystemExit(f"the joiner processed no batch; see {runtime.log_path}")
-                time.sleep(0.5)
-            events = runtime_events(runtime)
-            stage = first(events, "auth", status="authorized")["stage"]
-            runtime.stop()
+        deadline = time.monotonic() + FIRST_BATCH_TIMEOUT
+        while first_batch(runtime_events(runtime)) is None:
+            if time.monotonic() > deadline or not runtime.alive:
+                raise SystemExit(f"the joiner processed no batch; see {runtime.log_path}")
+            time.sleep(0.5)
+        events = runtime_events(runtime)
+        stage = first(events, "auth", status="authorized")["stage"]
+        runtime.stop()
+        with on_client_host():
             our_rate, get_rate = download_rates(swarm, stage, Path(tmp) / "rates")
 
+    preflights = [e for e in events if e["kind"] == "preflight" and e["check"] != "reachability"]
+    opening = first(events, "reachability", status="checking")
     authorizing = first(events, "auth", status="authorizing")["ts"]
     authorized = first(events, "auth", status="authorized")["ts"]
     queued = first(events, "queue")
     download_start, download_done = first(events, "download", status="started"), first(events, "download", status="done")
     sync1, sync2, batch = first(events, "sync", phase="sync1"), first(events, "sync", phase="sync2"), first_batch(events)
     figures = {
+        "topology": "loopback" if args.loopback else "two network namespaces over a veth pair",
         "stage": stage,
-        "process_start_s": round(authorizing - started, 2),
-        "authorization_s": round((queued["ts"] if queued else authorized) - authorizing, 2),
+        "startup_and_description_s": round(preflights[0]["ts"] - started, 2),
+        "preflight_s": round(preflights[-1]["ts"] - preflights[0]["ts"], 2),
+        "open_port_s": round(opening["ts"] - preflights[-1]["ts"], 2),
+        "authorization_with_dial_back_s": round((queued["ts"] if queued else authorized) - authorizing, 2),
         "queue_s": round(authorized - queued["ts"], 2) if queued else 0.0,
         "download_s": round(download_done["ts"] - download_start["ts"], 2),
         "worker_start_s": round(sync1["ts"] - download_done["ts"], 2),
@@ -101,7 +130,7 @@ def main() -> None:
         "download_rate_vs_plain_get": round(our_rate / get_rate, 3),
     }
     for key, value in figures.items():
-        print(f"{key:28s} {value}")
+        print(f"{key:32s} {value}")
     print(json.dumps(figures))
 
 

@@ -71,7 +71,7 @@ def test_joiner_passes_every_phase_in_order(join_swarm, tmp_path):
     client_dir = tmp_path / "client"
     runtime = ManagedProcess(
         "runtime",
-        ["runtime", "--swarm", auth_url, "--config-dir", str(client_dir), "--preset", str(preset_path), "--monitor", monitor_url],
+        ["runtime", "--swarm", auth_url, "--config-dir", str(client_dir), "--host-port", "0", "--monitor", monitor_url],
         tmp_path / "runtime.log",
         env={"HF_TOKEN": token},
     )
@@ -168,8 +168,7 @@ def test_app_on_a_real_runtime_reaches_active_and_quits_clean(join_swarm, tmp_pa
     from agora_client.frontend.supervisor import INTERRUPT_TIMEOUT_S, runtime_command
 
     swarm, auth_url, token, preset_path, _ = join_swarm
-    command = runtime_command(token=token, swarm=auth_url, config_dir=tmp_path / "client")
-    command = type(command)((*command.argv, "--preset", str(preset_path)), command.env)
+    command = runtime_command(token=token, swarm=auth_url, config_dir=tmp_path / "client", host_port=0)
     app = AgoraApp(command)
 
     async def drive() -> list[int]:

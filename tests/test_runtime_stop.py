@@ -2,7 +2,7 @@
 
 A real auth service (token file identities) hands out a slot whose snapshot comes from a real HTTP
 server that trickles bytes, so the download is still running when the user presses Ctrl-C.
-No DHT is needed: the download happens before the worker joins the swarm.
+An in-process DHT peer stands in for the seeds: the runtime opens its port on the DHT before it joins.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import psutil
 import pytest
 import torch
 
+import hivemind
+
 from agora_client.auth import (
     AdmissionPolicy,
     AuthServer,
@@ -27,6 +29,7 @@ from agora_client.auth import (
     swarm_status,
     write_demo_token_file,
 )
+from agora_client.auth.run_description import describe_run
 from agora_client.config import load_config
 from agora_client.model import build_stage
 from agora_client.snapshots import save_stage_snapshot
@@ -65,37 +68,42 @@ def test_ctrl_c_during_the_download_stops_within_5s_and_frees_the_slot(tmp_path)
     save_stage_snapshot(tmp_path / "snaps", "head", module, torch.optim.AdamW(module.parameters()), epoch=3, keep=1)
     token_file = tmp_path / "tokens.json"
     token = write_demo_token_file(token_file, "alice")
-    with serve_directory(tmp_path / "snaps", handler=Trickle) as snapshots:
-        settings = ServiceSettings(
-            policy=AdmissionPolicy(stages=tuple(config.model.stage_names), pacing_s=0.0),
-            snapshot_url=snapshots.url, seeds=("/ip4/127.0.0.1/tcp/9/p2p/QmNotUsedBeforeTheDownload",),
-        )
-        with AuthServer(AuthService(settings, TokenFileIdentity(token_file), tmp_path / "state")) as auth:
-            client = subprocess.Popen(
-                [sys.executable, str(ROOT / "agora_cli.py"), "--headless", "--swarm", auth.url,
-                 "--config-dir", str(tmp_path / "client")],
-                env={**os.environ, "HF_TOKEN": token, "PYTHONPATH": str(ROOT)},
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    seed = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    seeds = tuple(str(maddr) for maddr in seed.get_visible_maddrs())
+    try:
+        with serve_directory(tmp_path / "snaps", handler=Trickle) as snapshots:
+            settings = ServiceSettings(
+                policy=AdmissionPolicy(stages=tuple(config.model.stage_names), pacing_s=0.0),
+                snapshot_url=snapshots.url, seeds=seeds, run=describe_run(config, seeds, snapshots.url, None),
             )
-            try:
-                lines = []
-                deadline = time.monotonic() + 180
-                while not any(line.startswith("[DOWNLOAD]") and "%" in line for line in lines):
-                    assert time.monotonic() < deadline and client.poll() is None, lines
-                    lines.append(client.stdout.readline().rstrip("\n"))
-                assert swarm_status(auth.url)["occupied"] == 1
-                runtime = psutil.Process(client.pid).children()[0]
-                pgid = os.getpgid(runtime.pid)  # the runtime leads its own process group
-                started = time.monotonic()
-                client.send_signal(signal.SIGINT)
-                out, err = client.communicate(timeout=30)
-                took = time.monotonic() - started
-            finally:
-                if client.poll() is None:
-                    client.kill()
-            assert took < 5, f"stopping took {took:.1f}s"
-            assert client.returncode == 130, err
-            assert _group_alive(pgid) == []
-            assert swarm_status(auth.url)["occupied"] == 0  # the slot was given back
-            assert "Interrupted: stopping the worker" in out
-            assert "Traceback" not in err and "Traceback" not in out
+            with AuthServer(AuthService(settings, TokenFileIdentity(token_file), tmp_path / "state")) as auth:
+                client = subprocess.Popen(
+                    [sys.executable, str(ROOT / "agora_cli.py"), "--headless", "--swarm", auth.url,
+                     "--config-dir", str(tmp_path / "client"), "--host-port", "0"],
+                    env={**os.environ, "HF_TOKEN": token, "PYTHONPATH": str(ROOT)},
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                )
+                try:
+                    lines = []
+                    deadline = time.monotonic() + 180
+                    while not any(line.startswith("[DOWNLOAD]") and "%" in line for line in lines):
+                        assert time.monotonic() < deadline and client.poll() is None, lines
+                        lines.append(client.stdout.readline().rstrip("\n"))
+                    assert swarm_status(auth.url)["occupied"] == 1
+                    runtime = psutil.Process(client.pid).children()[0]
+                    pgid = os.getpgid(runtime.pid)  # the runtime leads its own process group
+                    started = time.monotonic()
+                    client.send_signal(signal.SIGINT)
+                    out, err = client.communicate(timeout=30)
+                    took = time.monotonic() - started
+                finally:
+                    if client.poll() is None:
+                        client.kill()
+                assert took < 5, f"stopping took {took:.1f}s"
+                assert client.returncode == 130, err
+                assert _group_alive(pgid) == []
+                assert swarm_status(auth.url)["occupied"] == 0  # the slot was given back
+                assert "Interrupted: stopping the worker" in out
+                assert "Traceback" not in err and "Traceback" not in out
+    finally:
+        seed.shutdown()

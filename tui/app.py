@@ -279,6 +279,8 @@ class AgoraApp(App[int]):
     # -- actions ----------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "restart":
+            if self.runtime_running and self.tracker.unreachable:
+                return True  # r: retry the join now
             return not self.runtime_running and not self.quitting and self.process is not None
         return True
 
@@ -306,6 +308,9 @@ class AgoraApp(App[int]):
         self.exit(code, return_code=code)
 
     def action_restart(self) -> None:
+        if self.runtime_running and self.tracker.unreachable and self.process is not None:
+            self.process.retry_now()
+            return
         if self.runtime_running or self.quitting:
             return
         self.tracker.restarted()

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-from agora_client.events import AuthEvent, DownloadEvent, ErrorEvent, Event, LogEvent, QueueEvent, SyncEvent
+from agora_client.events import (
+    AuthEvent, DownloadEvent, ErrorEvent, Event, LogEvent, QueueEvent, ReachabilityEvent, SyncEvent,
+)
 
 
 class JoinStep(IntEnum):
@@ -54,6 +56,7 @@ class JoinTracker:
         self.step = JoinStep.AUTHORIZATION
         self.failure: Failure | None = None
         self.status = "Starting the worker runtime..."
+        self.unreachable = False  # the swarm could not dial this worker back: r retries at once
 
     def _advance(self, step: JoinStep) -> None:
         if step > self.step:
@@ -100,6 +103,11 @@ class JoinTracker:
             self.step, self.failure = step, None
             if changed or event.message:
                 self.status = event.message.splitlines()[0] if event.message else LABELS[step]
+            return True
+        if isinstance(event, ReachabilityEvent):
+            self.unreachable = event.status == "unreachable"
+            if self.unreachable:
+                self.status = f"The swarm cannot reach this worker at {event.address}: see the log for what to open; press r to retry now"
             return True
         if isinstance(event, ErrorEvent):
             self._fail(event.message, event.hint)

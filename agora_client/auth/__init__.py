@@ -6,6 +6,7 @@ from .client import (
     AuthFailed,
     Authorization,
     AuthRejected,
+    PeerUnreachable,
     StageAssignment,
     authorize,
     leave,
@@ -40,7 +41,7 @@ from .tickets import (
 __all__ = [
     "AdmissionPolicy", "AuthError", "AuthFailed", "AuthRejected", "AuthServer", "AuthService", "Authorization",
     "HuggingFaceIdentity", "IdentityError", "IdentitySource", "IdentityUnavailable", "InvalidTicket", "InvalidToken",
-    "Secret", "ServiceSettings", "StageAssignment", "TicketClaims", "TokenFileIdentity", "authorize",
+    "PeerUnreachable", "Secret", "ServiceSettings", "StageAssignment", "TicketClaims", "TokenFileIdentity", "authorize",
     "generate_signing_key", "issue_ticket", "leave", "load_or_create_signing_key", "load_public_key", "load_signing_key", "public_key_text",
     "renew_ticket", "report_active", "save_signing_key", "swarm_status", "verify_ticket", "write_demo_token_file",
 ]

@@ -9,7 +9,9 @@ Rules (issue 5, section 1):
   ``max_pending_per_stage`` admitted peers have not yet reported active (for at most
   ``integration_timeout_s``); otherwise the joiner waits in that stage's FIFO queue, keeping its place
   as long as it polls at least every ``queue_stale_s``;
-- a slot ends when its peer leaves or its ticket expires without renewal.
+- a slot ends when its peer leaves, its ticket expires without renewal, or its peer is gone from the
+  DHT for a few minutes (``observe``); a peer that re-joins while its slot is held (a restart after a
+  crash) gets that same slot back at once.
 
 Pure bookkeeping: no I/O, the caller passes ``now`` and holds no lock (this class has its own).
 """
@@ -51,6 +53,10 @@ class Slot:
     admitted_at: float
     expires_at: float
     active: bool = False
+    last_seen: float = 0.0  # last time the peer was seen in its stage's DHT roster (or admitted)
+
+    def __post_init__(self) -> None:
+        self.last_seen = self.last_seen or self.admitted_at
 
 
 @dataclass
@@ -115,7 +121,12 @@ class SlotBook:
             if held is not None:
                 if held.identity != identity:
                     return Rejected(f"peer id {peer_id} already holds a slot under another identity; start with a new peer id")
-                del self._stages[held.stage].slots[held.index]  # the peer restarted: its old slot is void
+                # The peer restarted (a crash leaves its slot held): it gets the same slot back at once,
+                # without pacing, and syncs in again like any joiner.
+                held.admitted_at = held.last_seen = now
+                held.expires_at = now + self.policy.ticket_ttl_s
+                held.active = False
+                return Admitted(held)
             taken = self._count_identity(identity)
             if taken >= self.policy.per_identity_cap:
                 return Rejected(
@@ -166,6 +177,25 @@ class SlotBook:
             if slot is not None:
                 slot.expires_at = now + self.policy.ticket_ttl_s
             return slot
+
+    def observe(self, present: dict[str, set[str]], now: float, vanish_s: float) -> list[Slot]:
+        """Record which peers the DHT shows per stage; free and return the slots of peers gone ``vanish_s``.
+
+        A slot still integrating (admitted, not yet active, within the integration timeout) is never freed
+        here: its peer may still be downloading and not be in the DHT yet.
+        """
+        freed = []
+        with self._lock:
+            self._expire(now)
+            for name, stage in self._stages.items():
+                seen = present.get(name, set())
+                for index, slot in list(stage.slots.items()):
+                    if slot.peer_id in seen:
+                        slot.last_seen = now
+                    elif not self._is_pending(slot, now) and now - slot.last_seen >= vanish_s:
+                        del stage.slots[index]
+                        freed.append(slot)
+        return freed
 
     def occupancy(self, now: float) -> dict[str, dict[str, int]]:
         with self._lock:

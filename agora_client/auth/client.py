@@ -17,6 +17,7 @@ import httpx
 
 from agora_client.events import AuthEvent, EventWriter, QueueEvent
 
+from .reachability import DialResult
 from .secret import Secret
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,14 @@ class AuthRejected(AuthError):
 
 class AuthFailed(AuthError):
     """The join could not be made (invalid token, service unreachable, bad answer, cancelled)."""
+
+
+class PeerUnreachable(AuthError):
+    """The auth service could not connect back to this peer's port; ``dial`` says where from and how it failed."""
+
+    def __init__(self, dial: DialResult):
+        super().__init__(f"the swarm could not connect to this worker at {dial.address} ({dial.error})")
+        self.dial = dial
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,7 @@ class Authorization:
     public_key: str
     swarm_url: str
     queued_s: float = 0.0
+    dial: DialResult | None = None  # the service's dial-back before admission; None if it did not check
 
 
 def authorize(
@@ -71,12 +81,16 @@ def authorize(
     stop: threading.Event | None = None,
     client: httpx.Client | None = None,
     timeout_s: float = 30.0,
+    port: int | None = None,
+    announce: str | None = None,
 ) -> Authorization:
     """Join the swarm at ``swarm_url`` (the auth service); wait in its queue if it paces joins.
 
     Emits AuthEvent authorizing -> authorized | rejected | failed, and while queued a QueueEvent at
     once and then every ``queue_log_every`` seconds. ``on_assigned`` is called once, as soon as the
     stage is known (possibly while still queued), so the caller can start the snapshot download.
+    ``port`` (or ``announce`` HOST:PORT) is where this peer listens: the service dials it back before
+    admission and raises PeerUnreachable (no event: the caller diagnoses and retries) if it cannot connect.
     Raises AuthRejected or AuthFailed (after emitting the matching event).
     """
     secret = Secret(token)
@@ -86,7 +100,9 @@ def authorize(
     http = client or httpx.Client(timeout=timeout_s)
     queued_since: float | None = None
     try:
-        reply = _join(http, base, secret, peer_id, events)
+        where = {key: value for key, value in (("port", port), ("announce", announce)) if value is not None}
+        reply = _join(http, base, secret, peer_id, events, where)
+        dial = reply.get("dial")  # only the join's reply carries it; polls come later
         assigned = False
         last_queue_log = -float("inf")
         poll_failures = 0
@@ -107,7 +123,7 @@ def authorize(
                 poll_failures = 0
             except _PlaceLost:
                 log.info("the join queue place was lost; joining again")
-                reply = _join(http, base, secret, peer_id, events)
+                reply = _join(http, base, secret, peer_id, events, where)
             except _Unreachable as error:
                 poll_failures += 1
                 if poll_failures >= _MAX_POLL_FAILURES:
@@ -116,7 +132,7 @@ def authorize(
             except _Refused as error:
                 raise _answer_error(events, peer_id, error) from None
         try:
-            authorization = _authorization(reply, base, time.monotonic() - queued_since if queued_since else 0.0)
+            authorization = _authorization(reply, base, time.monotonic() - queued_since if queued_since else 0.0, dial)
         except AuthFailed as error:
             raise _fail(events, peer_id, str(error)) from None
         if on_assigned is not None and not assigned:
@@ -177,9 +193,11 @@ class _Refused(Exception):
         self.status_code = status_code
 
 
-def _join(http: httpx.Client, base: str, token: Secret, peer_id: str, events: EventWriter) -> dict[str, Any]:
+def _join(
+    http: httpx.Client, base: str, token: Secret, peer_id: str, events: EventWriter, where: dict[str, Any]
+) -> dict[str, Any]:
     try:
-        return _post(http, f"{base}/v1/join", {"token": token.reveal(), "peer_id": peer_id})
+        return _post(http, f"{base}/v1/join", {"token": token.reveal(), "peer_id": peer_id, **where})
     except _Unreachable as error:
         raise _fail(events, peer_id, str(error)) from None
     except (_Refused, _PlaceLost) as error:
@@ -205,6 +223,12 @@ def _decode(response: httpx.Response, url: str) -> dict[str, Any]:
         raise _Refused(response.status_code, f"{url} answered HTTP {response.status_code} without a JSON reply; is it an Agora auth service?")
     if reply["status"] in ("authorized", "queued", "ok"):
         return reply
+    if reply["status"] == "unreachable" and isinstance(reply.get("dial"), dict):
+        try:
+            dial = DialResult.from_json(reply["dial"])
+        except (KeyError, TypeError, ValueError):
+            raise _Refused(response.status_code, f"{url} answered an unreadable reachability result") from None
+        raise PeerUnreachable(dial)
     raise _Refused(response.status_code, str(reply.get("reason") or reply.get("error") or f"HTTP {response.status_code}"))
 
 
@@ -227,13 +251,14 @@ def _unreachable_message(url: str, error: httpx.HTTPError) -> str:
     return f"could not reach the auth service at {url} ({type(error).__name__}); check the address and your network, then try again"
 
 
-def _authorization(reply: dict[str, Any], base: str, waited_s: float) -> Authorization:
+def _authorization(reply: dict[str, Any], base: str, waited_s: float, dial: Any) -> Authorization:
     try:
         return Authorization(
             identity=str(reply["identity"]), peer_id=str(reply["peer_id"]), stage=str(reply["stage"]),
             slot=int(reply["slot"]), seeds=tuple(str(seed) for seed in reply.get("seeds", ())),
             snapshot_url=reply.get("snapshot_url"), ticket=str(reply["ticket"]), expires_at=float(reply["expires_at"]),
             public_key=str(reply["public_key"]), swarm_url=base, queued_s=waited_s,
+            dial=DialResult.from_json(dial) if isinstance(dial, dict) else None,
         )
     except (KeyError, TypeError, ValueError):
         raise AuthFailed(f"{base} answered an authorization without its fields; is it an Agora auth service of this version?") from None

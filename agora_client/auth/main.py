@@ -13,6 +13,8 @@ from agora_client.system.lifetime import stop_on_signals
 
 from .admission import AdmissionPolicy
 from .identity import HuggingFaceIdentity, IdentityError, IdentitySource, TokenFileIdentity
+from .presence import DhtRosters, PresenceWatcher
+from .run_description import describe_run
 from .server import AuthServer, AuthService, ServiceSettings
 
 READY_PREFIX = "[AUTH] listening on "
@@ -41,6 +43,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="snapshot store base URL (<base>/<stage>/latest.json), a template with {stage}, or "
                              "s3://bucket/prefix (joiners get presigned URLs; endpoint and keys from AWS_* variables)")
     parser.add_argument("--seed", action="append", default=[], dest="seeds", help="seed multiaddr for clients (repeatable)")
+    parser.add_argument("--monitor-url", default=None, help="the monitor's base URL, given to joiners in the run description")
+    parser.add_argument("--dial-back", action=argparse.BooleanOptionalAction, default=True,
+                        help="connect back to each joiner's announced port before admitting it (default: on)")
+    parser.add_argument("--dial-timeout", type=float, default=5.0, help="seconds a dial-back may take")
+    parser.add_argument("--vanish-after", type=float, default=120.0,
+                        help="free the slot of a peer absent from its stage's DHT roster this many seconds")
+    parser.add_argument("--presence-every", type=float, default=30.0, help="seconds between two reads of the rosters")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -77,24 +86,40 @@ def run(args: argparse.Namespace) -> int:
     stop = stop_on_signals()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        stages = load_config(args.config).model.stage_names
+        config = load_config(args.config)
+        stages = config.model.stage_names
         policy = AdmissionPolicy(
             stages=stages, max_workers_per_stage=args.max_workers_per_stage, per_identity_cap=args.per_identity_cap,
             pacing_s=args.pacing, max_pending_per_stage=args.max_pending,
             integration_timeout_s=args.integration_timeout, ticket_ttl_s=args.ticket_ttl,
         )
+        seeds = tuple(args.seeds)
         links = _object_store_links(args.snapshot_url)
-        settings = ServiceSettings(policy=policy, snapshot_url=None if links else args.snapshot_url, seeds=tuple(args.seeds),
-                                   snapshot_links=links)
+        settings = ServiceSettings(
+            policy=policy, snapshot_url=None if links else args.snapshot_url, seeds=seeds, snapshot_links=links,
+            run=describe_run(config, seeds, args.snapshot_url, args.monitor_url),
+            dial_back=args.dial_back, dial_timeout_s=args.dial_timeout,
+        )
         service = AuthService(settings, build_identity_source(args), args.state_dir)
         server = AuthServer(service, args.host, args.port)
     except (ConfigError, IdentityError, ValueError, OSError) as error:
         print(f"[AUTH] cannot start the auth service: {error}", file=sys.stderr)
         return 2
+    if len(seeds) < 2:
+        print(f"[AUTH] warning: {len(seeds)} seed(s) given; give two or more (--seed) so joiners survive a seed going down",
+              file=sys.stderr, flush=True)
+    watcher = None
+    if seeds:
+        rosters = DhtRosters(seeds, host=args.host)
+        watcher = PresenceWatcher(service.book, stages, rosters.read, every_s=args.presence_every,
+                                  vanish_s=args.vanish_after).start()
     with server:
         print(f"{READY_PREFIX}{server.url}", flush=True)
         print(f"{PUBLIC_KEY_PREFIX}{service.public_key}", flush=True)
         print(f"[AUTH] identities: {service.identities.describe()}; stages {', '.join(stages)}, "
-              f"{policy.max_workers_per_stage} slots each", flush=True)
+              f"{policy.max_workers_per_stage} slots each; run {config.name} {settings.run.hash[:19]}", flush=True)
         stop.wait()
+    if watcher is not None:
+        watcher.close()
+        rosters.close()
     return 0

@@ -1,7 +1,9 @@
 """The auth service over HTTP: exchanges a contributor token for a slot, a stage and a signed ticket.
 
 JSON API (every answer is a JSON object with ``status``):
-  POST /v1/join    {token, peer_id}           -> 200 authorized | 200 queued | 403 rejected | 400 | 401 | 503
+  GET  /v1/run                                -> the run description (run_description.py); 503 if none is set
+  POST /v1/join    {token, peer_id, port, announce?}
+                                              -> 200 authorized | 200 queued | 403 rejected | 409 unreachable | 400 | 401 | 503
   POST /v1/join/poll {queue_id, peer_id}      -> as /v1/join; 404 if the queue place is gone
   POST /v1/active  {ticket}                   -> 200 ok: the peer is up in the swarm (ends join pacing for it)
   POST /v1/renew   {ticket}                   -> 200 {ticket, expires_at}; 404 if the slot is gone
@@ -9,6 +11,9 @@ JSON API (every answer is a JSON object with ``status``):
   GET  /v1/status                             -> occupancy per stage, capacity, queue length, public key, seeds
 
 The token is wrapped in ``Secret`` as soon as it is parsed; the service keeps only its keyed hash.
+A peer id is bound to the identity that first joined with it (``peer_bindings.json``); with
+``dial_back`` on, a join is admitted only after the service connected to the joiner's port
+(``port`` at the address the request came from, or ``announce`` HOST:PORT when that host is it).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import logging
 import os
 import re
 import secrets
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +33,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .admission import AdmissionPolicy, Decision, Queued, Rejected, SlotBook, UnknownQueueEntry
+from .bindings import PeerBindings
+from .reachability import AnnounceError, dial_back, parse_announce
+from .run_description import RunDescription
 from .identity import IdentitySource, IdentityUnavailable, InvalidToken
 from .secret import Secret, token_digest
 from .tickets import InvalidTicket, TicketClaims, issue_ticket, load_or_create_signing_key, public_key_text, verify_ticket
@@ -48,6 +57,10 @@ class ServiceSettings:
     identity_cache_s: float = 300.0
     snapshot_links: Callable[[str], str | None] | None = None
     """An object store's presigned snapshot URL for a stage (``S3Store.joiner_url``); wins over snapshot_url."""
+    run: RunDescription | None = None
+    dial_back: bool = False
+    """Connect back to every joiner's announced port before admitting it (the CLI turns this on)."""
+    dial_timeout_s: float = 5.0
 
     def snapshot_url_for(self, stage: str) -> str | None:
         if self.snapshot_links is not None:
@@ -81,14 +94,21 @@ class AuthService:
         self.public_key = public_key_text(self.key)
         self._hash_key = _load_or_create_secret(self.state_dir / "token_hash.key")
         self.book = SlotBook(settings.policy)
+        self.bindings = PeerBindings(self.state_dir / "peer_bindings.json")
         self._identity_cache: dict[str, tuple[str, float]] = {}
         self._audit_lock = threading.Lock()
 
     # -- endpoints -----------------------------------------------------------------------------------
 
-    def join(self, body: dict[str, Any]) -> tuple[HTTPStatus, dict[str, Any]]:
+    def run_description(self) -> dict[str, Any]:
+        if self.settings.run is None:
+            raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "this auth service was started without a run description")
+        return self.settings.run.to_json()
+
+    def join(self, body: dict[str, Any], source: str = "127.0.0.1") -> tuple[HTTPStatus, dict[str, Any]]:
         token = _field(body, "token", str)
         peer_id = _peer_id(body)
+        target = self._dial_target(body, source) if self.settings.dial_back else None
         if not token.strip() or len(token) > MAX_TOKEN_CHARS or any(ch.isspace() for ch in token):
             raise RequestError(HTTPStatus.BAD_REQUEST, "the token is empty, too long or holds spaces; paste the token again")
         secret = Secret(token)
@@ -101,8 +121,50 @@ class AuthService:
             raise RequestError(HTTPStatus.UNAUTHORIZED, str(error)) from None
         except IdentityUnavailable as error:
             raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, str(error)) from None
+        owner = self.bindings.claim(peer_id, identity)
+        if owner != identity:
+            reason = (
+                f"the key of peer id {peer_id} belongs to another Hugging Face account, not to {identity}; "
+                "a key stays with the account that first joined with it: use your own config dir (--config-dir), "
+                "or delete the copied key file so that a new key is made"
+            )
+            self._audit("key_of_other_identity", token_hash=digest[:16], identity=identity, peer_id=peer_id)
+            return HTTPStatus.FORBIDDEN, {"status": "rejected", "reason": reason}
+        dial = None
+        if target is not None:
+            dial = dial_back(*target, timeout_s=self.settings.dial_timeout_s)
+            if not dial.reachable:
+                log.info("peer %s of %s is not reachable at %s (%s)", peer_id, identity, dial.address, dial.error)
+                self._audit("unreachable", token_hash=digest[:16], identity=identity, peer_id=peer_id,
+                            address=dial.address, error=dial.error)
+                return HTTPStatus.CONFLICT, {"status": "unreachable", "dial": dial.to_json(),
+                                             "reason": f"could not connect to {dial.address} ({dial.error})"}
         now = time.time()
-        return self._answer(self.book.join(identity, peer_id, now), now, digest)
+        status, payload = self._answer(self.book.join(identity, peer_id, now), now, digest)
+        if dial is not None and payload["status"] != "rejected":
+            payload["dial"] = dial.to_json()  # the joiner shows where it was reached from
+        return status, payload
+
+    def _dial_target(self, body: dict[str, Any], source: str) -> tuple[str, int]:
+        announce = body.get("announce")
+        if announce is None:
+            port = body.get("port")
+            if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+                raise RequestError(HTTPStatus.BAD_REQUEST, "the join names no port to dial back: send the port your worker listens on")
+            return source, port
+        if not isinstance(announce, str):
+            raise RequestError(HTTPStatus.BAD_REQUEST, "announce must be HOST:PORT text")
+        try:
+            host, port = parse_announce(announce)
+        except AnnounceError as error:
+            raise RequestError(HTTPStatus.BAD_REQUEST, str(error)) from None
+        if source not in _addresses_of(host):
+            raise RequestError(
+                HTTPStatus.BAD_REQUEST,
+                f"the announced host {host} is not the address your join came from ({source}); the auth service dials "
+                f"back only that address: announce {source}:{port}, or join from the machine at {host}",
+            )
+        return source, port
 
     def poll(self, body: dict[str, Any]) -> tuple[HTTPStatus, dict[str, Any]]:
         queue_id = _field(body, "queue_id", str)
@@ -263,8 +325,14 @@ class _AuthHandler(BaseHTTPRequestHandler):
     _POSTS = {"/v1/join": "join", "/v1/join/poll": "poll", "/v1/active": "active", "/v1/renew": "renew", "/v1/leave": "leave"}
 
     def do_GET(self) -> None:
-        if self.path.split("?")[0] == "/v1/status":
+        path = self.path.split("?")[0]
+        if path == "/v1/status":
             self._reply(HTTPStatus.OK, self.service.status())
+        elif path == "/v1/run":
+            try:
+                self._reply(HTTPStatus.OK, self.service.run_description())
+            except RequestError as error:
+                self._reply(error.status, {"status": "error", "error": str(error)})
         else:
             self._reply(HTTPStatus.NOT_FOUND, {"status": "error", "error": f"no such endpoint: GET {self.path.split('?')[0]}"})
 
@@ -274,7 +342,10 @@ class _AuthHandler(BaseHTTPRequestHandler):
             method = self._POSTS.get(path)
             if method is None:
                 raise RequestError(HTTPStatus.NOT_FOUND, f"no such endpoint: POST {path}")
-            status, payload = getattr(self.service, method)(self._json_body())
+            if method == "join":  # the dial-back goes to the address the join came from
+                status, payload = self.service.join(self._json_body(), source=self.client_address[0])
+            else:
+                status, payload = getattr(self.service, method)(self._json_body())
         except RequestError as error:
             status, payload = error.status, {"status": "error", "error": str(error)}
         except Exception:  # the service keeps running; the client gets one line, the log the traceback
@@ -335,3 +406,10 @@ def _load_or_create_secret(path: Path) -> bytes:
     with os.fdopen(descriptor, "w") as handle:
         handle.write(secret.hex())
     return secret
+
+
+def _addresses_of(host: str) -> set[str]:
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return set()

@@ -51,6 +51,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu", metavar="N", type=int, help="GPU to contribute (NVML index)")
     parser.add_argument("--reconfigure", action="store_true", help="ask for the token, swarm and GPU again")
     parser.add_argument("--config-dir", type=Path, help="client config dir (default: $XDG_CONFIG_HOME/agora)")
+    parser.add_argument("--host-port", type=int, help="TCP port peers reach the worker on (default: 49200 + GPU number)")
+    parser.add_argument("--announce-addr", metavar="HOST:PORT", help="public address to announce behind a NAT or remapped port")
     parser.add_argument(
         "--runtime-cmd", metavar="CMD", help="run CMD instead of the built-in worker runtime (replays, testing)"
     )
@@ -59,7 +61,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _command(args: argparse.Namespace, token: str, swarm: str, gpu: int | None, config_dir: Path) -> ChildCommand:
     if args.runtime_cmd:
         return ChildCommand(tuple(shlex.split(args.runtime_cmd)), {"HF_TOKEN": token, "PYTHONUNBUFFERED": "1"})
-    return runtime_command(token=token, swarm=swarm, gpu=gpu, config_dir=config_dir, monitor=args.monitor)
+    return runtime_command(
+        token=token, swarm=swarm, gpu=gpu, config_dir=config_dir, monitor=args.monitor,
+        host_port=args.host_port, announce_addr=args.announce_addr,
+    )
 
 
 def prepare(args: argparse.Namespace) -> ClientSession | int:

@@ -1,8 +1,11 @@
 """Tagged lines from the runtime's stream: what the headless client prints and the app's log pane shows.
 
-Tags: ``[AUTH] [DOWNLOAD] [QUEUE] [SYNC] [TRAINING] [PROGRESS] [SPARTA] [POINTS] [WARNING] [ERROR]``.
+Tags: ``[PREFLIGHT] [REACHABILITY] [AUTH] [DOWNLOAD] [QUEUE] [SYNC] [TRAINING] [PROGRESS] [SPARTA] [POINTS] [WARNING] [ERROR]``.
 What each event kind gives:
 
+- preflight: ``[PREFLIGHT] <check>: PASS|WARN|FAIL <value> (<reason>)``; warn and fail at levels warning / error.
+- reachability: ``[REACHABILITY]`` when the dial-back starts and when it succeeds; unreachable: one
+  ``[REACHABILITY]`` line per line of advice (level error), then when the next attempt comes.
 - auth: ``[AUTH]`` its message (or who / which stage / which slot); rejected or failed: ``[ERROR]``.
 - download: ``[DOWNLOAD]`` start (with resumed-from), progress at most once per second of event
   time, verified, done; retry: ``[WARNING]``; failed: ``[ERROR]``.
@@ -34,7 +37,9 @@ from agora_client.events import (
     ExitEvent,
     LogEvent,
     PointsEvent,
+    PreflightEvent,
     QueueEvent,
+    ReachabilityEvent,
     SpartaEvent,
     StageEvent,
     StepEvent,
@@ -42,7 +47,7 @@ from agora_client.events import (
 )
 from agora_client.system.redact import redact_text
 
-TAGS = ("AUTH", "DOWNLOAD", "QUEUE", "SYNC", "TRAINING", "PROGRESS", "SPARTA", "POINTS", "WARNING", "ERROR")
+TAGS = ("PREFLIGHT", "REACHABILITY", "AUTH", "DOWNLOAD", "QUEUE", "SYNC", "TRAINING", "PROGRESS", "SPARTA", "POINTS", "WARNING", "ERROR")
 _TAG_CHARS = re.compile(r"[^A-Z0-9_]")
 _RAW_PREVIEW = 120
 
@@ -132,6 +137,23 @@ class LineFormatter:
     def note(self, text: str, ts: float, tag: str = "INFO", level: str = "info") -> TaggedLine:
         """A line the front end says itself (starting, stopping), not one from the runtime."""
         return TaggedLine(ts, tag, level, text)
+
+    def _preflight(self, event: PreflightEvent) -> list[TaggedLine]:
+        level = {"pass": "info", "warn": "warning", "fail": "error"}[event.status]
+        reason = f" ({event.reason})" if event.reason else ""
+        return [self._line(event, "PREFLIGHT", f"{event.check}: {event.status.upper()} {event.value}{reason}", level)]
+
+    def _reachability(self, event: ReachabilityEvent) -> list[TaggedLine]:
+        if event.status == "checking":
+            where = event.address or f"port {event.port}"
+            return [self._line(event, "REACHABILITY", f"Asking the swarm to connect back to {where}...")]
+        if event.status == "reachable":
+            return [self._line(event, "REACHABILITY", f"The swarm reached this worker at {event.address} from {event.tested_from}")]
+        lines = [self._line(event, "REACHABILITY", text, "error") for text in event.advice]
+        if event.retry_in_s is not None:
+            text = f"Not joining while unreachable; trying again in {human_duration(event.retry_in_s)}"
+            lines.append(self._line(event, "REACHABILITY", text, "warning"))
+        return lines
 
     def _auth(self, event: AuthEvent) -> list[TaggedLine]:
         if event.status == "authorizing":

@@ -53,8 +53,11 @@ def runtime_command(
     gpu: int | None = None,
     config_dir: Path | None = None,
     monitor: str | None = None,
+    host_port: int | None = None,
+    announce_addr: str | None = None,
 ) -> ChildCommand:
-    """The real runtime: ``agora runtime [--swarm URL] [--gpu N] [--config-dir D] [--monitor URL]``, token in HF_TOKEN."""
+    """The real runtime: ``agora runtime [--swarm URL] [--gpu N] [--config-dir D] [--monitor URL] [--host-port P]
+    [--announce-addr HOST:PORT]``, token in HF_TOKEN."""
     root = str(Path(agora_client.__file__).resolve().parent.parent)
     argv = [sys.executable, "-c", _BOOTSTRAP.format(root=root), "runtime"]
     if swarm:
@@ -65,6 +68,10 @@ def runtime_command(
         argv += ["--config-dir", str(config_dir)]
     if monitor:
         argv += ["--monitor", monitor]
+    if host_port is not None:
+        argv += ["--host-port", str(host_port)]
+    if announce_addr:
+        argv += ["--announce-addr", announce_addr]
     return ChildCommand(tuple(argv), {"HF_TOKEN": token, "PYTHONUNBUFFERED": "1"})
 
 
@@ -204,6 +211,11 @@ class RuntimeProcess:
         """Last resort when no event loop is left to wait in: SIGKILL the whole group now."""
         if self._process is not None:
             self._signal_group(signal.SIGKILL)
+
+    def retry_now(self) -> None:
+        """Ask the runtime to retry its join at once (it waits between attempts while unreachable)."""
+        if self.running:
+            self._signal_child(signal.SIGUSR1)
 
     def _signal_child(self, signum: int) -> None:
         assert self._process is not None

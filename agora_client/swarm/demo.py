@@ -64,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
             gpu=None,
             reconfigure=False,
             config_dir=run_dir / "client",
+            host_port=0,  # any free port: the demo must not collide with a contributor already on 49200
+            announce_addr=None,
             runtime_cmd=None,
         )
         code = run_client(client_args, args.front_end)

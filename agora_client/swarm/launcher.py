@@ -1,4 +1,4 @@
-"""`agora swarm`: a whole swarm on this machine, every role a real process on 127.0.0.1.
+"""`agora swarm`: a whole swarm on this machine, every role a real process on 127.0.0.1 (or ``--host``).
 
 Two seeds, then workers for every stage, then trainers. The trainers' progress lines (loss) are
 relayed to the console; every process writes its own log under the run directory. Ctrl-C stops
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ class SwarmOptions:
     resume: bool = False  # start every stage from the checkpoint set nearest resume_at (None: the newest)
     resume_at: float | None = None
     resume_from: str | None = None  # the store to resume from; default checkpoint_store
+    host: str = "127.0.0.1"  # every role listens here (a network namespace's address in the two-host tests)
 
 
 class LocalSwarm:
@@ -63,6 +65,8 @@ class LocalSwarm:
         self.auth: ManagedProcess | None = None
         self.monitor: ManagedProcess | None = None
         self.snapshot_server: SnapshotServer | None = None
+        self.monitor_url: str | None = None
+        self.tokens: dict[str, str] = {}
         self.started_at = time.monotonic()
         self.resume_dirs: dict[str, Path] = {}  # stage -> the checkpoint its workers start from
         load_or_create_signing_key(self.signing_key_path)
@@ -81,42 +85,56 @@ class LocalSwarm:
         services = [process for process in (self.monitor, self.auth) if process is not None]
         return [*self.trainers, *(w for group in self.workers.values() for w in group), *services, *self.seeds]
 
-    def start_join_services(self, *, pacing: float = 5.0, max_workers_per_stage: int = 4) -> tuple[str, str]:
-        """The snapshot store (HTTP) and the auth service with a local demo identity; returns (auth URL, demo token)."""
+    def start_join_services(
+        self, *, pacing: float = 5.0, max_workers_per_stage: int = 4, monitor: bool = False, auth_args: tuple[str, ...] = (),
+        users: tuple[str, ...] = ("demo",),
+    ) -> tuple[str, str]:
+        """The snapshot store (HTTP) and the auth service with local identities; returns (auth URL, first user's token).
+
+        Every user in ``users`` gets a token (``self.tokens``). With ``monitor``, the points monitor starts
+        too and its URL is in the run description the auth service serves (``self.monitor_url``).
+        """
         self.snapshot_dir.mkdir(parents=True, exist_ok=True)
-        self.snapshot_server = serve_directory(self.snapshot_dir)
+        self.snapshot_server = serve_directory(self.snapshot_dir, host=self.options.host)
         auth_dir = self.options.run_dir / "auth"
         token_file = auth_dir / "tokens.json"
-        token = write_demo_token_file(token_file)
-        args = ["auth", "--state-dir", str(self.signing_key_path.parent), "--config", self.options.preset]
+        self.tokens = {user: write_demo_token_file(token_file, user) for user in users}
+        monitor_port = _free_port(self.options.host) if monitor else None
+        args = ["auth", "--state-dir", str(self.signing_key_path.parent), "--config", self.options.preset, "--host", self.options.host]
         args += ["--identity", "token-file", "--token-file", str(token_file), "--snapshot-url", self.snapshot_server.url]
         args += ["--pacing", str(pacing), "--max-workers-per-stage", str(max_workers_per_stage)]
+        if monitor_port is not None:
+            args += ["--monitor-url", f"http://{self.options.host}:{monitor_port}"]
         for seed in self.seed_addrs:
             args += ["--seed", seed]
-        self.auth = self._spawn("auth", args)
+        self.auth = self._spawn("auth", [*args, *auth_args])
         url = self.auth.wait_for(AUTH_READY, START_TIMEOUT).split()[-1]
-        return url, token
+        if monitor_port is not None:
+            self.start_monitor(url, port=monitor_port)
+        return url, self.tokens[users[0]]
 
-    def start_monitor(self, auth_url: str, *, interval: float = 5.0) -> str:
+    def start_monitor(self, auth_url: str, *, interval: float = 5.0, port: int = 0) -> str:
         """The points monitor, scraping the swarm's signed metrics; returns its base URL."""
         args = ["monitor", "--initial-peers", *self.seed_addrs, "--auth-url", auth_url, "--config", self.options.preset]
-        args += ["--db", str(self.options.run_dir / "monitor" / "points.sqlite"), "--port", "0", "--interval", str(interval)]
+        args += ["--db", str(self.options.run_dir / "monitor" / "points.sqlite"), "--port", str(port), "--interval", str(interval)]
+        args += ["--host", self.options.host]
         self.monitor = self._spawn("monitor", args)
-        return self.monitor.wait_for(MONITOR_READY, START_TIMEOUT).split()[-1].removesuffix("/leaderboard")
+        self.monitor_url = self.monitor.wait_for(MONITOR_READY, START_TIMEOUT).split()[-1].removesuffix("/leaderboard")
+        return self.monitor_url
 
     def _spawn(self, name: str, args: list[str]) -> ManagedProcess:
         return ManagedProcess(name, args, self.options.run_dir / "logs" / f"{name}.log", on_line=self.on_line)
 
     def start_seeds(self, count: int = 2) -> list[str]:
         for index in range(count):
-            seed = self._spawn(f"seed{index}", ["seed", "--seeds", *self.seed_addrs])
+            seed = self._spawn(f"seed{index}", ["seed", "--host", self.options.host, "--seeds", *self.seed_addrs])
             self.seeds.append(seed)
             self.seed_addrs.append(seed.wait_for(READY_PREFIX, START_TIMEOUT).split()[-1])
         return self.seed_addrs
 
     def start_worker(self, stage: str, *extra: str, wait: bool = True) -> ManagedProcess:
         index = len(self.workers[stage])
-        args = ["worker", "--stage", stage, "--index", str(index), "--preset", self.options.preset]
+        args = ["worker", "--stage", stage, "--index", str(index), "--preset", self.options.preset, "--host", self.options.host]
         args += ["--seeds", *self.seed_addrs, "--ticket-key", str(self.signing_key_path)]
         args += ["--events", str(self.options.run_dir / "events" / f"{stage}-{index}.jsonl")]
         (self.options.run_dir / "events").mkdir(parents=True, exist_ok=True)
@@ -136,7 +154,8 @@ class LocalSwarm:
 
     def start_trainer(self, *extra: str) -> ManagedProcess:
         index = len(self.trainers)
-        args = ["trainer", "--preset", self.options.preset, "--seeds", *self.seed_addrs, "--ticket-key", str(self.signing_key_path)]
+        args = ["trainer", "--preset", self.options.preset, "--host", self.options.host, "--seeds", *self.seed_addrs]
+        args += ["--ticket-key", str(self.signing_key_path)]
         args += ["--shard", f"{index}/{max(self.options.trainers, index + 1)}", "--report-every", str(self.options.report_every)]
         trainer = self._spawn(f"trainer{index}", [*args, *self.options.trainer_args, *extra])
         self.trainers.append(trainer)
@@ -194,6 +213,13 @@ class LocalSwarm:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _free_port(host: str) -> int:
+    """A port free on ``host`` right now (for a role whose URL must be known before it starts)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -142,3 +142,79 @@ def probe_cuda_device(index: int) -> GpuSpec | None:
         raise ValueError(f"there is no CUDA device {index}: this machine has {torch.cuda.device_count()}; choose another --gpu")
     properties = torch.cuda.get_device_properties(index)
     return GpuSpec(properties.name, int(properties.total_memory), (properties.major, properties.minor))
+# -- --gpu N: the same physical card in NVML and in CUDA -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CardId:
+    """What identifies one physical card in both numberings: its UUID and its PCI (domain, bus, device)."""
+
+    uuid: str | None
+    pci: tuple[int, int, int] | None
+
+
+def nvml_card_id(probe: GpuProbe, index: int) -> CardId | None:
+    """The card NVML numbers ``index`` (the number nvidia-smi shows), or None when NVML cannot say."""
+    handle = probe._handle(index)
+    if handle is None:
+        return None
+    uuid = _query(probe._pynvml.nvmlDeviceGetUUID, handle)
+    pci = _query(probe._pynvml.nvmlDeviceGetPciInfo, handle)
+    return CardId(_normal_uuid(_text(uuid)) if uuid else None, _parse_bus_id(_text(pci.busId)) if pci else None)
+
+
+def cuda_card_ids() -> list[CardId]:
+    """The cards CUDA sees, in CUDA's numbering (which CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER change)."""
+    import torch
+
+    cards = []
+    for index in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        props = torch.cuda.get_device_properties(index)
+        uuid = getattr(props, "uuid", None)
+        pci = tuple(getattr(props, name, -1) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id"))
+        cards.append(CardId(_normal_uuid(str(uuid)) if uuid is not None else None, pci if min(pci) >= 0 else None))
+    return cards
+
+
+def match_cuda_index(card: CardId, cuda_cards: list[CardId]) -> int | None:
+    """CUDA's index of ``card``: by UUID, else by PCI address; None if CUDA does not see it."""
+    for index, other in enumerate(cuda_cards):
+        if card.uuid and other.uuid and card.uuid == other.uuid:
+            return index
+    for index, other in enumerate(cuda_cards):
+        if card.pci and other.pci and card.pci == other.pci:
+            return index
+    return None
+
+
+def _normal_uuid(text: str) -> str:
+    return text.lower().removeprefix("gpu-")
+
+
+def _parse_bus_id(bus_id: str) -> tuple[int, int, int] | None:
+    """NVML's ``DDDDDDDD:BB:DD.F`` -> (domain, bus, device)."""
+    try:
+        domain, bus, rest = bus_id.split(":")
+        return int(domain, 16), int(bus, 16), int(rest.split(".")[0], 16)
+    except ValueError:
+        return None
+
+
+def torch_device_for(gpu: int | None) -> tuple[str, str]:
+    """(torch device, note) for ``--gpu N`` (N as NVML / nvidia-smi number it); the CPU when there is no such card."""
+    if gpu is None:
+        return "cpu", "no --gpu given: running on the CPU"
+    cuda = cuda_card_ids()
+    if not cuda:
+        return "cpu", f"CUDA is not available to torch: GPU {gpu} is not used, running on the CPU"
+    probe = GpuProbe()
+    try:
+        card = nvml_card_id(probe, gpu) if gpu < probe.count() else None
+    finally:
+        probe.close()
+    if card is None:
+        return "cpu", f"NVML knows no GPU {gpu} (see nvidia-smi for the numbers): running on the CPU"
+    index = match_cuda_index(card, cuda)
+    if index is None:
+        return "cpu", f"GPU {gpu} is hidden from CUDA (CUDA_VISIBLE_DEVICES?): running on the CPU"
+    return f"cuda:{index}", f"GPU {gpu} is cuda:{index}"

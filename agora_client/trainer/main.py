@@ -39,6 +39,7 @@ BALANCERS = {"least-loaded": StageBalancer, "round-robin": RoundRobinBalancer}
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", nargs="+", required=True, help="seed multiaddrs")
+    parser.add_argument("--host", default="127.0.0.1", help="address the trainer's DHT peers listen on (default: loopback)")
     parser.add_argument("--preset", default="tiny", help="run config preset name or YAML path")
     parser.add_argument("--data", default=None, help="local .txt/.jsonl/.parquet file or folder, or a hub dataset name")
     parser.add_argument("--shard", default="0/1", help="this trainer's shard as INDEX/COUNT (default 0/1)")
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     stages = list(config.model.stage_names)
     try:
-        dhts = {stage: connect_dht(args.seeds) for stage in stages}  # one DHT peer per stage
+        dhts = {stage: connect_dht(args.seeds, host=args.host) for stage in stages}  # one DHT peer per stage
     except NoSeedAnswered as error:
         say("ERROR", str(error))
         return 1

@@ -1,4 +1,9 @@
-"""A contributor's worker joining a running swarm: authorize -> download -> queue -> sync 1 -> sync 2 -> active.
+"""A contributor's worker joining a running swarm: preflight -> authorize -> download -> queue -> sync 1 -> sync 2 -> active.
+
+Everything about the run comes from the swarm's run description (``RunDescription``): the stage is
+built from its config, never from a preset. The peer key is the one kept in the config dir for this
+GPU, so the peer id survives restarts. The worker's port is open before the join: the auth service
+dials it back, and while it cannot, the contributor shows the diagnosis and tries again.
 
 The stage is assigned as soon as the auth service answers, even while the client waits in the
 join queue, so the snapshot download runs during the queue and is kept when the place clears.
@@ -12,21 +17,26 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
-import torch
-
-from agora_client.auth.client import Authorization, StageAssignment, authorize, leave, renew_ticket, report_active
+from agora_client.auth.client import (
+    Authorization, PeerUnreachable, StageAssignment, authorize, leave, renew_ticket, report_active,
+)
+from agora_client.auth.reachability import advice
+from agora_client.auth.run_description import RunChanged, RunDescription, RunDescriptionError, check_unchanged
 from agora_client.auth.ticket_source import HeldTicket
-from agora_client.config import RunConfig
-from agora_client.events import EventWriter, QueueEvent
+from agora_client.events import EventWriter, QueueEvent, ReachabilityEvent
 from agora_client.monitor.estimate import estimate_points, fetch_confirmed, fetch_rank
 from agora_client.monitor.records import MetricsRecord, publish_metrics, signed_dht_kwargs
 from agora_client.snapshots import DownloadError, download_snapshot
+from agora_client.swarm.dht import connect_dht
 from agora_client.system.resources import ResourceProbe
 from agora_client.worker.gpu_fit import JoinFit
 from agora_client.worker.metrics import WorkerMetrics
 from agora_client.worker.node import WorkerNode, WorkerOptions
 from agora_client.trainer.progress import fetch_progress, swarm_event
+from agora_client.worker.peer_key import key_path, load_or_create_peer_key, peer_id_of, use_as_process_key
+from agora_client.worker.preflight import machine_checks, reachability_result
 from agora_client.worker.sync import NAMES
 from agora_client.worker.traffic import TrafficWindow
 
@@ -36,22 +46,27 @@ SWARM_EVERY = 10.0  # the trainers' progress records
 METRICS_EVERY = 15.0
 STOP_POLL_SECONDS = 0.2
 RENEW_MARGIN = 300.0  # renew the ticket this many seconds before it expires
+DESCRIPTION_EVERY = 60.0  # re-read the run description this often: a changed hash stops the worker
+LISTEN_HOST = "0.0.0.0"  # other peers (and the auth service's dial-back) must reach the worker
+
+
+class PreflightFailed(RuntimeError):
+    """A preflight check failed: the machine cannot serve this swarm as it is; the message says why."""
 
 
 @dataclass
 class ContributorOptions:
     swarm_url: str
-    config: RunConfig
+    run: RunDescription
     config_dir: Path
-    gpu: int | None = None
+    host_port: int
+    gpu: int | None = None  # NVML's number (nvidia-smi's); mapped to CUDA's by card identity
+    device: str = "cpu"
+    device_note: str = ""
     monitor_url: str | None = None
     batch_size_override: int | None = None  # may only lower the microbatch the memory plan allows
-
-    @property
-    def device(self) -> str:
-        if self.gpu is not None and torch.cuda.is_available():
-            return f"cuda:{self.gpu}"
-        return "cpu"
+    announce_addr: str | None = None  # HOST:PORT other peers should dial, when a NAT or cloud remaps the port
+    retry_every: float = 30.0  # seconds between join attempts while the worker is unreachable
 
     @property
     def device_name(self) -> str:
@@ -92,20 +107,30 @@ class SnapshotFetch:
 class Contributor:
     def __init__(self, options: ContributorOptions, events: EventWriter, stop: threading.Event):
         self.options, self.events, self.stop = options, events, stop
+        self.retry_now = threading.Event()  # set by the front end (a key in the app) to retry a failed dial-back at once
         self.auth: Authorization | None = None
         self.node: WorkerNode | None = None
         self.ticket = HeldTicket("")
+        self._dht = None
 
     def run(self, token: str) -> None:
         options = self.options
-        identity_path = options.config_dir / "identity" / f"{options.device_name}.key"
+        identity_path = key_path(options.config_dir, options.device_name)
+        use_as_process_key(load_or_create_peer_key(identity_path))  # the same peer id as on the last run
         dht_kwargs = signed_dht_kwargs(identity_path)  # peer id and metrics signatures share one key
-        peer_id = _peer_id_of(identity_path)
+        peer_id = peer_id_of(identity_path)
+        self._preflight()
+        announce = {"announce_maddrs": [_maddr(options.announce_addr)]} if options.announce_addr else {}
+        # The worker's port opens before the join: the auth service dials it back before admitting us.
+        self._dht = connect_dht(options.run.seeds, host=LISTEN_HOST, port=options.host_port, **announce, **dht_kwargs)
+        port = _listening_port(self._dht)
         fetch = SnapshotFetch(options.config_dir / "snapshots", self.events)
-        fit = JoinFit(options.config, options.gpu, options.batch_size_override, self.events)  # refuses unfit GPUs
-        self.auth = auth = authorize(
-            options.swarm_url, token, peer_id, events=self.events, on_assigned=fit.guard(fetch.start), stop=self.stop
-        )
+        config = options.run.config
+        fit = JoinFit(config, _cuda_index(options.device), options.batch_size_override, self.events)  # refuses unfit GPUs
+        auth = self._authorize(token, peer_id, port, fit.guard(fetch.start))
+        if auth is None:
+            return
+        self.auth = auth
         fetch.start(StageAssignment(stage=auth.stage, snapshot_url=auth.snapshot_url))
         snapshot = fetch.result(self.stop)
         if self.stop.is_set():
@@ -116,7 +141,7 @@ class Contributor:
         self.events.log("Starting the worker: joining the swarm's DHT and loading the stage...", tag="JOIN")
         self.node = node = WorkerNode(
             WorkerOptions(
-                options.config,
+                config,
                 auth.stage,
                 list(auth.seeds),
                 device=options.device,
@@ -128,10 +153,13 @@ class Contributor:
                 auth_public_key=auth.public_key,
                 tickets=self.ticket,
                 recovery=lambda: self._download_snapshot(auth.snapshot_url),
+                dht=self._dht,
             ),
             self.events,
         )
-        metrics = WorkerMetrics(options.config.model, auth.stage, peer_id=node.peer_id, identity=auth.identity, ticket=auth.ticket)
+        self._dht = None  # the node owns it now
+        metrics = WorkerMetrics(config.model, auth.stage, peer_id=node.peer_id, identity=auth.identity, ticket=auth.ticket)
+
         def count(kind: str, tokens) -> None:
             metrics.set_phase(NAMES[node.sync.phase])  # the phase at the time of the request decides if it earns
             metrics.on_forward(tokens) if kind == "forward" else metrics.on_backward(tokens)
@@ -150,10 +178,52 @@ class Contributor:
         report_active(options.swarm_url, auth.ticket)
         self._serve(node, metrics, dht_kwargs["record_validators"][0])
 
+    def _preflight(self) -> None:
+        options = self.options
+        results = []
+        for check in machine_checks(options.run, options.device, options.device_note, options.config_dir):
+            results.append(check())
+            self.events.emit(results[-1])  # one by one: the front end shows each as soon as it is known
+        failed = [f"{result.check}: {result.reason}" for result in results if result.status == "fail"]
+        if failed:
+            raise PreflightFailed("preflight failed: " + "; ".join(failed))
+
+    def _authorize(
+        self, token: str, peer_id: str, port: int, on_assigned: Callable[[StageAssignment], None]
+    ) -> Authorization | None:
+        """Join; while the auth service cannot dial us back, show why and try again (never join unreachable)."""
+        options = self.options
+        while not self.stop.is_set():
+            self.events.emit(ReachabilityEvent(status="checking", address=options.announce_addr or "", port=port))
+            try:
+                auth = authorize(
+                    options.swarm_url, token, peer_id, events=self.events, on_assigned=on_assigned, stop=self.stop,
+                    port=port, announce=options.announce_addr,
+                )
+            except PeerUnreachable as error:
+                self.events.emit(reachability_result(error.dial, port))
+                self.events.emit(ReachabilityEvent(
+                    status="unreachable", address=error.dial.address, port=error.dial.port,
+                    tested_from=error.dial.tested_from, error=error.dial.error,
+                    advice=advice(error.dial, announced=options.announce_addr is not None), retry_in_s=options.retry_every,
+                ))
+                self.retry_now.clear()
+                deadline = time.monotonic() + options.retry_every
+                while not self.stop.is_set() and not self.retry_now.is_set() and time.monotonic() < deadline:
+                    self.stop.wait(0.2)
+                continue
+            if auth.dial is not None:
+                self.events.emit(ReachabilityEvent(status="reachable", address=auth.dial.address, port=auth.dial.port,
+                                                   tested_from=auth.dial.tested_from))
+            self.events.emit(reachability_result(auth.dial, port))
+            return auth
+        return None
+
     def _serve(self, node: WorkerNode, metrics: WorkerMetrics, validator) -> None:
         probe = ResourceProbe(self.options.gpu)
         traffic = TrafficWindow(node.meter)
         last_resources = last_swarm = last_metrics = 0.0
+        last_description = time.monotonic()
         previous: MetricsRecord | None = None
         while not self.stop.wait(TICK_SECONDS):
             if self.events.broken:  # nobody reads our events any more: leave the swarm cleanly
@@ -174,6 +244,18 @@ class Contributor:
                 publish_metrics(node.dht, record, validator, ttl=METRICS_EVERY * 3)
                 self.events.emit(estimate_points(record, previous, **self._standing(node)))
                 previous, last_metrics = record, now
+            if now - last_description >= DESCRIPTION_EVERY:
+                last_description = now
+                self._check_description()
+
+    def _check_description(self) -> None:
+        """RunChanged ends the run (the caller exits cleanly); a description that cannot be read now is only a warning."""
+        try:
+            check_unchanged(self.options.swarm_url, self.options.run)
+        except RunChanged:
+            raise
+        except RunDescriptionError as error:
+            self.events.log(f"could not re-read the run description: {error}", tag="WARNING", level="warning")
 
     def _report_swarm(self, node: WorkerNode) -> None:
         try:
@@ -208,6 +290,8 @@ class Contributor:
         """Leave gracefully: finish the current request, leave the stage, free the slot."""
         if self.node is not None:
             self.node.shutdown()
+        if self._dht is not None:  # stopped before the node took it over
+            self._dht.shutdown()
         if self.auth is not None:
             try:
                 leave(self.options.swarm_url, self.auth.ticket)
@@ -215,7 +299,23 @@ class Contributor:
                 self.events.log(f"could not release the slot: {error}", tag="WARNING", level="warning")
 
 
-def _peer_id_of(identity_path: Path) -> str:
-    from hivemind.p2p import PeerID
+def _maddr(announce_addr: str) -> str:
+    from agora_client.auth.reachability import parse_announce
 
-    return PeerID.from_identity(identity_path.read_bytes()).to_base58()
+    host, port = parse_announce(announce_addr)
+    kind = "ip6" if ":" in host else "ip4" if host.replace(".", "").isdigit() else "dns"
+    return f"/{kind}/{host}/tcp/{port}"
+
+
+def _cuda_index(device: str) -> int | None:
+    """N of a "cuda:N" device (CUDA's numbering, already mapped from --gpu); None for the CPU."""
+    return int(device.split(":")[1]) if device.startswith("cuda:") else None
+
+
+def _listening_port(dht) -> int:
+    """The TCP port the worker's libp2p host listens on (the one asked for, or the one given for port 0)."""
+    for maddr in dht.get_visible_maddrs():
+        text = str(maddr)
+        if "/tcp/" in text:
+            return int(text.split("/tcp/")[1].split("/")[0])
+    raise RuntimeError("the worker's DHT listens on no TCP port")

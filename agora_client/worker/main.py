@@ -15,6 +15,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stage", required=True, help="head, body1..bodyN or tail")
     parser.add_argument("--seeds", nargs="+", required=True, help="seed multiaddrs; any one that answers is enough")
     parser.add_argument("--preset", default="tiny", help="run config preset name or YAML path (default: tiny)")
+    parser.add_argument("--host", default="127.0.0.1", help="address the worker listens on (default: loopback)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--join", action="store_true", help="join a running swarm through sync phases 1 and 2")
     parser.add_argument("--index", type=int, default=None, help="uid index <stage>.0.<index> (default: lowest free)")
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         args.stage,
         args.seeds,
         device=device,
+        host=args.host,
         joining=args.join,
         index=args.index,
         init_seed=args.init_seed,

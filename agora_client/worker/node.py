@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from hivemind import DHT
 from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
 from agora_client.auth.ticket_source import TicketSource
@@ -54,6 +55,7 @@ class WorkerOptions:
     auth_public_key: str | None = None  # the auth service's key: callers must present its tickets (None: open worker)
     tickets: TicketSource | None = None  # this worker's own ticket, presented to same-stage peers when averaging
     recovery: Callable[[], Path | None] | None = None  # fetches a peer's stage snapshot after this worker broke
+    dht: DHT | None = None  # a DHT peer already started (a contributor opens its port before joining); owned from here on
 
 
 STABLE_WINDOW_MAX_WAIT = 120.0  # a stage that never looks stable must not keep a joiner out forever
@@ -92,7 +94,7 @@ class WorkerNode:
         self.options, self.events = options, events
         config, stage = options.config, options.stage
         self.device = torch.device(options.device)
-        self.dht = connect_dht(options.seeds, host=options.host, **options.dht_kwargs)
+        self.dht = options.dht or connect_dht(options.seeds, host=options.host, **options.dht_kwargs)
         self.peer_id = self.dht.peer_id.to_base58()
 
         self.module = build_stage(config.model, stage, seed=options.init_seed if options.init_seed is not None else config.seed)

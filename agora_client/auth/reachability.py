@@ -1,0 +1,116 @@
+"""Can other peers reach a joiner? The auth service dials its announced address back before admission.
+
+Server side: ``dial_back`` opens a real TCP connection from the auth host to the address the joiner
+announced (its libp2p port). Client side: ``advice`` turns a failed check into steps a person can
+act on: which port, tested from where, and what to open.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+DEFAULT_BASE_PORT = 49200
+
+
+class AnnounceError(ValueError):
+    """An ``--announce-addr`` that is not HOST:PORT."""
+
+
+@dataclass(frozen=True)
+class DialResult:
+    """One dial-back: where to, from where, and how it went (``error`` is timeout, refused or unroutable)."""
+
+    host: str
+    port: int
+    tested_from: str
+    reachable: bool
+    error: str = ""
+    seconds: float = 0.0
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "DialResult":
+        return cls(
+            host=str(data["host"]), port=int(data["port"]), tested_from=str(data.get("tested_from", "")),
+            reachable=bool(data["reachable"]), error=str(data.get("error", "")), seconds=float(data.get("seconds", 0.0)),
+        )
+
+
+def default_host_port(gpu: int | None) -> int:
+    """49200 + the GPU index (49200 on CPU): one runtime per GPU, each on its own port."""
+    return DEFAULT_BASE_PORT + (gpu or 0)
+
+
+def parse_announce(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port)."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise AnnounceError(
+            f"--announce-addr {text!r} is not HOST:PORT: give the public address and port other peers should dial, "
+            "e.g. 203.0.113.7:49200"
+        )
+    return host, int(port)
+
+
+def dial_back(host: str, port: int, timeout_s: float = 5.0) -> DialResult:
+    """A real TCP connect from this host to ``host:port``; never raises for network failures."""
+    tested_from = _source_address(host)
+    started = time.monotonic()
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except (socket.timeout, TimeoutError):
+        return DialResult(host, port, tested_from, False, "timeout", round(time.monotonic() - started, 2))
+    except ConnectionRefusedError:
+        return DialResult(host, port, tested_from, False, "refused", round(time.monotonic() - started, 2))
+    except OSError as error:
+        kind = "unroutable" if error.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH) else f"error {error.errno}"
+        return DialResult(host, port, tested_from, False, kind, round(time.monotonic() - started, 2))
+    return DialResult(host, port, tested_from, True, "", round(time.monotonic() - started, 2))
+
+
+def advice(result: DialResult, announced: bool) -> list[str]:
+    """What a person can do about a failed dial-back, most likely cause first."""
+    port = result.port
+    why = {
+        "timeout": "the connection attempt got no answer: a firewall or a NAT dropped it",
+        "refused": "the address answered but nothing accepts connections on that port",
+        "unroutable": "there is no route to that address from the swarm",
+    }.get(result.error, f"the connection failed ({result.error})")
+    lines = [
+        f"The swarm could not connect to your worker at {result.address} (TCP port {port}), "
+        f"tested from {result.tested_from}: {why}.",
+        f"Local firewall: allow inbound TCP on port {port} (e.g. `sudo ufw allow {port}/tcp`).",
+        f"Home router: forward TCP port {port} to this machine's LAN address.",
+        f"Cloud machine: open inbound TCP {port} in the instance's security group / firewall rules.",
+    ]
+    if result.error == "refused" and not announced:
+        lines.append("If another program holds the port, pick another with --host-port.")
+    lines.append(
+        "If your provider maps a different public port or address to this machine, pass it with "
+        "--announce-addr PUBLIC_HOST:PUBLIC_PORT" + (" (the one given now is not reachable)." if announced else ".")
+    )
+    return lines
+
+
+def _source_address(host: str) -> str:
+    """The local address this host dials ``host`` from (a UDP connect sends nothing)."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            address = probe.getsockname()[0]
+    except OSError:
+        address = "unknown address"
+    return f"{address} (the swarm's auth service, {socket.gethostname()})"

@@ -1,0 +1,165 @@
+"""Preflight: what a contributor's machine and network look like to this swarm, checked before authorizing.
+
+Each check returns a ``PreflightEvent`` (pass / warn / fail, the measured value, the reason). The
+runtime emits them before it asks for a slot; the app shows them and ``--headless`` prints them as
+``[PREFLIGHT]`` lines. Reachability is checked by the auth service during the join (``reachability_result``).
+Memory and disk needs are estimates from the run config's parameter counts, allocating nothing.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import psutil
+
+from agora_client.auth.reachability import DialResult
+from agora_client.auth.run_description import RunDescription
+from agora_client.events import PreflightEvent
+from agora_client.frontend.lines import human_bytes as human
+from agora_client.model.stages import param_counts
+
+STATE_BYTES_PER_PARAM = 12  # a snapshot: fp32 weights + AdamW's two moments
+TRAIN_BYTES_PER_PARAM = 16  # training: weights, gradients and both moments, fp32
+MIN_CAPABILITY = (7, 0)
+SLOW_DOWNLOAD_BPS = 5e6
+SLOW_SEED_RTT_S = 0.25
+_TCP_MADDR = re.compile(r"^/(ip4|ip6|dns4|dns6|dns)/([^/]+)/tcp/(\d+)")
+
+
+def largest_stage_params(run: RunDescription) -> int:
+    """The joiner does not know its stage before authorizing: plan for the largest."""
+    return max(param_counts(run.config.model).values())
+
+
+def check_gpu(device: str, note: str) -> PreflightEvent:
+    if not device.startswith("cuda"):
+        return PreflightEvent(check="gpu", status="warn", value="CPU", reason=f"{note}; a CPU worker is slow")
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.device(device))
+    capability = (props.major, props.minor)
+    value = f"{props.name}, {human(props.total_memory)} VRAM, compute capability {props.major}.{props.minor}"
+    if capability < MIN_CAPABILITY:
+        return PreflightEvent(check="gpu", status="warn", value=value,
+                              reason=f"compute capability below {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}: slow or unsupported kernels")
+    return PreflightEvent(check="gpu", status="pass", value=value, reason=note)
+
+
+def check_host_ram(run: RunDescription, on_cpu: bool) -> PreflightEvent:
+    params = largest_stage_params(run)
+    need = params * (TRAIN_BYTES_PER_PARAM if on_cpu else STATE_BYTES_PER_PARAM)
+    available = psutil.virtual_memory().available
+    value = f"{human(available)} available, about {human(need)} needed"
+    if available < need:
+        return PreflightEvent(check="host_ram", status="fail", value=value,
+                              reason="not enough free RAM for the largest stage: close other programs or use a larger machine")
+    if available < 2 * need:
+        return PreflightEvent(check="host_ram", status="warn", value=value, reason="little headroom beyond the stage itself")
+    return PreflightEvent(check="host_ram", status="pass", value=value)
+
+
+def check_disk(run: RunDescription, directory: Path) -> PreflightEvent:
+    need = largest_stage_params(run) * STATE_BYTES_PER_PARAM * 2  # the downloaded snapshot and our own exit snapshot
+    directory.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(directory).free
+    value = f"{human(free)} free in {directory}, about {human(need)} needed"
+    if free < need:
+        return PreflightEvent(check="disk", status="fail", value=value,
+                              reason="not enough disk for the stage snapshots: free space or pass another --config-dir")
+    if free < 2 * need:
+        return PreflightEvent(check="disk", status="warn", value=value, reason="little room left beyond the snapshots")
+    return PreflightEvent(check="disk", status="pass", value=value)
+
+
+def check_download_rate(run: RunDescription, *, max_bytes: int = 8 << 20, max_s: float = 3.0,
+                        client: httpx.Client | None = None) -> PreflightEvent:
+    """Read up to ``max_bytes`` (for at most ``max_s``) of the head's snapshot from the swarm's snapshot server."""
+    if not run.snapshot_url:
+        return PreflightEvent(check="download_rate", status="warn", value="no snapshot server",
+                              reason="the swarm names no snapshot server: a joiner starts from fresh weights")
+    http = client or httpx.Client(timeout=10.0)
+    try:
+        url = _first_snapshot_file(http, run)
+        received, started = 0, time.perf_counter()
+        with http.stream("GET", url) as response:
+            response.raise_for_status()
+            for chunk in response.iter_bytes():
+                received += len(chunk)
+                if received >= max_bytes or time.perf_counter() - started >= max_s:
+                    break
+        seconds = max(time.perf_counter() - started, 1e-6)
+    except (httpx.HTTPError, KeyError, TypeError, ValueError) as error:
+        return PreflightEvent(check="download_rate", status="fail", value="unreadable",
+                              reason=f"could not download from the snapshot server ({type(error).__name__}); check your network")
+    finally:
+        if client is None:
+            http.close()
+    rate = received / seconds
+    value = f"{human(rate)}/s over {human(received)}"
+    if rate < SLOW_DOWNLOAD_BPS:
+        return PreflightEvent(check="download_rate", status="warn", value=value, reason="slow: the snapshot download will take a while")
+    return PreflightEvent(check="download_rate", status="pass", value=value)
+
+
+def check_seed_rtt(run: RunDescription, timeout_s: float = 3.0) -> PreflightEvent:
+    """TCP connect time to every seed; one answering seed is enough to join."""
+    times: list[float] = []
+    for seed in run.seeds:
+        match = _TCP_MADDR.match(seed)
+        if match is None:
+            continue
+        started = time.perf_counter()
+        try:
+            with socket.create_connection((match.group(2), int(match.group(3))), timeout=timeout_s):
+                times.append(time.perf_counter() - started)
+        except OSError:
+            continue
+    if not times:
+        return PreflightEvent(check="seed_rtt", status="fail", value=f"0 of {len(run.seeds)} seeds answered",
+                              reason="no seed answered a TCP connect: check your network or firewall for outbound TCP")
+    best = min(times)
+    value = f"{best * 1000:.0f} ms (best of {len(times)} of {len(run.seeds)} seeds answering)"
+    if best > SLOW_SEED_RTT_S:
+        return PreflightEvent(check="seed_rtt", status="warn", value=value, reason="far from the swarm: pipeline steps will be slow")
+    return PreflightEvent(check="seed_rtt", status="pass", value=value)
+
+
+def reachability_result(dial: DialResult | None, port: int) -> PreflightEvent:
+    if dial is None:
+        return PreflightEvent(check="reachability", status="warn", value=f"port {port}",
+                              reason="the swarm admitted this worker without dialing it back: other peers may not reach it")
+    if dial.reachable:
+        return PreflightEvent(check="reachability", status="pass", value=dial.address, reason=f"reached from {dial.tested_from}")
+    return PreflightEvent(check="reachability", status="fail", value=dial.address,
+                          reason=f"not reachable from {dial.tested_from} ({dial.error})")
+
+
+def machine_checks(run: RunDescription, device: str, device_note: str, config_dir: Path) -> list[Callable[[], PreflightEvent]]:
+    """The checks that run before the join, in display order (reachability comes with the join)."""
+    return [
+        lambda: check_gpu(device, device_note),
+        lambda: check_host_ram(run, on_cpu=not device.startswith("cuda")),
+        lambda: check_disk(run, config_dir),
+        lambda: check_download_rate(run),
+        lambda: check_seed_rtt(run),
+    ]
+
+
+def _first_snapshot_file(http: httpx.Client, run: RunDescription) -> str:
+    """URL of the largest file of the head's latest snapshot."""
+    base = run.snapshot_url.rstrip("/")
+    latest = base.replace("{stage}", "head") if "{stage}" in base else f"{base}/head/latest.json"
+    pointer = http.get(latest)
+    pointer.raise_for_status()
+    manifest_url = httpx.URL(latest).join(pointer.json()["manifest"])
+    manifest = http.get(manifest_url)
+    manifest.raise_for_status()
+    files = manifest.json()["files"]
+    name = max(files, key=lambda item: files[item]["size"])
+    return str(manifest_url.join(name))
