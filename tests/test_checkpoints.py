@@ -265,3 +265,16 @@ def test_export_command_picks_the_set_at_t(tmp_path, capsys):
     assert {stage: entry["checkpoint"] for stage, entry in provenance["stages"].items()} == {s: c.name for s, c in older.items()}
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
         "agora_export.json", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+
+
+def test_a_model_field_added_later_with_its_default_still_matches():
+    from agora_client.checkpoints.sets import CheckpointSet
+
+    older = run_record(CONFIG)
+    del older["model"]["rope_theta"]  # as if written before the field existed; its default is the same
+    members = {stage: StoredSnapshot(T0, stage, "00000001-x") for stage in CONFIG.model.stage_names}
+    checkpoints = CheckpointSet(T0, members, {stage: {"run": older} for stage in members}, CONFIG.model.stage_names)
+    checkpoints.check_config(CONFIG)
+    changed = load_config("tiny", {"model": {"rope_theta": 500000.0}})
+    with pytest.raises(CheckpointError, match="rope_theta: 10000.0 vs 500000.0"):
+        checkpoints.check_config(changed)

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from agora_client.config import RunConfig
+from pydantic import ValidationError
+
+from agora_client.config import ModelConfig, RunConfig
 from agora_client.snapshots import SnapshotError, SnapshotStore, StoredSnapshot
 
 DEFAULT_STORE = "runs/swarm/checkpoints"  # where `agora swarm` checkpoints with its default --run-dir
@@ -83,7 +85,7 @@ class CheckpointSet:
                 raise CheckpointError(f"the {stage} checkpoint {self.members[stage].name} records no run config; "
                                       "it was not written as a checkpoint (a joiner snapshot?)")
         # the odd ones out are named against the record most stages share
-        keys = {stage: json.dumps([record["seed"], record["model"]], sort_keys=True) for stage, record in records.items()}
+        keys = {stage: json.dumps(_normalized(record), sort_keys=True) for stage, record in records.items()}
         common = Counter(keys.values()).most_common(1)[0][0]
         reference = next(stage for stage, key in keys.items() if key == common)
         odd = [stage for stage, key in keys.items() if key != common]
@@ -94,12 +96,12 @@ class CheckpointSet:
                 f"{reference} checkpoint {self.members[reference].name} ({_difference(records[stage], records[reference])}); "
                 "these stages cannot form one model"
             )
-        return records[reference]
+        return _normalized(records[reference]) | {"name": records[reference].get("name")}
 
     def check_config(self, config: RunConfig) -> None:
         """Resuming under ``config`` must rebuild exactly the checkpointed shapes and subspace."""
         record, wanted = self.run(), run_record(config)
-        if record["seed"] != wanted["seed"] or record["model"] != wanted["model"]:
+        if _normalized(record) != _normalized(wanted):
             raise CheckpointError(
                 f"the checkpoints near {format_time(self.at)} come from another run config than {config.name} "
                 f"({_difference(record, wanted)}); resume with the run config they were trained with"
@@ -142,6 +144,15 @@ def _build_set(store: SnapshotStore, at: float, listings: dict[str, list[StoredS
             expected = tuple(spec["name"] for spec in stages)
             break
     return CheckpointSet(at=at, members=members, manifests=manifests, expected=expected)
+
+
+def _normalized(record: dict[str, Any]) -> dict[str, Any]:
+    """Seed and model config with defaults filled in, so a field added to ModelConfig later still compares equal."""
+    try:
+        model = ModelConfig.model_validate(record["model"]).model_dump(mode="json")
+    except ValidationError:
+        model = record["model"]
+    return {"seed": record["seed"], "model": model}
 
 
 def _difference(a: dict[str, Any], b: dict[str, Any]) -> str:
