@@ -123,3 +123,24 @@ def test_events_are_logged_per_gpu_without_the_token(tmp_path):
     text = log.read_text()
     assert len(text.splitlines()) == len((FIXTURES / "crash.jsonl").read_text().splitlines()) + 1
     assert '"tag":"STDERR"' in text and TOKEN not in text
+
+
+def test_the_runtime_stops_when_the_front_end_dies_without_stopping_it(tmp_path):
+    """A closed terminal kills the front end (SIGHUP) before any cleanup: the runtime must not live on."""
+    env = {**os.environ, "HF_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen(
+        client(tmp_path, "sync1", "--hold"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 40
+        while not psutil.Process(process.pid).children():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        runtime = psutil.Process(process.pid).children()[0]
+        process.kill()
+        process.wait(10)
+        runtime.wait(10)  # raises TimeoutExpired if it lived on
+    finally:
+        if process.poll() is None:
+            process.kill()

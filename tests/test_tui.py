@@ -97,7 +97,7 @@ async def test_every_panel_follows_an_active_stream_and_q_stops_the_child():
         assert len(app.query_one("#network .chart-up").data) == len(traffic)
         assert "↑" in shown(app.query_one("#network .detail")) and "/min" in shown(app.query_one("#training .detail"))
         # share of the stage, points with rank
-        assert "of body1's samples last epoch" in shown(app.query_one("#share .detail"))
+        assert "of body1's samples (last 10 epochs)" in shown(app.query_one("#share .detail"))
         points = shown(app.query_one("#points .detail"))
         assert "rank #3 of 12" in points and "confirmed 224" in points
         text = log_text(app)

@@ -16,7 +16,7 @@ import pytest
 
 from tui.app import AgoraApp
 from agora_client.frontend.supervisor import ChildCommand
-from tui.widgets import RuntimeStatus
+from tui.widgets import LogPane, RuntimeStatus
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "events"
@@ -36,7 +36,8 @@ def wait_for(name: str, crashed: bool = False):
     async def run_before(pilot) -> None:
         app = pilot.app
         for _ in range(400):
-            done = app.lines_read >= expected and (not crashed or app.query_one(RuntimeStatus).display)
+            stopped = app.query_one(RuntimeStatus).display and "runtime stopped" in "".join(app.query_one(LogPane).plain_lines()[-1:])
+            done = app.lines_read >= expected and (not crashed or stopped)
             if done:
                 break
             await asyncio.sleep(0.05)

@@ -15,7 +15,7 @@ from datetime import tzinfo
 from pathlib import Path
 from typing import Callable, Iterable
 
-from textual import work
+from textual import events, work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Grid, VerticalScroll
@@ -151,8 +151,8 @@ class AgoraApp(App[int]):
         self._show_step()
         self.supervise()
 
-    def on_resize(self) -> None:
-        width, height = self.size
+    def on_resize(self, event: events.Resize) -> None:
+        width, height = event.size  # self.size may still hold the size before this resize
         self.set_class(width >= WIDE, "-wide")
         self.set_class(width < NARROW, "-narrow")
         self.set_class(height >= TALL, "-tall")

@@ -12,6 +12,7 @@ This module has no Textual import: the app and the headless client share it.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import signal
 import sys
@@ -29,6 +30,7 @@ INTERRUPT_TIMEOUT_S = 15.0  # time to finish the current request and leave the a
 TERMINATE_TIMEOUT_S = 5.0
 GROUP_LEFTOVER_TIMEOUT_S = 3.0
 _POLL_S = 0.05
+_PR_SET_PDEATHSIG = 1
 
 # `python -c` with an explicit sys.path works from a checkout and from an installed package alike.
 _BOOTSTRAP = "import sys; sys.path.insert(0, {root!r}); from agora_client.cli import main; sys.exit(main())"
@@ -73,6 +75,13 @@ def runtime_command(
     if announce_addr:
         argv += ["--announce-addr", announce_addr]
     return ChildCommand(tuple(argv), {"HF_TOKEN": token, "PYTHONUNBUFFERED": "1"})
+
+
+def _stop_when_front_end_dies() -> None:
+    """In the child, before exec: SIGTERM (a graceful stop) when the front end dies without stopping it
+    (its terminal closed: SIGHUP kills the front end before any cleanup runs). Linux only."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def group_members(pgid: int) -> list[psutil.Process]:
@@ -126,6 +135,7 @@ class RuntimeProcess:
             cwd=self.command.cwd,
             start_new_session=True,  # its own process group: our terminal's Ctrl-C does not reach it
             limit=LINE_LIMIT,
+            preexec_fn=_stop_when_front_end_dies,
         )
 
     async def lines(self) -> AsyncIterator[tuple[Stream, str]]:

@@ -159,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     finally:
         stop.set()
+        for client in clients.values():
+            client.close()
         for dht in dhts.values():
             dht.shutdown()
     say("TRAINER", f"stopped after {done} microbatches")

@@ -64,6 +64,16 @@ class StageClient:
         self.p2p = RemoteExpertWorker.run_coroutine(dht.replicate_p2p())
         self.peer_id = self.p2p.peer_id.to_base58()
 
+    def close(self) -> None:
+        """Close the replicated p2p client in its own event loop: left to the garbage collector, its
+        ``__del__`` runs outside that loop and prints errors."""
+
+        async def shutdown() -> None:
+            await self.p2p.shutdown()
+            await asyncio.sleep(0.05)  # the cancelled reader and writer tasks finish
+
+        RemoteExpertWorker.run_coroutine(shutdown())
+
     def forward(self, worker: WorkerRecord, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return self._call(worker, inputs, "forward")
 

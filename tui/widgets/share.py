@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 from textual.markup import escape
 
 from agora_client.events import StageEvent, StepEvent
 from tui.widgets.chart_panel import ChartPanel
+
+
+SMOOTHING = 10  # epochs in the moving mean
 
 
 class SharePanel(ChartPanel):
@@ -17,12 +22,15 @@ class SharePanel(ChartPanel):
         self.share: float | None = None
         self.stage = ""
         self.stage_workers: int | None = None
+        self._recent: deque[float] = deque(maxlen=SMOOTHING)
 
     def show(self, event: StepEvent) -> None:
         if event.stage_share is None:
             return
-        self.share, self.stage = event.stage_share, event.stage
-        self.push("chart", event.stage_share)
+        self._recent.append(event.stage_share)
+        # Small swarms step every second or two, so one epoch's share jumps between 0 and 1: show a moving mean.
+        self.share, self.stage = sum(self._recent) / len(self._recent), event.stage
+        self.push("chart", self.share)
         self._describe()
 
     def show_stage(self, event: StageEvent) -> None:
@@ -34,4 +42,4 @@ class SharePanel(ChartPanel):
         if self.share is None:
             return
         fair = f" · fair share {1 / self.stage_workers:.0%} of {self.stage_workers}" if self.stage_workers else ""
-        self.describe(f"[b]{self.share:.0%}[/] of {escape(self.stage)}'s samples last epoch\n[$text-muted]{fair.lstrip(' ·')}[/]")
+        self.describe(f"[b]{self.share:.0%}[/] of {escape(self.stage)}'s samples (last {len(self._recent)} epochs)\n[$text-muted]{fair.lstrip(' ·')}[/]")
