@@ -131,6 +131,15 @@ class SyncConfig(_Strict):
     max_allowed_stale: int = Field(default=5, ge=0, description="epochs behind the stage before re-entering phase 1")
 
 
+class SpotCheckConfig(_Strict):
+    fraction: float = Field(default=0.02, ge=0, le=1, description="share of stage requests a trainer also sends to a second worker")
+    tolerance: float = Field(
+        default=0.3, gt=0, description="relative L2 distance two replicas' outputs may have (SPARTA keeps them close, not equal)"
+    )
+    strikes: int = Field(default=3, ge=1, description="disagreements with its stage's majority that get a worker banned")
+    ban_seconds: float = Field(default=86400.0, gt=0, description="how long a trainer keeps a caught worker out")
+
+
 class RunConfig(_Strict):
     name: str
     seed: int = 0
@@ -138,6 +147,7 @@ class RunConfig(_Strict):
     optim: OptimConfig = OptimConfig()
     sparta: SpartaConfig = SpartaConfig()
     sync: SyncConfig = SyncConfig()
+    spot_checks: SpotCheckConfig = SpotCheckConfig()
     announce_period: float = Field(default=30.0, gt=0, description="seconds between a worker's DHT announcements")
 
     def clip_norm(self, stage: str) -> float:

@@ -6,6 +6,8 @@ Output lines (stdout), parseable by tests and the swarm launcher:
   [ROSTER] <stage>: +<uid joined> -<uid gone> (<n> workers)
   [TRAFFIC] {"<stage>.<forward|backward>_<request|reply>": serialized bytes per token, ...}
   [RETRY] <stage> <kind> on <uid> failed after <s>s (<error class>[, banned]): <error>; <what happens next>
+  [SPOTCHECK] checks=<n> agreed=<n> resolved=<n> unresolved=<n> bans=<n> (totals, with every progress line)
+  [SPOTCHECK] banned <uid> (peer <peer id>) of <stage>: ...
   [WARNING] ...
 """
 
@@ -19,16 +21,23 @@ import sys
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from pathlib import Path
 
+from hivemind.dht.crypto import RSASignatureValidator
+
+from agora_client.auth.tickets import load_signing_key
 from agora_client.config import ConfigError, load_config
+from agora_client.monitor.verdicts import Verdict, publish_verdict, trainer_peer_id, trainer_ticket
 from agora_client.swarm.dht import NoSeedAnswered, connect_dht
 from agora_client.swarm.roster import WorkerRecord, fetch_roster
 from agora_client.trainer.balancer import RoundRobinBalancer, Router, StageBalancer, StageStats
 from agora_client.trainer.data import DataError, SequenceStream, Shard
 from agora_client.trainer.pipeline import Pipeline, RequestFailed, StallNotice
 from agora_client.trainer.rpc import StageClient, TrafficCounter
+from agora_client.trainer.spotcheck import Finding, SpotChecker
 
 
+VERDICT_TTL = 1800.0  # the monitor keeps what it saw; this only bounds how long a monitor may be away
 BALANCERS = {"least-loaded": StageBalancer, "round-robin": RoundRobinBalancer}
 
 
@@ -43,6 +52,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ban-seconds", type=float, default=30.0, help="how long an unreachable worker is skipped")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a request is given up")
     parser.add_argument("--max-microbatches", type=int, default=0, help="stop after this many (0 = run until stopped)")
+    parser.add_argument("--spot-check-fraction", type=float, default=None,
+                        help="share of requests also sent to a second worker (default: the run config's spot_checks.fraction)")
+    parser.add_argument("--auth-key", type=Path, default=None,
+                        help="the auth service's signing key (operator host): lets this trainer name caught workers to the monitor")
     parser.add_argument(
         "--routing",
         choices=sorted(BALANCERS),
@@ -104,7 +117,9 @@ class RosterWatcher(threading.Thread):
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args.preset)
+        overrides = {} if args.spot_check_fraction is None else {"spot_checks": {"fraction": args.spot_check_fraction}}
+        config = load_config(args.preset, overrides)
+        auth_key = load_signing_key(args.auth_key) if args.auth_key else None
         shard = _parse_shard(args.shard)
         stream = SequenceStream(args.data, config.model.seq_len, shard, seed=config.seed + shard.index)
         batches = stream.batches(config.optim.microbatch_size)
@@ -132,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         stop.wait(3)
         watcher.refresh()
     watcher.start()
+    spot_checks = SpotChecker(config.spot_checks, router, clients, on_ban=lambda finding: _name_liar(finding, dhts, auth_key))
     pipeline = Pipeline(
         stages,
         clients,
@@ -139,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         StallNotice(lambda message: say("WARNING", message)),
         stop=stop,
         on_failure=lambda message: say("RETRY", message),
+        spot_checks=spot_checks if config.spot_checks.fraction > 0 else None,
     )
     try:
         done = _train(pipeline, batches, args, router, traffic, stop)
@@ -185,10 +202,28 @@ def _train(pipeline: Pipeline, batches, args, router: Router, traffic: TrafficCo
                 loss = f"{sum(losses) / len(losses):.4f}" if losses else "n/a"
                 say("PROGRESS", f"microbatches={done} loss={loss} tokens_per_s={tokens / elapsed:.1f} | {roster}")
                 say("TRAFFIC", json.dumps(traffic.per_token()))  # serialized bytes per token, per stage and kind
+                if pipeline.spot_checks is not None:
+                    say("SPOTCHECK", " ".join(f"{name}={value}" for name, value in vars(pipeline.spot_checks.stats).items()))
                 losses, tokens, last_report = [], 0, time.monotonic()
         stop.set()
     return done
 
+
+
+def _name_liar(finding: Finding, dhts: dict, auth_key) -> None:
+    """Say who was banned; with the operator's key, also publish a verdict so the monitor withholds its points."""
+    worker = finding.worker
+    say("SPOTCHECK", f"banned {worker.uid} (peer {worker.peer_id}) of {finding.stage}: its outputs disagreed with "
+                     f"the stage's majority {finding.disagreements} times in {finding.checks} checks")
+    if auth_key is None:
+        say("WARNING", "no --auth-key: the monitor is not told, so it keeps crediting this worker")
+        return
+    validator = RSASignatureValidator()  # hivemind's process-wide key: the one the trainer's DHTs sign with
+    verdict = Verdict(trainer=trainer_peer_id(validator), ticket=trainer_ticket(auth_key, validator), peer_id=worker.peer_id,
+                      uid=worker.uid, stage=finding.stage, checks=finding.checks, disagreements=finding.disagreements,
+                      ts=time.time())
+    if not any(publish_verdict(dhts[finding.stage], verdict, validator, VERDICT_TTL) for _ in range(3)):
+        say("WARNING", f"no DHT node accepted the verdict on {worker.uid}; the monitor keeps crediting it")
 
 
 def _parse_shard(text: str) -> Shard:
