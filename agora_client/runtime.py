@@ -29,6 +29,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config-dir", type=Path, default=None, help="where identity keys and downloads live")
     parser.add_argument("--preset", default="tiny", help="the swarm's run config preset")
     parser.add_argument("--monitor", default=None, help="monitor URL for confirmed points")
+    parser.add_argument("--lie", action="store_true", help=argparse.SUPPRESS)  # tests: a dishonest worker
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
     config_dir = args.config_dir or _default_config_dir()
     options = ContributorOptions(
-        swarm_url=args.swarm, config=config, config_dir=config_dir, gpu=args.gpu, monitor_url=args.monitor
+        swarm_url=args.swarm, config=config, config_dir=config_dir, gpu=args.gpu, monitor_url=args.monitor, lie=args.lie
     )
     contributor = Contributor(options, events, stop)
     try:

@@ -36,10 +36,11 @@ class StageBackend(ModuleBackend):
         on_forward: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], None],
         on_backward: Callable[[torch.Tensor], None],
         slowdown_s: float = 0.0,
+        lie: bool = False,
         **kwargs,
     ):
         super().__init__(name, module, **kwargs)
-        self.epochs, self.slowdown_s = epochs, slowdown_s
+        self.epochs, self.slowdown_s, self.lie = epochs, slowdown_s, lie
         self._autocast = autocast_context(device)
         self._on_forward, self._on_backward = on_forward, on_backward
 
@@ -49,18 +50,26 @@ class StageBackend(ModuleBackend):
         outputs = tuple(out.float() if out.is_floating_point() else out for out in outputs)
         time.sleep(self.slowdown_s)  # emulates a slower GPU in tests and benchmarks (0 by default)
         self._on_forward(_tokens(inputs), outputs)
-        return outputs
+        return _scrambled(outputs) if self.lie else outputs
 
     def backward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         with self.epochs.lock, self._autocast():
             grads = super().backward(*inputs)  # re-runs forward, autograd, then calls on_backward
         time.sleep(self.slowdown_s)
         self._on_backward(_tokens(inputs))
-        return tuple(grad.float() if grad.is_floating_point() else grad for grad in grads)
+        grads = tuple(grad.float() if grad.is_floating_point() else grad for grad in grads)
+        return _scrambled(grads) if self.lie else grads
 
     def on_backward(self, batch_size: int) -> None:
         # Replaces hivemind's per-request optimizer step: gradients accumulate until the stage epoch.
         self.epochs.on_samples(batch_size)
+
+
+def _scrambled(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Test-only lying worker: random values of the right shape and scale in place of every float output."""
+    return tuple(
+        torch.randn_like(t) * t.pow(2).mean().sqrt() if t.is_floating_point() and t.numel() else t for t in tensors
+    )
 
 
 def _tokens(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:

@@ -39,6 +39,7 @@ class ContributorOptions:
     config_dir: Path
     gpu: int | None = None
     monitor_url: str | None = None
+    lie: bool = False  # tests only: a dishonest worker (see WorkerOptions.lie)
 
     @property
     def device(self) -> str:
@@ -108,6 +109,7 @@ class Contributor:
                 snapshot=snapshot,
                 exit_snapshot_dir=options.config_dir / "snapshots" / "own",
                 dht_kwargs=dht_kwargs,
+                lie=options.lie,
             ),
             self.events,
         )
