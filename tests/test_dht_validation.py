@@ -151,8 +151,8 @@ def test_the_monitor_keeps_only_verdicts_of_ticketed_trainers(seed):
     auth_key = generate_signing_key()
     worker_id = "12D3KooWworker"
 
-    def verdict_of(validator: RSASignatureValidator, ticket: str, trainer: str | None = None) -> Verdict:
-        return Verdict(trainer=trainer or trainer_peer_id(validator), ticket=ticket, peer_id=worker_id,
+    def verdict_of(validator: RSASignatureValidator, ticket: str, worker: str = worker_id) -> Verdict:
+        return Verdict(trainer=trainer_peer_id(validator), ticket=ticket, peer_id=worker,
                        uid="body1.0.1", stage="body1", checks=4, disagreements=3, ts=get_dht_time())
 
     honest = RSASignatureValidator(RSAPrivateKey())
@@ -160,12 +160,12 @@ def test_the_monitor_keeps_only_verdicts_of_ticketed_trainers(seed):
     worker_ticket = issue_ticket(auth_key, identity="bob", peer_id=trainer_peer_id(stranger), stage="body1", slot=0, ttl_s=60)
     other_service = trainer_ticket(generate_signing_key(), stranger)
     nodes = [client(seed, record_validators=record_validators(key._private_key)) for key in (honest, stranger)]
-    monitor = client(seed)
+    monitor = client(seed, record_validators=record_validators())
     try:
         assert publish_verdict(nodes[0], verdict_of(honest, trainer_ticket(auth_key, honest)), honest, TTL)
         # Signed and well-formed, so the DHT keeps them; the monitor drops them for their tickets.
         assert publish_verdict(nodes[1], verdict_of(stranger, worker_ticket), stranger, TTL)
-        assert publish_verdict(nodes[1], verdict_of(stranger, other_service), stranger, TTL)
+        assert publish_verdict(nodes[1], verdict_of(stranger, other_service, "12D3KooWother"), stranger, TTL)
         rejected: list[str] = []
         found = fetch_verdicts(monitor, public_key_text(auth_key), on_reject=rejected.append)
         assert [(v.trainer, v.peer_id) for v in found] == [(trainer_peer_id(honest), worker_id)]

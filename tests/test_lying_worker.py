@@ -2,8 +2,11 @@
 and training goes on: the loss still falls.
 
 The liar joins like any contributor (auth service, snapshot, sync phases) with the test-only `--lie`
-switch: it computes, then answers random tensors of the right shape and scale. The auth service puts the
-first joiner in the head, which has two honest workers, so every disagreement has a referee.
+switch: it computes, then answers random tensors of the right shape and scale. Placeholder admissions
+hold the auth service's head and body slots, so the liar lands in the tail, which has two honest workers:
+every disagreement has a referee. (Honest head replicas drift as far apart as random outputs after a
+single optimizer step of this preset, so output comparison cannot judge the head; see the report in
+agora_client/trainer/spotcheck.py.)
 """
 
 from __future__ import annotations
@@ -14,13 +17,19 @@ import httpx
 import pytest
 import yaml
 
-from agora_client.events import json_objects
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils.crypto import RSAPrivateKey
+
+from agora_client.auth.client import authorize
+from agora_client.auth.identity import write_demo_token_file
+from agora_client.events import EventWriter, json_objects
+from agora_client.monitor.verdicts import trainer_peer_id
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
 from agora_client.swarm.processes import ManagedProcess
 from tests.swarm_helpers import progress, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
-SPOT_CHECKS = {"fraction": 0.5, "tolerance": 0.5, "strikes": 3}  # check often: the test is short
+SPOT_CHECKS = {"fraction": 0.5, "strikes": 3}  # check often: the test is short
 
 
 def test_a_lying_worker_is_banned_loses_its_points_and_the_loss_still_falls(tmp_path):
@@ -33,8 +42,11 @@ def test_a_lying_worker_is_banned_loses_its_points_and_the_loss_still_falls(tmp_
     liar = None
     try:
         swarm.start()
-        swarm.start_worker("head")  # the liar's stage: two honest workers referee each other's disagreements
+        swarm.start_worker("tail")  # the liar's stage: two honest workers referee each other's disagreements
+        fillers = [write_demo_token_file(tmp_path / "run" / "auth" / "tokens.json", f"filler{i}") for i in range(2)]
         auth_url, token = swarm.start_join_services(pacing=1.0)
+        for filler in (fillers[0], fillers[0], fillers[1]):  # admitted, never active: head, body1, body2 are taken
+            authorize(auth_url, filler, trainer_peer_id(RSASignatureValidator(RSAPrivateKey())), events=EventWriter())
         monitor_url = swarm.start_monitor(auth_url, interval=2.0)
         trainer = swarm.start_trainer("--auth-key", str(swarm.options.run_dir / "auth" / "state" / "signing_key.pem"))
         liar = ManagedProcess(
@@ -44,7 +56,7 @@ def test_a_lying_worker_is_banned_loses_its_points_and_the_loss_still_falls(tmp_
         )
         wait_until(lambda: any(e["kind"] == "stage" for e in json_objects(liar.lines())), 240, "the liar's worker to start")
         stage_event = next(e for e in json_objects(liar.lines()) if e["kind"] == "stage")
-        assert stage_event["stage"] == "head"
+        assert stage_event["stage"] == "tail"
         liar_id = stage_event["peer_id"]
 
         wait_until(lambda: any("[SPOTCHECK] banned" in line and liar_id in line for line in trainer.lines()), 400,

@@ -105,6 +105,16 @@ def test_a_disagreement_without_a_referee_strikes_nobody() -> None:
     assert named == [] and checker.stats.unresolved == 5
 
 
+def test_a_stage_drifted_too_far_to_judge_strikes_nobody() -> None:
+    router, client, records = swarm(3, drift=3.0)  # every replica far from every other
+    named = []
+    checker = SpotChecker(SpotCheckConfig(fraction=1.0, tolerance=0.3, strikes=1), router, {STAGE: client},
+                          on_ban=named.append)
+    for index in range(6):
+        check(checker, client, records[index % 3])
+    assert named == [] and checker.stats.unresolved == 6 and checker.stats.resolved == 0
+
+
 def test_the_fraction_sets_how_many_requests_are_checked() -> None:
     router, client, records = swarm(2)
     checker = SpotChecker(SpotCheckConfig(fraction=0.1), router, {STAGE: client}, rng=random.Random(1))

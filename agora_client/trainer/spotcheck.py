@@ -4,11 +4,17 @@ A worker could answer with random tensors of the right shape, cheaper than compu
 ``fraction`` of requests (forward and backward alike) the trainer sends the same request to another
 worker of the stage and compares the two answers by relative L2 distance, allowing ``tolerance`` for
 the drift between replicas that SPARTA keeps close but not equal. When they disagree a third worker
-referees: whoever is farther than ``tolerance`` from the referee takes a strike, and the microbatch
-goes on with the referee's answer if the first one was the liar. ``strikes`` strikes ban a worker
-from this trainer's routing and name it through ``on_ban`` (the trainer publishes a verdict so the
-monitor withholds its compute points). Without a third worker a disagreement stays unresolved: it is
-counted, and nobody is struck on one word against another.
+referees: if it agrees with exactly one of the two, the other takes a strike, and the microbatch goes
+on with the referee's answer if the first one was struck. ``strikes`` strikes ban a worker from this
+trainer's routing and name it through ``on_ban`` (the trainer publishes a verdict so the monitor
+withholds its compute points). Without a third worker, or when the referee agrees with neither, a
+disagreement stays unresolved: it is counted, and nobody is struck.
+
+Random outputs of the right scale are sqrt(2) ~ 1.41 away from the truth. Honest replicas of the tiny
+preset, trained from one init on different batches of the default data (no SPARTA), measured after
+1 / 10 / 30 stage epochs: head 0.93 / 1.10 / 1.22, body1 0.24 / 0.71 / 0.46, body2 0.16 / 0.53 / 0.38,
+tail 0.04 / 0.05 / 0.26. So the default tolerance (1.0) judges bodies and tail; a head's answers drift
+apart after one step and its disagreements stay unresolved rather than striking honest workers.
 
 A backward sent twice adds that microbatch's gradient to a second replica as well: a small bias,
 paid only on the checked fraction.
@@ -111,14 +117,14 @@ class SpotChecker:
         if referee is None:
             self._count(agreed=False, workers=(worker, second[0]))
             return outputs
+        agrees = [relative_distance(answer, referee[1]) <= self.config.tolerance for answer in (outputs, second[1])]
+        if agrees.count(True) != 1:  # nobody agrees with anybody: the stage has drifted too far to judge
+            self._count(agreed=False, workers=(worker, second[0]))
+            return outputs
         self._count(agreed=False, workers=(worker, second[0], referee[0]))
-        liars = [
-            record for record, answer in ((worker, outputs), second)
-            if relative_distance(answer, referee[1]) > self.config.tolerance
-        ]
-        for record in liars:
-            self._strike(stage, record)
-        return referee[1] if worker in liars else outputs
+        liar = second[0] if agrees[0] else worker
+        self._strike(stage, liar)
+        return outputs if agrees[0] else referee[1]
 
     def _rerun(
         self,
