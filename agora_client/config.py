@@ -153,6 +153,13 @@ class CheckpointConfig(_Strict):
     period_s: float = Field(default=600.0, gt=0, description="seconds between a stage's checkpoints")
     keep_all_s: float = Field(default=86400.0, ge=0, description="keep every checkpoint younger than this")
     keep_hourly_s: float = Field(default=7 * 86400.0, ge=0, description="then one per hour up to this age; older: one per day")
+class SpotCheckConfig(_Strict):
+    fraction: float = Field(default=0.02, ge=0, le=1, description="share of stage requests a trainer also sends to a second worker")
+    tolerance: float = Field(
+        default=1.0, gt=0, description="relative L2 distance two replicas' outputs may have (random ones are ~1.41 apart)"
+    )
+    strikes: int = Field(default=3, ge=1, description="disagreements with its stage's majority that get a worker banned")
+    ban_seconds: float = Field(default=86400.0, gt=0, description="how long a trainer keeps a caught worker out")
 
 
 class RunConfig(_Strict):
@@ -163,6 +170,7 @@ class RunConfig(_Strict):
     sparta: SpartaConfig = SpartaConfig()
     sync: SyncConfig = SyncConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    spot_checks: SpotCheckConfig = SpotCheckConfig()
     announce_period: float = Field(default=30.0, gt=0, description="seconds between a worker's DHT announcements")
     use_mixed_precision: bool = Field(default=True, description="forward under bf16 autocast; weights and grads stay fp32")
     offload_optimizer: bool = Field(default=True, description="AdamW moments in (pinned) host memory, stepped in chunks")

@@ -39,6 +39,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retry-every", type=float, default=30.0, help="seconds between join attempts while unreachable")
     parser.add_argument("--batch-size-override", type=int, default=None, metavar="N",
                         help="lower the microbatch the GPU's memory plan allows to N")
+    parser.add_argument("--lie", action="store_true", help=argparse.SUPPRESS)  # tests: a dishonest worker
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         host_port=default_host_port(args.gpu) if args.host_port is None else args.host_port,
         gpu=args.gpu, device=device, device_note=device_note, monitor_url=args.monitor or description.monitor_url,
         announce_addr=args.announce_addr, retry_every=args.retry_every, batch_size_override=args.batch_size_override,
+        lie=args.lie,
     )
     contributor = Contributor(options, events, stop)
     signal.signal(signal.SIGUSR1, lambda *_: contributor.retry_now.set())  # the app's "retry now" key

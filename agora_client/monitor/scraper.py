@@ -1,4 +1,5 @@
-"""One scrape: read the stages' metrics records from the DHT, keep the verified ones, credit them."""
+"""One scrape: read the stages' metrics records from the DHT, keep the verified ones, credit them;
+withhold the compute points of workers that a ticketed trainer's verdict names."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from hivemind import DHT
 from agora_client.monitor.points import Observation, PeerState
 from agora_client.monitor.records import VerifiedRecord, fetch_metrics
 from agora_client.monitor.store import PointsStore
+from agora_client.monitor.verdicts import fetch_verdicts
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +51,15 @@ class Scraper:
     def _reject(self, reason: str) -> None:
         if reason not in self._reported:
             self._reported.add(reason)
-            log.warning("ignored metrics record: %s", reason)
+            log.warning("ignored record: %s", reason)
 
     def scrape_once(self) -> dict[str, PeerState]:
         now = self.clock()
+        for verdict in fetch_verdicts(self.dht, self.auth_public_key, now=now, on_reject=self._reject):
+            reason = (f"trainer {verdict.trainer}: {verdict.uid} disagreed with its stage "
+                      f"{verdict.disagreements} times in {verdict.checks} spot checks")
+            if self.store.withhold(verdict.peer_id, reason, now):
+                log.warning("withholding the compute points of peer %s (%s)", verdict.peer_id, reason)
         verified = fetch_metrics(self.dht, self.stages, self.auth_public_key, now=now, on_reject=self._reject)
         observations = [observation_of(item, now) for item in verified]
         records = {item.record.peer_id: item.record.model_dump_json(exclude={"ticket"}) for item in verified}

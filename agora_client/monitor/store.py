@@ -48,13 +48,18 @@ CREATE TABLE IF NOT EXISTS totals (
     presence_seconds REAL NOT NULL,
     compute_flops REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS withheld (
+    peer_id TEXT PRIMARY KEY,
+    since REAL NOT NULL,
+    reason TEXT NOT NULL
+);
 """
 
 _LOAD = """
 SELECT p.peer_id, p.identity, p.stage, p.first_seen, p.last_seen, p.sync_phase,
        o.run_id, o.active_seconds, o.compute_flops, t.presence_seconds, t.compute_flops,
-       o.run_first_seen, o.run_presence_seconds
-FROM peers p JOIN observations o USING (peer_id) JOIN totals t USING (peer_id)
+       o.run_first_seen, o.run_presence_seconds, w.peer_id IS NOT NULL
+FROM peers p JOIN observations o USING (peer_id) JOIN totals t USING (peer_id) LEFT JOIN withheld w USING (peer_id)
 """
 
 
@@ -97,6 +102,14 @@ class PointsStore:
                 raise
             return updated
 
+    def withhold(self, peer_id: str, reason: str, now: float) -> bool:
+        """Withhold a peer's compute points from now on (also if it was never seen yet); True if it is new."""
+        with self._lock:
+            cursor = self._db.execute(
+                "INSERT OR IGNORE INTO withheld (peer_id, since, reason) VALUES (?, ?, ?)", (peer_id, now, reason)
+            )
+            return cursor.rowcount == 1
+
     def leaderboard(self, now: float) -> list[LeaderboardRow]:
         return leaderboard(self.peers().values(), now, self.policy)
 
@@ -117,6 +130,7 @@ class PointsStore:
                 compute_flops=row[10],
                 run_first_seen=row[11],
                 run_presence_seconds=row[12],
+                withheld=bool(row[13]),
             )
         return peers
 

@@ -41,6 +41,11 @@ def roster_key(stage: str) -> str:
     return f"agora.roster.{stage}"
 
 
+def progress_prefix(stage: str) -> str:
+    """The stage's ProgressTracker prefix (its DHT key is ``<prefix>_progress``)."""
+    return f"agora.progress.{stage}"
+
+
 def stage_uid(stage: str, index: int) -> str:
     return f"{stage}.0.{index}"
 

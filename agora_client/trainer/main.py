@@ -6,6 +6,8 @@ Output lines (stdout), parseable by tests and the swarm launcher:
   [ROSTER] <stage>: +<uid joined> -<uid gone> (<n> workers)
   [TRAFFIC] {"<stage>.<forward|backward>_<request|reply>": serialized bytes per token, ...}
   [RETRY] <stage> <kind> on <uid> failed after <s>s (<error class>[, banned]): <error>; <what happens next>
+  [SPOTCHECK] checks=<n> agreed=<n> resolved=<n> unresolved=<n> bans=<n> (totals, with every progress line)
+  [SPOTCHECK] banned <uid> (peer <peer id>) of <stage>: ...
   [WARNING] ...
 Every [PROGRESS] report is also stored in the DHT (trainer/progress.py): contributors draw the
 swarm's loss from it.
@@ -23,7 +25,11 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from agora_client.auth.ticket_source import SelfIssuedTickets
+from hivemind.dht.crypto import RSASignatureValidator
+
+from agora_client.auth.tickets import load_signing_key
 from agora_client.config import ConfigError, load_config
+from agora_client.monitor.verdicts import Verdict, publish_verdict, trainer_peer_id, trainer_ticket
 from agora_client.swarm.dht import NoSeedAnswered, connect_dht
 from agora_client.swarm.roster import WorkerRecord, fetch_roster
 from agora_client.system.lifetime import stop_on_signals
@@ -32,8 +38,10 @@ from agora_client.trainer.data import DataError, SequenceStream, Shard
 from agora_client.trainer.pipeline import Pipeline, RequestFailed, StallNotice
 from agora_client.trainer.progress import ProgressPublisher
 from agora_client.trainer.rpc import StageClient, TrafficCounter
+from agora_client.trainer.spotcheck import Finding, SpotChecker
 
 
+VERDICT_TTL = 1800.0  # the monitor keeps what it saw; this only bounds how long a monitor may be away
 BALANCERS = {"least-loaded": StageBalancer, "round-robin": RoundRobinBalancer}
 
 
@@ -49,9 +57,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ban-seconds", type=float, default=30.0, help="how long an unreachable worker is skipped")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a request is given up")
     parser.add_argument("--max-microbatches", type=int, default=0, help="stop after this many (0 = run until stopped)")
+    parser.add_argument("--spot-check-fraction", type=float, default=None,
+                        help="share of requests also sent to a second worker (default: the run config's spot_checks.fraction)")
     parser.add_argument(
         "--ticket-key", type=Path, default=None, metavar="PEM",
-        help="the auth service's signing key (operator host): sign this trainer's tickets for workers that check them",
+        help="the auth service's signing key (operator host): signs this trainer's tickets for the workers and its verdicts on caught workers for the monitor",
     )
     parser.add_argument(
         "--routing",
@@ -115,7 +125,9 @@ class RosterWatcher(threading.Thread):
 def run(args: argparse.Namespace) -> int:
     stop = stop_on_signals()
     try:
-        config = load_config(args.preset)
+        overrides = {} if args.spot_check_fraction is None else {"spot_checks": {"fraction": args.spot_check_fraction}}
+        config = load_config(args.preset, overrides)
+        auth_key = load_signing_key(args.ticket_key) if args.ticket_key else None
         shard = _parse_shard(args.shard)
         stream = SequenceStream(args.data, config.model.seq_len, shard, seed=config.seed + shard.index)
         batches = stream.batches(config.optim.microbatch_size)
@@ -143,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         stop.wait(3)
         watcher.refresh()
     watcher.start()
+    spot_checks = SpotChecker(config.spot_checks, router, clients, on_ban=lambda finding: _name_liar(finding, dhts, auth_key))
     pipeline = Pipeline(
         stages,
         clients,
@@ -150,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
         StallNotice(lambda message: say("WARNING", message)),
         stop=stop,
         on_failure=lambda message: say("RETRY", message),
+        spot_checks=spot_checks if config.spot_checks.fraction > 0 else None,
     )
     progress = ProgressPublisher(dhts[stages[0]], ttl=max(60.0, 3 * args.report_every))
     try:
@@ -207,10 +221,28 @@ def _train(
                     progress.publish(done, mean_loss, tokens / elapsed)
                 except Exception as error:  # a DHT hiccup must not stop training
                     say("WARNING", f"could not publish the progress record: {error}")
+                if pipeline.spot_checks is not None:
+                    say("SPOTCHECK", " ".join(f"{name}={value}" for name, value in vars(pipeline.spot_checks.stats).items()))
                 losses, tokens, last_report = [], 0, time.monotonic()
         stop.set()
     return done
 
+
+
+def _name_liar(finding: Finding, dhts: dict, auth_key) -> None:
+    """Say who was banned; with the operator's key, also publish a verdict so the monitor withholds its points."""
+    worker = finding.worker
+    say("SPOTCHECK", f"banned {worker.uid} (peer {worker.peer_id}) of {finding.stage}: its outputs disagreed with "
+                     f"the stage's majority {finding.disagreements} times in {finding.checks} checks")
+    if auth_key is None:
+        say("WARNING", "no --ticket-key: the monitor is not told, so it keeps crediting this worker")
+        return
+    validator = RSASignatureValidator()  # hivemind's process-wide key: the one the trainer's DHTs sign with
+    verdict = Verdict(trainer=trainer_peer_id(validator), ticket=trainer_ticket(auth_key, validator), peer_id=worker.peer_id,
+                      uid=worker.uid, stage=finding.stage, checks=finding.checks, disagreements=finding.disagreements,
+                      ts=time.time())
+    if not any(publish_verdict(dhts[finding.stage], verdict, validator, VERDICT_TTL) for _ in range(3)):
+        say("WARNING", f"no DHT node accepted the verdict on {worker.uid}; the monitor keeps crediting it")
 
 
 def _parse_shard(text: str) -> Shard:

@@ -55,10 +55,11 @@ class StageBackend(ModuleBackend):
         on_backward: Callable[[torch.Tensor], None],
         on_unhealthy: Callable[[str], None],
         slowdown_s: float = 0.0,
+        lie: bool = False,
         **kwargs,
     ):
         super().__init__(name, module, **kwargs)
-        self.epochs, self.slowdown_s = epochs, slowdown_s
+        self.epochs, self.slowdown_s, self.lie = epochs, slowdown_s, lie
         self._autocast = autocast_context(device, mixed_precision)
         self._on_forward, self._on_backward, self._on_unhealthy = on_forward, on_backward, on_unhealthy
 
@@ -69,7 +70,7 @@ class StageBackend(ModuleBackend):
         self._require_finite(outputs, "forward outputs")
         time.sleep(self.slowdown_s)  # emulates a slower GPU in tests and benchmarks (0 by default)
         self._on_forward(_tokens(inputs), outputs)
-        return outputs
+        return _scrambled(outputs) if self.lie else outputs
 
     def backward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         with self.epochs.lock, self._autocast():
@@ -78,7 +79,7 @@ class StageBackend(ModuleBackend):
         self._require_finite(grads, "input gradients")
         time.sleep(self.slowdown_s)
         self._on_backward(_tokens(inputs))
-        return grads
+        return _scrambled(grads) if self.lie else grads
 
     def _require_finite(self, tensors: tuple[torch.Tensor, ...], what: str) -> None:
         if not all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point()):
@@ -88,6 +89,13 @@ class StageBackend(ModuleBackend):
     def on_backward(self, batch_size: int) -> None:
         # Replaces hivemind's per-request optimizer step: gradients accumulate until the stage epoch.
         self.epochs.on_samples(batch_size)
+
+
+def _scrambled(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Test-only lying worker: random values of the right shape and scale in place of every float output."""
+    return tuple(
+        torch.randn_like(t) * t.pow(2).mean().sqrt() if t.is_floating_point() and t.numel() else t for t in tensors
+    )
 
 
 def _tokens(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:

@@ -67,6 +67,7 @@ class ContributorOptions:
     batch_size_override: int | None = None  # may only lower the microbatch the memory plan allows
     announce_addr: str | None = None  # HOST:PORT other peers should dial, when a NAT or cloud remaps the port
     retry_every: float = 30.0  # seconds between join attempts while the worker is unreachable
+    lie: bool = False  # tests only: a dishonest worker (see WorkerOptions.lie)
 
     @property
     def device_name(self) -> str:
@@ -154,6 +155,7 @@ class Contributor:
                 tickets=self.ticket,
                 recovery=lambda: self._download_snapshot(auth.snapshot_url),
                 dht=self._dht,
+                lie=options.lie,
             ),
             self.events,
         )

@@ -20,6 +20,7 @@ import torch
 from hivemind import DHT
 from hivemind.optim.progress_tracker import ProgressTracker
 
+from agora_client.swarm.roster import progress_prefix
 from agora_client.worker.sync import SyncState
 
 EPOCH_POLL_SECONDS = 0.25  # a worker that gets no batches still follows the stage's epochs
@@ -52,7 +53,7 @@ class EpochController:
         self.reported_samples = 0  # of those, the ones this worker counts toward the stage batch
         self.last_grad_norm: float | None = None
         self.last_share: float | None = None  # this worker's share of the samples of the last stage epoch
-        self.tracker = ProgressTracker(dht, f"agora.progress.{stage}", target_batch_size, start=True)
+        self.tracker = ProgressTracker(dht, progress_prefix(stage), target_batch_size, start=True)
         with self.tracker.pause_updates():
             self.tracker.update_epoch(epoch)
         self._stop = threading.Event()

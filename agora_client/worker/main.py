@@ -21,6 +21,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--index", type=int, default=None, help="uid index <stage>.0.<index> (default: lowest free)")
     parser.add_argument("--init-seed", type=int, default=None, help="seed for this worker's initial weights")
     parser.add_argument("--slowdown", type=float, default=0.0, help="seconds added to every request (emulates a slow GPU)")
+    parser.add_argument("--lie", action="store_true", help=argparse.SUPPRESS)  # tests: answer random tensors
     parser.add_argument("--publish-snapshots", default=None, metavar="STORE", help="write stage snapshots here (directory or s3://bucket/prefix)")
     parser.add_argument("--publish-every", type=int, default=5, help="epochs between snapshots (default 5)")
     parser.add_argument("--checkpoints", default=None, metavar="STORE",
@@ -81,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         index=args.index,
         init_seed=args.init_seed,
         slowdown_s=args.slowdown,
+        lie=args.lie,
         snapshot=args.snapshot,
         publish_dir=args.publish_snapshots,
         publish_every=args.publish_every,

@@ -1,0 +1,177 @@
+"""Every DHT node validates records, seeds included: forged records written to a real seed are refused.
+
+The attackers are raw hivemind DHT peers in client mode (they store nothing themselves), so what
+``store`` reports and what a reader finds is what the seed (a real `agora seed` process, the only
+server in its swarm) accepted. A seed without the validators, given the same forgeries, stores them:
+that is the hole this closes, and it shows the checks can fail.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hivemind import DHT
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from agora_client.auth.tickets import generate_signing_key, issue_ticket, public_key_text
+from agora_client.config import load_config
+from agora_client.monitor.records import MetricsRecord, create_signed_dht, metrics_key, metrics_subkey, owner_subkey, publish_metrics
+from agora_client.monitor.verdicts import (
+    VERDICTS_KEY,
+    Verdict,
+    fetch_verdicts,
+    publish_verdict,
+    trainer_peer_id,
+    trainer_ticket,
+)
+from agora_client.swarm.processes import ManagedProcess
+from agora_client.swarm.roster import WorkerRecord, announce, fetch_roster, roster_key
+from agora_client.swarm.seed import READY_PREFIX
+from agora_client.swarm.validators import record_validators
+from agora_client.worker.metrics import WorkerMetrics
+
+pytestmark = pytest.mark.integration
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+TTL = 300.0
+
+
+class ForgingValidator(RSASignatureValidator):
+    """An attacker's validator: signs every record with its own key, whoever's owner subkey it names."""
+
+    def sign_value(self, record):
+        signature = self._private_key.sign(self._serialize_record(record))
+        return record.value + self.SIGNATURE_FORMAT.replace(b"_value_", signature)
+
+
+def client(seeds: list[str], **kwargs) -> DHT:
+    return DHT(start=True, initial_peers=seeds, client_mode=True, **kwargs)
+
+
+def later() -> float:
+    """A fresh expiration: each forgery is newer than the one before it, so none is dropped for being stale."""
+    return get_dht_time() + TTL
+
+
+def active_metrics(peer_id: str, auth_key) -> MetricsRecord:
+    ticket = issue_ticket(auth_key, identity="alice", peer_id=peer_id, stage="body1", slot=0, ttl_s=3600)
+    metrics = WorkerMetrics(load_config("tiny").model, "body1", peer_id=peer_id, identity="alice", ticket=ticket)
+    metrics.set_phase("active")
+    return metrics.snapshot()
+
+
+def forgeries(victim: DHT, victim_validator: RSASignatureValidator, seeds: list[str], auth_key) -> dict[str, bool]:
+    """Try every forgery against the swarm of ``seeds``; name -> whether any node accepted the write."""
+    victim_id = victim.peer_id.to_base58()
+    inflated = active_metrics(victim_id, auth_key).model_copy(update={"compute_flops": 1e21}).model_dump(mode="json")
+    raw, forger = client(seeds), client(seeds, record_validators=[ForgingValidator(RSAPrivateKey())])
+    try:
+        roster = WorkerRecord(uid="body1.0.0", peer_id=victim_id, stage="body1").model_dump()
+        trainer = RSASignatureValidator(RSAPrivateKey())
+        verdict = Verdict(trainer=trainer_peer_id(trainer), ticket=trainer_ticket(auth_key, trainer), peer_id=victim_id,
+                          uid="body1.0.0", stage="body1", checks=5, disagreements=5, ts=get_dht_time())
+        return {
+            "metrics signed by another key": forger.store(
+                metrics_key("body1"), inflated, later(), subkey=metrics_subkey(victim_id, victim_validator)),
+            "unsigned metrics": raw.store(metrics_key("body1"), inflated, later(), subkey=victim_id.encode()),
+            "roster entry with an unknown phase": raw.store(
+                roster_key("body1"), {**roster, "sync_phase": 7}, later(), subkey=victim_id),
+            "roster entry under another peer's subkey": raw.store(
+                roster_key("body1"), roster, later(), subkey="someone-else"),
+            "roster as a bare value": raw.store(roster_key("body1"), roster, later()),
+            "roster entry of random bytes": raw.store(roster_key("body1"), b"\x00\xff" * 64, later(), subkey=victim_id),
+            "unsigned verdict": raw.store(VERDICTS_KEY, verdict.model_dump(mode="json"), later(),
+                                          subkey=verdict.subkey_name.encode()),
+            "verdict signed by a key it does not name": forger.store(
+                VERDICTS_KEY, verdict.model_dump(mode="json"), later(), subkey=owner_subkey(verdict.subkey_name, trainer)),
+            "unsigned stage progress": raw.store(
+                "agora.progress.body1_progress",
+                {"peer_id": victim.peer_id.to_bytes(), "epoch": 1000, "samples_accumulated": 10**9,
+                 "samples_per_second": 1.0, "time": get_dht_time(), "client_mode": False},
+                later(), subkey=PeerID.from_base58(victim_id).to_bytes()),
+        }
+    finally:
+        raw.shutdown()
+        forger.shutdown()
+
+
+@pytest.fixture(scope="module")
+def seed(tmp_path_factory):
+    process = ManagedProcess("seed", ["seed"], tmp_path_factory.mktemp("seed") / "seed.log")
+    try:
+        yield [process.wait_for(READY_PREFIX, 120).split()[-1]]
+    finally:
+        process.stop()
+
+
+def test_a_seed_refuses_every_forged_record_and_keeps_honest_ones(seed, tmp_path: Path):
+    auth_key = generate_signing_key()
+    victim, victim_validator = create_signed_dht(tmp_path / "victim.id", RSAPrivateKey(), initial_peers=seed,
+                                                 host_maddrs=LOOPBACK, client_mode=True)
+    raw_reader = client(seed)  # sees whatever the seed kept (signed values it cannot decode: those need a validator)
+    reader = client(seed, record_validators=record_validators())
+    try:
+        accepted = forgeries(victim, victim_validator, seed, auth_key)
+        assert not any(accepted.values()), f"the seed stored: {[name for name, ok in accepted.items() if ok]}"
+        assert raw_reader.get(VERDICTS_KEY, latest=True) is None
+        assert raw_reader.get("agora.progress.body1_progress", latest=True) is None
+
+        # The victim's own signed records and a well-formed roster entry are kept.
+        victim_id = victim.peer_id.to_base58()
+        assert publish_metrics(victim, active_metrics(victim_id, auth_key), victim_validator, TTL)
+        assert announce(victim, WorkerRecord(uid="body1.0.0", peer_id=victim_id, stage="body1"), TTL)
+        stored = reader.get(metrics_key("body1"), latest=True).value
+        assert list(stored) == [metrics_subkey(victim_id, victim_validator)]
+        assert list(fetch_roster(raw_reader, "body1")) == [victim_id]
+        assert len(raw_reader.get(roster_key("body1"), latest=True).value) == 1  # the malformed entries are not there
+    finally:
+        raw_reader.shutdown()
+        reader.shutdown()
+        victim.shutdown()
+
+
+def test_a_seed_without_the_validators_stores_the_same_forgeries(tmp_path: Path):
+    """The control: hivemind's defaults accept these writes, so the test above can fail."""
+    bare_seed = DHT(start=True, host_maddrs=LOOPBACK)
+    seeds = [str(addr) for addr in bare_seed.get_visible_maddrs()]
+    victim, victim_validator = create_signed_dht(tmp_path / "victim.id", RSAPrivateKey(), initial_peers=seeds,
+                                                 host_maddrs=LOOPBACK, client_mode=True)
+    try:
+        accepted = forgeries(victim, victim_validator, seeds, generate_signing_key())
+        assert all(accepted.values()), f"refused even without validators: {[n for n, ok in accepted.items() if not ok]}"
+    finally:
+        victim.shutdown()
+        bare_seed.shutdown()
+
+
+def test_the_monitor_keeps_only_verdicts_of_ticketed_trainers(seed):
+    auth_key = generate_signing_key()
+    worker_id = "12D3KooWworker"
+
+    def verdict_of(validator: RSASignatureValidator, ticket: str, worker: str = worker_id) -> Verdict:
+        return Verdict(trainer=trainer_peer_id(validator), ticket=ticket, peer_id=worker,
+                       uid="body1.0.1", stage="body1", checks=4, disagreements=3, ts=get_dht_time())
+
+    honest = RSASignatureValidator(RSAPrivateKey())
+    stranger = RSASignatureValidator(RSAPrivateKey())
+    worker_ticket = issue_ticket(auth_key, identity="bob", peer_id=trainer_peer_id(stranger), stage="body1", slot=0, ttl_s=60)
+    other_service = trainer_ticket(generate_signing_key(), stranger)
+    nodes = [client(seed, record_validators=record_validators(key._private_key)) for key in (honest, stranger)]
+    monitor = client(seed, record_validators=record_validators())
+    try:
+        assert publish_verdict(nodes[0], verdict_of(honest, trainer_ticket(auth_key, honest)), honest, TTL)
+        # Signed and well-formed, so the DHT keeps them; the monitor drops them for their tickets.
+        assert publish_verdict(nodes[1], verdict_of(stranger, worker_ticket), stranger, TTL)
+        assert publish_verdict(nodes[1], verdict_of(stranger, other_service, "12D3KooWother"), stranger, TTL)
+        rejected: list[str] = []
+        found = fetch_verdicts(monitor, public_key_text(auth_key), on_reject=rejected.append)
+        assert [(v.trainer, v.peer_id) for v in found] == [(trainer_peer_id(honest), worker_id)]
+        assert any("ticket is for body1" in reason for reason in rejected), rejected
+        assert any("invalid trainer ticket" in reason for reason in rejected), rejected
+    finally:
+        monitor.shutdown()
+        for node in nodes:
+            node.shutdown()
