@@ -17,6 +17,7 @@ from agora_client.events import EventWriter
 from agora_client.model import build_stage
 from agora_client.snapshots import latest_snapshot, save_stage_snapshot
 from agora_client.worker.node import WorkerNode, WorkerOptions
+from agora_client.worker.optimizer import build_optimizer
 from tests.swarm_helpers import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -36,7 +37,8 @@ class Recorder:
 def test_broken_weights_take_the_worker_out_of_routing_until_it_reloaded(tmp_path) -> None:
     config = load_config("tiny")
     peer = build_stage(config.model, "body1", seed=1)  # a healthy peer's published state
-    save_stage_snapshot(tmp_path, "body1", peer, torch.optim.AdamW(peer.parameters()), epoch=3, keep=1)
+    peer_optimizer = build_optimizer(list(peer.parameters()), config)  # the optimizer every worker of the run builds
+    save_stage_snapshot(tmp_path, "body1", peer, peer_optimizer, epoch=3, keep=1)
     sink = Recorder()
     node = WorkerNode(
         WorkerOptions(config, "body1", [], index=0, recovery=lambda: latest_snapshot(tmp_path / "body1")),

@@ -45,6 +45,7 @@ class CheckpointWriter:
         self.retention = Retention.from_config(config.checkpoint)
         self.last_written = time.monotonic()
         self._losses: list[float] = []
+        self._last_loss: float | None = None  # the latest mean: a checkpoint with no new losses (the final one) keeps it
         self._thread: threading.Thread | None = None
 
     def on_epoch(self, epoch: int, loss: float | None, *, averaging: bool) -> None:
@@ -71,8 +72,10 @@ class CheckpointWriter:
 
     def write(self, epoch: int) -> StoredSnapshot:
         losses, self._losses = self._losses, []
+        if losses:
+            self._last_loss = sum(losses) / len(losses)
         training = {
-            "loss": sum(losses) / len(losses) if losses else None,
+            "loss": self._last_loss,
             "clip_norm": self.config.clip_norm(self.stage),
             "last_grad_norm": self.grad_norm(),
             "period_s": self.period_s,

@@ -299,6 +299,7 @@ class _Flight:
     future: Future[RoundReport] | None = None
     control: StepControl | None = None  # hivemind's step, once it has been asked for
     stop_reason: str | None = None  # why it was called off (a newer round was due, shutdown) before averaging
+    asked_at: float = 0.0  # monotonic time its step was asked for
 
 
 class SpartaAverager:
@@ -336,6 +337,7 @@ class SpartaAverager:
         self._max_gather_window = 2 * config.matchmaking_time
         self._last_begin: float | None = None  # when the previous round began (time.monotonic)
         self._find_group_timeout = 3 * config.matchmaking_time
+        self._group_needs = config.matchmaking_time + self._max_gather_window  # hivemind's minimum, then the gathering
         self._round_timeout = self._find_group_timeout + config.allreduce_timeout + config.matchmaking_time
         self._buffer = torch.zeros(self.partition.max_slice_size, dtype=torch.float32)
         self._averager = _GroupAverager(
@@ -398,8 +400,14 @@ class SpartaAverager:
         return self._max_gather_window if interval is None else min(self._max_gather_window, max(0.5, interval / 2))
 
     def _supersede(self, round_no: int) -> bool:
-        """Call off the latest round if it has not found its group yet (its peers have moved on too)."""
-        return self._call_off(self._flight, f"gave way to round {round_no}: no group formed before it was due")
+        """Call off the latest round if it has not found its group in the time a group needs (its peers have
+        moved on too). A younger one keeps matchmaking and the new round waits behind it: when rounds come
+        faster than groups form, giving way every time would leave no round to finish."""
+        flight = self._flight
+        young = flight.control is not None and time.monotonic() - flight.asked_at < self._group_needs
+        if young and not flight.control.done():
+            return False
+        return self._call_off(flight, f"gave way to round {round_no}: no group formed before it was due")
 
     @staticmethod
     def _call_off(flight: _Flight, reason: str) -> bool:
@@ -475,6 +483,7 @@ class SpartaAverager:
             allow_retries=False,
             wait=False,
         )
+        flight.asked_at = time.monotonic()  # before control: a reader that sees the control sees its age
         flight.control = control
         if flight.stop_reason is not None:  # called off before it had a control to cancel
             control.cancel()
