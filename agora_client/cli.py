@@ -20,7 +20,7 @@ from agora_client.system.lifetime import exit_process
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("agora_client.swarm.demo", "start the local tiny swarm and join it with the app"),
     "swarm": ("agora_client.swarm.launcher", "run a whole local swarm: 2 seeds, trainer, 2 workers per stage"),
-    "seed": ("agora_client.swarm.seed", "run a DHT bootstrap peer"),
+    "seed": ("agora_client.discovery.seed", "run a DHT bootstrap peer"),
     "worker": ("agora_client.worker.main", "host one pipeline stage"),
     "trainer": ("agora_client.trainer.main", "route microbatches through the pipeline (CPU only)"),
     "auth": ("agora_client.auth.main", "run the auth service"),

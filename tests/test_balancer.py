@@ -14,7 +14,7 @@ from hivemind.p2p import P2P
 from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure, P2PDaemonError, P2PHandlerError
 from hivemind.proto import test_pb2
 
-from agora_client.swarm.roster import WorkerRecord
+from agora_client.discovery.roster import WorkerRecord
 from agora_client.trainer.balancer import RoundRobinBalancer, Router, StageBalancer
 from agora_client.trainer.errors import ErrorClass, RetryPolicy, WorkerVanishedError, classify
 

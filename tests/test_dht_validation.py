@@ -29,9 +29,9 @@ from agora_client.monitor.verdicts import (
     trainer_ticket,
 )
 from agora_client.swarm.processes import ManagedProcess
-from agora_client.swarm.roster import WorkerRecord, announce, fetch_roster, roster_key
-from agora_client.swarm.seed import READY_PREFIX
-from agora_client.swarm.validators import record_validators
+from agora_client.discovery.roster import WorkerRecord, announce, fetch_roster, roster_key
+from agora_client.discovery.seed import READY_PREFIX
+from agora_client.discovery.validators import record_validators
 from agora_client.worker.metrics import WorkerMetrics
 
 pytestmark = pytest.mark.integration

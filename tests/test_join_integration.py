@@ -20,10 +20,10 @@ from hivemind.dht.crypto import RSASignatureValidator
 
 from agora_client.events import json_objects
 from agora_client.snapshots import latest_snapshot
-from agora_client.swarm.dht import connect_dht
+from agora_client.discovery.dht import connect_dht
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
 from agora_client.swarm.processes import ManagedProcess
-from agora_client.swarm.roster import fetch_roster
+from agora_client.discovery.roster import fetch_roster
 from tests.swarm_helpers import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]

@@ -9,8 +9,8 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils.crypto import RSAPrivateKey
 
 from agora_client.monitor.records import metrics_key, owner_subkey
-from agora_client.swarm.roster import WorkerRecord, roster_key
-from agora_client.swarm.validators import SwarmSchemaValidator, possible_stage_names, record_validators, swarm_key_schemas
+from agora_client.discovery.roster import WorkerRecord, roster_key
+from agora_client.discovery.validators import SwarmSchemaValidator, possible_stage_names, record_validators, swarm_key_schemas
 
 VALIDATOR = SwarmSchemaValidator(swarm_key_schemas(possible_stage_names()))
 pack = DHTProtocol.serializer.dumps

@@ -18,7 +18,7 @@ from hivemind.utils.tensor_descr import BatchTensorDescriptor
 from agora_client.auth.ticket_source import HeldTicket, SelfIssuedTickets
 from agora_client.auth.tickets import generate_signing_key, issue_ticket, public_key_text, verify_ticket
 from agora_client.config import SyncConfig
-from agora_client.swarm.roster import WorkerRecord
+from agora_client.discovery.roster import WorkerRecord
 from agora_client.trainer.balancer import Router, StageBalancer
 from agora_client.trainer.errors import ErrorClass, classify
 from agora_client.trainer.pipeline import NonFiniteLoss, Pipeline, StallNotice

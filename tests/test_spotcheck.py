@@ -12,7 +12,7 @@ import torch
 from agora_client.config import SpotCheckConfig
 from agora_client.monitor.points import PFLOP, Observation, PointsPolicy
 from agora_client.monitor.store import PointsStore
-from agora_client.swarm.roster import WorkerRecord
+from agora_client.discovery.roster import WorkerRecord
 from agora_client.trainer.balancer import Router
 from agora_client.trainer.spotcheck import SpotChecker, relative_distance
 

@@ -63,8 +63,8 @@ class DhtRosters:
         self._dht = None
 
     def read(self, stage: str) -> set[str]:
-        from agora_client.swarm.dht import connect_dht
-        from agora_client.swarm.roster import fetch_roster
+        from agora_client.discovery.dht import connect_dht
+        from agora_client.discovery.roster import fetch_roster
 
         if self._dht is None:
             self._dht = connect_dht(self.seeds, host=self.host, client_mode=True)

@@ -15,7 +15,7 @@ from agora_client.monitor.http_api import LeaderboardServer
 from agora_client.monitor.points import PointsPolicy
 from agora_client.monitor.scraper import Scraper
 from agora_client.monitor.store import PointsStore
-from agora_client.swarm.dht import NoSeedAnswered, connect_dht
+from agora_client.discovery.dht import NoSeedAnswered, connect_dht
 from agora_client.system.lifetime import stop_on_signals
 
 READY_PREFIX = "[MONITOR] leaderboard on "

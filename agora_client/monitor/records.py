@@ -126,7 +126,7 @@ def write_identity_file(path: Path | str, key: RSAPrivateKey | None = None) -> s
 
 def signed_dht_kwargs(identity_path: Path | str, key: RSAPrivateKey | None = None) -> dict[str, Any]:
     """DHT(...) keyword arguments for a worker whose metrics the monitor will accept."""
-    from agora_client.swarm.validators import record_validators  # (that module reads this one's record schema)
+    from agora_client.discovery.validators import record_validators  # (that module reads this one's record schema)
 
     write_identity_file(identity_path, key)
     return {"identity_path": str(identity_path), "record_validators": record_validators(key)}

@@ -26,7 +26,7 @@ from agora_client.config import ConfigError, load_config
 from agora_client.snapshots import SnapshotError, SnapshotServer, open_store, read_manifest, serve_directory
 from agora_client.snapshots.format import MANIFEST_FILE, verify_files
 from agora_client.swarm.processes import ManagedProcess, stop_all
-from agora_client.swarm.seed import READY_PREFIX
+from agora_client.discovery.seed import READY_PREFIX
 
 WORKER_READY = "[WORKER]"
 AUTH_READY = "[AUTH] listening on"

@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
-from agora_client.swarm.roster import WorkerRecord
+from agora_client.discovery.roster import WorkerRecord
 from agora_client.trainer.errors import ErrorClass, classify
 
 Kind = Literal["forward", "backward"]

@@ -30,8 +30,8 @@ from hivemind.dht.crypto import RSASignatureValidator
 from agora_client.auth.tickets import load_signing_key
 from agora_client.config import ConfigError, load_config
 from agora_client.monitor.verdicts import Verdict, publish_verdict, trainer_peer_id, trainer_ticket
-from agora_client.swarm.dht import NoSeedAnswered, connect_dht
-from agora_client.swarm.roster import WorkerRecord, fetch_roster
+from agora_client.discovery.dht import NoSeedAnswered, connect_dht
+from agora_client.discovery.roster import WorkerRecord, fetch_roster
 from agora_client.system.lifetime import stop_on_signals
 from agora_client.trainer.balancer import RoundRobinBalancer, Router, StageBalancer, StageStats
 from agora_client.trainer.data import DataError, SequenceStream, Shard

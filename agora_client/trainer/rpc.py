@@ -29,7 +29,7 @@ from hivemind.utils.asyncio import iter_as_aiter
 from hivemind.utils.streaming import split_for_streaming
 
 from agora_client.auth.ticket_source import TicketSource
-from agora_client.swarm.roster import WorkerRecord
+from agora_client.discovery.roster import WorkerRecord
 from agora_client.trainer.errors import WorkerVanishedError
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from agora_client.config import SpotCheckConfig
-from agora_client.swarm.roster import WorkerRecord
+from agora_client.discovery.roster import WorkerRecord
 from agora_client.trainer.balancer import Kind, Router, WorkerKey
 from agora_client.trainer.rpc import StageClient
 

@@ -29,7 +29,7 @@ from agora_client.events import EventWriter, QueueEvent, ReachabilityEvent
 from agora_client.monitor.estimate import estimate_points, fetch_confirmed, fetch_rank
 from agora_client.monitor.records import MetricsRecord, publish_metrics, signed_dht_kwargs
 from agora_client.snapshots import DownloadError, download_snapshot
-from agora_client.swarm.dht import connect_dht
+from agora_client.discovery.dht import connect_dht
 from agora_client.system.resources import ResourceProbe
 from agora_client.worker.gpu_fit import JoinFit
 from agora_client.worker.metrics import WorkerMetrics

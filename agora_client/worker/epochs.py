@@ -20,7 +20,7 @@ import torch
 from hivemind import DHT
 from hivemind.optim.progress_tracker import ProgressTracker
 
-from agora_client.swarm.roster import progress_prefix
+from agora_client.discovery.roster import progress_prefix
 from agora_client.worker.sync import SyncState
 
 EPOCH_POLL_SECONDS = 0.25  # a worker that gets no batches still follows the stage's epochs

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from agora_client.config import ConfigError, load_config
 from agora_client.events import EventWriter
-from agora_client.swarm.dht import NoSeedAnswered
+from agora_client.discovery.dht import NoSeedAnswered
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

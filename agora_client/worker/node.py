@@ -18,8 +18,8 @@ from agora_client.config import RunConfig
 from agora_client.events import ErrorEvent, EventWriter, StageEvent, StepEvent
 from agora_client.model import build_stage
 from agora_client.snapshots import SnapshotError, keep_newest, load_stage_snapshot, open_store, save_stage_snapshot
-from agora_client.swarm.dht import connect_dht
-from agora_client.swarm.roster import WorkerRecord, fetch_roster, free_index, stage_uid
+from agora_client.discovery.dht import connect_dht
+from agora_client.discovery.roster import WorkerRecord, fetch_roster, free_index, stage_uid
 from agora_client.worker.backend import StageBackend
 from agora_client.worker.epochs import EpochController, all_finite
 from agora_client.worker.optimizer import build_optimizer

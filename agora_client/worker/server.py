@@ -24,7 +24,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import nested_flatten
 from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
-from agora_client.swarm.roster import WorkerRecord, announce, withdraw
+from agora_client.discovery.roster import WorkerRecord, announce, withdraw
 from agora_client.worker.backend import StageBackend, WorkerUnhealthy
 from agora_client.worker.rejections import RejectionLog
 from agora_client.worker.ticket_gate import TicketGate

@@ -29,7 +29,7 @@ from hivemind.optim.progress_tracker import TrainingProgressSchema
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import BaseModel, ValidationError
 
-from agora_client.swarm.roster import WorkerRecord, progress_prefix, roster_key
+from agora_client.discovery.roster import WorkerRecord, progress_prefix, roster_key
 
 MAX_BODIES = 254
 _OWNER = b"[owner:"

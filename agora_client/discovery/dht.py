@@ -6,7 +6,7 @@ from typing import Sequence
 
 from hivemind import DHT
 
-from agora_client.swarm.validators import record_validators
+from agora_client.discovery.validators import record_validators
 
 
 class NoSeedAnswered(RuntimeError):

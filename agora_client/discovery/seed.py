@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from agora_client.swarm.dht import connect_dht
+from agora_client.discovery.dht import connect_dht
 from agora_client.system.lifetime import stop_on_signals
 
 READY_PREFIX = "[SEED] multiaddr "
