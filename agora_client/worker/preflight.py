@@ -55,26 +55,27 @@ def check_host_ram(run: RunDescription, on_cpu: bool) -> PreflightEvent:
     params = largest_stage_params(run)
     need = params * (TRAIN_BYTES_PER_PARAM if on_cpu else STATE_BYTES_PER_PARAM)
     available = psutil.virtual_memory().available
-    value = f"{human(available)} available, about {human(need)} needed"
-    if available < need:
-        return PreflightEvent(check="host_ram", status="fail", value=value,
-                              reason="not enough free RAM for the largest stage: close other programs or use a larger machine")
-    if available < 2 * need:
-        return PreflightEvent(check="host_ram", status="warn", value=value, reason="little headroom beyond the stage itself")
-    return PreflightEvent(check="host_ram", status="pass", value=value)
+    return _headroom("host_ram", available, need, f"{human(available)} available, about {human(need)} needed",
+                     fail="not enough free RAM for the largest stage: close other programs or use a larger machine",
+                     warn="little headroom beyond the stage itself")
 
 
 def check_disk(run: RunDescription, directory: Path) -> PreflightEvent:
     need = largest_stage_params(run) * STATE_BYTES_PER_PARAM * 2  # the downloaded snapshot and our own exit snapshot
     directory.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(directory).free
-    value = f"{human(free)} free in {directory}, about {human(need)} needed"
-    if free < need:
-        return PreflightEvent(check="disk", status="fail", value=value,
-                              reason="not enough disk for the stage snapshots: free space or pass another --config-dir")
-    if free < 2 * need:
-        return PreflightEvent(check="disk", status="warn", value=value, reason="little room left beyond the snapshots")
-    return PreflightEvent(check="disk", status="pass", value=value)
+    return _headroom("disk", free, need, f"{human(free)} free in {directory}, about {human(need)} needed",
+                     fail="not enough disk for the stage snapshots: free space or pass another --config-dir",
+                     warn="little room left beyond the snapshots")
+
+
+def _headroom(check: str, have: int, need: int, value: str, *, fail: str, warn: str) -> PreflightEvent:
+    """Fail below what is needed, warn below twice that, else pass."""
+    if have < need:
+        return PreflightEvent(check=check, status="fail", value=value, reason=fail)
+    if have < 2 * need:
+        return PreflightEvent(check=check, status="warn", value=value, reason=warn)
+    return PreflightEvent(check=check, status="pass", value=value)
 
 
 def check_download_rate(run: RunDescription, *, max_bytes: int = 8 << 20, max_s: float = 3.0,
