@@ -37,6 +37,18 @@ def die_with_parent() -> None:
 
 
 _children_reset_registered = False
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+_fork_masks = threading.local()  # the forking thread's signal mask, restored after the fork
+
+
+def _block_stop_signals() -> None:
+    # Until the child has its own handlers, a SIGTERM sent to it (a task pool ended right after it
+    # started) would reach our inherited handler and be lost; blocked, it waits for the child's default.
+    _fork_masks.before = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+
+
+def _unblock_stop_signals() -> None:
+    signal.pthread_sigmask(signal.SIG_SETMASK, _fork_masks.before)
 
 
 def _reset_signals_in_child() -> None:
@@ -45,6 +57,7 @@ def _reset_signals_in_child() -> None:
     # helpers ignore it and let the main process shut them down in order.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _unblock_stop_signals()
 
 
 def stop_on_signals() -> threading.Event:
@@ -63,7 +76,8 @@ def stop_on_signals() -> threading.Event:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, handle)
     if not _children_reset_registered:
-        os.register_at_fork(after_in_child=_reset_signals_in_child)
+        os.register_at_fork(before=_block_stop_signals, after_in_parent=_unblock_stop_signals,
+                            after_in_child=_reset_signals_in_child)
         _children_reset_registered = True
     return stop
 
