@@ -14,8 +14,13 @@ from typing import Any, Iterator
 import pytest
 import torch
 
+from agora_client.auth.ticket_source import SelfIssuedTickets
+from agora_client.auth.tickets import generate_signing_key, load_signing_key, public_key_text, save_signing_key
 from agora_client.config import SpartaConfig
 from agora_client.worker.bounds import FLOOR_RMS
+from agora_client.worker.group_admission import GroupAdmission
+from agora_client.worker.rejections import RejectionLog
+from agora_client.worker.ticket_gate import TicketGate
 from agora_client.worker.partition import StridedPartition
 from agora_client.worker.sparta import RoundReport, SpartaAverager
 
@@ -63,7 +68,20 @@ class _FreezesAfterMatchmaking(SpartaAverager):
         raise AssertionError("unreachable")
 
 
-def _peer_main(conn: Connection, index: int, initial_peers: list[str], freeze: bool, config: SpartaConfig) -> None:
+def _admission(ticketing: tuple[str, str] | None) -> GroupAdmission | None:
+    """Tickets on for this stage ("body1"): signed with the key at path, this peer's own for ticket_stage ("": none)."""
+    if ticketing is None:
+        return None
+    key_path, ticket_stage = ticketing
+    gate = TicketGate(public_key_text(load_signing_key(key_path)), roles=("worker",), stage="body1")
+    tickets = SelfIssuedTickets.from_file(key_path, role="worker", stage=ticket_stage) if ticket_stage else None
+    return GroupAdmission(gate, tickets, RejectionLog(lambda message: None))
+
+
+def _peer_main(
+    conn: Connection, index: int, initial_peers: list[str], freeze: bool, config: SpartaConfig,
+    ticketing: tuple[str, str] | None,
+) -> None:
     """One worker of a stage: its own DHT, parameters and SpartaAverager, driven by commands over `conn`."""
     os.setpgrp()  # the test can SIGKILL this peer with its DHT, averager and p2pd processes at once
     from hivemind import DHT
@@ -73,12 +91,15 @@ def _peer_main(conn: Connection, index: int, initial_peers: list[str], freeze: b
     lock = threading.Lock()
     dht = DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     conn.send([str(addr) for addr in dht.get_visible_maddrs()])
+    admission = _admission(ticketing)
+    if admission is not None:
+        admission.rejections.start()
     if freeze:
         sparta: SpartaAverager = _FreezesAfterMatchmaking(
             dht, "test_sparta", parameters, config, lock=lock, on_grouped=lambda: conn.send("grouped")
         )
     else:
-        sparta = SpartaAverager(dht, "test_sparta", parameters, config, lock=lock)
+        sparta = SpartaAverager(dht, "test_sparta", parameters, config, lock=lock, admission=admission)
     conn.send(("ready", dht.peer_id.to_base58()))
     try:
         while True:
@@ -99,6 +120,9 @@ def _peer_main(conn: Connection, index: int, initial_peers: list[str], freeze: b
                             parameter.data.add_(move)
                 report: RoundReport = handle.result(timeout=REPLY_TIMEOUT)
                 conn.send((report, _flat(parameters)))
+            elif command == "refusals":
+                time.sleep(1.0)  # the rejection log's thread drains its queue every 0.5 s
+                conn.send(dict(admission.rejections.counts))
     finally:
         sparta.shutdown()
         dht.shutdown()
@@ -110,9 +134,11 @@ class Swarm:
     """Peers of one stage in separate processes; every process group is SIGKILLed on close, even on failure."""
 
     def __init__(
-        self, size: int, freeze: tuple[int, ...] = (), spawn: tuple[int, ...] = (), config: SpartaConfig = CONFIG
+        self, size: int, freeze: tuple[int, ...] = (), spawn: tuple[int, ...] = (), config: SpartaConfig = CONFIG,
+        tickets: tuple[str, list[str]] | None = None,
     ):
-        self.config = config
+        """tickets: (signing key path, each peer's ticket stage or "" for none) to run with averaging tickets on."""
+        self.config, self.tickets = config, tickets
         self.processes: list[mp.Process] = []
         self.conns: list[Connection] = []
         self.initial_peers: list[str] = []
@@ -127,7 +153,9 @@ class Swarm:
             context = mp.get_context("spawn" if index in spawn else "fork")
             parent, child = context.Pipe()
             process = context.Process(
-                target=_peer_main, args=(child, index, self.initial_peers, index in freeze, self.config)
+                target=_peer_main,
+                args=(child, index, self.initial_peers, index in freeze, self.config,
+                      None if self.tickets is None else (self.tickets[0], self.tickets[1][index])),
             )
             process.start()
             self.processes.append(process)
@@ -156,11 +184,23 @@ class Swarm:
             conn.send(("set", peer_values))
         return [self._recv(index) for index in range(len(values))]
 
-    def round(self, peers: list[int], round_no: int, weights: list[float], moves: list[float] | None = None):
-        moves = moves or [0.0] * len(peers)
-        for index, weight, move in zip(peers, weights, moves):
-            self.conns[index].send(("round", round_no, weight, move))
+    def round(
+        self, peers: list[int], round_no: int, weights: list[float], moves: list[float] | None = None,
+        late: tuple[int, ...] = (),
+    ):
+        """One round on ``peers``; the ``late`` ones start it a second after the others, so they cannot lead it."""
+        commands = {index: ("round", round_no, weight, move) for index, weight, move in zip(peers, weights, moves or [0.0] * len(peers))}
+        for index in (i for i in peers if i not in late):
+            self.conns[index].send(commands[index])
+        if late:
+            time.sleep(1.0)
+        for index in (i for i in peers if i in late):
+            self.conns[index].send(commands[index])
         return [self._recv(index) for index in peers]
+
+    def refusals(self, index: int) -> dict[str, int]:
+        self.conns[index].send(("refusals",))
+        return self._recv(index)
 
     def kill(self, index: int) -> None:
         with suppress(ProcessLookupError):
@@ -328,5 +368,43 @@ def test_a_poisoning_peer_moves_honest_weights_at_most_by_the_bound() -> None:
                     kept = after[mask] == before[index][mask]
                     assert bool((averaged | kept).all()) and bool(averaged.any()), "the honest pair still averages"
         assert swarm.close() == [("stopped", False)] * 3
+    finally:
+        swarm.close()
+
+
+@pytest.mark.parametrize("stranger_ticket", ["", "body2"], ids=["no-ticket", "another-stage"])
+def test_only_ticketed_workers_of_the_stage_average_together(tmp_path: Any, stranger_ticket: str) -> None:
+    key_path = tmp_path / "signing_key.pem"
+    save_signing_key(generate_signing_key(), key_path)
+    swarm = Swarm(3, tickets=(str(key_path), ["body1", "body1", stranger_ticket]))
+    try:
+        honest = [_initial_values(0), _initial_values(1)]
+        stranger = [torch.full_like(value, 1000.0) for value in honest[0]]
+        total = sum(value.numel() for value in stranger)
+        for round_no in range(2):
+            before = swarm.set_values([*honest, stranger])
+            mask = _slice_mask(round_no, total)
+            results = swarm.round([0, 1, 2], round_no, [1.0, 1.0, 1.0], late=(2,))
+            pair_mean = (before[0][mask] + before[1][mask]) / 2
+            for index in (0, 1):
+                report, after = results[index]
+                assert report.ok and report.group_size == 2, report  # the stranger was refused at the door
+                assert torch.allclose(after[mask], pair_mean, atol=1e-5), "the honest pair averaged, the stranger not at all"
+            stranger_report, stranger_after = results[2]
+            assert not stranger_report.ok and torch.equal(stranger_after, before[2]), stranger_report
+        refused = {reason: count for index in (0, 1) for reason, count in swarm.refusals(index).items()}
+        assert refused.get("no_ticket" if not stranger_ticket else "wrong_stage", 0) >= 1, refused
+
+        # the stranger leads: the honest members see its ticket in the gathered data and refuse the whole group
+        before = swarm.set_values([*honest, stranger])
+        results = swarm.round([0, 1, 2], 2, [1.0, 1.0, 1.0], late=(0, 1))
+        for index in (0, 1):
+            report, after = results[index]
+            if report.ok:  # the honest pair may still have found each other
+                assert report.group_size == 2, report
+            else:
+                assert torch.equal(after, before[index]), "a refused group changes nothing"
+        reasons = [results[index][0].reason or "" for index in (0, 1)]
+        assert any(reason.startswith(f"refused: peer {swarm.peer_ids[2]}") for reason in reasons), reasons
     finally:
         swarm.close()

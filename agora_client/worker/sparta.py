@@ -14,6 +14,8 @@ previous one is still averaging waits for it (another slice: the two never touch
 
 Each peer's influence is bounded (bounds.py): reducers bound every sender's part, senders bound every
 averaged part that comes back; the peers that had to be bounded are named in the round's report.
+With tickets on (group_admission.py), only workers of this stage holding the auth service's ticket are
+let into a group; a group with anyone else in it is refused, and the round's report names them.
 
 Threads and processes:
 - the caller (the training loop) calls begin_round; it holds `lock` only while copying the slice out;
@@ -50,6 +52,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 from agora_client.config import SpartaConfig
 from agora_client.events import SpartaEvent
 from agora_client.worker.bounds import bounded, bounded_weight
+from agora_client.worker.group_admission import GroupAdmission
 from agora_client.worker.partition import StridedPartition, partition_of
 
 _SENT, _RECEIVED = 0, 1
@@ -195,8 +198,12 @@ class _GroupAverager(DecentralizedAverager):
     # hivemind's averager hands its shared buffer and pipes to its process by fork; keep fork even in a spawned host
     _start_method, _Popen = "fork", staticmethod(mp.get_context("fork").Process._Popen)
 
-    def __init__(self, buffer: torch.Tensor, dht: DHT, *, layout: bytes, max_peer_delta: float, **kwargs: Any):
+    def __init__(
+        self, buffer: torch.Tensor, dht: DHT, *, layout: bytes, max_peer_delta: float,
+        admission: GroupAdmission | None, **kwargs: Any,
+    ):
         super().__init__([buffer], dht, start=False, **kwargs)
+        self._admission = admission
         # peers that slice their parameters differently must never match: fold the layout into the schema
         self.schema_hash = hashlib.blake2b(self.schema_hash + layout, digest_size=20).digest()
         self.traffic = torch.zeros(2, dtype=torch.int64).share_memory_()
@@ -226,9 +233,42 @@ class _GroupAverager(DecentralizedAverager):
         if await_ready:
             self.wait_until_ready(timeout)
 
+    def _user_data(self, gathered: bytes) -> Any:
+        """What a peer passed as ``gather`` to its step (None if a stranger sent something else)."""
+        try:
+            return self.serializer.loads(self.serializer.loads(gathered)[2])
+        except Exception:
+            return None
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        # as a leader: a peer without a ticket for this stage never gets into our group
+        if self._admission is not None:
+            peer = context.remote_id.to_base58()
+            if self._admission.refusal(peer, self._user_data(request.gather)) is not None:
+                yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+                return
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    def _refused_members(self, group_info: GroupInfo, members: list[Any]) -> str | None:
+        """Why this group may not average (a member without a valid ticket), or None."""
+        if self._admission is None:
+            return None
+        for peer, data in zip(group_info.peer_ids, members):
+            refusal = None if peer == self.peer_id else self._admission.refusal(peer.to_base58(), data)
+            if refusal is not None:
+                return f"refused: peer {peer.to_base58()} may not average with this stage ({refusal})"
+        return None
+
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> dict:
-        # every peer decodes the same gathered weights, so all of them take the same decision
-        weights = [self.serializer.loads(self.serializer.loads(raw)[2])["weight"] for raw in group_info.gathered]
+        # every peer decodes the same gathered data, so all of them take the same decision
+        members = [self._user_data(raw) for raw in group_info.gathered]
+        refused = self._refused_members(group_info, members)
+        if refused is not None:
+            return dict(group_size=group_info.group_size, skipped=refused, unshared=0)
+        weights = [member["weight"] for member in members]
         if not any(weight > 0 for weight in weights):
             return dict(group_size=group_info.group_size, skipped="every worker in the group had weight 0", unshared=0)
         self._unshared, self._suspects = 0, {}
@@ -314,6 +354,7 @@ class SpartaAverager:
       thread for a round skipped because the previous one is still in flight; it must not block for long
     :param stage_size: how many workers the stage has now (this one included), asked from the round thread
       at the start of every round: the group is assembled as soon as that many have joined
+    :param admission: the ticket check for groupmates and this worker's own ticket (None: anyone may average)
     """
 
     def __init__(
@@ -326,6 +367,7 @@ class SpartaAverager:
         lock: threading.Lock,
         on_round: Callable[[RoundReport], None] | None = None,
         stage_size: Callable[[], int] | None = None,
+        admission: GroupAdmission | None = None,
         start: bool = True,
     ):
         if not prefix or "." in prefix:
@@ -345,6 +387,7 @@ class SpartaAverager:
             dht,
             layout=self.partition.fingerprint,
             max_peer_delta=config.max_peer_delta,
+            admission=admission,
             prefix=prefix,
             min_group_size=2,
             min_matchmaking_time=config.matchmaking_time,
@@ -356,6 +399,7 @@ class SpartaAverager:
             allow_state_sharing=False,
             part_size_bytes=_part_size_bytes(self._buffer),
         )
+        self._credentials = (lambda: {}) if admission is None else (lambda: admission.credentials(dht.peer_id.to_base58()))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparta-round")
         self._begin_lock = threading.Lock()
         self._flight = _Flight(-1, 0.0)  # the latest round begun
@@ -439,7 +483,7 @@ class SpartaAverager:
             self._averager.set_round(format(round_no, "b"), stage_size if stage_size >= 2 else None).result(
                 timeout=self._find_group_timeout
             )
-            outcome = self._run_step(flight, {"weight": weight}, weight)
+            outcome = self._run_step(flight, {"weight": weight, **self._credentials()}, weight)
         except Exception as error:
             if flight.stop_reason is not None:
                 reason = flight.stop_reason
