@@ -40,19 +40,24 @@ from agora_client.auth import (
     verify_ticket,
     write_demo_token_file,
 )
+from agora_client.auth.run_description import describe_run
+from agora_client.config import load_config
 from agora_client.events import AuthEvent, EventWriter, QueueEvent, parse_event
 
 STAGES = ("head", "body1", "tail")
 
 
 @contextmanager
-def auth_service(tmp_path: Path, users=("alice", "bob", "carol"), *, snapshot_url="http://127.0.0.1:1/snaps", **policy):
+def auth_service(
+    tmp_path: Path, users=("alice", "bob", "carol"), *, snapshot_url="http://127.0.0.1:1/snaps", run=None, **policy
+):
     token_file = tmp_path / "tokens.json"
     tokens = {name: write_demo_token_file(token_file, name) for name in users}
-    policy = {"stages": STAGES, "pacing_s": 0.0, "max_pending_per_stage": 100, **policy}
+    stages = run.config.model.stage_names if run is not None else STAGES
+    policy = {"stages": stages, "pacing_s": 0.0, "max_pending_per_stage": 100, **policy}
     settings = ServiceSettings(
         policy=AdmissionPolicy(**policy), snapshot_url=snapshot_url, seeds=("/ip4/127.0.0.1/tcp/4001/p2p/QmSeed",),
-        poll_every_s=0.05,
+        poll_every_s=0.05, run=run,
     )
     service = AuthService(settings, TokenFileIdentity(token_file), tmp_path / "state")
     with AuthServer(service) as server:
@@ -139,6 +144,27 @@ def test_stage_assignment_picks_the_emptiest_stage(tmp_path: Path):
         assert leave(server.url, first[1].ticket) is False  # already free
         assert join(server, tokens["user4"], "peer4").stage == "body1"  # the only stage with nobody
         assert join(server, tokens["user5"], "peer5").stage == "body1"  # body1 1, head 2, tail 1 -> body1 first
+
+
+def test_a_gpu_is_given_only_a_stage_it_can_hold(tmp_path: Path):
+    run = describe_run(load_config("8b"), ("/ip4/127.0.0.1/tcp/4001/p2p/QmSeed",), None, None)
+    gib = 1 << 30
+    users = ["small", "mid1", "mid2", "large", "cpu"]
+    with auth_service(tmp_path, users=users, run=run, max_workers_per_stage=1) as (server, tokens):
+        with pytest.raises(AuthRejected, match=r"a GPU with 8\.00 GiB holds none of this swarm's stages: the smallest, body1, needs"):
+            join(server, tokens["small"], "peerS", gpu_memory=8 * gib)
+        # the 8b tail plans a 36 GiB peak: a 24 GiB card is given the head, then a body, never the tail
+        assert join(server, tokens["mid1"], "peerM1", gpu_memory=24 * gib).stage == "head"
+        assert join(server, tokens["mid2"], "peerM2", gpu_memory=24 * gib).stage == "body1"
+        assert join(server, tokens["large"], "peerL", gpu_memory=80 * gib).stage == "body2"
+        assert join(server, tokens["cpu"], "peerC").stage == "body3"  # no GPU named: any stage (CPU demo workers)
+    with auth_service(tmp_path / "full", users=["a", "b", "c", "d", "e", "f", "g"], run=run, max_workers_per_stage=1,
+                      per_identity_cap=8) as (server, tokens):
+        for index, user in enumerate("abcdef"):  # head and the five bodies
+            join(server, tokens[user], f"peer{index}", gpu_memory=24 * gib)
+        with pytest.raises(AuthRejected, match=r"every stage your GPU can hold \(head, body1, body2, body3, body4, body5\) is full"):
+            join(server, tokens["g"], "peer7", gpu_memory=24 * gib)
+        assert join(server, tokens["g"], "peer8", gpu_memory=48 * gib).stage == "tail"
 
 
 def test_full_swarm_rejects_at_once_with_the_message(tmp_path: Path):

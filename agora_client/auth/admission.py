@@ -21,6 +21,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 
@@ -109,7 +110,8 @@ class SlotBook:
 
     # -- joining -------------------------------------------------------------------------------------
 
-    def join(self, identity: str, peer_id: str, now: float) -> Decision:
+    def join(self, identity: str, peer_id: str, now: float, stages: Collection[str] | None = None) -> Decision:
+        """``stages``: the only stages a new slot may be on (those the joiner's GPU holds); None for any."""
         with self._lock:
             self._expire(now)
             queued = self._find_entry(lambda entry: entry.peer_id == peer_id)
@@ -133,7 +135,11 @@ class SlotBook:
                     f"{identity} already runs {taken} peers, the most one contributor may run at once "
                     f"({self.policy.per_identity_cap}); stop one of them, or wait until its slot expires"
                 )
-            stage = self._neediest_stage()
+            stage = self._neediest_stage(stages)
+            if stage is None and stages is not None and len(stages) < len(self._stages):
+                return Rejected(
+                    f"every stage your GPU can hold ({', '.join(stages)}) is full; try again later"
+                )
             if stage is None:
                 total = self.policy.max_workers_per_stage * len(self._stages)
                 return Rejected(f"the swarm is at capacity (all {total} worker slots are taken); try again later")
@@ -255,9 +261,12 @@ class SlotBook:
         book.last_admission = now
         return slot
 
-    def _neediest_stage(self) -> str | None:
+    def _neediest_stage(self, allowed: Collection[str] | None) -> str | None:
         loads = {name: len(stage.slots) + len(stage.queue) for name, stage in self._stages.items()}
-        open_stages = [name for name in self.policy.stages if loads[name] < self.policy.max_workers_per_stage]
+        open_stages = [
+            name for name in self.policy.stages
+            if loads[name] < self.policy.max_workers_per_stage and (allowed is None or name in allowed)
+        ]
         # min() keeps the first of equal loads: ties go to pipeline order.
         return min(open_stages, key=lambda name: loads[name]) if open_stages else None
 

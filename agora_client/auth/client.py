@@ -83,6 +83,7 @@ def authorize(
     timeout_s: float = 30.0,
     port: int | None = None,
     announce: str | None = None,
+    gpu_memory: int | None = None,
 ) -> Authorization:
     """Join the swarm at ``swarm_url`` (the auth service); wait in its queue if it paces joins.
 
@@ -91,6 +92,7 @@ def authorize(
     stage is known (possibly while still queued), so the caller can start the snapshot download.
     ``port`` (or ``announce`` HOST:PORT) is where this peer listens: the service dials it back before
     admission and raises PeerUnreachable (no event: the caller diagnoses and retries) if it cannot connect.
+    ``gpu_memory`` (bytes) lets the service assign only a stage that GPU can hold.
     Raises AuthRejected or AuthFailed (after emitting the matching event).
     """
     secret = Secret(token)
@@ -100,7 +102,10 @@ def authorize(
     http = client or httpx.Client(timeout=timeout_s)
     queued_since: float | None = None
     try:
-        where = {key: value for key, value in (("port", port), ("announce", announce)) if value is not None}
+        where = {
+            key: value for key, value in (("port", port), ("announce", announce), ("gpu_memory_bytes", gpu_memory))
+            if value is not None
+        }
         reply = _join(http, base, secret, peer_id, events, where)
         dial = reply.get("dial")  # only the join's reply carries it; polls come later
         assigned = False

@@ -139,11 +139,37 @@ class AuthService:
                             address=dial.address, error=dial.error)
                 return HTTPStatus.CONFLICT, {"status": "unreachable", "dial": dial.to_json(),
                                              "reason": f"could not connect to {dial.address} ({dial.error})"}
+        stages = self._stages_that_fit(body.get("gpu_memory_bytes"))
+        if stages == ():
+            return HTTPStatus.FORBIDDEN, {"status": "rejected", "reason": self._too_small(body["gpu_memory_bytes"])}
         now = time.time()
-        status, payload = self._answer(self.book.join(identity, peer_id, now), now, digest)
+        status, payload = self._answer(self.book.join(identity, peer_id, now, stages), now, digest)
         if dial is not None and payload["status"] != "rejected":
             payload["dial"] = dial.to_json()  # the joiner shows where it was reached from
         return status, payload
+
+    def _stages_that_fit(self, memory: Any) -> tuple[str, ...] | None:
+        """The stages a GPU of ``memory`` bytes holds at the run's microbatch (None: any stage, for CPU joiners)."""
+        if memory is None or self.settings.run is None:
+            return None
+        if not isinstance(memory, int) or isinstance(memory, bool) or memory <= 0:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "gpu_memory_bytes must be the GPU's memory as a positive whole number")
+        from agora_client.model.memory import holds_stage  # imports torch: only joiners that name a GPU need it
+
+        run = self.settings.run.config
+        return tuple(stage for stage in self.book.policy.stages if holds_stage(run, stage, memory))
+
+    def _too_small(self, memory: int) -> str:
+        from agora_client.model.memory import CUDA_RESERVED_BYTES, gib, plan_stage
+
+        run = self.settings.run.config
+        plans = [plan_stage(run, stage) for stage in self.book.policy.stages]
+        smallest = min(plans, key=lambda plan: plan.gpu_peak)
+        return (
+            f"a GPU with {gib(memory)} holds none of this swarm's stages: the smallest, {smallest.stage}, needs "
+            f"{gib(smallest.gpu_peak + CUDA_RESERVED_BYTES)} at {run.optim.microbatch_size} sequence(s) per pass "
+            f"(its planned peak plus {gib(CUDA_RESERVED_BYTES)} for CUDA itself); join with a GPU with more memory"
+        )
 
     def _dial_target(self, body: dict[str, Any], source: str) -> tuple[str, int]:
         announce = body.get("announce")

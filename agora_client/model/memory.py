@@ -198,5 +198,10 @@ def largest_microbatch(run: RunConfig, stage: str, memory_total: int, limit: int
     return best
 
 
+def holds_stage(run: RunConfig, stage: str, memory_total: int) -> bool:
+    """Whether a card of memory_total bytes takes the run's microbatch on this stage (the join-time fit rule)."""
+    return largest_microbatch(run, stage, memory_total) >= max(1, run.optim.microbatch_size)
+
+
 def gib(size: int) -> str:
     return f"{size / 2**30:.2f} GiB"

@@ -128,7 +128,8 @@ class Contributor:
         fetch = SnapshotFetch(options.config_dir / "snapshots", self.events)
         config = options.run.config
         fit = JoinFit(config, _cuda_index(options.device), options.batch_size_override, self.events)  # refuses unfit GPUs
-        auth = self._authorize(token, peer_id, port, fit.guard(fetch.start))
+        gpu_memory = fit.gpu.memory_total if fit.gpu is not None else None
+        auth = self._authorize(token, peer_id, port, gpu_memory, fit.guard(fetch.start))
         if auth is None:
             return
         self.auth = auth
@@ -191,7 +192,7 @@ class Contributor:
             raise PreflightFailed("preflight failed: " + "; ".join(failed))
 
     def _authorize(
-        self, token: str, peer_id: str, port: int, on_assigned: Callable[[StageAssignment], None]
+        self, token: str, peer_id: str, port: int, gpu_memory: int | None, on_assigned: Callable[[StageAssignment], None]
     ) -> Authorization | None:
         """Join; while the auth service cannot dial us back, show why and try again (never join unreachable)."""
         options = self.options
@@ -200,7 +201,7 @@ class Contributor:
             try:
                 auth = authorize(
                     options.swarm_url, token, peer_id, events=self.events, on_assigned=on_assigned, stop=self.stop,
-                    port=port, announce=options.announce_addr,
+                    port=port, announce=options.announce_addr, gpu_memory=gpu_memory,
                 )
             except PeerUnreachable as error:
                 self.events.emit(reachability_result(error.dial, port))
