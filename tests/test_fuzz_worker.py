@@ -124,6 +124,14 @@ def test_no_ticket(attacker: Attacker) -> None:
     attacker.refused("carries no ticket", kind="backward", tensors=valid_backward(), metadata=b"", stream=True)
 
 
+def test_the_ticket_is_checked_before_any_tensor(attacker: Attacker) -> None:
+    hidden, tokens = valid_forward()
+    garbage = serialize_torch_tensor(hidden)
+    garbage.buffer = os.urandom(1000)  # would be refused as short of its shape, were it read
+    error = attacker.refused("carries no ticket", tensors=(garbage, tokens.float(), tokens), metadata=b"")
+    assert "shape" not in error and "dtype" not in error and "tensors" not in error, error
+
+
 def test_expired_ticket(attacker: Attacker) -> None:
     expired = issue_ticket(attacker.key, identity="op", peer_id=attacker.peer_id, stage="trainer", slot=0,
                            ttl_s=60, now=time.time() - 3600, role="trainer")

@@ -152,9 +152,9 @@ def test_joiner_passes_every_phase_in_order(join_swarm, tmp_path):
 
     # SPARTA pulled it toward its peer: it ends closer to the peer than the snapshot it started from,
     # although both kept training on different data (the exact weight-0 rule is tested in test_sparta).
-    own = load_file(latest_snapshot(client_dir / "snapshots" / "own" / stage) / "params.safetensors")
+    own = load_file(latest_snapshot(client_dir / "snapshots" / "cpu" / "own" / stage) / "params.safetensors")
     peer = load_file(latest_snapshot(swarm.snapshot_dir / stage) / "params.safetensors")
-    start_dir = next(p for p in (client_dir / "snapshots" / stage).iterdir() if p.is_dir())
+    start_dir = next(p for p in (client_dir / "snapshots" / "cpu" / stage).iterdir() if p.is_dir())
     start = load_file(start_dir / "params.safetensors")
     distance = lambda a, b: sum(float((a[k] - b[k]).pow(2).sum()) for k in b) ** 0.5  # noqa: E731
     receive_only = [e for e in events if e["kind"] == "sparta" and e["weight"] == 0.0]

@@ -73,6 +73,11 @@ class ContributorOptions:
     def device_name(self) -> str:
         return "cpu" if self.gpu is None else f"gpu{self.gpu}"
 
+    @property
+    def snapshot_dir(self) -> Path:
+        """Downloaded and own snapshots of this GPU's runtime (each GPU's runtime downloads on its own)."""
+        return self.config_dir / "snapshots" / self.device_name
+
 
 class SnapshotFetch:
     """Downloads the assigned stage's snapshot in the background (it may start while queued)."""
@@ -125,7 +130,7 @@ class Contributor:
         # The worker's port opens before the join: the auth service dials it back before admitting us.
         self._dht = connect_dht(options.run.seeds, host=LISTEN_HOST, port=options.host_port, **announce, **dht_kwargs)
         port = _listening_port(self._dht)
-        fetch = SnapshotFetch(options.config_dir / "snapshots", self.events)
+        fetch = SnapshotFetch(options.snapshot_dir, self.events)
         config = options.run.config
         fit = JoinFit(config, _cuda_index(options.device), options.batch_size_override, self.events)  # refuses unfit GPUs
         gpu_memory = fit.gpu.memory_total if fit.gpu is not None else None
@@ -149,7 +154,7 @@ class Contributor:
                 device=options.device,
                 joining=True,
                 snapshot=snapshot,
-                exit_snapshot_dir=options.config_dir / "snapshots" / "own",
+                exit_snapshot_dir=options.snapshot_dir / "own",
                 max_batch_size=fit.max_batch_size,
                 dht_kwargs=dht_kwargs,
                 auth_public_key=auth.public_key,
@@ -287,7 +292,7 @@ class Contributor:
         """The stage's latest published snapshot (a peer's state), for recovering from broken weights."""
         if not url:
             return None
-        return download_snapshot(url, self.options.config_dir / "snapshots", events=self.events)
+        return download_snapshot(url, self.options.snapshot_dir, events=self.events)
 
     def close(self) -> None:
         """Leave gracefully: finish the current request, leave the stage, free the slot."""
