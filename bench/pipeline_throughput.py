@@ -5,8 +5,8 @@
   real processes on 127.0.0.1; throughput from the trainer's progress lines after a warm-up.
 - one process: the same stages (same construction and seed as the workers) chained in this process, fed
   the same batches (the trainer's data stream: shard 0/1, same seed, same microbatch size), with the same
-  optimizer per stage (AdamW, the preset's settings), the same stage epochs (a step every
-  target_batch_size samples, gradients averaged over them, stage-wise clipping).
+  optimizer per stage (the workers' AdamW, the preset's settings) under the same autocast, the same stage
+  epochs (a step every target_batch_size samples, gradients averaged over them, stage-wise clipping).
   It runs once before and once after the swarm so that machine load drift shows.
 Also: the time from swarm start to the first optimizer step (the workers' first step events).
 Wall-clock tokens/s depend on how much of a shared machine each side gets (a swarm of 7 processes wins CPU
@@ -34,12 +34,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _single_process import InProcessPipeline, trainer_batches  # noqa: E402
 from _trainer_progress import ProgressRecorder, tokens_per_second  # noqa: E402
 
 from agora_client.config import RunConfig, load_config  # noqa: E402
-from agora_client.model import build_stage  # noqa: E402
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions  # noqa: E402
-from agora_client.trainer.data import SequenceStream, Shard  # noqa: E402
 
 MIN_LOCAL_MICROBATCHES = 4  # a loaded machine can be that slow: fewer says little
 
@@ -54,49 +53,9 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-class InProcessPipeline:
-    """The tiny model's stages chained in this process, trained as the swarm's workers train them."""
-
-    def __init__(self, config: RunConfig):
-        self.config = config
-        self.stages = [build_stage(config.model, name, seed=config.seed) for name in config.model.stage_names]
-        optim = config.optim
-        self.optimizers = [
-            torch.optim.AdamW(stage.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
-            for stage in self.stages
-        ]
-        self.clip = [config.clip_norm(name) for name in config.model.stage_names]
-        self.samples = 0
-        self.steps = 0
-
-    def train_microbatch(self, batch: torch.Tensor) -> float:
-        tokens, labels = batch[:, :-1], batch[:, 1:]
-        head, *bodies, tail = self.stages
-        boundary = head(tokens)
-        for body in bodies:
-            boundary = body(boundary, tokens)
-        losses = tail(boundary, tokens, labels)
-        losses.sum().backward()  # each sample's loss with weight 1, as the trainer sends it
-        self.samples += batch.shape[0]
-        if self.samples >= self.config.optim.target_batch_size:
-            self._step()
-        return float(losses.detach().mean())
-
-    def _step(self) -> None:
-        for stage, optimizer, clip in zip(self.stages, self.optimizers, self.clip):
-            parameters = [p for p in stage.parameters() if p.grad is not None]
-            for parameter in parameters:
-                parameter.grad.div_(self.samples)
-            torch.nn.utils.clip_grad_norm_(parameters, clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        self.samples = 0
-        self.steps += 1
-
-
 def run_in_process(config: RunConfig, seconds: float) -> dict:
     model = InProcessPipeline(config)
-    batches = SequenceStream(None, config.model.seq_len, Shard(0, 1), seed=config.seed).batches(config.optim.microbatch_size)
+    batches = trainer_batches(config)
     model.train_microbatch(next(batches))  # first call pays one-off allocation costs
     tokens, losses = 0, []
     start, cpu_start = time.monotonic(), time.process_time()

@@ -1,0 +1,336 @@
+#!/usr/bin/env python3
+"""Learning quality of the local swarm: its loss against the same model trained in one process, at equal token counts.
+
+Three runs, one after the other:
+- quiet: the local swarm (`LocalSwarm`, tiny preset, 2 workers per stage, SPARTA as the preset sets it, one
+  trainer on shard 0/1; real processes on 127.0.0.1) trains for --seconds, counted from the trainer's first
+  finished microbatch. Worker 0 of each stage publishes snapshots (in both swarm runs, so that they differ
+  only by the kill).
+- kill: a fresh swarm, the same in every respect; --kill-after seconds into its training, worker 1 of
+  --kill-stage is SIGKILLed (a crash) and a fresh worker replaces it, joining as a contributor does: from a
+  copy of the stage's latest published snapshot, through sync phases 1 and 2. Until the joiner is active
+  the stage has one worker.
+- one process: the same stages chained in this process (bench/_single_process.py), fed the trainer's very
+  batches (same data, shard, seed and microbatch size), with the workers' optimizer and the run config's
+  settings (AdamW lr, betas, weight decay; the config has no lr schedule), the same autocast and the same
+  stage epochs (a step every target_batch_size samples, gradients averaged, stage-wise clipping), for as
+  many microbatches as the longer swarm run finished.
+
+Matching is by token count, never by wall clock: every --report-every seconds the trainer prints how many
+microbatches it has finished and their mean loss since its previous line; the single process keeps the
+loss of each microbatch of the stream. Each swarm run is cut into --segments equal ranges of its tokens,
+and in each range the swarm's mean loss is divided by the single process's mean loss over exactly the
+same microbatches of the stream. The last range is the ratio "at the end". Target: <= 1.05.
+
+What the swarm cannot do identically, which is what the ratio measures:
+- the two workers of a stage each step on the gradient of their own share of the stage's batch (no
+  gradient all-reduce), so their weights drift apart; SPARTA averages a rotating slice (sparta.fraction)
+  every sparta.period stage epochs;
+- asynchrony: the trainer keeps microbatches in flight that straddle a stage's step, a backward
+  recomputes the forward on weights that may have stepped since, stages step at different moments, and a
+  stage epoch closes when the DHT shows target_batch_size samples, so it may hold a few more;
+- spot checks (spot_checks.fraction) run some backward passes on a second worker too: those count twice;
+- a microbatch the trainer drops (a request that failed) used up its batch of the stream without being
+  counted, so the swarm's later microbatches sit one stream position later than the single process's
+  they are compared with (the drops are reported); microbatches also finish out of order within the
+  in-flight window;
+- kill run: the gradients the killed worker had accumulated are lost, and its replacement starts from a
+  snapshot up to publish_every epochs old.
+
+    python bench/convergence.py                    # ~8 min on a quiet 2-core machine
+    python bench/convergence.py --seconds 300 --kill-after 100 --kill-stage tail
+
+Prints progress, then a table; the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _single_process import InProcessPipeline, trainer_batches  # noqa: E402
+from _trainer_progress import ProgressPoint, ProgressRecorder  # noqa: E402
+
+from agora_client.config import RunConfig, load_config  # noqa: E402
+from agora_client.events import json_objects  # noqa: E402
+from agora_client.snapshots import latest_snapshot  # noqa: E402
+from agora_client.swarm.launcher import LocalSwarm, SwarmOptions  # noqa: E402
+from agora_client.swarm.processes import ManagedProcess  # noqa: E402
+
+TARGET_RATIO = 1.05
+WORKERS_PER_STAGE = 2
+PRINT_EVERY_S = 30.0
+PRINT_EVERY_MICROBATCHES = 100
+FIRST_MICROBATCH_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class LossWindow:
+    """One trainer progress line: the mean loss of microbatches [start, end) of its stream."""
+
+    start: int
+    end: int
+    loss: float
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Both sides' mean loss over the same microbatches [start, end) of the stream."""
+
+    start: int
+    end: int
+    swarm_loss: float
+    single_loss: float
+
+    @property
+    def ratio(self) -> float:
+        return self.swarm_loss / self.single_loss
+
+
+@dataclass
+class Replacement:
+    victim: str
+    joiner: str
+    killed_at_wall: float
+    killed_at_microbatch: int
+    ready_at_microbatch: int
+    ready_after_s: float
+    active_after_s: float | None = None  # None: the joiner never finished its sync phases
+
+
+@dataclass
+class SwarmRun:
+    name: str
+    windows: list[LossWindow]
+    dropped: int  # microbatches the trainer gave up on
+    load: float  # 1-minute load average at the end of the run
+    replacement: Replacement | None
+
+
+def parse_args(stages: tuple[str, ...]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=150.0, help="training seconds of each swarm run")
+    parser.add_argument("--kill-after", type=float, default=50.0, help="training seconds of the kill run before the worker dies")
+    parser.add_argument("--kill-stage", choices=stages, default="body1", help="stage whose worker 1 is killed")
+    parser.add_argument("--segments", type=int, default=6, help="equal token ranges the ratio is reported for")
+    parser.add_argument("--report-every", type=float, default=2.0, help="seconds between the trainer's loss lines")
+    parser.add_argument("--run-dir", type=Path, default=None, help="logs go here (default: a temporary folder)")
+    args = parser.parse_args()
+    if min(args.seconds, args.kill_after, args.segments, args.report_every) <= 0 or args.kill_after >= args.seconds:
+        parser.error("durations and --segments must be positive, and --kill-after shorter than --seconds")
+    return args
+
+
+def loss_windows(points: list[ProgressPoint]) -> list[LossWindow]:
+    """The microbatch range and mean loss of every progress line that saw a microbatch finish."""
+    windows, done = [], 0
+    for point in points:
+        if point.loss is not None and point.microbatches > done:
+            windows.append(LossWindow(done, point.microbatches, point.loss))
+        done = point.microbatches
+    return windows
+
+
+def microbatches_done(recorder: ProgressRecorder, trainer: ManagedProcess) -> int:
+    points = recorder.of(trainer.name)
+    return points[-1].microbatches if points else 0
+
+
+def wait_for_first_microbatch(recorder: ProgressRecorder, trainer: ManagedProcess) -> float:
+    """Block until the trainer has finished a microbatch; returns that moment (monotonic)."""
+    deadline = time.monotonic() + FIRST_MICROBATCH_TIMEOUT_S
+    while microbatches_done(recorder, trainer) == 0:
+        if time.monotonic() > deadline or not trainer.alive:
+            raise RuntimeError(f"the trainer finished no microbatch; see {trainer.log_path}")
+        time.sleep(0.5)
+    return time.monotonic()
+
+
+def train_until(name: str, recorder: ProgressRecorder, trainer: ManagedProcess, started: float, until: float) -> None:
+    """Let the swarm train until ``until`` (monotonic), saying how it goes; fail if the trainer exits."""
+    while (left := until - time.monotonic()) > 0:
+        time.sleep(min(PRINT_EVERY_S, left))
+        if not trainer.alive:
+            raise RuntimeError(f"the trainer exited; see {trainer.log_path}")
+        points = [point for point in recorder.of(trainer.name) if point.loss is not None]
+        loss = f"{points[-1].loss:.3f}" if points else "-"
+        print(f"  {name}: {time.monotonic() - started:.0f}s, {microbatches_done(recorder, trainer)} microbatches, "
+              f"loss {loss}", flush=True)
+
+
+def copy_latest_snapshot(swarm: LocalSwarm, stage: str) -> Path:
+    """What a joiner downloads: the stage's latest published snapshot, copied (the publisher prunes old ones)."""
+    published = latest_snapshot(swarm.snapshot_dir / stage)
+    if published is None:
+        raise RuntimeError(f"no {stage} snapshot published in {swarm.snapshot_dir}")
+    return Path(shutil.copytree(published, swarm.options.run_dir / "joiner" / stage / published.name))
+
+
+def crash_and_replace(swarm: LocalSwarm, stage: str, recorder: ProgressRecorder) -> Replacement:
+    trainer = swarm.trainers[0]
+    victim = swarm.workers[stage][1]  # not worker 0: it publishes the stage's snapshots
+    killed_at_wall, killed_clock = time.time(), time.monotonic()
+    killed_at_microbatch = microbatches_done(recorder, trainer)
+    victim.kill_main()  # a crash: no goodbye to its averaging group or to the trainer
+    victim.stop(grace=0.0)  # reaps what the crash left behind (p2pd)
+    joiner = swarm.start_worker(stage, "--join", "--snapshot", str(copy_latest_snapshot(swarm, stage)))
+    return Replacement(
+        victim=victim.name,
+        joiner=joiner.name,
+        killed_at_wall=killed_at_wall,
+        killed_at_microbatch=killed_at_microbatch,
+        ready_at_microbatch=microbatches_done(recorder, trainer),
+        ready_after_s=time.monotonic() - killed_clock,
+    )
+
+
+def seconds_to_active(run_dir: Path, worker: str, since_wall: float) -> float | None:
+    """Seconds from ``since_wall`` to the worker's sync event "active" (the end of its sync phases)."""
+    path = run_dir / "events" / f"{worker}.jsonl"
+    events = json_objects(path.read_text(encoding="utf-8").splitlines()) if path.exists() else []
+    active = [event["ts"] for event in events if event.get("kind") == "sync" and event.get("phase") == "active"]
+    return active[0] - since_wall if active else None
+
+
+def train_swarm(name: str, args: argparse.Namespace, run_dir: Path, kill_stage: str | None) -> SwarmRun:
+    recorder = ProgressRecorder()
+    options = SwarmOptions(
+        workers_per_stage=WORKERS_PER_STAGE, trainers=1, run_dir=run_dir, report_every=args.report_every,
+        publish_snapshots=True,
+    )
+    replacement = None
+    with LocalSwarm(options, on_line=recorder) as swarm:
+        trainer = swarm.trainers[0]
+        print(f"{name}: swarm up in {time.monotonic() - swarm.started_at:.0f}s ({WORKERS_PER_STAGE} workers per stage); "
+              f"logs in {run_dir / 'logs'}", flush=True)
+        started = wait_for_first_microbatch(recorder, trainer)
+        if kill_stage is not None:
+            train_until(name, recorder, trainer, started, started + args.kill_after)
+            replacement = crash_and_replace(swarm, kill_stage, recorder)
+            print(f"  {name}: killed {replacement.victim} after {replacement.killed_at_microbatch} microbatches; "
+                  f"{replacement.joiner} up {replacement.ready_after_s:.0f}s later", flush=True)
+        train_until(name, recorder, trainer, started, started + args.seconds)
+        windows = loss_windows(recorder.of(trainer.name))
+        dropped = sum("microbatch dropped" in line for line in trainer.lines())
+    if not windows:
+        raise RuntimeError(f"the {name} swarm finished no microbatch; see {run_dir / 'logs'}")
+    if replacement is not None:
+        replacement.active_after_s = seconds_to_active(run_dir, replacement.joiner, replacement.killed_at_wall)
+    return SwarmRun(name, windows, dropped, os.getloadavg()[0], replacement)
+
+
+def train_single_process(config: RunConfig, microbatches: int) -> tuple[list[float], int]:
+    """The loss of each of the stream's first ``microbatches`` microbatches, and the optimizer steps taken."""
+    model, batches, losses = InProcessPipeline(config), trainer_batches(config), []
+    for _ in range(microbatches):
+        losses.append(model.train_microbatch(next(batches)))
+        if len(losses) % PRINT_EVERY_MICROBATCHES == 0:
+            print(f"  one process: {len(losses)}/{microbatches} microbatches, loss {losses[-1]:.3f}", flush=True)
+    return losses, model.steps
+
+
+def segments(windows: list[LossWindow], single_losses: list[float], count: int) -> list[Segment]:
+    """``count`` equal ranges of the run's microbatches; a progress line belongs to the range its end falls in."""
+    total, found = windows[-1].end, []
+    for index in range(count):
+        low, high = total * index / count, total * (index + 1) / count
+        members = [window for window in windows if low < window.end <= high]
+        if not members:
+            continue
+        start, end = members[0].start, members[-1].end
+        swarm_loss = sum(window.loss * (window.end - window.start) for window in members) / (end - start)
+        found.append(Segment(start, end, swarm_loss, sum(single_losses[start:end]) / (end - start)))
+    return found
+
+
+def events_in(segment: Segment, replacement: Replacement | None) -> str:
+    if replacement is None:
+        return ""
+    marks = [(replacement.killed_at_microbatch, f"{replacement.victim} killed"),
+             (replacement.ready_at_microbatch, f"{replacement.joiner} started")]
+    return "; ".join(what for microbatch, what in marks if segment.start <= microbatch < segment.end)
+
+
+def print_table(runs: list[tuple[SwarmRun, list[Segment]]], tokens_per_microbatch: int) -> None:
+    print(f"\n{'run':<6} {'tokens':>17} {'swarm loss':>11} {'one-process loss':>17} {'ratio':>7}")
+    for run, found in runs:
+        for segment in found:
+            tokens = f"{segment.start * tokens_per_microbatch // 1000}k-{segment.end * tokens_per_microbatch // 1000}k"
+            print(f"{run.name:<6} {tokens:>17} {segment.swarm_loss:>11.4f} {segment.single_loss:>17.4f} "
+                  f"{segment.ratio:>7.3f}  {events_in(segment, run.replacement)}".rstrip())
+        print(f"{run.name:<6} ratio at the end {found[-1].ratio:.3f} (target <= {TARGET_RATIO}); "
+              f"{run.dropped} microbatches dropped; load {run.load:.1f}")
+
+
+def run_figures(run: SwarmRun, found: list[Segment], tokens_per_microbatch: int) -> dict:
+    figures = {
+        "tokens": run.windows[-1].end * tokens_per_microbatch,
+        "ratio_at_end": round(found[-1].ratio, 4),
+        "max_ratio": round(max(segment.ratio for segment in found), 4),
+        "meets_target": found[-1].ratio <= TARGET_RATIO,
+        "microbatches_dropped": run.dropped,
+        "load_avg_1m": round(run.load, 2),
+        "segments": [
+            {"tokens_from": segment.start * tokens_per_microbatch, "tokens_to": segment.end * tokens_per_microbatch,
+             "swarm_loss": round(segment.swarm_loss, 4), "single_process_loss": round(segment.single_loss, 4),
+             "ratio": round(segment.ratio, 4)}
+            for segment in found
+        ],
+    }
+    if run.replacement is not None:
+        replacement = run.replacement
+        figures.update({
+            "killed": replacement.victim,
+            "replacement": replacement.joiner,
+            "killed_at_tokens": replacement.killed_at_microbatch * tokens_per_microbatch,
+            "replacement_started_at_tokens": replacement.ready_at_microbatch * tokens_per_microbatch,
+            "replacement_started_after_s": round(replacement.ready_after_s, 1),
+            "replacement_active_after_s": None if replacement.active_after_s is None else round(replacement.active_after_s, 1),
+        })
+    return figures
+
+
+def main() -> int:
+    config = load_config("tiny")
+    args = parse_args(config.model.stage_names)
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="agora-bench-convergence-"))
+    tokens_per_microbatch = config.optim.microbatch_size * config.model.seq_len
+    runs = [
+        train_swarm("quiet", args, run_dir / "quiet", kill_stage=None),
+        train_swarm("kill", args, run_dir / "kill", kill_stage=args.kill_stage),
+    ]
+    longest = max(run.windows[-1].end for run in runs)
+    print(f"one process: the stream's first {longest} microbatches", flush=True)
+    single_losses, single_steps = train_single_process(config, longest)
+    measured = [(run, segments(run.windows, single_losses, args.segments)) for run in runs]
+    print_table(measured, tokens_per_microbatch)
+    result = {
+        "bench": "convergence",
+        "preset": config.name,
+        "workers_per_stage": WORKERS_PER_STAGE,
+        "tokens_per_microbatch": tokens_per_microbatch,
+        "seconds_per_run": args.seconds,
+        "target_ratio": TARGET_RATIO,
+        **{run.name: run_figures(run, found, tokens_per_microbatch) for run, found in measured},
+        "single_process_microbatches": longest,
+        "single_process_optimizer_steps": single_steps,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
