@@ -10,6 +10,7 @@ import torch
 
 from agora_client.config import SpartaConfig
 from agora_client.events import SpartaEvent, dump_event, parse_event
+from agora_client.frontend.lines import LineFormatter
 from agora_client.worker.partition import StridedPartition, due_round, partition_of
 from agora_client.worker.sparta import RoundReport, SpartaAverager
 
@@ -122,6 +123,10 @@ def test_a_lone_worker_reports_a_failed_round_and_keeps_its_weights(dht: object)
         assert "no other worker" in report.reason
         assert seen == [superseded, report], "one report, hence one event, per failed round"
         assert all(torch.equal(parameter, old) for parameter, old in zip(parameters, before))
+        for failed in seen:  # what the app and headless show of each: one warning line with its reason
+            (line,) = LineFormatter().format(parse_event(dump_event(failed.to_event())))
+            assert (line.tag, line.level) == ("SPARTA", "warning") and failed.reason in line.text, line
+            assert "Traceback" not in line.text
     finally:
         sparta.shutdown()
 
