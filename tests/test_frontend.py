@@ -110,3 +110,85 @@ def test_demo_keeps_only_the_newest_runs(tmp_path):
     removed = prune_runs(tmp_path, 2)
     assert [path.name for path in removed] == names[:2]
     assert sorted(path.name for path in tmp_path.iterdir()) == [*names[2:], "notes"]
+
+
+def test_retry_every_reaches_the_runtime_with_a_default(monkeypatch, tmp_path):
+    from agora_client.cli import build_parser
+    from agora_client.frontend.client import DEFAULT_RETRY_EVERY_S, prepare
+    from agora_client.frontend.supervisor import runtime_command
+
+    def runtime_argv(*flags: str) -> tuple[str, ...]:
+        args = build_parser().parse_args(["--headless", "--swarm", "http://127.0.0.1:9", "--config-dir", str(tmp_path), *flags])
+        session = prepare(args)
+        assert not isinstance(session, int)
+        return session.command.argv
+
+    monkeypatch.setenv("HF_TOKEN", "hf_abcdefghijkl")
+    argv = runtime_argv("--retry-every", "5")
+    assert argv[argv.index("runtime") :][-2:] == ("--retry-every", "5.0")
+    argv = runtime_argv()
+    assert argv[argv.index("--retry-every") + 1] == repr(DEFAULT_RETRY_EVERY_S)
+    assert "--retry-every" not in runtime_command(token="hf_abcdefghijkl", swarm="http://x").argv  # the runtime's own default
+    for bad in ("0", "-3", "soon", "nan"):
+        with pytest.raises(SystemExit) as caught:
+            build_parser().parse_args(["--retry-every", bad])
+        assert caught.value.code == 2
+
+
+def test_a_daemon_holding_the_runtimes_pipes_delays_neither_a_stop_nor_the_end_of_the_stream():
+    """asyncio's Process.wait() also waits for the pipes; a daemon the runtime left in its group (p2pd,
+    here a stand-in that ignores SIGINT) keeps them open. Neither the stop nor the reader may wait on it."""
+    import asyncio
+    import time
+
+    import psutil
+
+    from agora_client.frontend.supervisor import INTERRUPT_TIMEOUT_S, ChildCommand, RuntimeProcess
+
+    fixture = str(ROOT / "tests" / "fixtures" / "events" / "sync1.jsonl")
+    replay = (sys.executable, "-m", "agora_client.frontend.replay", fixture, "--spawn-grandchild")
+    env = {"PYTHONPATH": str(ROOT)}
+
+    async def leftovers_of(process: RuntimeProcess) -> list[psutil.Process]:
+        deadline = time.monotonic() + 30
+        while not psutil.Process(process.pid).children():
+            assert time.monotonic() < deadline, "the stand-in did not start its daemon"
+            await asyncio.sleep(0.05)
+        return psutil.Process(process.pid).children()
+
+    def gone(daemons: list[psutil.Process]) -> bool:
+        return all(not daemon.is_running() or daemon.status() == psutil.STATUS_ZOMBIE for daemon in daemons)
+
+    async def stopped() -> tuple[float, bool]:
+        process = RuntimeProcess(ChildCommand((*replay, "--hold"), env))
+        await process.start()
+        reader = asyncio.create_task(asyncio.wait_for(_drain(process), 60))
+        daemons = await leftovers_of(process)
+        started = time.monotonic()
+        try:
+            await process.stop()
+            await reader
+        finally:
+            await process.aclose()
+        return time.monotonic() - started, gone(daemons)
+
+    async def ended_by_itself() -> bool:
+        process = RuntimeProcess(ChildCommand(replay, env))  # plays the file, exits 0, leaves its daemon behind
+        await process.start()
+        try:
+            await asyncio.wait_for(_drain(process), 60)  # would never end while the daemon holds the pipes
+            assert await asyncio.wait_for(process.wait(), 30) == 0
+        finally:
+            await process.aclose()
+        return True
+
+    seconds, daemons_gone = asyncio.run(stopped())
+    assert seconds < INTERRUPT_TIMEOUT_S and daemons_gone
+    assert asyncio.run(ended_by_itself())
+
+
+async def _drain(process) -> int:
+    count = 0
+    async for _ in process.lines():
+        count += 1
+    return count

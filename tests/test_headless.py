@@ -144,3 +144,17 @@ def test_the_runtime_stops_when_the_front_end_dies_without_stopping_it(tmp_path)
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_retry_every_is_a_client_option_the_runtime_accepts(tmp_path):
+    """The README's `--headless --retry-every 5`: the real runtime gets the flag (no usage error from either
+    parser) and, with no swarm at the address, fails on that, once, with exit code 1."""
+    env = {**os.environ, "HF_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "agora_cli.py"), "--headless", "--retry-every", "5", "--swarm", "http://127.0.0.1:9",
+         "--config-dir", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=50, stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "usage:" not in result.stderr and "unrecognized arguments" not in result.stderr
+    assert result.stdout.count("[ERROR] could not read the run description at http://127.0.0.1:9/v1/run") == 1

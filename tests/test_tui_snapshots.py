@@ -59,3 +59,24 @@ def test_running_states(snap_compare, name, size):
 def test_child_crashed(snap_compare, size):
     app = app_for("crash", "--exit-code", "1")
     assert snap_compare(app, terminal_size=SIZES[size], run_before=wait_for("crash", crashed=True))
+
+
+# Before authorization the preflight view takes the dashboard's place.
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("name", ["preflight_running", "unreachable"])
+def test_preflight_states(snap_compare, name, size):
+    async def run_before(pilot) -> None:
+        await wait_for(name)(pilot)
+        for _ in range(100):  # the diagnosis' advice rows are mounted after the event
+            if name != "unreachable" or pilot.app.query(".advice-row"):
+                break
+            await asyncio.sleep(0.05)
+        await pilot.pause(0.2)
+
+    assert snap_compare(app_for(name, "--hold"), terminal_size=SIZES[size], run_before=run_before)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_preflight_failed(snap_compare, size):
+    app = app_for("preflight_failed", "--exit-code", "1")
+    assert snap_compare(app, terminal_size=SIZES[size], run_before=wait_for("preflight_failed", crashed=True))

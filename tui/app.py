@@ -2,11 +2,14 @@
 
 The app never imports worker internals: it starts ``command`` (any argv + env: the real runtime,
 or a recorded-stream replayer in tests), reads one JSON event per stdout line and updates its
-panels. If the child dies, the app says why and offers a restart; quitting stops it gracefully.
+panels. Before authorization the preflight view (each check, and the diagnosis while the swarm
+cannot reach the worker) takes the dashboard's place. If the child dies, the app says why and
+offers a restart; quitting, Ctrl-C, SIGINT and SIGTERM stop it gracefully.
 """
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from collections import deque
@@ -28,7 +31,9 @@ from agora_client.events import (
     ErrorEvent,
     ExitEvent,
     PointsEvent,
+    PreflightEvent,
     QueueEvent,
+    ReachabilityEvent,
     ResourcesEvent,
     SpartaEvent,
     StageEvent,
@@ -62,6 +67,8 @@ from tui.widgets import (
     LogPane,
     NetworkPanel,
     PointsPanel,
+    PreflightPanel,
+    ReachabilityPanel,
     RuntimeStatus,
     SharePanel,
     SpartaPanel,
@@ -92,6 +99,8 @@ class AgoraApp(App[int]):
         Binding("ctrl+c", "interrupt", "Quit", show=False, priority=True, id="quit_ctrl_c"),
         Binding("e", "export_bundle", "Export bundle", id="export_bundle", tooltip="Write a support bundle (zip)"),
         Binding("l", "toggle_logs", "Logs", id="toggle_logs", tooltip="Show or hide the log pane"),
+        Binding("p", "toggle_preflight", "Preflight", id="toggle_preflight", tooltip="Show or hide the preflight checks"),
+        Binding("r", "retry", "Retry now", id="retry", tooltip="Ask the swarm to connect back to this worker now"),
         Binding("r", "restart", "Restart", id="restart", tooltip="Start the worker runtime again"),
         Binding("question_mark", "help", "Help", key_display="?", id="help", tooltip="What the panels mean"),
     ]
@@ -125,12 +134,21 @@ class AgoraApp(App[int]):
         self.quitting = False
         self.rejected = False  # the swarm turned this client away (exit code 3)
         self.ended_code: int | None = None  # exit code of a runtime that ended by itself
+        self.runtime_stopped = False  # the current runtime has ended (nothing pending in the preflight will come)
         self.last_bundle: Path | None = None
+        self.preflight_choice: bool | None = None  # p pressed: show (or hide) the preflight view whatever the step
+        self._was_in_preflight = False
+        self._binding_state: tuple[bool, bool] = (False, False)  # (preflight seen, unreachable): the keys offered
+        self._signals: list[int] = []  # stop signals this app handles (SIGINT, SIGTERM) while it runs
 
     # -- layout -----------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         yield Stepper(id="stepper")
         yield RuntimeStatus(id="runtime-status")
+        # Before authorization: the preflight checks, and what to open while the swarm cannot reach us.
+        with VerticalScroll(id="preflight-view"):
+            yield ReachabilityPanel(self.clock, id="reachability", classes="panel")
+            yield PreflightPanel(id="preflight", classes="panel")
         with VerticalScroll(id="dashboard"):
             # Most wanted first: at 80x24 the first two rows are what shows without scrolling.
             with Grid(id="panels"):
@@ -148,8 +166,21 @@ class AgoraApp(App[int]):
 
     def on_mount(self) -> None:
         self.query_one(RuntimeStatus).hide()
+        self._handle_stop_signals()
         self._show_step()
         self.supervise()
+
+    def _handle_stop_signals(self) -> None:
+        """SIGTERM (a service manager, `kill`) and SIGINT from outside stop the runtime gracefully, as in
+        headless mode: without this the app would die at once, leaving the terminal in raw mode and the
+        runtime to stop on its own. Only where the loop can take signals (the main thread)."""
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(signum, lambda signum=signum: self.call_later(self._quit, signum))
+            except (RuntimeError, ValueError, NotImplementedError):  # not the main thread, or no signals here
+                continue
+            self._signals.append(signum)
 
     def on_resize(self, event: events.Resize) -> None:
         width, height = event.size  # self.size may still hold the size before this resize
@@ -191,6 +222,10 @@ class AgoraApp(App[int]):
                 process.kill()
 
     async def on_unmount(self) -> None:
+        loop = asyncio.get_running_loop()
+        for signum in self._signals:
+            loop.remove_signal_handler(signum)
+        self._signals.clear()
         if self.process is not None:  # whatever way the app ends, it leaves no process behind
             await self.process.aclose()
 
@@ -202,7 +237,9 @@ class AgoraApp(App[int]):
         event = message.event
         if self.tracker.apply(event):
             self._show_step()
-        if isinstance(event, AuthEvent):
+        if isinstance(event, (PreflightEvent, ReachabilityEvent)):
+            pass  # the tracker holds them; _show_step draws the preflight view
+        elif isinstance(event, AuthEvent):
             self.rejected = self.rejected or event.status == "rejected"
             self.query_one(IdentityPanel).show_auth(event)
         elif isinstance(event, StageEvent):
@@ -244,7 +281,9 @@ class AgoraApp(App[int]):
         self._log(self.formatter.stderr(message.text, message.ts))
 
     def on_runtime_exited(self, message: RuntimeExited) -> None:
+        self.runtime_stopped = True
         self.refresh_bindings()
+        self._show_preflight()
         if message.stop_requested or self.quitting:
             return
         self.ended_code = message.code
@@ -268,6 +307,23 @@ class AgoraApp(App[int]):
         tracker = self.tracker
         self.query_one(Stepper).show(tracker.step, tracker.failure, tracker.status)
         self.query_one(JoinPanel).follow(tracker.step)
+        self._show_preflight()
+
+    def _show_preflight(self) -> None:
+        """The preflight view replaces the dashboard before authorization (or when p asks for it)."""
+        tracker = self.tracker
+        state = tracker.preflight
+        if tracker.in_preflight != self._was_in_preflight:  # authorized (or restarted): back to the automatic choice
+            self._was_in_preflight, self.preflight_choice = tracker.in_preflight, None
+        shown = tracker.in_preflight if self.preflight_choice is None else self.preflight_choice
+        self.set_class(shown, "-preflight")
+        self.set_class(state.unreachable, "-unreachable")
+        self.query_one(PreflightPanel).show(state, stopped=self.runtime_stopped)
+        self.query_one(ReachabilityPanel).show(state)
+        binding_state = (state.seen, state.unreachable)
+        if binding_state != self._binding_state:
+            self._binding_state = binding_state
+            self.refresh_bindings()
 
     def _log(self, line: TaggedLine) -> None:
         self.query_one(LogPane).add(line)
@@ -279,9 +335,11 @@ class AgoraApp(App[int]):
     # -- actions ----------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "restart":
-            if self.runtime_running and self.tracker.unreachable:
-                return True  # r: retry the join now
             return not self.runtime_running and not self.quitting and self.process is not None
+        if action == "retry":  # r while the swarm cannot reach the worker: dial again now
+            return self.runtime_running and self.tracker.unreachable and not self.quitting
+        if action == "toggle_preflight":
+            return self.tracker.preflight.seen
         return True
 
     async def action_quit(self) -> None:
@@ -307,13 +365,22 @@ class AgoraApp(App[int]):
             self.event_log.close()
         self.exit(code, return_code=code)
 
-    def action_restart(self) -> None:
-        if self.runtime_running and self.tracker.unreachable and self.process is not None:
-            self.process.retry_now()
+    def action_retry(self) -> None:
+        if not self.check_action("retry", ()) or self.process is None:
             return
+        self.process.retry_now()  # SIGUSR1: the runtime stops waiting and asks to join again
+        self.tracker.retry_now()
+        self._show_step()
+
+    def action_toggle_preflight(self) -> None:
+        self.preflight_choice = not self.has_class("-preflight")
+        self._show_preflight()
+
+    def action_restart(self) -> None:
         if self.runtime_running or self.quitting:
             return
         self.tracker.restarted()
+        self.runtime_stopped = False
         self.last_error = self.last_exit = self.ended_code = None
         self.rejected = False
         self.stderr_tail.clear()
@@ -356,5 +423,9 @@ class AgoraApp(App[int]):
         yield SystemCommand("Export support bundle", "Write a zip of logs, config and system report", self.action_export_bundle)
         yield SystemCommand("Toggle logs", "Show or hide the log pane", self.action_toggle_logs)
         yield SystemCommand("Help", "What the panels and keys mean", self.action_help)
+        if self.check_action("toggle_preflight", ()):
+            yield SystemCommand("Toggle preflight", "Show or hide the preflight checks", self.action_toggle_preflight)
+        if self.check_action("retry", ()):
+            yield SystemCommand("Retry the join now", "Ask the swarm to connect back to this worker now", self.action_retry)
         if self.check_action("restart", ()):
             yield SystemCommand("Restart worker", "Start the stopped worker runtime again", self.action_restart)

@@ -1,4 +1,5 @@
-"""The join path as a state machine fed by events: which step is current, which one failed and why."""
+"""The join path as a state machine fed by events: which step is current, which one failed and why;
+and the preflight before it: each check's result and, while the swarm cannot reach this worker, the diagnosis."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from agora_client.events import (
-    AuthEvent, DownloadEvent, ErrorEvent, Event, LogEvent, QueueEvent, ReachabilityEvent, SyncEvent,
+    AuthEvent, DownloadEvent, ErrorEvent, Event, LogEvent, PreflightEvent, QueueEvent, ReachabilityEvent, SyncEvent,
 )
 
 
@@ -37,8 +38,79 @@ ADVICE = {
     JoinStep.ACTIVE: "restart; if it keeps failing, export a support bundle (e) and open a ticket",
 }
 REJECTED_ADVICE = "the swarm is full or this identity reached its cap: try again later"
+PREFLIGHT_ADVICE = "fix what the failed preflight check says (see the Preflight panel), then restart (r)"
 JOIN_TAG = "JOIN"  # log events with this tag say what happens between two steps (starting the worker...)
 _SYNC_STEPS = {"sync1": JoinStep.SYNC1, "sync2": JoinStep.SYNC2, "active": JoinStep.ACTIVE}
+
+# The preflight checks in the order the runtime runs them; reachability is tested by the swarm during the join.
+MACHINE_CHECKS = ("gpu", "host_ram", "disk", "download_rate", "seed_rtt")
+CHECKS = (*MACHINE_CHECKS, "reachability")
+CHECK_LABELS = {
+    "gpu": "GPU",
+    "host_ram": "Host RAM",
+    "disk": "Free disk",
+    "download_rate": "Download rate",
+    "seed_rtt": "Round trip",
+    "reachability": "Reachability",
+}
+
+
+class PreflightState:
+    """What the preflight found: one result per check, and the latest dial-back by the swarm."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, PreflightEvent] = {}
+        self.reachability: ReachabilityEvent | None = None  # the latest reachability event
+        self.diagnosis: ReachabilityEvent | None = None  # the latest failed dial-back, kept while a retry runs
+        self.retry_requested = False  # r was pressed: the runtime was asked to dial again now
+        self.failed_dials = 0  # dial-backs that failed since the runtime started
+
+    def apply(self, event: Event) -> bool:
+        if isinstance(event, PreflightEvent):
+            self.results[event.check] = event
+            return True
+        if isinstance(event, ReachabilityEvent):
+            self.reachability = event
+            if event.status == "unreachable":
+                self.diagnosis, self.retry_requested = event, False
+                self.failed_dials += 1
+            elif event.status == "reachable":
+                self.diagnosis, self.retry_requested = None, False
+            return True
+        return False
+
+    @property
+    def seen(self) -> bool:
+        return bool(self.results) or self.reachability is not None
+
+    @property
+    def unreachable(self) -> bool:
+        """The swarm could not dial this worker back and the runtime has not been reached since."""
+        return self.diagnosis is not None
+
+    @property
+    def checking(self) -> str | None:
+        """The check running now: the first machine check without a result, or the dial-back."""
+        for check in MACHINE_CHECKS:
+            if check not in self.results:
+                return check
+        reachability = self.reachability
+        if reachability is not None and reachability.status == "checking":
+            return "reachability"
+        return None
+
+    @property
+    def machine_done(self) -> int:
+        return sum(check in self.results for check in MACHINE_CHECKS)
+
+    def counts(self) -> dict[str, int]:
+        counts = {"pass": 0, "warn": 0, "fail": 0}
+        for result in self.results.values():
+            counts[result.status] += 1
+        return counts
+
+    def failed(self) -> list[PreflightEvent]:
+        return [result for check, result in self.results.items() if result.status == "fail" and check != "reachability"]
 
 
 @dataclass(frozen=True)
@@ -56,7 +128,22 @@ class JoinTracker:
         self.step = JoinStep.AUTHORIZATION
         self.failure: Failure | None = None
         self.status = "Starting the worker runtime..."
-        self.unreachable = False  # the swarm could not dial this worker back: r retries at once
+        self.preflight = PreflightState()
+        self.authorized = False  # the swarm gave this worker a slot (the preflight view gives way)
+
+    @property
+    def unreachable(self) -> bool:
+        """The swarm could not dial this worker back: r retries at once."""
+        return self.preflight.unreachable
+
+    @property
+    def in_preflight(self) -> bool:
+        """Before authorization, once the runtime reported a check: the preflight view is what to show."""
+        return self.preflight.seen and not self.authorized and self.step == JoinStep.AUTHORIZATION
+
+    def retry_now(self) -> None:
+        self.preflight.retry_requested = True
+        self.status = "Retrying now: asking the swarm to connect back to this worker..."
 
     def _advance(self, step: JoinStep) -> None:
         if step > self.step:
@@ -70,8 +157,12 @@ class JoinTracker:
         """Update from one event; True when the stepper should be redrawn."""
         if isinstance(event, AuthEvent):
             if event.status == "authorizing":
-                self.status = "Exchanging your Hugging Face token for a slot..."
+                dialing = self.preflight.reachability is not None and self.preflight.reachability.status == "checking"
+                self.status = "Exchanging your Hugging Face token for a slot" + (
+                    "; the swarm is connecting back to this worker..." if dialing else "..."
+                )
             elif event.status == "authorized":
+                self.authorized = True
                 self._advance(JoinStep.DOWNLOAD)
                 self.status = f"Authorized as {event.identity or 'unknown'}, stage {event.stage or '?'}"
             else:
@@ -104,13 +195,27 @@ class JoinTracker:
             if changed or event.message:
                 self.status = event.message.splitlines()[0] if event.message else LABELS[step]
             return True
+        if isinstance(event, PreflightEvent):
+            self.preflight.apply(event)
+            if event.check != "reachability":
+                done = self.preflight.machine_done
+                self.status = f"Preflight: checking this machine and its network ({done} of {len(MACHINE_CHECKS)} checks done)..."
+                if done == len(MACHINE_CHECKS):
+                    self.status = "Preflight done: opening the worker's port..."
+            return True
         if isinstance(event, ReachabilityEvent):
-            self.unreachable = event.status == "unreachable"
-            if self.unreachable:
-                self.status = f"The swarm cannot reach this worker at {event.address}: see the log for what to open; press r to retry now"
+            self.preflight.apply(event)
+            where = event.address or (f"port {event.port}" if event.port is not None else "its port")
+            if event.status == "checking":
+                self.status = f"Asking the swarm to connect back to this worker ({where})..."
+            elif event.status == "unreachable":
+                self.status = f"Not reachable at {where}: open the port (see below); r retries now"
+            elif not self.authorized:  # once authorized, the auth line says more
+                self.status = f"The swarm reached this worker at {where}"
             return True
         if isinstance(event, ErrorEvent):
-            self._fail(event.message, event.hint)
+            preflight_failed = self.step == JoinStep.AUTHORIZATION and not self.authorized and self.preflight.failed()
+            self._fail(event.message, event.hint or (PREFLIGHT_ADVICE if preflight_failed else ""))
             return True
         return False
 

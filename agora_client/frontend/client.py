@@ -41,6 +41,17 @@ class ClientSession:
 
 
 FrontEnd = Callable[[ClientSession], int]
+DEFAULT_RETRY_EVERY_S = 30.0  # seconds between join attempts while the swarm cannot reach the worker
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +65,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-port", type=int, help="TCP port peers reach the worker on (default: 49200 + GPU number)")
     parser.add_argument("--announce-addr", metavar="HOST:PORT", help="public address to announce behind a NAT or remapped port")
     parser.add_argument(
+        "--retry-every", metavar="SECONDS", type=_positive_seconds, default=DEFAULT_RETRY_EVERY_S,
+        help=f"while the swarm cannot reach this worker, ask again this often (default: {DEFAULT_RETRY_EVERY_S:.0f}; r in the app: now)",
+    )
+    parser.add_argument(
         "--runtime-cmd", metavar="CMD", help="run CMD instead of the built-in worker runtime (replays, testing)"
     )
 
@@ -63,7 +78,7 @@ def _command(args: argparse.Namespace, token: str, swarm: str, gpu: int | None, 
         return ChildCommand(tuple(shlex.split(args.runtime_cmd)), {"HF_TOKEN": token, "PYTHONUNBUFFERED": "1"})
     return runtime_command(
         token=token, swarm=swarm, gpu=gpu, config_dir=config_dir, monitor=args.monitor,
-        host_port=args.host_port, announce_addr=args.announce_addr,
+        host_port=args.host_port, announce_addr=args.announce_addr, retry_every=args.retry_every,
     )
 
 

@@ -2,11 +2,13 @@
 demos run in place of ``agora runtime``.
 
     python -m agora_client.frontend.replay FILE [--delay S] [--hold] [--exit-code N] [--ignore-sigint] [--spawn-grandchild]
+        [--on-retry FILE]
 
 Lines go to stdout unchanged (malformed ones too), one every ``--delay`` seconds. ``--hold`` keeps
 running after the last line, like a live worker. SIGINT makes it exit 0 after an ``exit`` event,
 the way the runtime stops gracefully, unless ``--ignore-sigint``. ``--spawn-grandchild`` starts a
-process in the same group that ignores SIGINT, standing in for p2pd.
+process in the same group that ignores SIGINT, standing in for p2pd. ``--on-retry FILE`` plays FILE
+when SIGUSR1 comes (the app's "retry the join now" key) while holding, the way the runtime retries.
 """
 
 from __future__ import annotations
@@ -37,8 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stderr", default="", help="a line written to stderr after the last line")
     parser.add_argument("--ignore-sigint", action="store_true")
     parser.add_argument("--spawn-grandchild", action="store_true")
+    parser.add_argument("--on-retry", type=Path, metavar="FILE", help="play FILE when SIGUSR1 asks for a retry (with --hold)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN if args.ignore_sigint else _graceful_exit)
+    retries: list[int] = []  # SIGUSR1 arrivals not played yet; the handler only counts, the loop below writes
+    if args.on_retry is not None:
+        signal.signal(signal.SIGUSR1, lambda signum, frame: retries.append(signum))
     if args.spawn_grandchild:
         subprocess.Popen([sys.executable, "-c", _GRANDCHILD], stdin=subprocess.DEVNULL)
     try:
@@ -55,7 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.stderr:
         print(args.stderr, file=sys.stderr, flush=True)
     while args.hold:
-        time.sleep(3600)
+        if args.on_retry is None:
+            time.sleep(3600)
+            continue
+        time.sleep(0.05)
+        if retries:
+            retries.clear()
+            for line in args.on_retry.read_text(encoding="utf-8").splitlines():
+                sys.stdout.write(line + "\n")
+                sys.stdout.flush()
+                if args.delay:
+                    time.sleep(args.delay)
     return args.exit_code
 
 

@@ -30,6 +30,7 @@ INTERRUPT_TIMEOUT_S = 15.0  # time to finish the current request and leave the a
 TERMINATE_TIMEOUT_S = 5.0
 GROUP_LEFTOVER_TIMEOUT_S = 3.0
 _POLL_S = 0.05
+_EXIT_POLL_S = 0.25  # while reading: how often to look whether the child itself has exited
 _PR_SET_PDEATHSIG = 1
 
 # `python -c` with an explicit sys.path works from a checkout and from an installed package alike.
@@ -57,9 +58,10 @@ def runtime_command(
     monitor: str | None = None,
     host_port: int | None = None,
     announce_addr: str | None = None,
+    retry_every: float | None = None,
 ) -> ChildCommand:
     """The real runtime: ``agora runtime [--swarm URL] [--gpu N] [--config-dir D] [--monitor URL] [--host-port P]
-    [--announce-addr HOST:PORT]``, token in HF_TOKEN."""
+    [--announce-addr HOST:PORT] [--retry-every S]``, token in HF_TOKEN."""
     root = str(Path(agora_client.__file__).resolve().parent.parent)
     argv = [sys.executable, "-c", _BOOTSTRAP.format(root=root), "runtime"]
     if swarm:
@@ -74,6 +76,8 @@ def runtime_command(
         argv += ["--host-port", str(host_port)]
     if announce_addr:
         argv += ["--announce-addr", announce_addr]
+    if retry_every is not None:
+        argv += ["--retry-every", repr(float(retry_every))]
     return ChildCommand(tuple(argv), {"HF_TOKEN": token, "PYTHONUNBUFFERED": "1"})
 
 
@@ -157,10 +161,17 @@ class RuntimeProcess:
             finally:
                 await queue.put(None)
 
+        async def clear_leftovers() -> None:
+            # What the child left in its group (a daemon that inherited our pipes) would keep the streams
+            # open for ever once the child is gone: terminate it, as wait() does, so that they end.
+            await self._exited(None, _EXIT_POLL_S)
+            await self._clear_group()
+
         pumps = [
             asyncio.create_task(pump(self._process.stdout, "stdout")),
             asyncio.create_task(pump(self._process.stderr, "stderr")),
         ]
+        reaper = asyncio.create_task(clear_leftovers())
         try:
             open_streams = len(pumps)
             while open_streams:
@@ -170,8 +181,20 @@ class RuntimeProcess:
                 else:
                     yield item
         finally:
-            for task in pumps:
+            for task in (*pumps, reaper):
                 task.cancel()
+
+    async def _exited(self, timeout: float | None, poll_s: float = _POLL_S) -> bool:
+        """True once the child itself has exited. Not ``Process.wait()``: that also waits until every copy
+        of its pipes is closed, which a leftover in its group (or one that ignores SIGINT) may delay for ever."""
+        assert self._process is not None
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while self._process.returncode is None:
+            if deadline is not None and loop.time() >= deadline:
+                return False
+            await asyncio.sleep(poll_s)
+        return True
 
     async def wait(self) -> int:
         """The child's exit code, once it and everything left in its group are gone."""
@@ -194,10 +217,7 @@ class RuntimeProcess:
                 self._signal_group(signum)
             else:
                 self._signal_child(signum)
-            try:
-                await asyncio.wait_for(self._process.wait(), timeout)
-            except TimeoutError:
-                continue
+            await self._exited(timeout)
         await self._clear_group()
         self._close_pipes()
         return self._process.returncode

@@ -13,6 +13,14 @@ HELP = """\
 
 Your GPU holds one stage of the model and trains it with the other contributors.
 
+**Preflight** (before authorization, in place of the panels): each check the worker runtime
+makes on this machine and its network, ✔ pass, ▲ warn or ✖ fail, with what it measured and why:
+GPU, host RAM, free disk for the stage's snapshots, download rate from the swarm's snapshot server,
+round trip to the seeds, and reachability (the swarm connects back to your worker's port). A failed
+machine check stops the worker: fix what it says, then restart. While the swarm cannot reach the
+worker, the diagnosis says which port, tested from where and what to open; the worker tries again
+every `--retry-every` seconds (30 by default), or at once on `r`.
+
 **Join path**: Authorization (your Hugging Face token buys a slot and a stage), Download
 (the stage's snapshot; an interrupted download resumes), Queue (joins are paced),
 Sync 1 (weights catch up, no batches yet), Sync 2 (optimizer warms up on real batches), Active.
@@ -32,7 +40,8 @@ without an NVIDIA driver).
 | `q` / `Ctrl+C` | stop the worker gracefully and quit |
 | `e` | export a support bundle (zip, secrets redacted) |
 | `l` | show or hide the log pane |
-| `r` | restart the worker after it stopped |
+| `r` | restart the worker after it stopped; while the swarm cannot reach it, retry now |
+| `p` | show or hide the preflight checks |
 | `?` | this help |
 | `Ctrl+P` | command palette (theme, export, logs...) |
 """

@@ -7,7 +7,9 @@ from tui.widgets.join_panel import JoinPanel
 from tui.widgets.log_pane import LogPane
 from tui.widgets.network import NetworkPanel
 from tui.widgets.points import PointsPanel
+from tui.widgets.preflight import PreflightPanel
 from tui.widgets.queue import QueuePanel
+from tui.widgets.reachability import ReachabilityPanel
 from tui.widgets.runtime_status import RuntimeStatus
 from tui.widgets.share import SharePanel
 from tui.widgets.sparta import SpartaPanel
@@ -18,5 +20,5 @@ from tui.widgets.training import TrainingPanel
 
 __all__ = [
     "DownloadPanel", "GpuPanel", "IdentityPanel", "JoinPanel", "LogPane", "NetworkPanel", "PointsPanel",
-    "QueuePanel", "RuntimeStatus", "SharePanel", "SpartaPanel", "Stepper", "SwarmPanel", "SyncPanel", "TrainingPanel",
+    "PreflightPanel", "QueuePanel", "ReachabilityPanel", "RuntimeStatus", "SharePanel", "SpartaPanel", "Stepper", "SwarmPanel", "SyncPanel", "TrainingPanel",
 ]
