@@ -1,4 +1,4 @@
-"""Two hosts on one machine: Linux network namespaces joined by a veth pair (no loopback shortcut).
+"""Separate hosts on one machine: Linux network namespaces joined by veth pairs (no loopback shortcut).
 
 For tests and benches that need real separate hosts::
 
@@ -13,7 +13,14 @@ For tests and benches that need real separate hosts::
 Everything made here is removed on exit, even on failure: processes still running in a namespace are
 killed, the namespaces (and with them the veth pair and any nftables rules) deleted. Needs root, ``ip``
 (iproute2) and, for firewall rules, ``nft`` (nftables); ``unavailable()`` says why not, for a skip.
-A later bench may shape the link with ``tc ... tbf`` on ``Host.device``.
+
+More than two hosts, each with an uplink that may be shaped like a home link::
+
+    with BridgedHosts("agi15-1234", 3) as hosts:   # agi15-1234-h0..h2 on 10.78.0.1..3, a bridge in agi15-1234-hub
+        hosts[1].shape_uplink(20.0)                # host 1 sends at most 20 Mbit/s (tc tbf on its interface)
+
+Every host's veth ends in a bridge that lives in a namespace of its own, so nothing is added to the
+machine's own network namespace; deleting the namespaces removes the veths, the bridge and the qdiscs.
 """
 
 from __future__ import annotations
@@ -32,9 +39,13 @@ from dataclasses import dataclass
 _CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
 SUBNET = "10.77.0"
+BRIDGED_SUBNET = "10.78.0"
+# tbf needs a bucket of at least one packet; veth hands it segmentation-offloaded packets of up to 64 KiB
+TBF_MIN_BURST_BYTES = 64 * 1024
+TBF_LATENCY = "200ms"  # queue depth of the shaped link, like a home router's buffer
 
 
-def unavailable(firewall: bool = False) -> str | None:
+def unavailable(firewall: bool = False, shaping: bool = False) -> str | None:
     """Why namespace tests cannot run here (None when they can)."""
     if os.geteuid() != 0:
         return "network namespaces need root (CI runs as root)"
@@ -42,11 +53,22 @@ def unavailable(firewall: bool = False) -> str | None:
         return "the ip command (iproute2) is not installed"
     if firewall and shutil.which("nft") is None:
         return "nft (nftables) is not installed: apt-get install nftables"
+    if shaping and shutil.which("tc") is None:
+        return "the tc command (iproute2) is not installed"
     return None
 
 
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+def _add_namespace(namespace: str) -> None:
+    _ip("netns", "add", namespace)
+    _ip("-n", namespace, "link", "set", "lo", "up")
+
+
+def _delete_namespace(namespace: str) -> None:
+    subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)  # fails harmlessly when absent
 
 
 @dataclass(frozen=True)
@@ -93,6 +115,26 @@ class Host:
         finally:
             self.run("nft", "delete", "table", "inet", table, check=False)
 
+    def shape_uplink(self, mbit: float) -> None:
+        """Limit what this host sends to ``mbit`` Mbit/s (a token bucket on its interface; replaces an earlier limit)."""
+        burst = max(TBF_MIN_BURST_BYTES, int(mbit * 1e6 / 8 / 100))  # at least 10 ms of traffic at the rate
+        self.run("tc", "qdisc", "replace", "dev", self.device, "root", "tbf", "rate", f"{round(mbit * 1000)}kbit",
+                 "burst", str(burst), "latency", TBF_LATENCY)
+
+    def unshape_uplink(self) -> None:
+        self.run("tc", "qdisc", "del", "dev", self.device, "root", check=False)  # fails harmlessly when not shaped
+
+    def bring_up(self) -> None:
+        """Give the host's interface its address and switch it on."""
+        _ip("-n", self.namespace, "addr", "add", f"{self.address}/24", "dev", self.device)
+        _ip("-n", self.namespace, "link", "set", self.device, "up")
+
+    def remove(self) -> None:
+        """Kill what runs in the namespace, then delete it with its interfaces and their qdiscs."""
+        if os.path.exists(f"/var/run/netns/{self.namespace}"):
+            self.kill_all()
+            _delete_namespace(self.namespace)
+
     def pids(self) -> list[int]:
         out = subprocess.run(["ip", "netns", "pids", self.namespace], capture_output=True, text=True, timeout=30)
         return [int(pid) for pid in out.stdout.split()]
@@ -120,13 +162,11 @@ class TwoHosts:
     def __enter__(self) -> "TwoHosts":
         try:
             for host in (self.a, self.b):
-                _ip("netns", "add", host.namespace)
-                _ip("-n", host.namespace, "link", "set", "lo", "up")
+                _add_namespace(host.namespace)
             _ip("link", "add", self.a.device, "netns", self.a.namespace, "type", "veth",
                 "peer", "name", self.b.device, "netns", self.b.namespace)
             for host in (self.a, self.b):
-                _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", host.device)
-                _ip("-n", host.namespace, "link", "set", host.device, "up")
+                host.bring_up()
         except BaseException:
             self.close()
             raise
@@ -134,9 +174,48 @@ class TwoHosts:
 
     def close(self) -> None:
         for host in (self.a, self.b):
-            if os.path.exists(f"/var/run/netns/{host.namespace}"):
-                host.kill_all()
-                subprocess.run(["ip", "netns", "del", host.namespace], capture_output=True, timeout=30)
+            host.remove()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class BridgedHosts:
+    """``count`` hosts ``<prefix>-h<i>`` (``BRIDGED_SUBNET``.<i+1>), each on a veth into one bridge in ``<prefix>-hub``."""
+
+    def __init__(self, prefix: str, count: int):
+        if not 2 <= count <= 250:
+            raise ValueError(f"{count} hosts: use 2 to 250")
+        tag = prefix[-8:]  # interface names have at most 15 characters
+        self.hub, self.bridge = f"{prefix}-hub", f"{tag}br"
+        self.hosts = [Host(f"{prefix}-h{i}", f"{BRIDGED_SUBNET}.{i + 1}", f"{tag}h{i}") for i in range(count)]
+        self.ports = [f"{tag}p{i}" for i in range(count)]  # the hub's end of each host's veth
+
+    def __getitem__(self, index: int) -> Host:
+        return self.hosts[index]
+
+    def __enter__(self) -> "BridgedHosts":
+        try:
+            _add_namespace(self.hub)
+            _ip("-n", self.hub, "link", "add", self.bridge, "type", "bridge")
+            _ip("-n", self.hub, "link", "set", self.bridge, "up")
+            for host, port in zip(self.hosts, self.ports):
+                self._plug(host, port)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _plug(self, host: Host, port: str) -> None:
+        _add_namespace(host.namespace)
+        _ip("link", "add", host.device, "netns", host.namespace, "type", "veth", "peer", "name", port, "netns", self.hub)
+        _ip("-n", self.hub, "link", "set", port, "master", self.bridge, "up")
+        host.bring_up()
+
+    def close(self) -> None:
+        for host in self.hosts:
+            host.remove()
+        _delete_namespace(self.hub)
 
     def __exit__(self, *exc: object) -> None:
         self.close()

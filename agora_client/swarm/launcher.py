@@ -15,9 +15,10 @@ import signal
 import socket
 import threading
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 from agora_client.auth.identity import write_demo_token_file
 from agora_client.auth.tickets import load_or_create_signing_key
@@ -52,11 +53,39 @@ class SwarmOptions:
     host: str = "127.0.0.1"  # every role listens here (a network namespace's address in the two-host tests)
 
 
-class LocalSwarm:
-    """Starts and stops the processes of a local swarm; usable as a context manager (tests, demo, bench)."""
+class Placement(Protocol):
+    """Where a worker runs: the address it listens on, and the context its process is started in."""
 
-    def __init__(self, options: SwarmOptions, on_line: Callable[[str, str], None] | None = None):
+    address: str
+
+    def entered(self) -> AbstractContextManager[None]: ...
+
+
+@dataclass(frozen=True)
+class SameHost:
+    """The default placement: the swarm's own address, started where the launcher runs."""
+
+    address: str
+
+    def entered(self) -> AbstractContextManager[None]:
+        return nullcontext()
+
+
+class LocalSwarm:
+    """Starts and stops the processes of a local swarm; usable as a context manager (tests, demo, bench).
+
+    ``place_worker(stage, index)`` may put a worker elsewhere, e.g. on a host of its own in a network
+    namespace (tests/netns.py's ``Host`` is a Placement); by default every worker runs on ``options.host``.
+    """
+
+    def __init__(
+        self,
+        options: SwarmOptions,
+        on_line: Callable[[str, str], None] | None = None,
+        place_worker: Callable[[str, int], Placement] | None = None,
+    ):
         self.options, self.on_line = options, on_line
+        self.place_worker = place_worker or (lambda stage, index: SameHost(options.host))
         self.config = load_config(options.preset)
         self.seeds: list[ManagedProcess] = []
         self.workers: dict[str, list[ManagedProcess]] = {stage: [] for stage in self.config.model.stage_names}
@@ -134,7 +163,8 @@ class LocalSwarm:
 
     def start_worker(self, stage: str, *extra: str, wait: bool = True) -> ManagedProcess:
         index = len(self.workers[stage])
-        args = ["worker", "--stage", stage, "--index", str(index), "--preset", self.options.preset, "--host", self.options.host]
+        placement = self.place_worker(stage, index)
+        args = ["worker", "--stage", stage, "--index", str(index), "--preset", self.options.preset, "--host", placement.address]
         args += ["--seeds", *self.seed_addrs, "--ticket-key", str(self.signing_key_path)]
         args += ["--events", str(self.options.run_dir / "events" / f"{stage}-{index}.jsonl")]
         (self.options.run_dir / "events").mkdir(parents=True, exist_ok=True)
@@ -146,7 +176,8 @@ class LocalSwarm:
             args += ["--checkpoints", self.options.checkpoint_store]
         if stage in self.resume_dirs:
             args += ["--snapshot", str(self.resume_dirs[stage])]
-        worker = self._spawn(f"{stage}-{index}", [*args, *self.options.worker_args, *extra])
+        with placement.entered():  # the worker and its daemons start where it is placed (e.g. a network namespace)
+            worker = self._spawn(f"{stage}-{index}", [*args, *self.options.worker_args, *extra])
         self.workers[stage].append(worker)
         if wait:
             worker.wait_for(WORKER_READY, START_TIMEOUT)
