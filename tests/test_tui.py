@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import datetime
 import json
-import sys
 import zipfile
-from pathlib import Path
 
 import psutil
 import pytest
@@ -16,27 +13,14 @@ from textual.content import Content
 from agora_client.events import ExitEvent, dump_event
 from tui.app import AgoraApp, BundleTarget
 from tui.state import JoinStep
-from agora_client.frontend.supervisor import ChildCommand
 from tui.widgets import GpuPanel, IdentityPanel, JoinPanel, LogPane, PointsPanel, RuntimeStatus, Stepper, TrainingPanel
+from tests.replays import FIXTURES, T0, line_count, make_app
 
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = ROOT / "tests" / "fixtures" / "events"
-T0 = 1767225600.0
 SIZE = (100, 34)
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def replay(name: str, *args: str) -> ChildCommand:
-    return ChildCommand((sys.executable, "-m", "agora_client.frontend.replay", str(FIXTURES / f"{name}.jsonl"), *args), {"PYTHONPATH": str(ROOT)})
-
-
-def make_app(name: str, *args: str, **kwargs) -> AgoraApp:
-    return AgoraApp(replay(name, *args), tz=datetime.timezone.utc, clock=lambda: T0, **kwargs)
-
-
-def line_count(name: str) -> int:
-    return len((FIXTURES / f"{name}.jsonl").read_text().splitlines())
 
 
 async def until(pilot, condition, timeout: float = 45.0) -> None:

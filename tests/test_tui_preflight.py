@@ -3,34 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import datetime
 import json
-import sys
-from pathlib import Path
 
 import pytest
 from textual.content import Content
 
-from agora_client.frontend.supervisor import ChildCommand
 from tui.app import AgoraApp
 from tui.state import PREFLIGHT_ADVICE, JoinStep
 from tui.widgets import LogPane, PreflightPanel, ReachabilityPanel, RuntimeStatus, Stepper
+from tests.replays import FIXTURES, line_count, make_app
 
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = ROOT / "tests" / "fixtures" / "events"
-T0 = 1767225600.0
 SIZE = (100, 34)
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def make_app(name: str, *args: str) -> AgoraApp:
-    argv = (sys.executable, "-m", "agora_client.frontend.replay", str(FIXTURES / f"{name}.jsonl"), *args)
-    return AgoraApp(ChildCommand(argv, {"PYTHONPATH": str(ROOT)}), tz=datetime.timezone.utc, clock=lambda: T0)
-
-
-def line_count(*names: str) -> int:
-    return sum(len((FIXTURES / f"{name}.jsonl").read_text().splitlines()) for name in names)
 
 
 async def until(pilot, condition, timeout: float = 45.0) -> None:

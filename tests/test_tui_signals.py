@@ -14,15 +14,13 @@ import sys
 import termios
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
 from agora_client.frontend.supervisor import INTERRUPT_TIMEOUT_S
+from tests.replays import FIXTURES, ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = ROOT / "tests" / "fixtures" / "events"
 TOKEN = "hf_signalsSecret24680"
 LEAVE_ALTERNATE_SCREEN = b"\x1b[?1049l"  # Textual's driver writes it when the app ends properly
 

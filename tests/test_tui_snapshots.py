@@ -8,30 +8,18 @@ Update after a reviewed change with: python -m pytest tests/test_tui_snapshots.p
 from __future__ import annotations
 
 import asyncio
-import datetime
-import sys
-from pathlib import Path
 
 import pytest
 
-from tui.app import AgoraApp
-from agora_client.frontend.supervisor import ChildCommand
 from tui.widgets import LogPane, RuntimeStatus
+from tests.replays import line_count, make_app
 
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = ROOT / "tests" / "fixtures" / "events"
-T0 = 1767225600.0
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def app_for(name: str, *args: str) -> AgoraApp:
-    command = ChildCommand((sys.executable, "-m", "agora_client.frontend.replay", str(FIXTURES / f"{name}.jsonl"), *args), {"PYTHONPATH": str(ROOT)})
-    return AgoraApp(command, tz=datetime.timezone.utc, clock=lambda: T0)
-
-
 def wait_for(name: str, crashed: bool = False):
-    expected = len((FIXTURES / f"{name}.jsonl").read_text().splitlines())
+    expected = line_count(name)
 
     async def run_before(pilot) -> None:
         app = pilot.app
@@ -52,12 +40,12 @@ SIZES = {"80x24": (80, 24), "160x50": (160, 50)}  # the smallest usual terminal,
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("name", ["authorizing", "downloading", "queued", "sync1", "sync2", "active", "no_gpu"])
 def test_running_states(snap_compare, name, size):
-    assert snap_compare(app_for(name, "--hold"), terminal_size=SIZES[size], run_before=wait_for(name))
+    assert snap_compare(make_app(name, "--hold"), terminal_size=SIZES[size], run_before=wait_for(name))
 
 
 @pytest.mark.parametrize("size", SIZES)
 def test_child_crashed(snap_compare, size):
-    app = app_for("crash", "--exit-code", "1")
+    app = make_app("crash", "--exit-code", "1")
     assert snap_compare(app, terminal_size=SIZES[size], run_before=wait_for("crash", crashed=True))
 
 
@@ -73,10 +61,10 @@ def test_preflight_states(snap_compare, name, size):
             await asyncio.sleep(0.05)
         await pilot.pause(0.2)
 
-    assert snap_compare(app_for(name, "--hold"), terminal_size=SIZES[size], run_before=run_before)
+    assert snap_compare(make_app(name, "--hold"), terminal_size=SIZES[size], run_before=run_before)
 
 
 @pytest.mark.parametrize("size", SIZES)
 def test_preflight_failed(snap_compare, size):
-    app = app_for("preflight_failed", "--exit-code", "1")
+    app = make_app("preflight_failed", "--exit-code", "1")
     assert snap_compare(app, terminal_size=SIZES[size], run_before=wait_for("preflight_failed", crashed=True))
