@@ -1,20 +1,21 @@
 #!/usr/bin/env python3
 """What the untrusted-peer defences cost in pipeline throughput: checks on against off, side by side.
 
-One local swarm (tiny preset, two workers per stage, real processes on 127.0.0.1) serves one trainer per
-configuration, one after the other (the order alternates per round so that machine load falls on all
-alike). Configurations:
+Ticket checks are a worker-side switch, so each round runs two local swarms (tiny preset, two workers per
+stage, real processes on 127.0.0.1), one after the other, the order alternating per round so that machine
+load falls on both alike:
 
-- ``off``: no spot checks;
-- ``spot_<f>``: the trainer re-runs a share ``f`` of its stage requests on a second worker of the stage
-  and compares the answers (agora_client.trainer.spotcheck), for every ``--fractions`` value.
+- ``tickets``: workers check the ticket on every forward, backward and SPARTA round (as deployed); one
+  trainer per configuration, one after the other:
+  - ``off``: no spot checks;
+  - ``spot_<f>``: the trainer re-runs a share ``f`` of its stage requests on a second worker of the stage
+    and compares the answers (agora_client.trainer.spotcheck), for every ``--fractions`` value;
+- ``no_tickets``: workers serve any caller; one trainer without spot checks (``no_checks``).
 
-Ticket checks on every RPC (issue #12 item 1) are a worker-side switch: when they land, they become one
-more entry of CONFIGURATIONS below (its trainer and worker arguments), measured the same way.
 For each configuration: pipeline tokens/s after a warm-up, and the spot checks the trainer made.
-Last output line: one JSON object with the ratios to ``off``.
+Last output line: one JSON object with the ratios to ``no_checks`` (every defence off).
 
-    python bench/security.py                       # ~5 min on 2 cores
+    python bench/security.py                       # ~7 min on 2 cores
     python bench/security.py --rounds 2 --fractions 0.02 0.1 0.5
 """
 
@@ -40,6 +41,7 @@ SPOT_STATS = re.compile(r"\[SPOTCHECK\] checks=(\d+)")
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--no-ticket-swarm", action="store_true", help="skip the swarm without ticket checks")
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.02, 0.2], help="spot-check fractions measured")
     parser.add_argument("--seconds", type=float, default=40.0, help="measured seconds per configuration per round")
     parser.add_argument("--warmup", type=float, default=12.0, help="seconds of each trainer not measured")
@@ -49,11 +51,14 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def configurations(fractions: list[float]) -> dict[str, list[str]]:
-    """Configuration name -> the trainer's extra arguments."""
-    configs = {"off": ["--spot-check-fraction", "0"]}
-    configs.update({f"spot_{fraction:g}": ["--spot-check-fraction", str(fraction)] for fraction in fractions})
-    return configs
+NO_SPOT_CHECKS = ["--spot-check-fraction", "0"]
+
+
+def configurations(fractions: list[float], no_ticket_swarm: bool) -> dict[bool, dict[str, list[str]]]:
+    """Worker tickets on / off -> configuration name -> the trainer's extra arguments."""
+    ticketed = {"off": NO_SPOT_CHECKS}
+    ticketed.update({f"spot_{fraction:g}": ["--spot-check-fraction", str(fraction)] for fraction in fractions})
+    return {True: ticketed, **({False: {"no_checks": NO_SPOT_CHECKS}} if no_ticket_swarm else {})}
 
 
 def measure(swarm: LocalSwarm, recorder: ProgressRecorder, trainer_args: list[str], args: argparse.Namespace) -> dict:
@@ -83,34 +88,48 @@ def main() -> int:
         print("--seconds, --rounds and --inflight must be positive, --fractions in (0, 1]", file=sys.stderr)
         return 2
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="agora-bench-security-"))
-    recorder = ProgressRecorder()
-    swarm = LocalSwarm(SwarmOptions(workers_per_stage=2, trainers=0, run_dir=run_dir, report_every=2.0), on_line=recorder)
-    configs = configurations(args.fractions)
-    results: dict[str, list[dict]] = {name: [] for name in configs}
-    try:
-        swarm.start()
-        print(f"swarm up in {time.monotonic() - swarm.started_at:.0f}s (2 workers per stage); logs in {run_dir / 'logs'}",
-              flush=True)
-        for round_index in range(args.rounds):
-            order = list(configs) if round_index % 2 == 0 else list(configs)[::-1]
-            for name in order:
-                result = measure(swarm, recorder, configs[name], args)
+    configs = configurations(args.fractions, not args.no_ticket_swarm)
+    results: dict[str, list[dict]] = {name: [] for by_name in configs.values() for name in by_name}
+    for round_index in range(args.rounds):
+        modes = list(configs) if round_index % 2 == 0 else list(configs)[::-1]
+        for tickets in modes:
+            names = list(configs[tickets]) if round_index % 2 == 0 else list(configs[tickets])[::-1]
+            for name, result in measure_swarm(tickets, {name: configs[tickets][name] for name in names},
+                                              run_dir / f"round{round_index + 1}-{'tickets' if tickets else 'no-tickets'}",
+                                              args).items():
                 results[name].append(result)
                 print(f"round {round_index + 1} {name:10s}: {result['tokens_per_s']:7.1f} tokens/s, "
                       f"{result['spot_checks']} spot checks in {result['microbatches']} microbatches", flush=True)
+    print(json.dumps(summarize(results, args)))
+    return 0
+
+
+def measure_swarm(tickets: bool, configs: dict[str, list[str]], run_dir: Path, args: argparse.Namespace) -> dict[str, dict]:
+    """One swarm, its workers checking tickets or not, serving one trainer per configuration in turn."""
+    recorder = ProgressRecorder()
+    options = SwarmOptions(workers_per_stage=2, trainers=0, run_dir=run_dir, report_every=2.0, worker_tickets=tickets)
+    swarm = LocalSwarm(options, on_line=recorder)
+    try:
+        swarm.start()
+        print(f"swarm {'with' if tickets else 'without'} ticket checks up in {time.monotonic() - swarm.started_at:.0f}s "
+              f"(2 workers per stage); logs in {run_dir / 'logs'}", flush=True)
+        return {name: measure(swarm, recorder, trainer_args, args) for name, trainer_args in configs.items()}
     finally:
         swarm.stop()
-    summary: dict[str, object] = {"bench": "security", "preset": swarm.config.name, "workers_per_stage": 2,
+
+
+def summarize(results: dict[str, list[dict]], args: argparse.Namespace) -> dict[str, object]:
+    summary: dict[str, object] = {"bench": "security", "preset": "tiny", "workers_per_stage": 2,
                                   "seconds_per_configuration": args.seconds * args.rounds, "inflight": args.inflight}
     for name, runs in results.items():
         summary[f"{name}_tokens_per_s"] = round(statistics.mean(run["tokens_per_s"] for run in runs), 1)
         summary[f"{name}_spot_checks"] = sum(run["spot_checks"] for run in runs)
-    off = max(summary["off_tokens_per_s"], 1e-9)  # type: ignore[arg-type]
-    for name in configs:
-        if name != "off":
-            summary[f"throughput_ratio_{name}_over_off"] = round(summary[f"{name}_tokens_per_s"] / off, 3)  # type: ignore[operator]
-    print(json.dumps(summary))
-    return 0
+    baseline = "no_checks" if "no_checks" in results else "off"
+    base = max(summary[f"{baseline}_tokens_per_s"], 1e-9)  # type: ignore[arg-type]
+    for name in results:
+        if name != baseline:
+            summary[f"throughput_ratio_{name}_over_{baseline}"] = round(summary[f"{name}_tokens_per_s"] / base, 3)  # type: ignore[operator]
+    return summary
 
 
 if __name__ == "__main__":

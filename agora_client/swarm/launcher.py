@@ -51,6 +51,7 @@ class SwarmOptions:
     resume_at: float | None = None
     resume_from: str | None = None  # the store to resume from; default checkpoint_store
     host: str = "127.0.0.1"  # every role listens here (a network namespace's address in the two-host tests)
+    worker_tickets: bool = True  # False: workers serve callers without tickets (to measure what the checks cost)
 
 
 class Placement(Protocol):
@@ -165,7 +166,9 @@ class LocalSwarm:
         index = len(self.workers[stage])
         placement = self.place_worker(stage, index)
         args = ["worker", "--stage", stage, "--index", str(index), "--preset", self.options.preset, "--host", placement.address]
-        args += ["--seeds", *self.seed_addrs, "--ticket-key", str(self.signing_key_path)]
+        args += ["--seeds", *self.seed_addrs]
+        if self.options.worker_tickets:
+            args += ["--ticket-key", str(self.signing_key_path)]
         args += ["--events", str(self.options.run_dir / "events" / f"{stage}-{index}.jsonl")]
         (self.options.run_dir / "events").mkdir(parents=True, exist_ok=True)
         if self.options.publish_snapshots:
