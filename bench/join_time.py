@@ -108,7 +108,8 @@ def main() -> None:
     opening = first(events, "reachability", status="checking")
     authorizing = first(events, "auth", status="authorizing")["ts"]
     authorized = first(events, "auth", status="authorized")["ts"]
-    queued = first(events, "queue")
+    # a joiner admitted at once gets one queue event (position 0) after the fact: that is no time in a queue
+    queued = next((e for e in events if e["kind"] == "queue" and e["position"] > 0), None)
     download_start, download_done = first(events, "download", status="started"), first(events, "download", status="done")
     sync1, sync2, batch = first(events, "sync", phase="sync1"), first(events, "sync", phase="sync2"), first_batch(events)
     figures = {
