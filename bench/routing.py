@@ -2,14 +2,14 @@
 """Least-loaded routing against round-robin, with one slow and one fast worker in a stage.
 
 One local swarm (tiny preset, real processes on 127.0.0.1): head, body2 and tail have one fast worker each;
-body1 has a fast worker and one made slow with `agora worker --slowdown S` (S seconds added to every
-request, as a slower GPU would). The same swarm then serves a trainer with `--routing least-loaded` and a
+body1 has a fast worker and one made F times slower with `agora worker --slower F` (every request takes F
+times its own compute time, the rest asleep, as on a GPU F times slower that takes no CPU from the others). The same swarm then serves a trainer with `--routing least-loaded` and a
 trainer with `--routing round-robin`, one after the other (alternating per round so that machine load falls
 on both alike). For each policy: the share of body1's requests each worker served, and the trainer's
 pipeline throughput in tokens/s, both measured after a warm-up. Last output line: one JSON object.
 
     python bench/routing.py                      # ~3-4 min on 2 cores
-    python bench/routing.py --rounds 2 --seconds 60 --slowdown 0.5
+    python bench/routing.py --rounds 2 --seconds 60 --slower 4
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ SLOW_STAGE = "body1"
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--slowdown", type=float, default=0.3, help="seconds added to every request of the slow worker")
+    parser.add_argument("--slower", type=float, default=3.0, help="how many times slower the slow worker is (default 3)")
     parser.add_argument("--seconds", type=float, default=45.0, help="measured seconds per policy per round")
     parser.add_argument("--warmup", type=float, default=15.0, help="seconds of each trainer not measured")
     parser.add_argument("--rounds", type=int, default=1, help="rounds of (least-loaded, round-robin)")
@@ -62,8 +62,8 @@ def measure(swarm: LocalSwarm, recorder: ProgressRecorder, policy: str, args: ar
 
 def main() -> int:
     args = parse_args()
-    if args.slowdown <= 0 or min(args.seconds, args.warmup + 1, args.rounds, args.inflight) <= 0:
-        print("--slowdown, --seconds, --rounds and --inflight must be positive", file=sys.stderr)
+    if args.slower <= 1 or min(args.seconds, args.warmup + 1, args.rounds, args.inflight) <= 0:
+        print("--slower must be above 1; --seconds, --rounds and --inflight positive", file=sys.stderr)
         return 2
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="agora-bench-routing-"))
     recorder = ProgressRecorder()
@@ -71,10 +71,10 @@ def main() -> int:
     results: dict[str, list[dict]] = {policy: [] for policy in POLICIES}
     try:
         swarm.start()
-        slow = swarm.start_worker(SLOW_STAGE, "--slowdown", str(args.slowdown))
+        slow = swarm.start_worker(SLOW_STAGE, "--slower", str(args.slower))
         fast_uid, slow_uid = f"{SLOW_STAGE}.0.0", f"{SLOW_STAGE}.0.{slow.name.rsplit('-', 1)[1]}"
         print(f"swarm up in {time.monotonic() - swarm.started_at:.0f}s; {SLOW_STAGE}: fast {fast_uid}, slow {slow_uid} "
-              f"(+{args.slowdown}s per request); logs in {run_dir / 'logs'}", flush=True)
+              f"({args.slower:g}x slower); logs in {run_dir / 'logs'}", flush=True)
         for round_index in range(args.rounds):
             for policy in POLICIES if round_index % 2 == 0 else POLICIES[::-1]:
                 result = measure(swarm, recorder, policy, args)
@@ -86,7 +86,7 @@ def main() -> int:
                       f"slow {served.get(slow_uid, 0)} ({served.get(slow_uid, 0) / total:.0%})", flush=True)
     finally:
         swarm.stop()
-    summary: dict[str, object] = {"bench": "routing", "preset": swarm.config.name, "slowdown_s": args.slowdown,
+    summary: dict[str, object] = {"bench": "routing", "preset": swarm.config.name, "slower": args.slower,
                                   "seconds_per_policy": args.seconds * args.rounds, "inflight": args.inflight}
     for policy, runs in results.items():
         key = policy.replace("-", "_")

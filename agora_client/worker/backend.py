@@ -55,31 +55,41 @@ class StageBackend(ModuleBackend):
         on_backward: Callable[[torch.Tensor], None],
         on_unhealthy: Callable[[str], None],
         slowdown_s: float = 0.0,
+        slower: float = 1.0,
         lie: bool = False,
         **kwargs,
     ):
         super().__init__(name, module, **kwargs)
-        self.epochs, self.slowdown_s, self.lie = epochs, slowdown_s, lie
+        self.epochs, self.slowdown_s, self.slower, self.lie = epochs, slowdown_s, slower, lie
         self._autocast = autocast_context(device, mixed_precision)
         self._on_forward, self._on_backward, self._on_unhealthy = on_forward, on_backward, on_unhealthy
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        started = time.perf_counter()
         with self.epochs.lock, self._autocast():
             outputs = super().forward(*inputs)
         outputs = tuple(out.float() if out.is_floating_point() else out for out in outputs)
         self._require_finite(outputs, "forward outputs")
-        time.sleep(self.slowdown_s)  # emulates a slower GPU in tests and benchmarks (0 by default)
+        self._emulate_slower_gpu(started)
         self._on_forward(_tokens(inputs), outputs)
         return _scrambled(outputs) if self.lie else outputs
 
     def backward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        started = time.perf_counter()
         with self.epochs.lock, self._autocast():
             grads = super().backward(*inputs)  # re-runs forward, autograd, then calls on_backward
         grads = tuple(grad.float() if grad.is_floating_point() else grad for grad in grads)
         self._require_finite(grads, "input gradients")
-        time.sleep(self.slowdown_s)
+        self._emulate_slower_gpu(started)
         self._on_backward(_tokens(inputs))
         return _scrambled(grads) if self.lie else grads
+
+    def _emulate_slower_gpu(self, started: float) -> None:
+        # tests and benchmarks only (no delay by default): a fixed delay, and a request taking `slower` x its own
+        # time; asleep, so a slow worker does not take the CPU from the others on a shared machine
+        delay = self.slowdown_s + (self.slower - 1.0) * (time.perf_counter() - started)
+        if delay > 0:
+            time.sleep(delay)
 
     def _require_finite(self, tensors: tuple[torch.Tensor, ...], what: str) -> None:
         if not all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point()):

@@ -21,6 +21,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--index", type=int, default=None, help="uid index <stage>.0.<index> (default: lowest free)")
     parser.add_argument("--init-seed", type=int, default=None, help="seed for this worker's initial weights")
     parser.add_argument("--slowdown", type=float, default=0.0, help="seconds added to every request (emulates a slow GPU)")
+    parser.add_argument("--slower", type=float, default=1.0, metavar="F",
+                        help="every request takes F times its own time (emulates a GPU F times slower; F >= 1)")
     parser.add_argument("--lie", action="store_true", help=argparse.SUPPRESS)  # tests: answer random tensors
     parser.add_argument("--publish-snapshots", default=None, metavar="STORE", help="write stage snapshots here (directory or s3://bucket/prefix)")
     parser.add_argument("--publish-every", type=int, default=5, help="epochs between snapshots (default 5)")
@@ -43,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
     from agora_client.system.lifetime import die_with_parent, stop_on_signals
 
     stop = stop_on_signals()  # before anything forks: helpers must not inherit the handler
+    if args.slowdown < 0 or args.slower < 1:
+        print(f"[ERROR] --slowdown must be >= 0 and --slower >= 1 (got {args.slowdown}, {args.slower})", file=sys.stderr)
+        return 2
     import torch
 
     from agora_client.auth.ticket_source import SelfIssuedTickets
@@ -82,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         index=args.index,
         init_seed=args.init_seed,
         slowdown_s=args.slowdown,
+        slower=args.slower,
         lie=args.lie,
         snapshot=args.snapshot,
         publish_dir=args.publish_snapshots,

@@ -45,6 +45,7 @@ class WorkerOptions:
     index: int | None = None  # uid index (<stage>.0.<index>); default: the lowest free one
     init_seed: int | None = None  # different seeds give different starting weights (tests of averaging)
     slowdown_s: float = 0.0  # added to every request: emulates a slow GPU in tests and benchmarks
+    slower: float = 1.0  # every request takes this many times its own time: a GPU this many times slower
     lie: bool = False  # answer random tensors of the right shape: the dishonest worker of the spot-check tests
     snapshot: Path | None = None  # a downloaded stage snapshot to start from
     publish_dir: Path | str | None = None  # snapshot store (directory or s3://) written every publish_every epochs
@@ -164,6 +165,7 @@ class WorkerNode:
             on_backward=lambda tokens: self._on_request("backward", tokens, (), is_tail),
             on_unhealthy=self.mark_unhealthy,
             slowdown_s=options.slowdown_s,
+            slower=options.slower,
             lie=options.lie,
             args_schema=tuple(BatchTensorDescriptor.from_tensor(tensor) for tensor in example),
             min_batch_size=1,
