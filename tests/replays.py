@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from tui.app import AgoraApp
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "events"
 T0 = 1767225600.0  # the app's fixed clock, so that its own lines and ETAs are the same on every run
+SIZE = (100, 34)  # the Pilot tests' terminal
 
 
 def replay(name: str, *args: str) -> ChildCommand:
@@ -26,3 +28,12 @@ def make_app(name: str, *args: str, **kwargs) -> AgoraApp:
 
 def line_count(*names: str) -> int:
     return sum(len((FIXTURES / f"{name}.jsonl").read_text().splitlines()) for name in names)
+
+
+async def until(pilot, condition, timeout: float = 45.0) -> None:
+    """Let the app run until ``condition()`` holds (fails the test after ``timeout`` seconds)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await pilot.pause(0.05)
+    await pilot.pause()

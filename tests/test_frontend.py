@@ -14,7 +14,7 @@ from agora_client.frontend import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_RE
 from agora_client.frontend.lines import LineFormatter
 from agora_client.frontend.stream import TracebackFolder
 from agora_client.events import AuthEvent, ErrorEvent, ExitEvent
-from agora_client.swarm.demo import prune_runs
+from agora_client.swarm.demo import client_arguments, prune_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -110,6 +110,19 @@ def test_demo_keeps_only_the_newest_runs(tmp_path):
     removed = prune_runs(tmp_path, 2)
     assert [path.name for path in removed] == names[:2]
     assert sorted(path.name for path in tmp_path.iterdir()) == [*names[2:], "notes"]
+
+
+def test_the_demo_joins_with_every_client_option_set(tmp_path):
+    import argparse
+
+    from agora_client.frontend.client import DEFAULT_RETRY_EVERY_S, configure
+
+    every = argparse.ArgumentParser()
+    configure(every)
+    args = client_arguments(True, "http://127.0.0.1:1", "http://127.0.0.1:2", tmp_path / "client")
+    assert vars(args).keys() == vars(every.parse_args([])).keys()  # an option added to the client reaches the demo
+    assert (args.headless, args.swarm, args.monitor, args.config_dir) == (True, "http://127.0.0.1:1", "http://127.0.0.1:2", tmp_path / "client")
+    assert (args.host_port, args.retry_every, args.gpu) == (0, DEFAULT_RETRY_EVERY_S, None)
 
 
 def test_retry_every_reaches_the_runtime_with_a_default(monkeypatch, tmp_path):

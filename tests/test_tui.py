@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import zipfile
 
@@ -14,21 +13,9 @@ from agora_client.events import ExitEvent, dump_event
 from tui.app import AgoraApp, BundleTarget
 from tui.state import JoinStep
 from tui.widgets import GpuPanel, IdentityPanel, JoinPanel, LogPane, PointsPanel, RuntimeStatus, Stepper, TrainingPanel
-from tests.replays import FIXTURES, T0, line_count, make_app
-
-SIZE = (100, 34)
+from tests.replays import FIXTURES, SIZE, T0, line_count, make_app, until
 
 pytestmark = pytest.mark.timeout(120)
-
-
-
-
-async def until(pilot, condition, timeout: float = 45.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await pilot.pause(0.05)
-    await pilot.pause()
 
 
 async def replayed(pilot, app: AgoraApp, name: str) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
@@ -11,21 +10,9 @@ from textual.content import Content
 from tui.app import AgoraApp
 from tui.state import PREFLIGHT_ADVICE, JoinStep
 from tui.widgets import LogPane, PreflightPanel, ReachabilityPanel, RuntimeStatus, Stepper
-from tests.replays import FIXTURES, line_count, make_app
-
-SIZE = (100, 34)
+from tests.replays import FIXTURES, SIZE, line_count, make_app, until
 
 pytestmark = pytest.mark.timeout(120)
-
-
-
-
-async def until(pilot, condition, timeout: float = 45.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await pilot.pause(0.05)
-    await pilot.pause()
 
 
 def plain(widget) -> str:

@@ -15,7 +15,7 @@ import shutil
 import time
 from pathlib import Path
 
-from agora_client.frontend.client import run as run_client
+from agora_client.frontend.client import configure as configure_client, run as run_client
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
 
 RUN_NAME = "%Y%m%d-%H%M%S"
@@ -45,6 +45,15 @@ def _is_run_name(name: str) -> bool:
     return True
 
 
+def client_arguments(headless: bool, swarm_url: str, monitor_url: str, config_dir: Path) -> argparse.Namespace:
+    """The client's own options for joining the demo swarm (its parser fills in every other default)."""
+    parser = argparse.ArgumentParser(prog="agora")
+    configure_client(parser)
+    argv = ["--swarm", swarm_url, "--monitor", monitor_url, "--config-dir", str(config_dir)]
+    argv += ["--host-port", "0"]  # any free port: the demo must not collide with a contributor already on 49200
+    return parser.parse_args([*argv, *(["--headless"] if headless else [])])
+
+
 def run(args: argparse.Namespace) -> int:
     prune_runs(args.run_dir, max(0, args.keep_runs - 1))  # room for this run
     run_dir = args.run_dir / time.strftime(RUN_NAME)
@@ -56,19 +65,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[DEMO] swarm up; auth service at {auth_url}; leaderboard at {monitor_url}/leaderboard", flush=True)
         print("[DEMO] joining as the demo user", flush=True)
         os.environ["HF_TOKEN"] = token  # the demo identity's token, from the swarm's own token file
-        client_args = argparse.Namespace(
-            headless=args.headless,
-            log_format="text",
-            swarm=auth_url,
-            monitor=monitor_url,
-            gpu=None,
-            reconfigure=False,
-            config_dir=run_dir / "client",
-            host_port=0,  # any free port: the demo must not collide with a contributor already on 49200
-            announce_addr=None,
-            runtime_cmd=None,
-        )
-        code = run_client(client_args, args.front_end)
+        code = run_client(client_arguments(args.headless, auth_url, monitor_url, run_dir / "client"), args.front_end)
         print("[DEMO] stopping the swarm...", flush=True)
     print(f"[DEMO] logs of this run: {run_dir / 'logs'} (swarm) and {run_dir / 'client' / 'logs'} (your client)", flush=True)
     return code
