@@ -5,7 +5,7 @@ Ticket checks are a worker-side switch, so each round runs two local swarms (tin
 stage, real processes on 127.0.0.1), one after the other, the order alternating per round so that machine
 load falls on both alike:
 
-- ``tickets``: workers check the ticket on every forward, backward and SPARTA round (as deployed); one
+- ``tickets``: workers check the ticket on every forward and backward (as deployed); one
   trainer per configuration, one after the other:
   - ``off``: no spot checks;
   - ``spot_<f>``: the trainer re-runs a share ``f`` of its stage requests on a second worker of the stage

@@ -313,6 +313,8 @@ def test_the_app_tracker_offers_a_retry_while_unreachable():
 
     tracker = JoinTracker()
     assert tracker.apply(ReachabilityEvent(status="unreachable", address="10.0.0.2:49200", port=49200, advice=["open it"]))
-    assert tracker.unreachable and "10.0.0.2:49200" in tracker.status and "press r" in tracker.status
+    assert tracker.unreachable and "10.0.0.2:49200" in tracker.status and "r retries now" in tracker.status
     tracker.apply(ReachabilityEvent(status="checking", port=49200))
+    assert tracker.unreachable and "Asking the swarm" in tracker.status  # the diagnosis stays up while it retries
+    tracker.apply(ReachabilityEvent(status="reachable", address="10.0.0.2:49200", port=49200, tested_from="10.0.0.1"))
     assert not tracker.unreachable

@@ -24,7 +24,6 @@ from agora_client.worker.backend import StageBackend
 from agora_client.worker.epochs import EpochController, all_finite
 from agora_client.worker.optimizer import build_optimizer
 from agora_client.worker.partition import due_round
-from agora_client.worker.group_admission import GroupAdmission
 from agora_client.worker.rejections import RejectionLog
 from agora_client.worker.server import StageServer
 from agora_client.worker.sparta import RoundReport, SpartaAverager
@@ -148,9 +147,8 @@ class WorkerNode:
             lock=self.epochs.lock,
             on_round=self._on_round,
             stage_size=lambda: self.epochs.tracker.global_progress.num_peers,  # no DHT lookup: the tracker has it
-            admission=None if self.averaging_gate is None else GroupAdmission(
-                self.averaging_gate, options.tickets, self.rejections
-            ),
+            # no admission yet: with GroupAdmission on, a contributor and its stage sometimes never paired for a
+            # whole run under load (tests/test_join_integration.py, 2 of 6 runs, cause not found); see issue 12
         )
         is_tail = stage == "tail"
         max_batch = options.max_batch_size or config.optim.microbatch_size * 8

@@ -268,8 +268,8 @@ class _GroupAverager(DecentralizedAverager):
         refused = self._refused_members(group_info, members)
         if refused is not None:
             return dict(group_size=group_info.group_size, skipped=refused, unshared=0)
-        weights = [member["weight"] for member in members]
-        if not any(weight > 0 for weight in weights):
+        weights = [member.get("weight") if isinstance(member, dict) else None for member in members]
+        if not any(isinstance(weight, (int, float)) and weight > 0 for weight in weights):  # malformed: weight 0
             return dict(group_size=group_info.group_size, skipped="every worker in the group had weight 0", unshared=0)
         self._unshared, self._suspects = 0, {}
         await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
