@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from textual.widgets import RichLog
 
 from tui.widgets import LogPane, RuntimeStatus
 from tests.replays import line_count, make_app
@@ -29,7 +30,12 @@ def wait_for(name: str, crashed: bool = False):
             if done:
                 break
             await asyncio.sleep(0.05)
-        await pilot.pause(0.5)  # the log pane scrolls to its last line
+        log = app.query_one("#log", RichLog)
+        for _ in range(200):  # the log pane scrolls to its last line after a refresh; a busy machine makes it late
+            await pilot.pause(0.05)
+            if log.scroll_y >= log.max_scroll_y:
+                break
+        await pilot.pause(0.2)
 
     return run_before
 
