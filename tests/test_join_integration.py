@@ -211,7 +211,8 @@ def _check_counts_and_points(events: list[dict], stage: str, preset_path) -> Non
     assert stage == "head"  # the first joiner gets the first stage: the one whose backward count was 0
     active = next(i for i, e in enumerate(events) if e["kind"] == "sync" and e["phase"] == "active")
     traffic = [e for e in events if e["kind"] == "traffic"]
-    assert traffic[-1]["backward_total"] > 0 and traffic[-1]["forward_total"] >= traffic[-1]["backward_total"]
+    # (no forward >= backward check: a backward whose forward worker is busy or gone, or a spot check, lands here alone)
+    assert traffic[-1]["backward_total"] > 0 and traffic[-1]["forward_total"] > 0
     assert any(e["backward_per_min"] > 0 for e in events[active:] if e["kind"] == "traffic")
     assert any(e["backward_per_min"] > 0 for e in events[active:] if e["kind"] == "step")
     assert any((e["stage_share"] or 0) > 0 for e in events[active:] if e["kind"] == "step")

@@ -1,7 +1,8 @@
 """Signed metrics on real hivemind DHT nodes (127.0.0.1) and the monitor service as a real process.
 
-Forged and unsigned records sit in the same DHT key as the real ones the whole time; the
-monitor's totals must equal exactly what the honest workers' counters say.
+Forged records sit in the same DHT key as the real ones the whole time; the monitor's totals must
+equal exactly what the honest workers' counters say. Validating nodes refuse unsigned and badly signed
+entries at write time, so those reach a reader only through a permissive node near the key.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from agora_client.config import load_config
 from agora_client.monitor.points import PFLOP
 from agora_client.monitor.records import (
     MetricsRecord,
+    check_entry,
     create_signed_dht,
     fetch_metrics,
     metrics_key,
@@ -116,13 +118,13 @@ def plant_forgeries(swarm: Swarm, victim: MetricsRecord, victim_validator: RSASi
     swarm.mallory.store(key, inflated, expiration, subkey=metrics_subkey(victim.peer_id, swarm.mallory_validator))
     # 4. mallory's own peer, replaying the victim's ticket
     replay = victim.model_copy(update={"peer_id": mallory_id, "compute_flops": 1e21})
-    publish_metrics(swarm.mallory, replay, swarm.mallory_validator, TTL)
+    assert publish_metrics(swarm.mallory, replay, swarm.mallory_validator, TTL)
     # 5. mallory's own peer with a ticket from another auth service (for the head stage, not taken by anyone)
     other_service = generate_signing_key()
     fake_ticket = issue_ticket(other_service, identity="mallory", peer_id=mallory_id, stage="head", slot=0, ttl_s=3600)
     fake = victim.model_copy(update={"peer_id": mallory_id, "identity": "mallory", "stage": "head", "ticket": fake_ticket,
                                      "compute_flops": 1e21})
-    publish_metrics(swarm.mallory, fake, swarm.mallory_validator, TTL)
+    assert publish_metrics(swarm.mallory, fake, swarm.mallory_validator, TTL)
 
 
 def test_fetch_keeps_the_signed_ticketed_record_and_drops_every_forgery(swarm):
@@ -137,13 +139,24 @@ def test_fetch_keeps_the_signed_ticketed_record_and_drops_every_forgery(swarm):
     assert [item.record for item in found] == [real]
     assert found[0].claims.identity == "alice" and found[0].claims.peer_id == real.peer_id
     reasons = "\n".join(rejected)
-    assert "unsigned record" in reasons
     assert "is signed by the key of peer" in reasons
     assert "ticket is for peer" in reasons
     assert "invalid ticket" in reasons
     # The raw DHT value really holds the planted entries: the monitor saw them and dropped them.
     raw = swarm.monitor.get(metrics_key("body1"), latest=True).value
     assert len(raw) >= 3
+
+
+def test_an_unsigned_entry_is_refused_whatever_node_kept_it(swarm):
+    """A permissive node near the key may hand the monitor a bare-subkey entry: the monitor drops it itself."""
+    metrics = worker_metrics(swarm, swarm.alice_body, "body1")
+    record = metrics.snapshot().model_dump(mode="json")
+    with pytest.raises(ValueError, match="unsigned record"):
+        check_entry("body1", record["peer_id"].encode(), record, swarm.public_key)
+    with pytest.raises(ValueError, match="unsigned record"):
+        check_entry("body1", record["peer_id"], record, swarm.public_key)
+    signed = metrics_subkey(record["peer_id"], swarm.alice_body_validator)
+    assert check_entry("body1", signed, record, swarm.public_key)[0].peer_id == record["peer_id"]
 
 
 class MonitorProcess:
