@@ -29,6 +29,7 @@ from agora_client.auth.ticket_source import SelfIssuedTickets
 from agora_client.auth.tickets import generate_signing_key, issue_ticket
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
 from agora_client.trainer.rpc import call_stream, call_unary
+from agora_client.worker.rejections import LOG_INTERVAL_S
 from agora_client.worker.validation import WARMUP_REQUESTS
 from tests.swarm_helpers import events, wait_until
 
@@ -268,7 +269,10 @@ def test_refusals_were_logged_once_for_this_peer_and_the_worker_stayed_healthy(t
     path = swarm.options.run_dir / "events" / f"{STAGE}-0.jsonl"
     seen = events(path)
     refusals = [e for e in seen if e["kind"] == "log" and e["tag"] == "SECURITY" and attacker.peer_id in e["message"]]
-    assert len(refusals) == 1, refusals  # dozens of refusals, one line per peer per minute
-    assert "refused in all" in refusals[0]["message"]
+    # dozens of refusals, at most one line per peer per minute (a slow machine may run the module past one)
+    assert refusals and all("refused in all" in e["message"] for e in refusals), refusals
+    gaps = [later["ts"] - earlier["ts"] for earlier, later in zip(refusals, refusals[1:])]
+    assert all(gap >= LOG_INTERVAL_S - 1 for gap in gaps), gaps
+    assert len(refusals) < int(refusals[-1]["message"].rsplit("; ", 1)[1].split()[0]), refusals  # the rest were folded
     assert not [e for e in seen if e["kind"] == "error" and e.get("where") == "worker health"]
     assert not any("eyJ" in e.get("message", "") for e in seen)  # no ticket (base64 JSON) in any event
