@@ -104,7 +104,7 @@ def test_joiner_passes_every_phase_in_order(join_swarm, tmp_path):
             return bool(sync) and sum(e["kind"] == "step" for e in events[sync[0] :]) >= 3 and counted
 
         wait_until(
-            active_with_steps, 300, "the joiner to become active, train 3 epochs and count its samples", poll=0.5
+            active_with_steps, 420, "the joiner to become active, train 3 epochs and count its samples", poll=0.5
         )
         # The monitor confirms its points from the signed metrics it publishes in the DHT.
         wait_until(lambda: _confirmed(monitor_url, peer_id) > 0, 120, "the monitor to confirm the joiner's points")
