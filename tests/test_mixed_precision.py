@@ -10,6 +10,7 @@ from agora_client.config import load_config
 from agora_client.model import build_full_model
 from agora_client.model.layers import RMSNorm
 from agora_client.model.loss import per_token_loss
+from agora_client.worker import backend
 from agora_client.worker.backend import autocast_context
 from agora_client.worker.optimizer import OffloadAdamW, build_optimizer
 
@@ -24,7 +25,7 @@ def _train(mixed: bool, steps: int) -> list[float]:
         starts = torch.randint(0, config.vocab_size, (8, 1), generator=generator)
         data = (starts + torch.arange(config.seq_len + 1)) % config.vocab_size
         tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
-        with autocast_context(torch.device("cpu"), mixed)():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):  # bf16 even where the CPU emulates it
             loss = model(tokens, labels).mean()
         loss.backward()
         optimizer.step()
@@ -43,10 +44,12 @@ def test_bf16_autocast_training_tracks_fp32_on_cpu() -> None:
     assert fp32 != bf16  # bf16 really ran
 
 
-def test_autocast_context_follows_the_run_config() -> None:
+@pytest.mark.parametrize("native", [True, False])
+def test_autocast_context_follows_the_run_config_where_bf16_is_native(monkeypatch, native: bool) -> None:
+    monkeypatch.setattr(backend, "native_bf16", lambda device: native)
     with autocast_context(torch.device("cpu"), True)():
-        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+        assert torch.is_autocast_enabled("cpu") == native
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == (torch.bfloat16 if native else torch.float32)
     with autocast_context(torch.device("cpu"), False)():
         assert not torch.is_autocast_enabled("cpu")
 

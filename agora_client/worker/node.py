@@ -20,7 +20,7 @@ from agora_client.model import build_stage
 from agora_client.snapshots import SnapshotError, keep_newest, load_stage_snapshot, open_store, save_stage_snapshot
 from agora_client.discovery.dht import connect_dht
 from agora_client.discovery.roster import WorkerRecord, fetch_roster, free_index, stage_uid
-from agora_client.worker.backend import StageBackend
+from agora_client.worker.backend import StageBackend, native_bf16
 from agora_client.worker.epochs import EpochController, all_finite
 from agora_client.worker.optimizer import build_optimizer
 from agora_client.worker.partition import due_round
@@ -150,6 +150,9 @@ class WorkerNode:
             # no admission yet: with GroupAdmission on, a contributor and its stage sometimes never paired for a
             # whole run under load (tests/test_join_integration.py, 2 of 6 runs, cause not found); see issue 12
         )
+        if config.use_mixed_precision and not native_bf16(self.device):
+            events.log(f"no native bf16 on this {self.device.type} (emulated bf16 is slower than fp32): the stage "
+                       "computes in fp32, not under the run's bf16 autocast", tag="TRAINING")
         is_tail = stage == "tail"
         max_batch = options.max_batch_size or config.optim.microbatch_size * 8
         example = self.module.example_inputs(1)
