@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import heapq
 import itertools
+import random
 import threading
 from collections.abc import Callable
 
@@ -123,8 +124,12 @@ def pipeline_throughput(make: Callable[..., StageBalancer], inflight: int, micro
 
     Every worker has its own hardware (a queue served one request at a time, 0.1 s each); body1 has a
     second worker three times slower. A backward goes to the worker that ran its forward, as in the pipeline.
+    Each request takes its worker's time +-20 % (seeded), as real ones vary: with exact times, microbatches
+    that once queue behind each other stay in that convoy for the rest of the run, so a single detour (a
+    balancer's probe) would decide the result.
     """
     clock = FakeClock()
+    jitter = random.Random(0)
     stages = ("head", "body1", "body2", "tail")
     balancers = {stage: make(stage, clock=clock) for stage in stages}
     seconds = {f"{stage}.0.0": 0.1 for stage in stages} | {"body1.0.1": 0.3}
@@ -139,7 +144,7 @@ def pipeline_throughput(make: Callable[..., StageBalancer], inflight: int, micro
         stage, kind = route[step]
         lease = balancers[stage].choose(kind, prefer=forward_on.get(stage) if kind == "backward" else None)
         uid = lease.worker.uid
-        busy_until[uid] = max(clock.now, busy_until[uid]) + seconds[uid]
+        busy_until[uid] = max(clock.now, busy_until[uid]) + seconds[uid] * jitter.uniform(0.8, 1.2)
         heapq.heappush(pending, (busy_until[uid], next(order), step, lease, forward_on))
 
     for _ in range(inflight):
@@ -199,6 +204,40 @@ def test_stream_of_slow_joiners_does_not_take_load_from_fast_workers() -> None:
         fast_share.append((served["body1.0.0"] + served["body1.0.1"]) / 20)
     # entering at the front (runtime 0) would hand each joiner ~40 % of these until it caught up
     assert sum(fast_share) / len(fast_share) >= 0.8 and min(fast_share) >= 0.7
+
+
+def test_a_worker_kept_out_by_one_slow_answer_is_probed_and_taken_back() -> None:
+    clock = FakeClock()
+    balancer = StageBalancer("body1", probe_after_s=10.0, clock=clock)
+    balancer.update_roster([worker(0), worker(1)])
+    first, second = balancer.choose("forward"), balancer.choose("forward")
+    assert {first.worker.uid, second.worker.uid} == {"body1.0.0", "body1.0.1"}
+    balancer.report_success(*((first, 5.0) if first.worker.uid == "body1.0.0" else (second, 5.0)))  # a busy moment
+    balancer.report_success(*((second, 0.1) if first.worker.uid == "body1.0.0" else (first, 0.1)))
+
+    def serve(seconds: float) -> dict[str, int]:
+        counts = {"body1.0.0": 0, "body1.0.1": 0}
+        end = clock.now + seconds
+        while clock.now < end:
+            lease = balancer.choose("forward")
+            counts[lease.worker.uid] += 1
+            clock.now += 0.1
+            balancer.report_success(lease, duration_s=0.1)  # both are really fast
+        return counts
+
+    assert serve(9.5)["body1.0.0"] == 0  # its one slow answer keeps it out while the estimate is fresh
+    recovered = serve(10.0)
+    assert recovered["body1.0.0"] >= 40, recovered  # probed once its estimate went stale, then back in turn
+    assert balancer.estimate(worker(0).key, "forward") == pytest.approx(0.1)  # the probe replaced the old average
+
+
+def test_a_really_slow_worker_pays_one_probe_per_period() -> None:
+    clock = FakeClock()
+    balancer = StageBalancer("body1", probe_after_s=10.0, clock=clock)
+    balancer.update_roster([worker(0), worker(1)])
+    served, _ = simulate(balancer, clock, {"body1.0.0": 0.1, "body1.0.1": 2.0}, requests=600, concurrency=1)
+    # ~60 s of work: without probes the slow worker would get its first request only; probes add one per 10 s
+    assert 2 <= served["body1.0.1"] <= 8, served
 
 
 # bans and roster ---------------------------------------------------------------------------------

@@ -7,6 +7,11 @@ when the fast one is saturated and never adds its latency to a pipeline the fast
 (what equal-busy-time sharing would do). Ties go to the least accumulated virtual runtime (the estimated
 seconds of work routed so far), so equal workers take turns and newcomers enter at the back.
 
+An average only changes when its worker serves, so one slow answer (a busy moment) could keep a worker
+out for good. An average older than ``probe_after_s`` of a worker with nothing in flight therefore counts
+as no worse than the stage's best: the worker gets one request, and that fresh measurement replaces the
+old average. A worker that really is slow pays for one probe per period.
+
 Thread-safe: a pipeline loop may call everything from several microbatch threads at once.
 """
 
@@ -74,6 +79,7 @@ class _Worker:
     vruntime: float = 0.0
     eligible: bool = False  # may take requests now (not banned, not in sync phase 1)
     per_unit: dict[str, float] = field(default_factory=dict)  # kind -> EMA seconds per unit of work
+    measured_at: dict[str, float] = field(default_factory=dict)  # kind -> clock of its last measurement
     banned_until: float | None = None
     transient_streak: int = 0  # consecutive transient failures without a success
     in_flight: int = 0
@@ -90,18 +96,21 @@ class StageBalancer:
         ema_alpha: float = 0.3,
         default_estimate_s: float = 1.0,
         max_transient_streak: int = 3,
+        probe_after_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if ban_seconds < 0 or not 0 < ema_alpha <= 1 or default_estimate_s <= 0 or max_transient_streak < 1:
+        if (ban_seconds < 0 or not 0 < ema_alpha <= 1 or default_estimate_s <= 0 or max_transient_streak < 1
+                or probe_after_s <= 0):
             raise ValueError(
-                "StageBalancer needs ban_seconds >= 0, 0 < ema_alpha <= 1, default_estimate_s > 0 "
-                "and max_transient_streak >= 1"
+                "StageBalancer needs ban_seconds >= 0, 0 < ema_alpha <= 1, default_estimate_s > 0, "
+                "max_transient_streak >= 1 and probe_after_s > 0"
             )
         self.stage = stage
         self.ban_seconds = ban_seconds
         self._alpha = ema_alpha
         self._default_estimate = default_estimate_s
         self._max_transient_streak = max_transient_streak
+        self._probe_after = probe_after_s
         self._clock = clock
         self._lock = threading.Lock()
         self._workers: dict[WorkerKey, _Worker] = {}
@@ -164,7 +173,8 @@ class StageBalancer:
     def report_success(self, lease: Lease, duration_s: float | None = None) -> None:
         """Learn from a completed request; ``duration_s`` defaults to the time since it was chosen."""
         with self._lock:
-            duration = self._clock() - lease.started_at if duration_s is None else duration_s
+            now = self._clock()
+            duration = now - lease.started_at if duration_s is None else duration_s
             self._done += 1
             self._served[lease.worker.uid] = self._served.get(lease.worker.uid, 0) + 1
             worker = self._live(lease)
@@ -174,9 +184,10 @@ class StageBalancer:
             worker.transient_streak = 0
             per_unit = max(duration, 0.0) / max(lease.units, 1e-9)
             previous = worker.per_unit.get(lease.kind)
-            if previous is not None:
+            if previous is not None and not self._stale(worker, lease.kind, lease.started_at):
                 per_unit = previous + self._alpha * (per_unit - previous)
             worker.per_unit[lease.kind] = per_unit
+            worker.measured_at[lease.kind] = now
             if worker.eligible:
                 worker.vruntime += worker.per_unit[lease.kind] * lease.units - lease.charged
 
@@ -274,11 +285,20 @@ class StageBalancer:
         return worker if worker is lease._slot else None
 
     def _estimate(self, worker: _Worker, kind: Kind) -> float:
-        """Seconds per unit: its own average, else the stage's average for this kind, else the default."""
-        if kind in worker.per_unit:
-            return worker.per_unit[kind]
+        """Seconds per unit: its own average (at most the stage's best once stale), else the stage's average
+        for this kind, else the default."""
         known = [other.per_unit[kind] for other in self._workers.values() if kind in other.per_unit]
-        return sum(known) / len(known) if known else self._default_estimate
+        own = worker.per_unit.get(kind)
+        if own is None:
+            return sum(known) / len(known) if known else self._default_estimate
+        if worker.in_flight == 0 and self._stale(worker, kind, self._clock()):
+            return min(known)  # worth a probe: the old average may describe a moment long gone
+        return own
+
+    def _stale(self, worker: _Worker, kind: Kind, at: float) -> bool:
+        """Its average for ``kind`` was last measured probe_after_s or more before ``at``."""
+        measured = worker.measured_at.get(kind)
+        return measured is not None and at - measured >= self._probe_after
 
 
 class RoundRobinBalancer(StageBalancer):
