@@ -10,19 +10,23 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
+from hivemind.utils.crypto import RSAPrivateKey
 
 from agora_client.auth import (
-    AdmissionPolicy, AuthFailed, AuthRejected, AuthServer, AuthService, PeerUnreachable, ServiceSettings,
+    AdmissionPolicy, AuthFailed, AuthRejected, AuthServer, AuthService, PeerUnreachable, Secret, ServiceSettings,
     TokenFileIdentity, authorize, write_demo_token_file,
 )
 from agora_client.auth.admission import Admitted, Queued, Rejected, SlotBook
 from agora_client.auth.presence import PresenceWatcher
+from agora_client.auth.key_proof import peer_id_of_public_key, sign_join
 from agora_client.auth.reachability import AnnounceError, advice, default_host_port, dial_back, parse_announce
 from agora_client.auth.run_description import (
     RunChanged, RunDescriptionError, check_unchanged, describe_run, fetch_description, parse_description,
@@ -42,13 +46,13 @@ SEEDS = ("/ip4/127.0.0.1/tcp/4001/p2p/QmSeedA", "/ip4/127.0.0.1/tcp/4002/p2p/QmS
 
 
 @contextmanager
-def service(tmp_path: Path, *, dial_back_on: bool = False, config: str = "tiny2", **policy):
+def service(tmp_path: Path, *, dial_back_on: bool = False, key_proof_on: bool = False, config: str = "tiny2", **policy):
     token_file = tmp_path / "tokens.json"
     tokens = {name: write_demo_token_file(token_file, name) for name in ("alice", "bob")}
     run = describe_run(load_config(config), SEEDS, "http://127.0.0.1:1/snaps", "http://127.0.0.1:2")
     policy = {"stages": run.config.model.stage_names, "pacing_s": 0.0, "max_pending_per_stage": 100, **policy}
     settings = ServiceSettings(policy=AdmissionPolicy(**policy), seeds=SEEDS, poll_every_s=0.05, run=run,
-                               dial_back=dial_back_on, dial_timeout_s=2.0)
+                               dial_back=dial_back_on, dial_timeout_s=2.0, key_proof=key_proof_on)
     auth = AuthService(settings, TokenFileIdentity(token_file), tmp_path / "state")
     with AuthServer(auth) as server:
         yield server, tokens
@@ -137,12 +141,13 @@ def test_the_worker_dht_runs_on_the_stored_key(tmp_path):
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.dht.crypto import RSASignatureValidator
 from agora_client.worker.peer_key import load_or_create_peer_key, use_as_process_key, peer_id_of
-from agora_client.monitor.records import signed_dht_kwargs, peer_id_of_owner_key
+from agora_client.auth.key_proof import peer_id_of_public_key
+from agora_client.monitor.records import signed_dht_kwargs
 key = load_or_create_peer_key({str(path)!r})
 use_as_process_key(key)
 signed_dht_kwargs({str(path)!r})
 owner = RSASignatureValidator().local_public_key
-print(peer_id_of({str(path)!r}), peer_id_of_owner_key(owner.split(b"[owner:")[1].rstrip(b"]")))
+print(peer_id_of({str(path)!r}), peer_id_of_public_key(owner.split(b"[owner:")[1].rstrip(b"]")))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
@@ -163,6 +168,42 @@ def test_a_key_belongs_to_the_account_that_first_used_it_across_service_restarts
             authorize(server.url, tokens["bob"], "PeerAlice", events=EventWriter(), poll_every=0.05)
         assert authorize(server.url, tokens["bob"], "PeerBob", events=EventWriter(), poll_every=0.05).identity == "bob"
     assert stat.S_IMODE((tmp_path / "state" / "peer_bindings.json").stat().st_mode) == 0o600
+
+
+def test_a_join_must_be_signed_by_the_key_of_its_peer_id(tmp_path):
+    alice_key, bob_key = RSAPrivateKey(), RSAPrivateKey()
+    alice_peer, bob_peer = (peer_id_of_public_key(key.get_public_key().to_bytes()) for key in (alice_key, bob_key))
+
+    def join(token, peer_id, key=None):
+        return authorize(server.url, token, peer_id, events=EventWriter(), poll_every=0.05, peer_key=key)
+
+    with service(tmp_path, key_proof_on=True) as (server, tokens):
+        # Bob learned Alice's new peer id before her first join: he cannot bind it, with no key or with his own.
+        with pytest.raises(AuthRejected, match="prove it holds its peer key"):
+            join(tokens["bob"], alice_peer)
+        with pytest.raises(AuthRejected, match=f"is the key of peer id {bob_peer}, not of {alice_peer}"):
+            join(tokens["bob"], alice_peer, bob_key)
+        # Nor can he replay a proof Alice made for her token, nor send one that is stale or garbled.
+        now = time.time()
+        signed_by_alice = sign_join(alice_key, alice_peer, Secret(tokens["alice"]), now)
+        refusals = {
+            "does not verify": signed_by_alice,
+            "s off the service's clock": sign_join(alice_key, alice_peer, Secret(tokens["bob"]), now - 3600),
+            "not an RSA public key": {**signed_by_alice, "peer_key": "ssh-rsa AAAAnotakey"},
+            "must be short text": {**signed_by_alice, "signed_at": "yesterday"},
+        }
+        for reason, proof in refusals.items():
+            reply = httpx.post(f"{server.url}/v1/join", json={"token": tokens["bob"], "peer_id": alice_peer, **proof})
+            assert reply.status_code == 403 and reply.json()["status"] == "rejected", reply.text
+            assert reason in reply.json()["reason"]
+        garbled = {**signed_by_alice, "key_proof": "é" + signed_by_alice["key_proof"][1:]}
+        reply = httpx.post(f"{server.url}/v1/join", json={"token": tokens["alice"], "peer_id": alice_peer, **garbled})
+        assert reply.status_code == 403 and "does not verify" in reply.json()["reason"]
+        # Alice's own signed join is admitted, and the key is hers from now on.
+        assert join(tokens["alice"], alice_peer, alice_key).identity == "alice"
+        assert join(tokens["bob"], bob_peer, bob_key).identity == "bob"
+    audit = [json.loads(line) for line in (tmp_path / "state" / "joins.jsonl").read_text().splitlines()]
+    assert sum(line["event"] == "bad_key_proof" for line in audit) == 7
 
 
 def book(**overrides) -> SlotBook:

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -19,6 +19,9 @@ from agora_client.events import AuthEvent, EventWriter, QueueEvent
 
 from .reachability import DialResult
 from .secret import Secret
+
+if TYPE_CHECKING:
+    from hivemind.utils.crypto import RSAPrivateKey
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +87,7 @@ def authorize(
     port: int | None = None,
     announce: str | None = None,
     gpu_memory: int | None = None,
+    peer_key: RSAPrivateKey | None = None,
 ) -> Authorization:
     """Join the swarm at ``swarm_url`` (the auth service); wait in its queue if it paces joins.
 
@@ -93,6 +97,7 @@ def authorize(
     ``port`` (or ``announce`` HOST:PORT) is where this peer listens: the service dials it back before
     admission and raises PeerUnreachable (no event: the caller diagnoses and retries) if it cannot connect.
     ``gpu_memory`` (bytes) lets the service assign only a stage that GPU can hold.
+    ``peer_key``, the key ``peer_id`` is derived from, signs each join (the service may require that proof).
     Raises AuthRejected or AuthFailed (after emitting the matching event).
     """
     secret = Secret(token)
@@ -106,7 +111,7 @@ def authorize(
             key: value for key, value in (("port", port), ("announce", announce), ("gpu_memory_bytes", gpu_memory))
             if value is not None
         }
-        reply = _join(http, base, secret, peer_id, events, where)
+        reply = _join(http, base, secret, peer_id, peer_key, events, where)
         dial = reply.get("dial")  # only the join's reply carries it; polls come later
         assigned = False
         last_queue_log = -float("inf")
@@ -128,7 +133,7 @@ def authorize(
                 poll_failures = 0
             except _PlaceLost:
                 log.info("the join queue place was lost; joining again")
-                reply = _join(http, base, secret, peer_id, events, where)
+                reply = _join(http, base, secret, peer_id, peer_key, events, where)
             except _Unreachable as error:
                 poll_failures += 1
                 if poll_failures >= _MAX_POLL_FAILURES:
@@ -199,10 +204,16 @@ class _Refused(Exception):
 
 
 def _join(
-    http: httpx.Client, base: str, token: Secret, peer_id: str, events: EventWriter, where: dict[str, Any]
+    http: httpx.Client, base: str, token: Secret, peer_id: str, peer_key: RSAPrivateKey | None, events: EventWriter,
+    where: dict[str, Any],
 ) -> dict[str, Any]:
+    proof = {}
+    if peer_key is not None:
+        from .key_proof import sign_join  # imports hivemind: only a joiner with a peer key needs it
+
+        proof = sign_join(peer_key, peer_id, token, time.time())  # signed afresh: a re-join may come much later
     try:
-        return _post(http, f"{base}/v1/join", {"token": token.reveal(), "peer_id": peer_id, **where})
+        return _post(http, f"{base}/v1/join", {"token": token.reveal(), "peer_id": peer_id, **where, **proof})
     except _Unreachable as error:
         raise _fail(events, peer_id, str(error)) from None
     except (_Refused, _PlaceLost) as error:

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         settings = ServiceSettings(
             policy=policy, snapshot_url=None if links else args.snapshot_url, seeds=seeds, snapshot_links=links,
             run=describe_run(config, seeds, args.snapshot_url, args.monitor_url),
-            dial_back=args.dial_back, dial_timeout_s=args.dial_timeout,
+            dial_back=args.dial_back, dial_timeout_s=args.dial_timeout, key_proof=True,
         )
         service = AuthService(settings, build_identity_source(args), args.state_dir)
         server = AuthServer(service, args.host, args.port)

@@ -2,7 +2,7 @@
 
 JSON API (every answer is a JSON object with ``status``):
   GET  /v1/run                                -> the run description (run_description.py); 503 if none is set
-  POST /v1/join    {token, peer_id, port, announce?}
+  POST /v1/join    {token, peer_id, port, announce?, gpu_memory_bytes?, peer_key?, signed_at?, key_proof?}
                                               -> 200 authorized | 200 queued | 403 rejected | 409 unreachable | 400 | 401 | 503
   POST /v1/join/poll {queue_id, peer_id}      -> as /v1/join; 404 if the queue place is gone
   POST /v1/active  {ticket}                   -> 200 ok: the peer is up in the swarm (ends join pacing for it)
@@ -13,7 +13,8 @@ JSON API (every answer is a JSON object with ``status``):
 The token is wrapped in ``Secret`` as soon as it is parsed; the service keeps only its keyed hash.
 A peer id is bound to the identity that first joined with it (``peer_bindings.json``); with
 ``dial_back`` on, a join is admitted only after the service connected to the joiner's port
-(``port`` at the address the request came from, or ``announce`` HOST:PORT when that host is it).
+(``port`` at the address the request came from, or ``announce`` HOST:PORT when that host is it);
+with ``key_proof`` on, only after the join proved it holds the key of its peer id (``key_proof.py``).
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ class ServiceSettings:
     dial_back: bool = False
     """Connect back to every joiner's announced port before admitting it (the CLI turns this on)."""
     dial_timeout_s: float = 5.0
+    key_proof: bool = False
+    """Admit only joins signed by the key of the peer id they name (the CLI turns this on)."""
 
     def snapshot_url_for(self, stage: str) -> str | None:
         if self.snapshot_links is not None:
@@ -121,6 +124,14 @@ class AuthService:
             raise RequestError(HTTPStatus.UNAUTHORIZED, str(error)) from None
         except IdentityUnavailable as error:
             raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, str(error)) from None
+        if self.settings.key_proof:
+            from .key_proof import KeyProofError, check_join_proof  # imports hivemind: only when proofs are asked for
+
+            try:
+                check_join_proof(body, peer_id, secret, time.time())
+            except KeyProofError as error:
+                self._audit("bad_key_proof", token_hash=digest[:16], identity=identity, peer_id=peer_id)
+                return HTTPStatus.FORBIDDEN, {"status": "rejected", "reason": str(error)}
         owner = self.bindings.claim(peer_id, identity)
         if owner != identity:
             reason = (

@@ -18,7 +18,6 @@ start it with ``signed_dht_kwargs(path)`` (identity file + validator of hivemind
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from collections.abc import Callable, Iterable
@@ -26,9 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import multihash
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind import DHT
 from hivemind.p2p import PeerID
 from hivemind.dht.crypto import RSASignatureValidator
@@ -37,6 +33,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from agora_client.auth.key_proof import peer_id_of_public_key
 from agora_client.auth.tickets import InvalidTicket, TicketClaims, verify_ticket
 from agora_client.events import SyncPhase
 
@@ -98,7 +95,7 @@ def signer_of(subkey: object, name: str) -> str:
     if subkey.split(b"[owner:", 1)[0] != name.encode():
         raise ValueError(f"subkey names another entry than {name}")
     try:
-        return peer_id_of_owner_key(owners[0])
+        return peer_id_of_public_key(owners[0])
     except ValueError as error:
         raise ValueError(f"unreadable owner key: {error}") from None
 
@@ -137,17 +134,6 @@ def create_signed_dht(identity_path: Path | str, key: RSAPrivateKey | None = Non
     kwargs = signed_dht_kwargs(identity_path, key)
     dht = DHT(start=True, **kwargs, **dht_kwargs)
     return dht, kwargs["record_validators"][0]
-
-
-def peer_id_of_owner_key(openssh_public_key: bytes) -> str:
-    """The libp2p peer id of an RSA public key (as hivemind's PeerID.from_identity derives it)."""
-    public_key = serialization.load_ssh_public_key(openssh_public_key)
-    if not isinstance(public_key, rsa.RSAPublicKey):
-        raise ValueError("owner key is not an RSA key")
-    der = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
-    digest = multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))
-    return PeerID(digest).to_base58()
 
 
 def publish_metrics(dht: DHT, record: MetricsRecord, validator: RSASignatureValidator, ttl: float) -> bool:

@@ -24,7 +24,8 @@ from hivemind.utils import get_dht_time
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agora_client.auth.tickets import InvalidTicket, issue_ticket, verify_ticket
-from agora_client.monitor.records import owner_subkey, peer_id_of_owner_key, signer_of
+from agora_client.auth.key_proof import peer_id_of_public_key
+from agora_client.monitor.records import owner_subkey, signer_of
 
 VERDICTS_KEY = "agora.verdicts"
 TRAINER_ROLE = "trainer"  # a trainer's ticket names this role where a worker's names its stage
@@ -52,7 +53,7 @@ class Verdict(BaseModel):
 
 def trainer_peer_id(validator: RSASignatureValidator) -> str:
     """The peer id of the key this validator signs with (the ``[owner:...]`` wrapper removed)."""
-    return peer_id_of_owner_key(validator.local_public_key.removeprefix(b"[owner:").removesuffix(b"]"))
+    return peer_id_of_public_key(validator.local_public_key.removeprefix(b"[owner:").removesuffix(b"]"))
 
 
 def trainer_ticket(auth_key: Ed25519PrivateKey, validator: RSASignatureValidator) -> str:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from hivemind.utils.crypto import RSAPrivateKey
+
 from agora_client.auth.client import (
     Authorization, PeerUnreachable, StageAssignment, authorize, leave, renew_ticket, report_active,
 )
@@ -122,7 +124,8 @@ class Contributor:
     def run(self, token: str) -> None:
         options = self.options
         identity_path = key_path(options.config_dir, options.device_name)
-        use_as_process_key(load_or_create_peer_key(identity_path))  # the same peer id as on the last run
+        peer_key = load_or_create_peer_key(identity_path)
+        use_as_process_key(peer_key)  # the same peer id as on the last run
         dht_kwargs = signed_dht_kwargs(identity_path)  # peer id and metrics signatures share one key
         peer_id = peer_id_of(identity_path)
         self._preflight()
@@ -134,7 +137,7 @@ class Contributor:
         config = options.run.config
         fit = JoinFit(config, _cuda_index(options.device), options.batch_size_override, self.events)  # refuses unfit GPUs
         gpu_memory = fit.gpu.memory_total if fit.gpu is not None else None
-        auth = self._authorize(token, peer_id, port, gpu_memory, fit.guard(fetch.start))
+        auth = self._authorize(token, peer_id, peer_key, port, gpu_memory, fit.guard(fetch.start))
         if auth is None:
             return
         self.auth = auth
@@ -197,7 +200,8 @@ class Contributor:
             raise PreflightFailed("preflight failed: " + "; ".join(failed))
 
     def _authorize(
-        self, token: str, peer_id: str, port: int, gpu_memory: int | None, on_assigned: Callable[[StageAssignment], None]
+        self, token: str, peer_id: str, peer_key: RSAPrivateKey, port: int, gpu_memory: int | None,
+        on_assigned: Callable[[StageAssignment], None],
     ) -> Authorization | None:
         """Join; while the auth service cannot dial us back, show why and try again (never join unreachable)."""
         options = self.options
@@ -206,7 +210,7 @@ class Contributor:
             try:
                 auth = authorize(
                     options.swarm_url, token, peer_id, events=self.events, on_assigned=on_assigned, stop=self.stop,
-                    port=port, announce=options.announce_addr, gpu_memory=gpu_memory,
+                    port=port, announce=options.announce_addr, gpu_memory=gpu_memory, peer_key=peer_key,
                 )
             except PeerUnreachable as error:
                 self.events.emit(reachability_result(error.dial, port))
