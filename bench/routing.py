@@ -8,18 +8,25 @@ trainer with `--routing round-robin`, one after the other (alternating per round
 on both alike). For each policy: the share of body1's requests each worker served, and the trainer's
 pipeline throughput in tokens/s, both measured after a warm-up. Last output line: one JSON object.
 
+Each worker runs under a CPU quota of its own (``--cpus``, a cgroup per worker: tests/cpu_quota.py), as on
+a host of its own. Without quotas the workers share the machine's cores, and the slow worker's sleep hands
+its CPU to the others, so a CPU-bound machine hides what routing saves (``--cpus 0`` measures that case).
+
     python bench/routing.py                      # ~3-4 min on 2 cores
     python bench/routing.py --rounds 2 --seconds 60 --slower 4
+    python bench/routing.py --cpus 0             # no quotas: workers share the cores
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -27,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _trainer_progress import ProgressRecorder, served_by, tokens_per_second  # noqa: E402
 
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions  # noqa: E402
+from tests.cpu_quota import CpuQuotas, unavailable  # noqa: E402
 
 POLICIES = ("least-loaded", "round-robin")
 SLOW_STAGE = "body1"
@@ -39,6 +47,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=float, default=15.0, help="seconds of each trainer not measured")
     parser.add_argument("--rounds", type=int, default=1, help="rounds of (least-loaded, round-robin)")
     parser.add_argument("--inflight", type=int, default=3, help="microbatches in flight per trainer")
+    parser.add_argument("--cpus", type=float, default=0.3,
+                        help="CPU cores each worker may use, a cgroup quota per worker (default 0.3; 0: no quotas)")
     parser.add_argument("--run-dir", type=Path, default=None, help="logs go here (default: a temporary folder)")
     return parser.parse_args()
 
@@ -60,21 +70,19 @@ def measure(swarm: LocalSwarm, recorder: ProgressRecorder, policy: str, args: ar
     return {"tokens_per_s": tokens_per_second(points, tokens), "served": served_by(points, SLOW_STAGE)}
 
 
-def main() -> int:
-    args = parse_args()
-    if args.slower <= 1 or min(args.seconds, args.warmup + 1, args.rounds, args.inflight) <= 0:
-        print("--slower must be above 1; --seconds, --rounds and --inflight positive", file=sys.stderr)
-        return 2
-    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="agora-bench-routing-"))
+def measure_policies(
+    args: argparse.Namespace, options: SwarmOptions, quotas: CpuQuotas | None, results: dict[str, list[dict]]
+) -> tuple[str, str]:
+    """Run the swarm (each worker in a quota group of its own, if ``quotas``) and measure each policy; (fast, slow) uid."""
     recorder = ProgressRecorder()
-    swarm = LocalSwarm(SwarmOptions(workers_per_stage=1, trainers=0, run_dir=run_dir, report_every=2.0), on_line=recorder)
-    results: dict[str, list[dict]] = {policy: [] for policy in POLICIES}
+    place = None if quotas is None else (lambda stage, index: quotas.group(f"{stage}-{index}", args.cpus))
+    swarm = LocalSwarm(options, on_line=recorder, place_worker=place)
     try:
         swarm.start()
         slow = swarm.start_worker(SLOW_STAGE, "--slower", str(args.slower))
         fast_uid, slow_uid = f"{SLOW_STAGE}.0.0", f"{SLOW_STAGE}.0.{slow.name.rsplit('-', 1)[1]}"
         print(f"swarm up in {time.monotonic() - swarm.started_at:.0f}s; {SLOW_STAGE}: fast {fast_uid}, slow {slow_uid} "
-              f"({args.slower:g}x slower); logs in {run_dir / 'logs'}", flush=True)
+              f"({args.slower:g}x slower); {args.cpus:g} cores per worker; logs in {options.run_dir / 'logs'}", flush=True)
         for round_index in range(args.rounds):
             for policy in POLICIES if round_index % 2 == 0 else POLICIES[::-1]:
                 result = measure(swarm, recorder, policy, args)
@@ -86,8 +94,27 @@ def main() -> int:
                       f"slow {served.get(slow_uid, 0)} ({served.get(slow_uid, 0) / total:.0%})", flush=True)
     finally:
         swarm.stop()
-    summary: dict[str, object] = {"bench": "routing", "preset": swarm.config.name, "slower": args.slower,
-                                  "seconds_per_policy": args.seconds * args.rounds, "inflight": args.inflight}
+    return fast_uid, slow_uid
+
+
+def main() -> int:
+    args = parse_args()
+    if args.slower <= 1 or min(args.seconds, args.warmup + 1, args.rounds, args.inflight) <= 0:
+        print("--slower must be above 1; --seconds, --rounds and --inflight positive", file=sys.stderr)
+        return 2
+    if args.cpus > 0 and unavailable() is not None:
+        print(f"--cpus {args.cpus:g} needs CPU quotas, and {unavailable()}; run as root, or pass --cpus 0", file=sys.stderr)
+        return 2
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="agora-bench-routing-"))
+    options = SwarmOptions(workers_per_stage=1, trainers=0, run_dir=run_dir, report_every=2.0)
+    results: dict[str, list[dict]] = {policy: [] for policy in POLICIES}
+    with CpuQuotas(f"agora-routing-{os.getpid()}") if args.cpus > 0 else nullcontext() as quotas:
+        fast_uid, slow_uid = measure_policies(args, options, quotas, results)
+        # seconds the quotas held the workers back: above 0 shows they bound (read before the groups go)
+        throttled_s = 0.0 if quotas is None else round(sum(group.throttled_s() for group in quotas.groups), 1)
+    summary: dict[str, object] = {"bench": "routing", "preset": options.preset, "slower": args.slower, "cpus_per_worker": args.cpus,
+                                  "worker_throttled_s": throttled_s, "seconds_per_policy": args.seconds * args.rounds,
+                                  "inflight": args.inflight}
     for policy, runs in results.items():
         key = policy.replace("-", "_")
         fast = sum(run["served"].get(fast_uid, 0) for run in runs)
