@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from hivemind.utils.crypto import RSAPrivateKey
 
 from agora_client.auth import (
     AdmissionPolicy,
@@ -30,6 +31,7 @@ from agora_client.auth import (
     leave,
     write_demo_token_file,
 )
+from agora_client.auth.key_proof import peer_id_of_public_key
 from agora_client.events import EventWriter
 from agora_client.snapshots import download_snapshot, save_stage_snapshot, serve_directory
 
@@ -135,7 +137,9 @@ def test_auth_command_runs_and_keeps_the_token_out_of_its_output(tmp_path: Path)
         ready = process.stdout.readline()
         assert ready.startswith("[AUTH] listening on "), ready + process.stderr.read()
         url = ready.removeprefix("[AUTH] listening on ").strip()
-        granted = authorize(url, token, "peerCLI", events=EventWriter())
+        key = RSAPrivateKey()  # the CLI's service admits only joins signed with the key of their peer id
+        granted = authorize(url, token, peer_id_of_public_key(key.get_public_key().to_bytes()), events=EventWriter(),
+                            peer_key=key)
         assert granted.stage == "head" and granted.snapshot_url == "http://127.0.0.1:9/snapshots/head/latest.json"
         assert granted.seeds == ("/ip4/127.0.0.1/tcp/4001/p2p/QmSeed",)
         rejected = httpx.post(f"{url}/v1/join", json={"token": token + "x", "peer_id": "peerBad"})

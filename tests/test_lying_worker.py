@@ -17,13 +17,12 @@ import httpx
 import pytest
 import yaml
 
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 
 from agora_client.auth.client import authorize
 from agora_client.auth.identity import write_demo_token_file
+from agora_client.auth.key_proof import peer_id_of_public_key
 from agora_client.events import EventWriter, json_objects
-from agora_client.monitor.verdicts import trainer_peer_id
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
 from agora_client.swarm.processes import ManagedProcess
 from tests.swarm_helpers import progress, wait_until
@@ -46,7 +45,9 @@ def test_a_lying_worker_is_banned_loses_its_points_and_the_loss_still_falls(tmp_
         fillers = [write_demo_token_file(tmp_path / "run" / "auth" / "tokens.json", f"filler{i}") for i in range(2)]
         auth_url, token = swarm.start_join_services(pacing=1.0, auth_args=("--no-dial-back",))  # fillers open no port
         for filler in (fillers[0], fillers[0], fillers[1]):  # admitted, never active: head, body1, body2 are taken
-            authorize(auth_url, filler, trainer_peer_id(RSASignatureValidator(RSAPrivateKey())), events=EventWriter())
+            key = RSAPrivateKey()
+            authorize(auth_url, filler, peer_id_of_public_key(key.get_public_key().to_bytes()), events=EventWriter(),
+                      peer_key=key)
         monitor_url = swarm.start_monitor(auth_url, interval=2.0)
         trainer = swarm.start_trainer()  # the launcher gives it the auth service's key: it can name the liar
         liar = ManagedProcess(
