@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 from .admission import AdmissionPolicy, Decision, Queued, Rejected, SlotBook, UnknownQueueEntry
 from .bindings import PeerBindings
+from .key_proof import KeyProofError, check_join_proof
 from .reachability import AnnounceError, dial_back, parse_announce
 from .run_description import RunDescription
 from .identity import IdentitySource, IdentityUnavailable, InvalidToken
@@ -125,8 +126,6 @@ class AuthService:
         except IdentityUnavailable as error:
             raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, str(error)) from None
         if self.settings.key_proof:
-            from .key_proof import KeyProofError, check_join_proof  # imports hivemind: only when proofs are asked for
-
             try:
                 check_join_proof(body, peer_id, secret, time.time())
             except KeyProofError as error:
