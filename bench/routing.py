@@ -11,6 +11,8 @@ pipeline throughput in tokens/s, both measured after a warm-up. Last output line
 Each worker runs under a CPU quota of its own (``--cpus``, a cgroup per worker: tests/cpu_quota.py), as on
 a host of its own. Without quotas the workers share the machine's cores, and the slow worker's sleep hands
 its CPU to the others, so a CPU-bound machine hides what routing saves (``--cpus 0`` measures that case).
+At the default 3 in flight the pipeline is bound by latency, not capacity (every other stage has one worker),
+and a detour through the slow worker costs little; ``--inflight 8`` fills the stages and shows the capacity.
 
     python bench/routing.py                      # ~3-4 min on 2 cores
     python bench/routing.py --rounds 2 --seconds 60 --slower 4
