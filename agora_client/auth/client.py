@@ -11,17 +11,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
+from hivemind.utils.crypto import RSAPrivateKey
 
 from agora_client.events import AuthEvent, EventWriter, QueueEvent
 
+from .key_proof import sign_join
 from .reachability import DialResult
 from .secret import Secret
-
-if TYPE_CHECKING:
-    from hivemind.utils.crypto import RSAPrivateKey
 
 log = logging.getLogger(__name__)
 
@@ -207,11 +206,8 @@ def _join(
     http: httpx.Client, base: str, token: Secret, peer_id: str, peer_key: RSAPrivateKey | None, events: EventWriter,
     where: dict[str, Any],
 ) -> dict[str, Any]:
-    proof = {}
-    if peer_key is not None:
-        from .key_proof import sign_join  # imports hivemind: only a joiner with a peer key needs it
-
-        proof = sign_join(peer_key, peer_id, token, time.time())  # signed afresh: a re-join may come much later
+    # signed afresh each time: a re-join after a lost queue place may come much later
+    proof = sign_join(peer_key, peer_id, token, time.time()) if peer_key is not None else {}
     try:
         return _post(http, f"{base}/v1/join", {"token": token.reveal(), "peer_id": peer_id, **where, **proof})
     except _Unreachable as error:
