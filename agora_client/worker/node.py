@@ -24,6 +24,7 @@ from agora_client.worker.backend import StageBackend, native_bf16
 from agora_client.worker.epochs import EpochController, all_finite
 from agora_client.worker.optimizer import build_optimizer
 from agora_client.worker.partition import due_round
+from agora_client.worker.group_admission import GroupAdmission
 from agora_client.worker.rejections import RejectionLog
 from agora_client.worker.server import StageServer
 from agora_client.worker.sparta import RoundReport, SpartaAverager
@@ -99,8 +100,10 @@ class WorkerNode:
         self.dht = options.dht or connect_dht(options.seeds, host=options.host, **options.dht_kwargs)
         self.peer_id = self.dht.peer_id.to_base58()
 
-        self.module = build_stage(config.model, stage, seed=options.init_seed if options.init_seed is not None else config.seed)
-        self.module.to(self.device)
+        self.module = build_stage(
+            config.model, stage, seed=options.init_seed if options.init_seed is not None else config.seed,
+            device=self.device, seeded_weights=options.snapshot is None,  # a snapshot sets every weight below
+        )
         self.parameters = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.parameters, config)
         index = options.index if options.index is not None else free_index(fetch_roster(self.dht, stage), stage)
@@ -147,8 +150,9 @@ class WorkerNode:
             lock=self.epochs.lock,
             on_round=self._on_round,
             stage_size=lambda: self.epochs.tracker.global_progress.num_peers,  # no DHT lookup: the tracker has it
-            # no admission yet: with GroupAdmission on, a contributor and its stage sometimes never paired for a
-            # whole run under load (tests/test_join_integration.py, 2 of 6 runs, cause not found); see issue 12
+            admission=None if self.averaging_gate is None else GroupAdmission(
+                self.averaging_gate, options.tickets, self.rejections
+            ),
         )
         if config.use_mixed_precision and not native_bf16(self.device):
             events.log(f"no native bf16 on this {self.device.type} (emulated bf16 is slower than fp32): the stage "
