@@ -15,6 +15,7 @@ from agora_client.model import (
     param_counts,
     trainable_parameter_count,
 )
+from agora_client.snapshots import load_stage_snapshot, save_stage_snapshot
 
 SEED = 7
 BATCH, SEQ = 2, 24
@@ -121,6 +122,17 @@ def test_init_depends_on_seed_and_stage_only() -> None:
         assert torch.equal(a, b), name
         if "norm" not in name:  # norm gains all start at 1
             assert not torch.equal(a, c), name
+
+
+def test_a_stage_built_for_a_snapshot_computes_as_the_seeded_one_once_loaded(tmp_path) -> None:
+    config = tiny(True)
+    seeded = build_stage(config, "head", seed=SEED)
+    directory = save_stage_snapshot(tmp_path, "head", seeded, torch.optim.SGD(seeded.parameters(), lr=0.1), epoch=1, keep=1)
+    for_load = build_stage(config, "head", seed=SEED, seeded_weights=False)
+    assert torch.equal(for_load.subspace.basis, seeded.subspace.basis)  # derived from the seed, never saved
+    load_stage_snapshot(directory, for_load, stage="head")
+    tokens, _ = batch(config)
+    assert torch.equal(for_load(tokens), seeded(tokens))
 
 
 def test_olmo2_shape_of_a_dense_block() -> None:

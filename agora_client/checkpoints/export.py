@@ -32,7 +32,7 @@ def load_set(store: SnapshotStore, checkpoints: CheckpointSet, cache: Path) -> t
     config = ModelConfig.model_validate(run["model"])
     modules = {}
     for stage in config.stage_names:
-        module = build_stage(config, stage, seed=run["seed"])
+        module = build_stage(config, stage, seed=run["seed"], seeded_weights=False)  # the checkpoint sets every weight
         snapshot = checkpoints.members[stage]
         try:
             load_stage_snapshot(store.local_dir(snapshot, cache), module, stage=stage)

@@ -106,11 +106,17 @@ class StageModule(nn.Module):
         return self.subspace.compress(hidden, tokens) if self.compress_boundary else hidden
 
 
+def _embedding(vocab_size: int, width: int) -> nn.Embedding:
+    # left uninitialized (_materialize fills every parameter): nn.Embedding's own normal_ on the meta device
+    # imports torch._dynamo, seconds in every process that builds a stage (workers, trainers, the auth service)
+    return nn.Embedding(vocab_size, width, _weight=torch.empty(vocab_size, width))
+
+
 class HeadStage(StageModule):
     def __init__(self, config: ModelConfig, stage: str, compress_boundary: bool) -> None:
         super().__init__(config, stage, compress_boundary)
         width = config.subspace_rank if config.subspace.enabled else config.d_model
-        self.embed = nn.Embedding(config.vocab_size, width)
+        self.embed = _embedding(config.vocab_size, width)
 
     def example_inputs(self, batch_size: int) -> tuple[torch.Tensor, ...]:
         return (self._tokens(batch_size),)
@@ -161,7 +167,7 @@ class FullModel(nn.Module):
         self.config = config
         self.subspace = Subspace(config) if config.subspace.enabled else None
         width = config.subspace_rank if config.subspace.enabled else config.d_model
-        self.embed = nn.Embedding(config.vocab_size, width)
+        self.embed = _embedding(config.vocab_size, width)
         self.layers = _layer_dict(config, range(config.n_layers))
         self.final_norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
@@ -174,10 +180,11 @@ class FullModel(nn.Module):
 
 
 @torch.no_grad()
-def _initialize(module: nn.Module, seed: int, std: float) -> None:
-    """Norm gains to 1, every other parameter N(0, std) from (seed, its name); U and E_f from the seed."""
+def _initialize(module: nn.Module, seed: int, std: float, *, weights: bool = True) -> None:
+    """Norm gains to 1, every other parameter N(0, std) from (seed, its name); U and E_f from the seed.
+    weights=False: only U and E_f (the caller loads every weight)."""
     for module_name, sub in module.named_modules():
-        for param_name, param in sub.named_parameters(recurse=False):
+        for param_name, param in sub.named_parameters(recurse=False) if weights else ():
             if isinstance(sub, RMSNorm):
                 param.fill_(1.0)
             else:
@@ -187,12 +194,14 @@ def _initialize(module: nn.Module, seed: int, std: float) -> None:
             sub.regenerate(seed)
 
 
-def _materialize(module: nn.Module, config: ModelConfig, seed: int, device: str | torch.device) -> nn.Module:
+def _materialize(
+    module: nn.Module, config: ModelConfig, seed: int, device: str | torch.device, weights: bool = True
+) -> nn.Module:
     # Built on meta first so nothing is allocated twice; then filled on the target device.
     device = torch.device(device)
     if device.type != "meta":
         module.to_empty(device=device)
-        _initialize(module, seed, config.init_std)
+        _initialize(module, seed, config.init_std, weights=weights)
     return module
 
 
@@ -203,8 +212,13 @@ def build_stage(
     seed: int,
     device: str | torch.device = "cpu",
     compress_boundary: bool | None = None,
+    seeded_weights: bool = True,
 ) -> StageModule:
-    """Build one stage; compress_boundary defaults to config.subspace.enabled."""
+    """Build one stage; compress_boundary defaults to config.subspace.enabled.
+
+    seeded_weights=False leaves the weights uninitialized for a caller that loads all of them (a snapshot):
+    a large stage's random init costs seconds to minutes of CPU that the load would throw away.
+    """
     config.stage(stage)  # unknown names raise ConfigError naming the valid ones
     if compress_boundary is None:
         compress_boundary = config.subspace.enabled
@@ -213,7 +227,7 @@ def build_stage(
     stage_class = HeadStage if stage == "head" else TailStage if stage == "tail" else BodyStage
     with torch.device("meta"):
         module = stage_class(config, stage, compress_boundary)
-    return _materialize(module, config, seed, device)
+    return _materialize(module, config, seed, device, weights=seeded_weights)
 
 
 def build_full_model(config: ModelConfig, *, seed: int, device: str | torch.device = "cpu") -> FullModel:
