@@ -42,6 +42,28 @@ def test_importing_agora_client_and_every_submodule_never_imports_tui_or_textual
     assert leaked.strip() == "[]"
 
 
+_IMPORT_THE_APP = """
+import importlib, pkgutil, sys
+import agora_cli, tui, agora_client.frontend
+names = [m.name for package in (tui, agora_client.frontend) for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
+for name in names:
+    importlib.import_module(name)
+print(len(names), sorted(m for m in ("torch", "hivemind", "numpy") if m in sys.modules))
+"""
+
+
+def test_the_app_process_never_imports_torch_or_hivemind():
+    # the first screen is up in the time textual takes; torch is loaded once, by the runtime it starts
+    result = subprocess.run(
+        [sys.executable, "-c", _IMPORT_THE_APP], capture_output=True, text=True, timeout=110,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    count, leaked = result.stdout.split(" ", 1)
+    assert int(count) > 10
+    assert leaked.strip() == "[]"
+
+
 @pytest.mark.parametrize(
     ("runtime_code", "stop_signal", "rejected", "expected"),
     [
