@@ -176,13 +176,14 @@ def _sum(windows: list[dict[str, StageWindow]], stage: str, field: str) -> int:
 
 
 def test_workers_crashed_mid_forward_and_mid_backward_are_retried_banned_and_forgotten(swarm, trainer):
-    # Mid-forward: a body1 worker whose every request takes >= 8 s. Right after it joins the trainer's roster
-    # it receives forwards; none can have finished 4 s later, so no backward can have been sent to it yet.
+    # Mid-forward: a body1 worker whose every request takes >= 12 s. Soon after it joins the trainer's roster
+    # it receives forwards (on a loaded machine the pipeline may first stall a few seconds while the newcomer
+    # finishes starting); none can have finished 8 s later, so no backward can have been sent to it yet.
     mark = trainer.mark()
-    slow_body1 = swarm.start_worker("body1", "--slowdown", "8")
+    slow_body1 = swarm.start_worker("body1", "--slowdown", "12")
     body1_uid = _uid(slow_body1)
     trainer.wait_for(f"[ROSTER] body1: +{body1_uid}", mark, 60)
-    time.sleep(4.0)
+    time.sleep(8.0)
     crash(slow_body1)
     killed_at = trainer.mark()
     # Mid-backward: a tail worker whose requests take 4 s; start it now, it joins while body1 recovers.
