@@ -76,3 +76,17 @@ def test_without_a_snapshot_source_it_stays_out_of_routing(tmp_path) -> None:
         assert not node.healthy
     finally:
         node.shutdown()
+
+
+def test_a_worker_checking_tickets_without_one_of_its_own_says_it_cannot_average_and_stops_before_start() -> None:
+    from agora_client.auth.ticket_source import SelfIssuedTickets
+    from agora_client.auth.tickets import generate_signing_key, public_key_text
+
+    config, key = load_config("tiny"), generate_signing_key()
+    for tickets, warned in ((None, True), (SelfIssuedTickets(key, role="worker", stage="body1"), False)):
+        sink = Recorder()
+        node = WorkerNode(WorkerOptions(config, "body1", [], index=0, auth_public_key=public_key_text(key), tickets=tickets),
+                          EventWriter(sink))
+        node.shutdown()  # as a contributor stopped between building its worker and starting it
+        assert not node.dht.is_alive()
+        assert any("will not average with it" in line for line in sink.events) == warned, sink.events

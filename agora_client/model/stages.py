@@ -108,7 +108,7 @@ class StageModule(nn.Module):
 
 def _embedding(vocab_size: int, width: int) -> nn.Embedding:
     # left uninitialized (_materialize fills every parameter): nn.Embedding's own normal_ on the meta device
-    # imports torch._dynamo, seconds in every process that builds a stage (workers, trainers, the auth service)
+    # imports torch._dynamo, seconds for param_counts (the join preflight, the auth service's memory plan)
     return nn.Embedding(vocab_size, width, _weight=torch.empty(vocab_size, width))
 
 

@@ -22,9 +22,9 @@ from agora_client.discovery.dht import connect_dht
 from agora_client.discovery.roster import WorkerRecord, fetch_roster, free_index, stage_uid
 from agora_client.worker.backend import StageBackend, native_bf16
 from agora_client.worker.epochs import EpochController, all_finite
+from agora_client.worker.group_admission import GroupAdmission
 from agora_client.worker.optimizer import build_optimizer
 from agora_client.worker.partition import due_round
-from agora_client.worker.group_admission import GroupAdmission
 from agora_client.worker.rejections import RejectionLog
 from agora_client.worker.server import StageServer
 from agora_client.worker.sparta import RoundReport, SpartaAverager
@@ -199,6 +199,9 @@ class WorkerNode:
             return
         self.call_gate = TicketGate(options.auth_public_key, roles=("trainer",))
         self.averaging_gate = TicketGate(options.auth_public_key, roles=("worker",), stage=options.stage)
+        if options.tickets is None:
+            events.log("this worker holds no ticket of its own: the stage's other workers will not average with it "
+                       "(pass --ticket-key, or join through the auth service)", tag="WARNING", level="warning")
 
     def record(self) -> WorkerRecord:
         return WorkerRecord(
@@ -343,7 +346,10 @@ class WorkerNode:
                 save_stage_snapshot(
                     self.options.exit_snapshot_dir, self.options.stage, self.module, self.optimizer, self.epochs.epoch, 1
                 )
-        self.server.shutdown()
-        self.server.join(timeout=10)
+        if self.server.ident is not None:
+            self.server.shutdown()  # its DHT too
+            self.server.join(timeout=10)
+        else:  # stopped before start(): of the server, only the DHT runs yet (hivemind's shutdown assumes a start)
+            self.dht.shutdown()
         self.rejections.shutdown()
 
