@@ -20,48 +20,41 @@ ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.timeout(120)
 
-_IMPORT_EVERYTHING = """
+_IMPORT_PACKAGES = """
 import importlib, pkgutil, sys
-import agora_client
-names = [m.name for m in pkgutil.walk_packages(agora_client.__path__, "agora_client.")]
+packages, watched = sys.argv[1].split(","), sys.argv[2].split(",")
+for package in ["agora_cli", *packages]:
+    importlib.import_module(package)
+names = [m.name for package in packages for m in pkgutil.walk_packages(sys.modules[package].__path__, package + ".")]
 for name in names:
     importlib.import_module(name)
-leaked = sorted(m for m in sys.modules if m.split(".")[0] in ("tui", "textual"))
-print(len(names), leaked)
+print(len(names), sorted({m.split(".")[0] for m in sys.modules} & set(watched)))
 """
+
+
+def imported_by(packages: tuple[str, ...], watched: tuple[str, ...]) -> tuple[int, str]:
+    """In a fresh interpreter, import agora_cli and every submodule of ``packages``: (submodules imported,
+    which of the ``watched`` top-level modules got loaded)."""
+    result = subprocess.run(
+        [sys.executable, "-c", _IMPORT_PACKAGES, ",".join(packages), ",".join(watched)], capture_output=True,
+        text=True, timeout=110, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    count, loaded = result.stdout.split(" ", 1)
+    return int(count), loaded.strip()
 
 
 def test_importing_agora_client_and_every_submodule_never_imports_tui_or_textual():
-    result = subprocess.run(
-        [sys.executable, "-c", _IMPORT_EVERYTHING], capture_output=True, text=True, timeout=110,
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stderr
-    count, leaked = result.stdout.split(" ", 1)
-    assert int(count) > 50  # every module was imported, not just the package
-    assert leaked.strip() == "[]"
-
-
-_IMPORT_THE_APP = """
-import importlib, pkgutil, sys
-import agora_cli, tui, agora_client.frontend
-names = [m.name for package in (tui, agora_client.frontend) for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
-for name in names:
-    importlib.import_module(name)
-print(len(names), sorted(m for m in ("torch", "hivemind", "numpy") if m in sys.modules))
-"""
+    count, loaded = imported_by(("agora_client",), ("tui", "textual"))
+    assert count > 50  # every module was imported, not just the package
+    assert loaded == "[]"
 
 
 def test_the_app_process_never_imports_torch_or_hivemind():
     # the first screen is up in the time textual takes; torch is loaded once, by the runtime it starts
-    result = subprocess.run(
-        [sys.executable, "-c", _IMPORT_THE_APP], capture_output=True, text=True, timeout=110,
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stderr
-    count, leaked = result.stdout.split(" ", 1)
-    assert int(count) > 10
-    assert leaked.strip() == "[]"
+    count, loaded = imported_by(("tui", "agora_client.frontend"), ("torch", "hivemind", "numpy"))
+    assert count > 10
+    assert loaded == "[]"
 
 
 @pytest.mark.parametrize(
