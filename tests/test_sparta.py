@@ -32,7 +32,7 @@ CONFIG = SpartaConfig(
     fraction=0.25,
     matchmaking_time=2.0,
     allreduce_timeout=15.0,
-    sender_timeout=4.0,  # a loaded 2-core machine can hold a healthy peer's part back for 4 s (sender + reducer at 2 s)
+    sender_timeout=4.0,  # a loaded 2-core machine once held a healthy peer's part back past 2 s + 2 s
     reducer_timeout=4.0,
     max_peer_delta=4.0,  # these peers differ by up to ~3.2x a part's norm on purpose: the bound must not clip them
 )

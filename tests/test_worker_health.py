@@ -12,6 +12,8 @@ import math
 import pytest
 import torch
 
+from agora_client.auth.ticket_source import SelfIssuedTickets
+from agora_client.auth.tickets import generate_signing_key, public_key_text
 from agora_client.config import load_config
 from agora_client.events import EventWriter
 from agora_client.model import build_stage
@@ -79,9 +81,6 @@ def test_without_a_snapshot_source_it_stays_out_of_routing(tmp_path) -> None:
 
 
 def test_a_worker_checking_tickets_without_one_of_its_own_says_it_cannot_average_and_stops_before_start() -> None:
-    from agora_client.auth.ticket_source import SelfIssuedTickets
-    from agora_client.auth.tickets import generate_signing_key, public_key_text
-
     config, key = load_config("tiny"), generate_signing_key()
     for tickets, warned in ((None, True), (SelfIssuedTickets(key, role="worker", stage="body1"), False)):
         sink = Recorder()
