@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,6 +130,26 @@ def test_build_optimizer_follows_the_run_config() -> None:
     assert build_optimizer(params, load_config("tiny")).offload
     optimizer = build_optimizer(params, load_config("tiny", {"offload_optimizer": False}))
     assert not optimizer.offload and optimizer.param_groups[0]["lr"] == load_config("tiny").optim.lr
+
+
+_OPTIMIZER_LIFETIME = """
+import sys, torch
+from agora_client.worker.optimizer import OffloadAdamW
+params = [torch.nn.Parameter(torch.randn(3, 2))]
+optimizer = OffloadAdamW(params, offload=False)
+params[0].grad = torch.ones(3, 2)
+optimizer.step()
+optimizer.load_state_dict(optimizer.state_dict())
+optimizer.zero_grad(set_to_none=True)
+print("torch._dynamo" in sys.modules)
+"""
+
+
+def test_the_optimizer_never_imports_torch_dynamo() -> None:
+    # torch's Optimizer methods import it on first call: seconds of CPU at every worker start
+    result = subprocess.run([sys.executable, "-c", _OPTIMIZER_LIFETIME], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 16, 64])

@@ -20,7 +20,18 @@ from agora_client.config import RunConfig
 DEFAULT_CHUNK_NUMEL = 1 << 22  # 16 MB of fp32 per moment chunk on the device
 
 
+def _without_dynamo_guard(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The plain method under torch's ``_disable_dynamo`` wrapper, whose first call imports
+    torch._dynamo: seconds of CPU at every worker start, in a process that never compiles."""
+    return getattr(method, "__wrapped__", method)
+
+
 class OffloadAdamW(torch.optim.Optimizer):
+    add_param_group = _without_dynamo_guard(torch.optim.Optimizer.add_param_group)
+    zero_grad = _without_dynamo_guard(torch.optim.Optimizer.zero_grad)
+    state_dict = _without_dynamo_guard(torch.optim.Optimizer.state_dict)
+    _base_load_state_dict = _without_dynamo_guard(torch.optim.Optimizer.load_state_dict)
+
     def __init__(
         self,
         params: Iterable[torch.nn.Parameter],
@@ -103,7 +114,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         them to the GPU at once, the memory that offloading saves.
         """
         saved_state = state_dict.get("state", {})
-        super().load_state_dict({**state_dict, "state": {}})  # checks the groups, restores hyperparameters
+        self._base_load_state_dict({**state_dict, "state": {}})  # checks the groups, restores hyperparameters
         saved_ids = [index for group in state_dict["param_groups"] for index in group["params"]]
         params = [param for group in self.param_groups for param in group["params"]]
         for index, param in zip(saved_ids, params):
