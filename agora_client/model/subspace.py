@@ -54,19 +54,24 @@ def _uniform(bits: torch.Tensor) -> torch.Tensor:
 
 def fixed_embedding_rows(tokens: torch.Tensor, d_model: int, std: float, seed: int) -> torch.Tensor:
     """E_f[tokens] ([..., d], float32, on tokens' device): Gaussian rows from (seed, token, column) alone."""
+    # A microbatch repeats its tokens (all of a small vocabulary, half at 8b): each distinct row is hashed once.
+    distinct, where = torch.unique(tokens.reshape(-1), return_inverse=True)
+    return _hashed_rows(distinct, d_model, std, seed)[where].view(*tokens.shape, d_model)
+
+
+def _hashed_rows(rows: torch.Tensor, d_model: int, std: float, seed: int) -> torch.Tensor:
     key_row, key_column, key_radius, key_angle = (
         derived_seed(seed, f"subspace.fixed_embedding.{part}") & _MASK32 for part in ("row", "column", "radius", "angle")
     )
-    flat = tokens.reshape(-1)
     # Hashed columns: a row pair whose hashes differ by a small XOR cannot share permuted cells.
-    columns = _mix32(torch.arange(d_model, dtype=torch.int64, device=tokens.device) ^ key_column)
-    out = torch.empty(flat.numel(), d_model, dtype=torch.float32, device=tokens.device)
-    for start in range(0, flat.numel(), ROWS_PER_CHUNK):
-        cell = _mix32(_mix32(flat[start : start + ROWS_PER_CHUNK, None] ^ key_row) ^ columns)
+    columns = _mix32(torch.arange(d_model, dtype=torch.int64, device=rows.device) ^ key_column)
+    out = torch.empty(rows.numel(), d_model, dtype=torch.float32, device=rows.device)
+    for start in range(0, rows.numel(), ROWS_PER_CHUNK):
+        cell = _mix32(_mix32(rows[start : start + ROWS_PER_CHUNK, None] ^ key_row) ^ columns)
         radius = torch.sqrt(-2.0 * torch.log(_uniform(_mix32(cell ^ key_radius))))  # Box-Muller
         angle = (2.0 * math.pi) * _uniform(_mix32(cell ^ key_angle))
         out[start : start + ROWS_PER_CHUNK] = radius * torch.cos(angle) * std
-    return out.view(*tokens.shape, d_model)
+    return out
 
 
 def fixed_embedding(vocab_size: int, d_model: int, std: float, seed: int) -> torch.Tensor:
