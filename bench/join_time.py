@@ -8,7 +8,13 @@ the timestamps of the runtime's own events. The download rate (the client's resu
 download) is compared, in the same run and from the contributor's host, with plain HTTP GETs of
 the same snapshot files from the same server, alternated five times; medians.
 
-Usage: python bench/join_time.py [--loopback]
+Each host also gets CPU of its own: the swarm runs under a quota of ``--swarm-cpus`` cores and the
+contributor under one of the remaining cores (cgroups: tests/cpu_quota.py). Without quotas the swarm's
+training takes the contributor's CPU, and every CPU-bound phase of the join (imports, the DHT daemon,
+building the worker) measures the swarm's load instead. Sync phases count the swarm's epochs, so they
+depend on the swarm's speed either way.
+
+Usage: python bench/join_time.py [--loopback] [--swarm-cpus 1.0]   (--swarm-cpus 0: no quotas)
 The last line is one JSON object with the figures.
 """
 
@@ -21,17 +27,17 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 
-from agora_client.events import NULL_WRITER, json_objects
-from agora_client.snapshots import download_snapshot, latest_snapshot, read_manifest
-from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
-from agora_client.swarm.processes import ManagedProcess
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the namespace helpers live in tests/netns.py
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: agora_client, and tests/'s helpers
+from agora_client.events import NULL_WRITER, json_objects  # noqa: E402
+from agora_client.snapshots import download_snapshot, latest_snapshot, read_manifest  # noqa: E402
+from agora_client.swarm.launcher import LocalSwarm, SwarmOptions  # noqa: E402
+from agora_client.swarm.processes import ManagedProcess  # noqa: E402
+from tests import cpu_quota  # noqa: E402
 from tests.netns import TwoHosts, unavailable  # noqa: E402
 
 FIRST_BATCH_TIMEOUT = 600.0
@@ -69,16 +75,34 @@ def download_rates(swarm: LocalSwarm, stage: str, scratch: Path, repeats: int = 
     return statistics.median(ours), statistics.median(plain)
 
 
+def _on_host(host, cpus):
+    """A context for starting processes on one host: its network namespace and its CPU quota, where there are."""
+    def entered() -> ExitStack:
+        stack = ExitStack()
+        for place in (host, cpus):
+            if place is not None:
+                stack.enter_context(place.entered())
+        return stack
+    return entered
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loopback", action="store_true", help="swarm and contributor both on 127.0.0.1")
+    parser.add_argument("--swarm-cpus", type=float, default=1.0,
+                        help="cores the swarm may use; the contributor gets the rest (default 1; 0: no quotas)")
     args = parser.parse_args()
     if not args.loopback and unavailable():
         raise SystemExit(f"two hosts need network namespaces: {unavailable()}; or pass --loopback")
+    contributor_cpus = (os.cpu_count() or 1) - args.swarm_cpus
+    if args.swarm_cpus and (cpu_quota.unavailable() or contributor_cpus <= 0):
+        raise SystemExit(f"--swarm-cpus {args.swarm_cpus:g} needs CPU quotas and a core left for the contributor "
+                         f"({cpu_quota.unavailable() or f'{os.cpu_count()} cores here'}); or pass --swarm-cpus 0")
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         hosts = None if args.loopback else stack.enter_context(TwoHosts(f"agi11b-{os.getpid()}"))
-        on_swarm_host = (lambda: hosts.a.entered()) if hosts else nullcontext
-        on_client_host = (lambda: hosts.b.entered()) if hosts else nullcontext
+        quotas = stack.enter_context(cpu_quota.CpuQuotas(f"agora-join-{os.getpid()}")) if args.swarm_cpus else None
+        on_swarm_host = _on_host(hosts.a if hosts else None, quotas and quotas.group("swarm", args.swarm_cpus))
+        on_client_host = _on_host(hosts.b if hosts else None, quotas and quotas.group("contributor", contributor_cpus))
         options = SwarmOptions(workers_per_stage=1, run_dir=Path(tmp), publish_snapshots=True, report_every=5,
                                host=hosts.a.address if hosts else "127.0.0.1")
         swarm = LocalSwarm(options)
@@ -114,6 +138,8 @@ def main() -> None:
     sync1, sync2, batch = first(events, "sync", phase="sync1"), first(events, "sync", phase="sync2"), first_batch(events)
     figures = {
         "topology": "loopback" if args.loopback else "two network namespaces over a veth pair",
+        "swarm_cpus": args.swarm_cpus or None,
+        "contributor_cpus": contributor_cpus if args.swarm_cpus else None,
         "stage": stage,
         "startup_and_description_s": round(preflights[0]["ts"] - started, 2),
         "preflight_s": round(preflights[-1]["ts"] - preflights[0]["ts"], 2),

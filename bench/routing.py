@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Least-loaded routing against round-robin, with one slow and one fast worker in a stage.
 
-One local swarm (tiny preset, real processes on 127.0.0.1): head, body2 and tail have one fast worker each;
-body1 has a fast worker and one made F times slower with `agora worker --slower F` (every request takes F
-times its own compute time, the rest asleep, as on a GPU F times slower that takes no CPU from the others). The same swarm then serves a trainer with `--routing least-loaded` and a
+One local swarm (tiny preset, real processes on 127.0.0.1): head, body2 and tail have two fast workers each
+(``--others``), as in the demo; body1 has a fast worker and one made F times slower with `agora worker --slower F`
+(every request takes F times its own compute time, the rest asleep, as on a GPU F times slower that takes no CPU
+from the others). So body1 is the stage the slow worker can hold back. The same swarm then serves a trainer with `--routing least-loaded` and a
 trainer with `--routing round-robin`, one after the other (alternating per round so that machine load falls
 on both alike). For each policy: the share of body1's requests each worker served, and the trainer's
 pipeline throughput in tokens/s, both measured after a warm-up. Last output line: one JSON object.
@@ -11,10 +12,13 @@ pipeline throughput in tokens/s, both measured after a warm-up. Last output line
 Each worker runs under a CPU quota of its own (``--cpus``, a cgroup per worker: tests/cpu_quota.py), as on
 a host of its own. Without quotas the workers share the machine's cores, and the slow worker's sleep hands
 its CPU to the others, so a CPU-bound machine hides what routing saves (``--cpus 0`` measures that case).
-At the default 3 in flight the pipeline is bound by latency, not capacity (every other stage has one worker),
-and a detour through the slow worker costs little; ``--inflight 8`` fills the stages and shows the capacity.
+The default 8 in flight fill the stages, so throughput shows each policy's capacity; at 3 in flight the
+pipeline is bound by latency, and a detour through the slow worker costs little. With ``--others 1`` every
+other stage has one fast worker, as much capacity as body1 has under least-loaded routing, so body1 binds
+neither way. The quotas must add up to less than the machine's cores (8 workers x 0.2 = 1.6 of 2 here, the
+rest for the trainer, seeds and daemons): above that the machine, not the quotas, sets each worker's speed.
 
-    python bench/routing.py                      # ~3-4 min on 2 cores
+    python bench/routing.py                      # ~4 min on 2 cores
     python bench/routing.py --rounds 2 --seconds 60 --slower 4
     python bench/routing.py --cpus 0             # no quotas: workers share the cores
 """
@@ -35,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _trainer_progress import ProgressRecorder, served_by, tokens_per_second  # noqa: E402
 
-from agora_client.swarm.launcher import LocalSwarm, SwarmOptions  # noqa: E402
+from agora_client.swarm.launcher import START_TIMEOUT, WORKER_READY, LocalSwarm, SwarmOptions  # noqa: E402
 from tests.cpu_quota import CpuQuotas, unavailable  # noqa: E402
 
 POLICIES = ("least-loaded", "round-robin")
@@ -48,9 +52,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=45.0, help="measured seconds per policy per round")
     parser.add_argument("--warmup", type=float, default=15.0, help="seconds of each trainer not measured")
     parser.add_argument("--rounds", type=int, default=1, help="rounds of (least-loaded, round-robin)")
-    parser.add_argument("--inflight", type=int, default=3, help="microbatches in flight per trainer")
-    parser.add_argument("--cpus", type=float, default=0.3,
-                        help="CPU cores each worker may use, a cgroup quota per worker (default 0.3; 0: no quotas)")
+    parser.add_argument("--inflight", type=int, default=8, help="microbatches in flight per trainer (default 8)")
+    parser.add_argument("--others", type=int, default=2, help="fast workers in each stage but body1 (default 2)")
+    parser.add_argument("--cpus", type=float, default=0.2,
+                        help="CPU cores each worker may use, a cgroup quota per worker (default 0.2; 0: no quotas)")
     parser.add_argument("--run-dir", type=Path, default=None, help="logs go here (default: a temporary folder)")
     return parser.parse_args()
 
@@ -81,10 +86,16 @@ def measure_policies(
     swarm = LocalSwarm(options, on_line=recorder, place_worker=place)
     try:
         swarm.start()
+        launching = [swarm.start_worker(stage, wait=False) for stage in swarm.workers if stage != SLOW_STAGE
+                     for _ in range(args.others - 1)]
         slow = swarm.start_worker(SLOW_STAGE, "--slower", str(args.slower))
+        for worker in launching:
+            worker.wait_for(WORKER_READY, START_TIMEOUT)
         fast_uid, slow_uid = f"{SLOW_STAGE}.0.0", f"{SLOW_STAGE}.0.{slow.name.rsplit('-', 1)[1]}"
+        workers = sum(len(stage_workers) for stage_workers in swarm.workers.values())
         print(f"swarm up in {time.monotonic() - swarm.started_at:.0f}s; {SLOW_STAGE}: fast {fast_uid}, slow {slow_uid} "
-              f"({args.slower:g}x slower); {args.cpus:g} cores per worker; logs in {options.run_dir / 'logs'}", flush=True)
+              f"({args.slower:g}x slower); {args.cpus:g} cores per worker, {workers * args.cpus:g} of {os.cpu_count()} "
+              f"for {workers} workers; logs in {options.run_dir / 'logs'}", flush=True)
         for round_index in range(args.rounds):
             for policy in POLICIES if round_index % 2 == 0 else POLICIES[::-1]:
                 result = measure(swarm, recorder, policy, args)
@@ -101,8 +112,8 @@ def measure_policies(
 
 def main() -> int:
     args = parse_args()
-    if args.slower <= 1 or min(args.seconds, args.warmup + 1, args.rounds, args.inflight) <= 0:
-        print("--slower must be above 1; --seconds, --rounds and --inflight positive", file=sys.stderr)
+    if args.slower <= 1 or min(args.seconds, args.warmup + 1, args.rounds, args.inflight, args.others) <= 0:
+        print("--slower must be above 1; --seconds, --rounds, --inflight and --others positive", file=sys.stderr)
         return 2
     if args.cpus > 0 and unavailable() is not None:
         print(f"--cpus {args.cpus:g} needs CPU quotas, and {unavailable()}; run as root, or pass --cpus 0", file=sys.stderr)
@@ -116,7 +127,7 @@ def main() -> int:
         throttled_s = 0.0 if quotas is None else round(sum(group.throttled_s() for group in quotas.groups), 1)
     summary: dict[str, object] = {"bench": "routing", "preset": options.preset, "slower": args.slower, "cpus_per_worker": args.cpus,
                                   "worker_throttled_s": throttled_s, "seconds_per_policy": args.seconds * args.rounds,
-                                  "inflight": args.inflight}
+                                  "inflight": args.inflight, "other_stages_workers": args.others}
     for policy, runs in results.items():
         key = policy.replace("-", "_")
         fast = sum(run["served"].get(fast_uid, 0) for run in runs)
