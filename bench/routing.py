@@ -4,10 +4,13 @@
 One local swarm (tiny preset, real processes on 127.0.0.1): head, body2 and tail have two fast workers each
 (``--others``), as in the demo; body1 has a fast worker and one made F times slower with `agora worker --slower F`
 (every request takes F times its own compute time, the rest asleep, as on a GPU F times slower that takes no CPU
-from the others). So body1 is the stage the slow worker can hold back. The same swarm then serves a trainer with `--routing least-loaded` and a
-trainer with `--routing round-robin`, one after the other (alternating per round so that machine load falls
-on both alike). For each policy: the share of body1's requests each worker served, and the trainer's
-pipeline throughput in tokens/s, both measured after a warm-up. Last output line: one JSON object.
+from the others). So body1 is the stage the slow worker can hold back. body1 holds ``--body1-layers`` layers
+(3; tiny has 1): with one, a request's fixed cost (RPC, serialization, the p2p daemon) outweighs its compute, so
+a GPU 3x slower makes the whole request far less than 3x slower; on a large model compute is most of it.
+The same swarm then serves a trainer with `--routing least-loaded` and a trainer with `--routing round-robin`,
+one after the other (alternating per round so that machine load falls on both alike). For each policy: the
+share of body1's requests each worker served, and the trainer's pipeline throughput in tokens/s, both
+measured after a warm-up. Last output line: one JSON object.
 
 Each worker runs under a CPU quota of its own (``--cpus``, a cgroup per worker: tests/cpu_quota.py), as on
 a host of its own. Without quotas the workers share the machine's cores, and the slow worker's sleep hands
@@ -33,7 +36,10 @@ import sys
 import tempfile
 import time
 from contextlib import nullcontext
+from importlib import resources
 from pathlib import Path
+
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -54,10 +60,23 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1, help="rounds of (least-loaded, round-robin)")
     parser.add_argument("--inflight", type=int, default=8, help="microbatches in flight per trainer (default 8)")
     parser.add_argument("--others", type=int, default=2, help="fast workers in each stage but body1 (default 2)")
+    parser.add_argument("--body1-layers", type=int, default=3, help="transformer layers in body1 (default 3; tiny has 1)")
     parser.add_argument("--cpus", type=float, default=0.2,
                         help="CPU cores each worker may use, a cgroup quota per worker (default 0.2; 0: no quotas)")
     parser.add_argument("--run-dir", type=Path, default=None, help="logs go here (default: a temporary folder)")
     return parser.parse_args()
+
+
+def heavier_body1(run_dir: Path, layers: int) -> Path:
+    """tiny with ``layers`` layers in body1: a preset file in run_dir."""
+    preset = yaml.safe_load((resources.files("agora_client") / "presets" / "tiny.yaml").read_text())
+    model = preset["model"]
+    stage = next(stage for stage in model["stages"] if stage["name"] == SLOW_STAGE)
+    model["n_layers"] += layers - stage["layers"]
+    stage["layers"] = layers
+    path = run_dir / f"tiny-{SLOW_STAGE}-{layers}-layers.yaml"
+    path.write_text(yaml.safe_dump(preset))
+    return path
 
 
 def measure(swarm: LocalSwarm, recorder: ProgressRecorder, policy: str, args: argparse.Namespace) -> dict:
@@ -112,22 +131,24 @@ def measure_policies(
 
 def main() -> int:
     args = parse_args()
-    if args.slower <= 1 or min(args.seconds, args.warmup + 1, args.rounds, args.inflight, args.others) <= 0:
-        print("--slower must be above 1; --seconds, --rounds, --inflight and --others positive", file=sys.stderr)
+    if args.slower <= 1 or min(args.seconds, args.warmup + 1, args.rounds, args.inflight, args.others, args.body1_layers) <= 0:
+        print("--slower must be above 1; --seconds, --rounds, --inflight, --others and --body1-layers positive", file=sys.stderr)
         return 2
     if args.cpus > 0 and unavailable() is not None:
         print(f"--cpus {args.cpus:g} needs CPU quotas, and {unavailable()}; run as root, or pass --cpus 0", file=sys.stderr)
         return 2
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="agora-bench-routing-"))
-    options = SwarmOptions(workers_per_stage=1, trainers=0, run_dir=run_dir, report_every=2.0)
+    options = SwarmOptions(preset=str(heavier_body1(run_dir, args.body1_layers)), workers_per_stage=1, trainers=0,
+                           run_dir=run_dir, report_every=2.0)
     results: dict[str, list[dict]] = {policy: [] for policy in POLICIES}
     with CpuQuotas(f"agora-routing-{os.getpid()}") if args.cpus > 0 else nullcontext() as quotas:
         fast_uid, slow_uid = measure_policies(args, options, quotas, results)
         # seconds the quotas held the workers back: above 0 shows they bound (read before the groups go)
         throttled_s = 0.0 if quotas is None else round(sum(group.throttled_s() for group in quotas.groups), 1)
-    summary: dict[str, object] = {"bench": "routing", "preset": options.preset, "slower": args.slower, "cpus_per_worker": args.cpus,
-                                  "worker_throttled_s": throttled_s, "seconds_per_policy": args.seconds * args.rounds,
-                                  "inflight": args.inflight, "other_stages_workers": args.others}
+    summary: dict[str, object] = {"bench": "routing", "preset": f"tiny, body1 with {args.body1_layers} layers",
+                                  "slower": args.slower, "cpus_per_worker": args.cpus, "worker_throttled_s": throttled_s,
+                                  "seconds_per_policy": args.seconds * args.rounds, "inflight": args.inflight,
+                                  "other_stages_workers": args.others}
     for policy, runs in results.items():
         key = policy.replace("-", "_")
         fast = sum(run["served"].get(fast_uid, 0) for run in runs)
