@@ -54,7 +54,7 @@ def _uniform(bits: torch.Tensor) -> torch.Tensor:
 
 def fixed_embedding_rows(tokens: torch.Tensor, d_model: int, std: float, seed: int) -> torch.Tensor:
     """E_f[tokens] ([..., d], float32, on tokens' device): Gaussian rows from (seed, token, column) alone."""
-    # A microbatch repeats its tokens (all of a small vocabulary, half at 8b): each distinct row is hashed once.
+    # A microbatch repeats its tokens (tiny: 1024 tokens over a 256-token vocabulary): each distinct row is hashed once.
     distinct, where = torch.unique(tokens.reshape(-1), return_inverse=True)
     return _hashed_rows(distinct, d_model, std, seed)[where].view(*tokens.shape, d_model)
 
