@@ -27,7 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -75,15 +75,14 @@ def download_rates(swarm: LocalSwarm, stage: str, scratch: Path, repeats: int = 
     return statistics.median(ours), statistics.median(plain)
 
 
-def _on_host(host, cpus):
-    """A context for starting processes on one host: its network namespace and its CPU quota, where there are."""
-    def entered() -> ExitStack:
-        stack = ExitStack()
-        for place in (host, cpus):
+@contextmanager
+def _inside(*places):
+    """Processes started here run inside each place given: a host's network namespace, a CPU quota group."""
+    with ExitStack() as stack:
+        for place in places:
             if place is not None:
                 stack.enter_context(place.entered())
-        return stack
-    return entered
+        yield
 
 
 def main() -> None:
@@ -101,8 +100,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         hosts = None if args.loopback else stack.enter_context(TwoHosts(f"agi11b-{os.getpid()}"))
         quotas = stack.enter_context(cpu_quota.CpuQuotas(f"agora-join-{os.getpid()}")) if args.swarm_cpus else None
-        on_swarm_host = _on_host(hosts.a if hosts else None, quotas and quotas.group("swarm", args.swarm_cpus))
-        on_client_host = _on_host(hosts.b if hosts else None, quotas and quotas.group("contributor", contributor_cpus))
+        swarm_cpu = quotas.group("swarm", args.swarm_cpus) if quotas else None
+        client_cpu = quotas.group("contributor", contributor_cpus) if quotas else None
+        on_swarm_host = lambda: _inside(hosts and hosts.a, swarm_cpu)  # noqa: E731
+        on_client_host = lambda: _inside(hosts and hosts.b, client_cpu)  # noqa: E731
         options = SwarmOptions(workers_per_stage=1, run_dir=Path(tmp), publish_snapshots=True, report_every=5,
                                host=hosts.a.address if hosts else "127.0.0.1")
         swarm = LocalSwarm(options)
