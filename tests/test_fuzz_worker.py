@@ -28,7 +28,7 @@ from hivemind.utils.asyncio import iter_as_aiter
 from agora_client.auth.ticket_source import SelfIssuedTickets
 from agora_client.auth.tickets import generate_signing_key, issue_ticket
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
-from agora_client.trainer.rpc import call_stream, call_unary
+from agora_client.trainer.rpc import call_stream, call_unary, close_replica
 from agora_client.worker.rejections import LOG_INTERVAL_S
 from agora_client.worker.validation import WARMUP_REQUESTS
 from tests.swarm_helpers import events, wait_until
@@ -60,10 +60,14 @@ class Attacker:
     def run(self, coroutine, timeout: float = ANSWER_WITHIN):
         return RemoteExpertWorker.run_coroutine(asyncio.wait_for(coroutine, timeout))
 
-    def call(self, kind: str, tensors, *, metadata: bytes | None = None, stream: bool = False) -> list[torch.Tensor]:
+    def call(
+        self, kind: str, tensors, *, metadata: bytes | None = None, stream: bool = False, part_bytes: int | None = None
+    ) -> list[torch.Tensor]:
         serialized = [t if isinstance(t, runtime_pb2.Tensor) else serialize_torch_tensor(t) for t in tensors]
-        call = call_stream if stream else call_unary
-        return self.run(call(self.stub, kind, UID, serialized, self.ticket if metadata is None else metadata))
+        metadata = self.ticket if metadata is None else metadata
+        if not stream:
+            return self.run(call_unary(self.stub, kind, UID, serialized, metadata))
+        return self.run(call_stream(self.stub, kind, UID, serialized, metadata, part_bytes or DEFAULT_MAX_MSG_SIZE))
 
     def refused(self, says: str, kind: str = "forward", tensors=None, **kwargs) -> str:
         """Make a call that must fail quickly with an error naming ``says``; return the error text."""
@@ -76,6 +80,7 @@ class Attacker:
         return str(failure.value)
 
     def close(self) -> None:
+        close_replica(self.p2p)
         self.dht.shutdown()
 
 
@@ -125,6 +130,14 @@ def test_a_ticketed_trainer_is_served_unary_and_streamed(attacker: Attacker) -> 
 def test_no_ticket(attacker: Attacker) -> None:
     attacker.refused("carries no ticket", metadata=b"")
     attacker.refused("carries no ticket", kind="backward", tensors=valid_backward(), metadata=b"", stream=True)
+
+
+def test_a_caller_refused_while_still_sending_hears_why(attacker: Attacker) -> None:
+    # 8 KB parts: the refusal of the first part comes while dozens more are on their way, and closing a stream
+    # the caller still writes would lose the reason (the caller would see only a broken pipe)
+    for _ in range(5):
+        attacker.refused("carries no ticket", kind="backward", tensors=valid_backward(), metadata=b"", stream=True,
+                         part_bytes=8192)
 
 
 def test_the_ticket_is_checked_before_any_tensor(attacker: Attacker) -> None:

@@ -21,7 +21,7 @@ from hivemind import DHT
 from hivemind.compression import deserialize_tensor_stream, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.moe.client.expert import get_server_stub
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE, MAX_UNARY_PAYLOAD_SIZE
 from hivemind.proto import runtime_pb2
 from hivemind.proto.runtime_pb2 import CompressionType
@@ -56,6 +56,17 @@ class TrafficCounter:
             }
 
 
+def close_replica(p2p: P2P) -> None:
+    """Close a p2p client replicated from a DHT in its own event loop: left to the garbage collector,
+    its ``__del__`` runs outside that loop and prints errors."""
+
+    async def shutdown() -> None:
+        await p2p.shutdown()
+        await asyncio.sleep(0.05)  # the cancelled reader and writer tasks finish
+
+    RemoteExpertWorker.run_coroutine(shutdown())
+
+
 class StageClient:
     """RPCs to the workers of one stage, through that stage's own DHT peer."""
 
@@ -65,14 +76,7 @@ class StageClient:
         self.peer_id = self.p2p.peer_id.to_base58()
 
     def close(self) -> None:
-        """Close the replicated p2p client in its own event loop: left to the garbage collector, its
-        ``__del__`` runs outside that loop and prints errors."""
-
-        async def shutdown() -> None:
-            await self.p2p.shutdown()
-            await asyncio.sleep(0.05)  # the cancelled reader and writer tasks finish
-
-        RemoteExpertWorker.run_coroutine(shutdown())
+        close_replica(self.p2p)
 
     def forward(self, worker: WorkerRecord, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return self._call(worker, inputs, "forward")
@@ -111,10 +115,11 @@ async def call_unary(
 
 
 async def call_stream(
-    stub, kind: str, uid: str, serialized: Sequence[runtime_pb2.Tensor], metadata: bytes
+    stub, kind: str, uid: str, serialized: Sequence[runtime_pb2.Tensor], metadata: bytes,
+    part_bytes: int = DEFAULT_MAX_MSG_SIZE,
 ) -> list[torch.Tensor]:
     """The streamed form, for payloads over hivemind's unary limit; ``metadata`` rides on the first part."""
-    parts = [part for tensor in serialized for part in split_for_streaming(tensor, DEFAULT_MAX_MSG_SIZE)]
+    parts = [part for tensor in serialized for part in split_for_streaming(tensor, part_bytes)]
     requests = [
         runtime_pb2.ExpertRequest(uid=uid, tensors=[part], metadata=metadata if index == 0 else b"")
         for index, part in enumerate(parts)

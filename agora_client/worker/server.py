@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import multiprocessing as mp
@@ -38,6 +39,8 @@ from agora_client.worker.validation import (
     validate_inputs,
 )
 
+_HEAR_OUT_S = 3.0  # how long a refused stream is still read so that its caller hears why
+
 
 class GuardedConnectionHandler(ConnectionHandler):
     """hivemind's handler with every request checked in order, each step before the next is paid for:
@@ -66,6 +69,9 @@ class GuardedConnectionHandler(ConnectionHandler):
             ):
                 self._schemas[uid, kind] = tuple(nested_flatten(schema))
                 self._pools[pool.name] = (uid, kind)
+        self._largest_request = max(
+            DescriptorCheck(schema, max_request_batch).largest_request_bytes() for schema in self._schemas.values()
+        )
         self._magnitudes = {kind: MagnitudeGuard(kind) for kind in ("forward", "backward")}
         self._vocab_size, self._max_request_batch = vocab_size, max_request_batch
         self._gate, self._rejections, self._healthy = gate, rejections, healthy
@@ -92,15 +98,35 @@ class GuardedConnectionHandler(ConnectionHandler):
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         with self._refusals(context):
-            async for reply in super().rpc_forward_stream(self._checked_stream(requests, context, "forward"), context):
-                yield reply
+            async with self._heard_out(requests):
+                async for reply in super().rpc_forward_stream(self._checked_stream(requests, context, "forward"), context):
+                    yield reply
 
     async def rpc_backward_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         with self._refusals(context):
-            async for reply in super().rpc_backward_stream(self._checked_stream(requests, context, "backward"), context):
-                yield reply
+            async with self._heard_out(requests):
+                async for reply in super().rpc_backward_stream(self._checked_stream(requests, context, "backward"), context):
+                    yield reply
+
+    @contextlib.asynccontextmanager
+    async def _heard_out(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> AsyncIterator[None]:
+        """On an error, read what is left of the request before it is answered: closing a stream the caller
+        still writes to loses the error on its way (the caller sees an empty reply or a broken pipe). At most
+        the largest request this worker takes, for at most a few seconds; a caller sending more or for longer
+        still loses it."""
+        try:
+            yield
+        except Exception:
+            budget = self._largest_request
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_HEAR_OUT_S):
+                    async for request in requests:
+                        budget -= request.ByteSize()
+                        if budget < 0:
+                            break
+            raise
 
     async def _checked_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext, kind: str

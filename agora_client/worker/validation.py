@@ -103,6 +103,13 @@ class DescriptorCheck:
         self._budget = batch * math.prod(expected_tail) * element_bytes + _BYTES_SLACK
         self._exact = part.compression == runtime_pb2.CompressionType.NONE
 
+    def largest_request_bytes(self) -> int:
+        """Payload bytes of the largest request the schema allows (every tensor at the largest batch)."""
+        return sum(
+            self.max_batch_size * math.prod(descriptor.shape[1:]) * len(wire.buffer) + _BYTES_SLACK
+            for descriptor, wire in zip(self.schema, self._wire)
+        )
+
     def finish(self) -> None:
         self._end_tensor()
         if self._index + 1 != len(self.schema):
