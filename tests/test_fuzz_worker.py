@@ -61,13 +61,13 @@ class Attacker:
         return RemoteExpertWorker.run_coroutine(asyncio.wait_for(coroutine, timeout))
 
     def call(
-        self, kind: str, tensors, *, metadata: bytes | None = None, stream: bool = False, part_bytes: int | None = None
+        self, kind: str, tensors, *, metadata: bytes | None = None, stream: bool = False, part_bytes: int = DEFAULT_MAX_MSG_SIZE
     ) -> list[torch.Tensor]:
         serialized = [t if isinstance(t, runtime_pb2.Tensor) else serialize_torch_tensor(t) for t in tensors]
         metadata = self.ticket if metadata is None else metadata
         if not stream:
             return self.run(call_unary(self.stub, kind, UID, serialized, metadata))
-        return self.run(call_stream(self.stub, kind, UID, serialized, metadata, part_bytes or DEFAULT_MAX_MSG_SIZE))
+        return self.run(call_stream(self.stub, kind, UID, serialized, metadata, part_bytes))
 
     def refused(self, says: str, kind: str = "forward", tensors=None, **kwargs) -> str:
         """Make a call that must fail quickly with an error naming ``says``; return the error text."""
@@ -134,7 +134,7 @@ def test_no_ticket(attacker: Attacker) -> None:
 
 def test_a_caller_refused_while_still_sending_hears_why(attacker: Attacker) -> None:
     # 8 KB parts: the refusal of the first part comes while dozens more are on their way, and closing a stream
-    # the caller still writes would lose the reason (the caller would see only a broken pipe)
+    # the caller still writes would lose the reason (before the fix the caller saw an empty reply or a broken pipe)
     for _ in range(5):
         attacker.refused("carries no ticket", kind="backward", tensors=valid_backward(), metadata=b"", stream=True,
                          part_bytes=8192)
