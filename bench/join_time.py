@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -102,8 +103,8 @@ def main() -> None:
         quotas = stack.enter_context(cpu_quota.CpuQuotas(f"agora-join-{os.getpid()}")) if args.swarm_cpus else None
         swarm_cpu = quotas.group("swarm", args.swarm_cpus) if quotas else None
         client_cpu = quotas.group("contributor", contributor_cpus) if quotas else None
-        on_swarm_host = lambda: _inside(hosts and hosts.a, swarm_cpu)  # noqa: E731
-        on_client_host = lambda: _inside(hosts and hosts.b, client_cpu)  # noqa: E731
+        on_swarm_host = partial(_inside, hosts and hosts.a, swarm_cpu)
+        on_client_host = partial(_inside, hosts and hosts.b, client_cpu)
         options = SwarmOptions(workers_per_stage=1, run_dir=Path(tmp), publish_snapshots=True, report_every=5,
                                host=hosts.a.address if hosts else "127.0.0.1")
         swarm = LocalSwarm(options)
