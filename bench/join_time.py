@@ -14,7 +14,11 @@ training takes the contributor's CPU, and every CPU-bound phase of the join (imp
 building the worker) measures the swarm's load instead. Sync phases count the swarm's epochs, so they
 depend on the swarm's speed either way.
 
-Usage: python bench/join_time.py [--loopback] [--swarm-cpus 1.0]   (--swarm-cpus 0: no quotas)
+``--link-mbit R`` limits what the swarm's host sends to R Mbit/s (``tc ... tbf``), the contributor's
+downlink on a home line: the snapshot download then takes time, and the stage's build, which runs
+beside the download, should leave the worker's start after it.
+
+Usage: python bench/join_time.py [--loopback] [--swarm-cpus 1.0] [--link-mbit R]   (--swarm-cpus 0: no quotas)
 The last line is one JSON object with the figures.
 """
 
@@ -91,9 +95,13 @@ def main() -> None:
     parser.add_argument("--loopback", action="store_true", help="swarm and contributor both on 127.0.0.1")
     parser.add_argument("--swarm-cpus", type=float, default=1.0,
                         help="cores the swarm may use; the contributor gets the rest (default 1; 0: no quotas)")
+    parser.add_argument("--link-mbit", type=float, default=None,
+                        help="limit the swarm host's uplink, the contributor's downlink, to this many Mbit/s (two hosts only)")
     args = parser.parse_args()
-    if not args.loopback and unavailable():
-        raise SystemExit(f"two hosts need network namespaces: {unavailable()}; or pass --loopback")
+    if not args.loopback and unavailable(shaping=args.link_mbit is not None):
+        raise SystemExit(f"two hosts need network namespaces: {unavailable(shaping=args.link_mbit is not None)}; or pass --loopback")
+    if args.loopback and args.link_mbit is not None:
+        raise SystemExit("--link-mbit shapes the link between two hosts: it does not go with --loopback")
     contributor_cpus = (os.cpu_count() or 1) - args.swarm_cpus
     if args.swarm_cpus and (cpu_quota.unavailable() or contributor_cpus <= 0):
         raise SystemExit(f"--swarm-cpus {args.swarm_cpus:g} needs CPU quotas and a core left for the contributor "
@@ -113,6 +121,8 @@ def main() -> None:
             swarm.start()
             auth_url, token = swarm.start_join_services(pacing=2.0)
         swarm.trainers[0].wait_for("[PROGRESS]", timeout=300)  # join a swarm that is mid-run
+        if args.link_mbit is not None:
+            hosts.a.shape_uplink(args.link_mbit)  # goes with the namespace
         started = time.time()
         with on_client_host():
             runtime = ManagedProcess(
@@ -140,6 +150,7 @@ def main() -> None:
     sync1, sync2, batch = first(events, "sync", phase="sync1"), first(events, "sync", phase="sync2"), first_batch(events)
     figures = {
         "topology": "loopback" if args.loopback else "two network namespaces over a veth pair",
+        "link_mbit": args.link_mbit,
         "swarm_cpus": args.swarm_cpus or None,
         "contributor_cpus": contributor_cpus if args.swarm_cpus else None,
         "stage": stage,

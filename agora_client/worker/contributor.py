@@ -6,9 +6,10 @@ GPU, so the peer id survives restarts. The worker's port is open before the join
 dials it back, and while it cannot, the contributor shows the diagnosis and tries again.
 
 The stage is assigned as soon as the auth service answers, even while the client waits in the
-join queue, so the snapshot download runs during the queue and is kept when the place clears.
-Once admitted, the worker starts from the snapshot in sync phase 1 and the runtime keeps its
-signed metrics, points estimate, resource probe and ticket fresh until it is stopped.
+join queue, so the snapshot download and the stage's build run during the queue (StagePreparation)
+and are kept when the place clears. Once admitted, the worker starts from the snapshot in sync
+phase 1 and the runtime keeps its signed metrics, points estimate, resource probe and ticket fresh
+until it is stopped.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from agora_client.auth.ticket_source import HeldTicket
 from agora_client.events import EventWriter, QueueEvent, ReachabilityEvent
 from agora_client.monitor.estimate import estimate_points, fetch_confirmed, fetch_rank
 from agora_client.monitor.records import MetricsRecord, publish_metrics, signed_dht_kwargs
-from agora_client.snapshots import DownloadError, download_snapshot
+from agora_client.snapshots import download_snapshot
 from agora_client.discovery.dht import connect_dht
 from agora_client.system.resources import ResourceProbe
 from agora_client.worker.gpu_fit import JoinFit
@@ -39,6 +40,7 @@ from agora_client.worker.node import WorkerNode, WorkerOptions
 from agora_client.trainer.progress import fetch_progress, swarm_event
 from agora_client.worker.peer_key import key_path, load_or_create_peer_key, peer_id_of, use_as_process_key
 from agora_client.worker.preflight import machine_checks, reachability_result
+from agora_client.worker.preparation import StagePreparation
 from agora_client.worker.sync import NAMES
 from agora_client.worker.traffic import TrafficWindow
 
@@ -46,7 +48,6 @@ TICK_SECONDS = 1.0
 RESOURCES_EVERY = 2.0  # resources and traffic
 SWARM_EVERY = 10.0  # the trainers' progress records
 METRICS_EVERY = 15.0
-STOP_POLL_SECONDS = 0.2
 RENEW_MARGIN = 300.0  # renew the ticket this many seconds before it expires
 DESCRIPTION_EVERY = 60.0  # re-read the run description this often: a changed hash stops the worker
 LISTEN_HOST = "0.0.0.0"  # other peers (and the auth service's dial-back) must reach the worker
@@ -81,37 +82,6 @@ class ContributorOptions:
         return self.config_dir / "snapshots" / self.device_name
 
 
-class SnapshotFetch:
-    """Downloads the assigned stage's snapshot in the background (it may start while queued)."""
-
-    def __init__(self, destination: Path, events: EventWriter):
-        self.destination, self.events = destination, events
-        self.path: Path | None = None
-        self.error: Exception | None = None
-        self._thread: threading.Thread | None = None
-
-    def start(self, assignment: StageAssignment) -> None:
-        if self._thread is None and assignment.snapshot_url:
-            self._thread = threading.Thread(target=self._run, args=(assignment.snapshot_url,), daemon=True)
-            self._thread.start()
-
-    def _run(self, url: str) -> None:
-        try:
-            self.path = download_snapshot(url, self.destination, events=self.events)
-        except (DownloadError, OSError) as error:
-            self.error = error
-
-    def result(self, stop: threading.Event) -> Path | None:
-        """The downloaded snapshot, or None as soon as ``stop`` is set (the download thread is a daemon:
-        it ends with the process, and the partial file is resumed next time)."""
-        while self._thread is not None and self._thread.is_alive():
-            if stop.wait(STOP_POLL_SECONDS):
-                return None
-        if self.error is not None:
-            raise self.error
-        return self.path
-
-
 class Contributor:
     def __init__(self, options: ContributorOptions, events: EventWriter, stop: threading.Event):
         self.options, self.events, self.stop = options, events, stop
@@ -133,18 +103,21 @@ class Contributor:
         # The worker's port opens before the join: the auth service dials it back before admitting us.
         self._dht = connect_dht(options.run.seeds, host=LISTEN_HOST, port=options.host_port, **announce, **dht_kwargs)
         port = _listening_port(self._dht)
-        fetch = SnapshotFetch(options.snapshot_dir, self.events)
         config = options.run.config
+        preparation = StagePreparation(config, options.device, options.snapshot_dir, self.events)
         fit = JoinFit(config, _cuda_index(options.device), options.batch_size_override, self.events)  # refuses unfit GPUs
+        prepare = fit.guard(preparation.start)
         gpu_memory = fit.gpu.memory_total if fit.gpu is not None else None
-        auth = self._authorize(token, peer_id, peer_key, port, gpu_memory, fit.guard(fetch.start))
+        auth = self._authorize(token, peer_id, peer_key, port, gpu_memory, prepare)
         if auth is None:
             return
         self.auth = auth
-        fetch.start(StageAssignment(stage=auth.stage, snapshot_url=auth.snapshot_url))
-        snapshot = fetch.result(self.stop)
-        if self.stop.is_set():
+        if auth.stage != preparation.stage:  # a re-join in the queue was given another stage
+            prepare(StageAssignment(stage=auth.stage, snapshot_url=auth.snapshot_url))
+        prepared = preparation.result(self.stop)
+        if prepared is None:  # stopped
             return
+        snapshot, stage = prepared
         self.ticket.replace(auth.ticket)
         if auth.queued_s == 0:  # admitted at once: say so, or the queue step would pass without a word
             self.events.emit(QueueEvent(position=0, estimated_wait_s=0.0))
@@ -157,6 +130,7 @@ class Contributor:
                 device=options.device,
                 joining=True,
                 snapshot=snapshot,
+                prepared=stage,
                 exit_snapshot_dir=options.snapshot_dir / "own",
                 max_batch_size=fit.max_batch_size,
                 dht_kwargs=dht_kwargs,

@@ -96,7 +96,7 @@ class JoinFit:
         )
 
     def guard(self, start: Callable[[StageAssignment], None]) -> Callable[[StageAssignment], None]:
-        """Wraps the download starter: the stage is checked before its snapshot is fetched."""
+        """Wraps the stage preparation's start: the stage is checked before anything is fetched or built for it."""
 
         def checked(assignment: StageAssignment) -> None:
             self.check(assignment.stage)

@@ -10,13 +10,11 @@ from typing import Callable
 
 import torch
 from hivemind import DHT
-from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
 from agora_client.auth.ticket_source import TicketSource
 from agora_client.checkpoints.writer import CheckpointWriter
 from agora_client.config import RunConfig
 from agora_client.events import ErrorEvent, EventWriter, StageEvent, StepEvent
-from agora_client.model import build_stage
 from agora_client.snapshots import SnapshotError, keep_newest, load_stage_snapshot, open_store, save_stage_snapshot
 from agora_client.discovery.dht import connect_dht
 from agora_client.discovery.roster import WorkerRecord, fetch_roster, free_index, stage_uid
@@ -25,6 +23,7 @@ from agora_client.worker.epochs import EpochController, all_finite
 from agora_client.worker.group_admission import GroupAdmission
 from agora_client.worker.optimizer import build_optimizer
 from agora_client.worker.partition import due_round
+from agora_client.worker.prepared_stage import PreparedStage, prepare_stage
 from agora_client.worker.rejections import RejectionLog
 from agora_client.worker.server import StageServer
 from agora_client.worker.sparta import RoundReport, SpartaAverager
@@ -59,6 +58,7 @@ class WorkerOptions:
     tickets: TicketSource | None = None  # this worker's own ticket, presented to same-stage peers when averaging
     recovery: Callable[[], Path | None] | None = None  # fetches a peer's stage snapshot after this worker broke
     dht: DHT | None = None  # a DHT peer already started (a contributor opens its port before joining); owned from here on
+    prepared: PreparedStage | None = None  # the stage built ahead (a contributor builds it while its snapshot downloads)
 
 
 STABLE_WINDOW_MAX_WAIT = 120.0  # a stage that never looks stable must not keep a joiner out forever
@@ -97,13 +97,16 @@ class WorkerNode:
         self.options, self.events = options, events
         config, stage = options.config, options.stage
         self.device = torch.device(options.device)
+        if options.prepared is not None:
+            _check_prepared(options.prepared, stage, options.snapshot)
         self.dht = options.dht or connect_dht(options.seeds, host=options.host, **options.dht_kwargs)
         self.peer_id = self.dht.peer_id.to_base58()
 
-        self.module = build_stage(
-            config.model, stage, seed=options.init_seed if options.init_seed is not None else config.seed,
-            device=self.device, seeded_weights=options.snapshot is None,  # a snapshot sets every weight below
+        prepared = options.prepared or prepare_stage(
+            config, stage, self.device, seed=options.init_seed if options.init_seed is not None else config.seed,
+            seeded_weights=options.snapshot is None,  # a snapshot sets every weight below
         )
+        self.module = prepared.module
         self.parameters = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.parameters, config)
         index = options.index if options.index is not None else free_index(fetch_roster(self.dht, stage), stage)
@@ -159,7 +162,6 @@ class WorkerNode:
                        "computes in fp32, not under the run's bf16 autocast", tag="TRAINING")
         is_tail = stage == "tail"
         max_batch = options.max_batch_size or config.optim.microbatch_size * 8
-        example = self.module.example_inputs(1)
         self.backend = StageBackend(
             self.uid,
             self.module,
@@ -172,7 +174,8 @@ class WorkerNode:
             slowdown_s=options.slowdown_s,
             slower=options.slower,
             lie=options.lie,
-            args_schema=tuple(BatchTensorDescriptor.from_tensor(tensor) for tensor in example),
+            args_schema=prepared.args_schema,
+            outputs_schema=prepared.outputs_schema,
             min_batch_size=1,
             max_batch_size=max_batch,
         )
@@ -353,3 +356,9 @@ class WorkerNode:
             self.dht.shutdown()
         self.rejections.shutdown()
 
+
+def _check_prepared(prepared: PreparedStage, stage: str, snapshot: Path | None) -> None:
+    if prepared.stage != stage:
+        raise ValueError(f"the prepared stage is {prepared.stage}, not {stage}")
+    if not prepared.seeded and snapshot is None:
+        raise ValueError(f"the {stage} stage was prepared without weights, and no snapshot gives it any")
