@@ -3,8 +3,9 @@
 By default on two hosts: the swarm in one network namespace, the contributor in another, joined by
 a veth pair (tests/netns.py; needs root, else pass --loopback). The contributor is given only the
 auth URL. Split into start-up (run description), preflight, opening the worker's port, authorization
-(with the dial-back), queue, snapshot download, worker start, sync phase 1 and sync phase 2, from
-the timestamps of the runtime's own events. The download rate (the client's resumable, verifying
+(with the dial-back), queue, snapshot download, worker start (and within it the wait for a calm
+moment in the stage, see WorkerNode.start), sync phase 1 and sync phase 2, from the timestamps of
+the runtime's own events. The download rate (the client's resumable, verifying
 download) is compared, in the same run and from the contributor's host, with plain HTTP GETs of
 the same snapshot files from the same server, alternated five times; medians.
 
@@ -137,6 +138,8 @@ def main() -> None:
         events = runtime_events(runtime)
         stage = first(events, "auth", status="authorized")["stage"]
         runtime.stop()
+        for trainer in swarm.trainers:  # no more epochs: no new snapshot prunes the one measured below
+            trainer.stop()
         with on_client_host():
             our_rate, get_rate = download_rates(swarm, stage, Path(tmp) / "rates")
 
@@ -148,6 +151,7 @@ def main() -> None:
     queued = next((e for e in events if e["kind"] == "queue" and e["position"] > 0), None)
     download_start, download_done = first(events, "download", status="started"), first(events, "download", status="done")
     sync1, sync2, batch = first(events, "sync", phase="sync1"), first(events, "sync", phase="sync2"), first_batch(events)
+    worker_up = next(e for e in events if e["kind"] == "log" and e["tag"] == "JOIN" and e["message"].startswith("Worker up"))
     figures = {
         "topology": "loopback" if args.loopback else "two network namespaces over a veth pair",
         "link_mbit": args.link_mbit,
@@ -161,6 +165,7 @@ def main() -> None:
         "queue_s": round(authorized - queued["ts"], 2) if queued else 0.0,
         "download_s": round(download_done["ts"] - download_start["ts"], 2),
         "worker_start_s": round(sync1["ts"] - download_done["ts"], 2),
+        "of_which_calm_moment_wait_s": round(sync1["ts"] - worker_up["ts"], 2),  # sync 1 begins early in a stage epoch
         "sync1_s": round(sync2["ts"] - sync1["ts"], 2),
         "sync2_until_first_batch_s": round(batch["ts"] - sync2["ts"], 2),
         "start_to_first_batch_s": round(batch["ts"] - started, 2),
