@@ -54,6 +54,7 @@ def test_the_stage_is_built_while_its_snapshot_still_downloads_and_both_are_hand
     with serve_directory(tmp_path / "store", handler=HeldUntilReleased) as server:
         try:
             preparation.start(StageAssignment("body1", f"{server.url}/body1/latest.json"))
+            assert _alive("stage build") and _alive("snapshot download")  # side by side, not one after the other
             _wait_until(lambda: not _alive("stage build"), "the stage is built")
             assert _alive("snapshot download")  # the build did not wait for the download
         finally:
