@@ -4,8 +4,8 @@ It reads the run description from the swarm's auth service (``GET /v1/run``: the
 snapshot and monitor URLs; no preset is assumed), runs the preflight checks, opens the worker's port,
 authorizes (token from ``HF_TOKEN``; the service dials the port back, and while it cannot, the
 runtime shows the diagnosis and retries every ``--retry-every`` seconds or at once on SIGUSR1), downloads the assigned
-stage's snapshot and builds the stage (both already while queued), waits in the join queue, then runs a worker that passes
-through sync phases 1 and 2 to active. Everything it has to say goes to stdout as events, one JSON
+stage's snapshot and builds the stage (both already while queued), waits in the join queue, then runs
+a worker that passes through sync phases 1 and 2 to active. Everything it has to say goes to stdout as events, one JSON
 object per line (agora_client/events.py). SIGINT or SIGTERM stop it gracefully.
 
 Exit codes: agora_client.frontend.exit_codes (0 stopped on request, 1 runtime error, 2 bad usage

@@ -5,9 +5,9 @@ a veth pair (tests/netns.py; needs root, else pass --loopback). The contributor 
 auth URL. Split into start-up (run description), preflight, opening the worker's port, authorization
 (with the dial-back), queue, snapshot download, worker start (and within it the wait for a calm
 moment in the stage, see WorkerNode.start), sync phase 1 and sync phase 2, from the timestamps of
-the runtime's own events. The download rate (the client's resumable, verifying
-download) is compared, in the same run and from the contributor's host, with plain HTTP GETs of
-the same snapshot files from the same server, alternated five times; medians.
+the runtime's own events. The download rate (the client's resumable, verifying download) is
+compared, in the same run and from the contributor's host, with plain HTTP GETs of the same
+snapshot files from the same server, alternated five times; medians.
 
 Each host also gets CPU of its own: the swarm runs under a quota of ``--swarm-cpus`` cores and the
 contributor under one of the remaining cores (cgroups: tests/cpu_quota.py). Without quotas the swarm's
@@ -99,8 +99,9 @@ def main() -> None:
     parser.add_argument("--link-mbit", type=float, default=None,
                         help="limit the swarm host's uplink, the contributor's downlink, to this many Mbit/s (two hosts only)")
     args = parser.parse_args()
-    if not args.loopback and unavailable(shaping=args.link_mbit is not None):
-        raise SystemExit(f"two hosts need network namespaces: {unavailable(shaping=args.link_mbit is not None)}; or pass --loopback")
+    missing = unavailable(shaping=args.link_mbit is not None)
+    if not args.loopback and missing:
+        raise SystemExit(f"two hosts need network namespaces: {missing}; or pass --loopback")
     if args.loopback and args.link_mbit is not None:
         raise SystemExit("--link-mbit shapes the link between two hosts: it does not go with --loopback")
     contributor_cpus = (os.cpu_count() or 1) - args.swarm_cpus

@@ -117,7 +117,7 @@ class Contributor:
         prepared = preparation.result(self.stop)
         if prepared is None:  # stopped
             return
-        snapshot, stage = prepared
+        snapshot, built = prepared
         self.ticket.replace(auth.ticket)
         if auth.queued_s == 0:  # admitted at once: say so, or the queue step would pass without a word
             self.events.emit(QueueEvent(position=0, estimated_wait_s=0.0))
@@ -130,7 +130,7 @@ class Contributor:
                 device=options.device,
                 joining=True,
                 snapshot=snapshot,
-                prepared=stage,
+                prepared=built,
                 exit_snapshot_dir=options.snapshot_dir / "own",
                 max_batch_size=fit.max_batch_size,
                 dht_kwargs=dht_kwargs,
