@@ -63,9 +63,9 @@ def run(args: argparse.Namespace) -> int:
         return _exit(events, EXIT_ERROR, str(error))
     from agora_client.auth.client import AuthRejected, AuthError
     from agora_client.system.gpu import torch_device_for
-    from agora_client.worker.contributor import Contributor, ContributorOptions, PreflightFailed
-    from agora_client.worker.gpu_fit import GpuRefused
-    from agora_client.worker.peer_key import PeerKeyError
+    from agora_client.joining.contributor import Contributor, ContributorOptions, PreflightFailed
+    from agora_client.joining.gpu_fit import GpuRefused
+    from agora_client.joining.peer_key import PeerKeyError
     from agora_client.system.lifetime import die_with_parent
 
     die_with_parent()  # a killed worker must not leave hivemind's helpers serving requests

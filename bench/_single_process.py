@@ -14,7 +14,7 @@ import torch
 from agora_client.config import RunConfig
 from agora_client.model import build_stage
 from agora_client.trainer.data import SequenceStream, Shard
-from agora_client.worker.backend import autocast_context
+from agora_client.serving.backend import autocast_context
 from agora_client.worker.optimizer import build_optimizer
 
 

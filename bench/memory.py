@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 from agora_client.config import RunConfig, load_config
 from agora_client.model import build_stage
 from agora_client.model.memory import gib, plan_stage, usable_bytes
-from agora_client.worker.backend import autocast_context
+from agora_client.serving.backend import autocast_context
 from agora_client.worker.optimizer import build_optimizer
 
 # The 8b preset with every width divided by 8 (head dim and the layer split kept): fits a CPU run.

@@ -20,8 +20,8 @@ from hivemind.utils.tensor_descr import BatchTensorDescriptor
 from agora_client.auth.tickets import generate_signing_key, issue_ticket, public_key_text
 from agora_client.config import load_config
 from agora_client.model import build_stage
-from agora_client.worker.ticket_gate import TicketGate
-from agora_client.worker.validation import MagnitudeGuard, check_descriptors, validate_inputs
+from agora_client.serving.ticket_gate import TicketGate
+from agora_client.serving.validation import MagnitudeGuard, check_descriptors, validate_inputs
 
 CALLER = "12D3KooWbenchcaller"
 

@@ -40,7 +40,7 @@ def _peer(conn: Connection, index: int, initial_peers: list[str], rounds: int) -
     os.setpgrp()  # the bench reaps this peer with its DHT, averagers and p2pd in one kill
     from hivemind import DHT
 
-    from agora_client.worker.sparta import SpartaAverager
+    from agora_client.averaging.sparta import SpartaAverager
 
     torch.set_num_threads(1)
     config = load_config("tiny")

@@ -207,7 +207,7 @@ def test_writer_checkpoints_every_period_with_run_and_training_stats(tmp_path):
 
 
 def test_worker_runtime_imports_neither_boto3_nor_transformers():
-    code = ("import sys, agora_client.runtime, agora_client.worker.node, agora_client.worker.contributor; "
+    code = ("import sys, agora_client.runtime, agora_client.worker.node, agora_client.joining.contributor; "
             "print(sorted(m for m in ('boto3', 'transformers', 'moto') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

@@ -29,8 +29,8 @@ from agora_client.auth.ticket_source import SelfIssuedTickets
 from agora_client.auth.tickets import generate_signing_key, issue_ticket
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
 from agora_client.trainer.rpc import call_stream, call_unary, close_replica
-from agora_client.worker.rejections import LOG_INTERVAL_S
-from agora_client.worker.validation import WARMUP_REQUESTS
+from agora_client.serving.rejections import LOG_INTERVAL_S
+from agora_client.serving.validation import WARMUP_REQUESTS
 from tests.swarm_helpers import events, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]

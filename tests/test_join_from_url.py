@@ -36,8 +36,8 @@ from agora_client.events import EventWriter, PreflightEvent, ReachabilityEvent
 from agora_client.frontend.lines import LineFormatter
 from agora_client.snapshots import save_stage_snapshot, serve_directory
 from agora_client.system.gpu import CardId, _parse_bus_id, match_cuda_index
-from agora_client.worker.peer_key import PeerKeyError, key_path, load_or_create_peer_key, peer_id_of
-from agora_client.worker.preflight import (
+from agora_client.joining.peer_key import PeerKeyError, key_path, load_or_create_peer_key, peer_id_of
+from agora_client.joining.preflight import (
     check_disk, check_download_rate, check_gpu, check_host_ram, check_seed_rtt, reachability_result,
 )
 
@@ -140,7 +140,7 @@ def test_the_worker_dht_runs_on_the_stored_key(tmp_path):
     script = f"""
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.dht.crypto import RSASignatureValidator
-from agora_client.worker.peer_key import load_or_create_peer_key, use_as_process_key, peer_id_of
+from agora_client.joining.peer_key import load_or_create_peer_key, use_as_process_key, peer_id_of
 from agora_client.auth.key_proof import peer_id_of_public_key
 from agora_client.monitor.records import signed_dht_kwargs
 key = load_or_create_peer_key({str(path)!r})

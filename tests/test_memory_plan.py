@@ -22,7 +22,7 @@ from agora_client.model.memory import (
     usable_bytes,
 )
 from agora_client.system.gpu import GpuSpec
-from agora_client.worker.gpu_fit import GpuRefused, JoinFit, fit_stage
+from agora_client.joining.gpu_fit import GpuRefused, JoinFit, fit_stage
 from agora_client.worker.optimizer import OffloadAdamW
 
 GB = 10**9

@@ -13,8 +13,8 @@ from agora_client.config import load_config
 from agora_client.model import build_full_model
 from agora_client.model.layers import RMSNorm
 from agora_client.model.loss import per_token_loss
-from agora_client.worker import backend
-from agora_client.worker.backend import autocast_context
+from agora_client.serving import backend
+from agora_client.serving.backend import autocast_context
 from agora_client.worker.optimizer import OffloadAdamW, build_optimizer
 
 

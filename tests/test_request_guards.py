@@ -22,12 +22,12 @@ from agora_client.discovery.roster import WorkerRecord
 from agora_client.trainer.balancer import Router, StageBalancer
 from agora_client.trainer.errors import ErrorClass, classify
 from agora_client.trainer.pipeline import NonFiniteLoss, Pipeline, StallNotice
-from agora_client.worker.backend import WorkerUnhealthy
+from agora_client.serving.backend import WorkerUnhealthy
 from agora_client.worker.epochs import EpochController
-from agora_client.worker.rejections import RejectionLog
+from agora_client.serving.rejections import RejectionLog
 from agora_client.worker.sync import SyncState
-from agora_client.worker.ticket_gate import TicketGate, TicketRejected
-from agora_client.worker.validation import (
+from agora_client.serving.ticket_gate import TicketGate, TicketRejected
+from agora_client.serving.validation import (
     ABSOLUTE_LIMIT,
     WARMUP_REQUESTS,
     BadRequest,

@@ -17,12 +17,12 @@ import torch
 from agora_client.auth.ticket_source import SelfIssuedTickets
 from agora_client.auth.tickets import generate_signing_key, load_signing_key, public_key_text, save_signing_key
 from agora_client.config import SpartaConfig
-from agora_client.worker.bounds import FLOOR_RMS
-from agora_client.worker.group_admission import GroupAdmission
-from agora_client.worker.rejections import RejectionLog
-from agora_client.worker.ticket_gate import TicketGate
-from agora_client.worker.partition import StridedPartition
-from agora_client.worker.sparta import RoundReport, SpartaAverager
+from agora_client.averaging.bounds import FLOOR_RMS
+from agora_client.averaging.group_admission import GroupAdmission
+from agora_client.serving.rejections import RejectionLog
+from agora_client.serving.ticket_gate import TicketGate
+from agora_client.averaging.partition import StridedPartition
+from agora_client.averaging.sparta import RoundReport, SpartaAverager
 
 pytestmark = pytest.mark.integration
 

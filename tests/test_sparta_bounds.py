@@ -1,4 +1,4 @@
-"""Bounded influence of one SPARTA peer (worker/bounds.py)."""
+"""Bounded influence of one SPARTA peer (averaging/bounds.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from agora_client.worker.bounds import FLOOR_RMS, MAX_WEIGHT, bounded, bounded_weight
+from agora_client.averaging.bounds import FLOOR_RMS, MAX_WEIGHT, bounded, bounded_weight
 
 OWN = torch.linspace(-1.0, 1.0, 1000)
 

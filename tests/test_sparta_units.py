@@ -11,8 +11,8 @@ import torch
 from agora_client.config import SpartaConfig
 from agora_client.events import SpartaEvent, dump_event, parse_event
 from agora_client.frontend.lines import LineFormatter
-from agora_client.worker.partition import StridedPartition, due_round, partition_of
-from agora_client.worker.sparta import RoundReport, SpartaAverager
+from agora_client.averaging.partition import StridedPartition, due_round, partition_of
+from agora_client.averaging.sparta import RoundReport, SpartaAverager
 
 SIZES = [7, 0, 1, 13, 4, 29]  # includes an empty tensor and tensors smaller than the stride
 
@@ -137,7 +137,7 @@ def test_hivemind_round_failures_do_not_reach_the_log_as_tracebacks() -> None:
 
     from hivemind.averaging.partition import AllreduceException
 
-    from agora_client.worker.sparta import _not_cancel_noise, _reported_by_the_round
+    from agora_client.averaging.sparta import _not_cancel_noise, _reported_by_the_round
 
     def record(message: str, error: BaseException | None = None, level: int = logging.ERROR) -> logging.LogRecord:
         exc_info = (type(error), error, None) if error is not None else None

@@ -18,7 +18,7 @@ from agora_client.snapshots import DownloadError, RangeRequestHandler, load_stag
 from agora_client.worker.node import WorkerNode, WorkerOptions
 from agora_client.worker.optimizer import build_optimizer
 from agora_client.worker.prepared_stage import prepare_stage
-from agora_client.worker.preparation import StagePreparation
+from agora_client.joining.preparation import StagePreparation
 
 CONFIG = load_config("tiny")
 WAIT_S = 60.0  # bounds every wait of this module

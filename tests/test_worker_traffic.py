@@ -17,7 +17,7 @@ import pytest
 from agora_client.events import EventWriter, parse_event
 from agora_client.system.log_events import EventLogHandler
 from agora_client.trainer.progress import TrainerProgress, swarm_event
-from agora_client.worker.traffic import RequestMeter, TrafficWindow
+from agora_client.serving.traffic import RequestMeter, TrafficWindow
 
 ROOT = Path(__file__).resolve().parent.parent
 

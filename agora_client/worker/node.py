@@ -18,18 +18,18 @@ from agora_client.events import ErrorEvent, EventWriter, StageEvent, StepEvent
 from agora_client.snapshots import SnapshotError, keep_newest, load_stage_snapshot, open_store, save_stage_snapshot
 from agora_client.discovery.dht import connect_dht
 from agora_client.discovery.roster import WorkerRecord, fetch_roster, free_index, stage_uid
-from agora_client.worker.backend import StageBackend, native_bf16
+from agora_client.serving.backend import StageBackend, native_bf16
 from agora_client.worker.epochs import EpochController, all_finite
-from agora_client.worker.group_admission import GroupAdmission
+from agora_client.averaging.group_admission import GroupAdmission
 from agora_client.worker.optimizer import build_optimizer
-from agora_client.worker.partition import due_round
+from agora_client.averaging.partition import due_round
 from agora_client.worker.prepared_stage import PreparedStage, prepare_stage
-from agora_client.worker.rejections import RejectionLog
-from agora_client.worker.server import StageServer
-from agora_client.worker.sparta import RoundReport, SpartaAverager
+from agora_client.serving.rejections import RejectionLog
+from agora_client.serving.server import StageServer
+from agora_client.averaging.sparta import RoundReport, SpartaAverager
 from agora_client.worker.sync import SyncState
-from agora_client.worker.ticket_gate import TicketGate
-from agora_client.worker.traffic import MeterTotals, RequestMeter
+from agora_client.serving.ticket_gate import TicketGate
+from agora_client.serving.traffic import MeterTotals, RequestMeter
 
 
 @dataclass
@@ -165,7 +165,8 @@ class WorkerNode:
         self.backend = StageBackend(
             self.uid,
             self.module,
-            epochs=self.epochs,
+            lock=self.epochs.lock,
+            on_samples=self.epochs.on_samples,
             device=self.device,
             mixed_precision=config.use_mixed_precision,
             on_forward=lambda tokens, outputs: self._on_request("forward", tokens, outputs, is_tail),

@@ -13,13 +13,12 @@ and fails the batch rather than hand the numbers on.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from typing import Callable
 
 import torch
 from hivemind.moe.server.module_backend import ModuleBackend
-
-from agora_client.worker.epochs import EpochController
 
 
 class WorkerUnhealthy(RuntimeError):
@@ -52,12 +51,16 @@ def autocast_context(device: torch.device, mixed_precision: bool) -> Callable[[]
 
 
 class StageBackend(ModuleBackend):
+    """A stage served to trainers: requests run under ``lock`` (held by the training loop while it changes the
+    parameters), and every backward reports its sample count to ``on_samples`` (the stage's epoch counter)."""
+
     def __init__(
         self,
         name: str,
         module: torch.nn.Module,
         *,
-        epochs: EpochController,
+        lock: threading.Lock,
+        on_samples: Callable[[int], None],
         device: torch.device,
         mixed_precision: bool,
         on_forward: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], None],
@@ -69,13 +72,14 @@ class StageBackend(ModuleBackend):
         **kwargs,
     ):
         super().__init__(name, module, **kwargs)
-        self.epochs, self.slowdown_s, self.slower, self.lie = epochs, slowdown_s, slower, lie
+        self.lock, self._on_samples = lock, on_samples
+        self.slowdown_s, self.slower, self.lie = slowdown_s, slower, lie
         self._autocast = autocast_context(device, mixed_precision)
         self._on_forward, self._on_backward, self._on_unhealthy = on_forward, on_backward, on_unhealthy
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         started = time.perf_counter()
-        with self.epochs.lock, self._autocast():
+        with self.lock, self._autocast():
             outputs = super().forward(*inputs)
         outputs = tuple(out.float() if out.is_floating_point() else out for out in outputs)
         self._require_finite(outputs, "forward outputs")
@@ -85,7 +89,7 @@ class StageBackend(ModuleBackend):
 
     def backward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         started = time.perf_counter()
-        with self.epochs.lock, self._autocast():
+        with self.lock, self._autocast():
             grads = super().backward(*inputs)  # re-runs forward, autograd, then calls on_backward
         grads = tuple(grad.float() if grad.is_floating_point() else grad for grad in grads)
         self._require_finite(grads, "input gradients")
@@ -107,7 +111,7 @@ class StageBackend(ModuleBackend):
 
     def on_backward(self, batch_size: int) -> None:
         # Replaces hivemind's per-request optimizer step: gradients accumulate until the stage epoch.
-        self.epochs.on_samples(batch_size)
+        self._on_samples(batch_size)
 
 
 def _scrambled(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

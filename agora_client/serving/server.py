@@ -1,7 +1,7 @@
 """The worker's hivemind moe Server, with two seams swapped in.
 
 - Connection handlers check every request's ticket, size, schema and values before it reaches a pool,
-  and count every answered request and its payload bytes (worker/traffic.py).
+  and count every answered request and its payload bytes (serving/traffic.py).
 - The DHT handler thread is replaced by the StageAnnouncer, which publishes the stage-prefixed uid
   together with the sync phase (hivemind's own handler can only publish the uid).
 """
@@ -26,11 +26,11 @@ from hivemind.utils import nested_flatten
 from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
 from agora_client.discovery.roster import WorkerRecord, announce, withdraw
-from agora_client.worker.backend import StageBackend, WorkerUnhealthy
-from agora_client.worker.rejections import RejectionLog
-from agora_client.worker.ticket_gate import TicketGate
-from agora_client.worker.traffic import RequestMeter
-from agora_client.worker.validation import (
+from agora_client.serving.backend import StageBackend, WorkerUnhealthy
+from agora_client.serving.rejections import RejectionLog
+from agora_client.serving.ticket_gate import TicketGate
+from agora_client.serving.traffic import RequestMeter
+from agora_client.serving.validation import (
     BadRequest,
     DescriptorCheck,
     MagnitudeGuard,

@@ -34,15 +34,15 @@ from agora_client.monitor.records import MetricsRecord, publish_metrics, signed_
 from agora_client.snapshots import download_snapshot
 from agora_client.discovery.dht import connect_dht
 from agora_client.system.resources import ResourceProbe
-from agora_client.worker.gpu_fit import JoinFit
+from agora_client.joining.gpu_fit import JoinFit
 from agora_client.worker.metrics import WorkerMetrics
 from agora_client.worker.node import WorkerNode, WorkerOptions
 from agora_client.trainer.progress import fetch_progress, swarm_event
-from agora_client.worker.peer_key import key_path, load_or_create_peer_key, peer_id_of, use_as_process_key
-from agora_client.worker.preflight import machine_checks, reachability_result
-from agora_client.worker.preparation import StagePreparation
+from agora_client.joining.peer_key import key_path, load_or_create_peer_key, peer_id_of, use_as_process_key
+from agora_client.joining.preflight import machine_checks, reachability_result
+from agora_client.joining.preparation import StagePreparation
 from agora_client.worker.sync import NAMES
-from agora_client.worker.traffic import TrafficWindow
+from agora_client.serving.traffic import TrafficWindow
 
 TICK_SECONDS = 1.0
 RESOURCES_EVERY = 2.0  # resources and traffic

@@ -51,9 +51,9 @@ from hivemind.utils.asyncio import as_aiter, azip
 
 from agora_client.config import SpartaConfig
 from agora_client.events import SpartaEvent
-from agora_client.worker.bounds import bounded, bounded_weight
-from agora_client.worker.group_admission import GroupAdmission
-from agora_client.worker.partition import StridedPartition, partition_of
+from agora_client.averaging.bounds import bounded, bounded_weight
+from agora_client.averaging.group_admission import GroupAdmission
+from agora_client.averaging.partition import StridedPartition, partition_of
 
 _SENT, _RECEIVED = 0, 1
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from agora_client.auth.tickets import InvalidTicket, TicketClaims, load_public_key, verify_ticket
-from agora_client.worker.validation import RequestRejected
+from agora_client.serving.validation import RequestRejected
 
 _CACHE_LIMIT = 4096  # verified tickets remembered (signature checked once per ticket, expiry every call)
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from agora_client.auth.ticket_source import TicketSource
-from agora_client.worker.rejections import RejectionLog
-from agora_client.worker.ticket_gate import TicketGate, TicketRejected
+from agora_client.serving.rejections import RejectionLog
+from agora_client.serving.ticket_gate import TicketGate, TicketRejected
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""A contributor joining a swarm: preflight, identity, GPU fit, the stage prepared while the snapshot downloads."""
