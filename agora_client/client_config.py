@@ -214,44 +214,60 @@ def resolve_client(
     ``need_swarm=False`` (a replayed runtime in tests) does not ask for a swarm address."""
     prompts = prompts or Prompts()
     store = ClientConfigStore(config_dir)
+    previous, stored_token = _load_saved(store, reconfigure)
+    swarm_url = validate_swarm_url(swarm) if swarm else (previous.swarm_url if previous else None)
+    token, source = _resolve_token(store, prompts, env, login_token, stored_token, reconfigure)
+    if need_swarm and (swarm_url is None or (reconfigure and not swarm and prompts.interactive)):
+        swarm_url = _ask_swarm(prompts, swarm_url)
+    saved_gpu_index = previous.gpu_index if previous else None
+    gpu_index = _choose_gpu(prompts, list_gpus(), gpu, saved_gpu_index, reconfigure)
+    saved_gpu = gpu_index if gpu is None else saved_gpu_index  # a --gpu choice is for this run only
+    store.save(ClientConfig(swarm_url=swarm_url, gpu_index=saved_gpu))
+    return ResolvedClient(ClientConfig(swarm_url=swarm_url, gpu_index=gpu_index), token, source, Path(config_dir))
+
+
+def _load_saved(store: ClientConfigStore, reconfigure: bool) -> tuple[ClientConfig | None, str | None]:
+    """The saved config and token; with ``reconfigure``, a broken file counts as none."""
     try:
-        previous, stored_token = store.load(), store.load_token()
+        return store.load(), store.load_token()
     except ClientConfigError:
         if not reconfigure:
             raise
-        previous, stored_token = None, None  # --reconfigure starts over from a broken file
-    swarm_url = validate_swarm_url(swarm) if swarm else (previous.swarm_url if previous else None)
+        return None, None  # --reconfigure starts over from a broken file
 
+
+def _resolve_token(
+    store: ClientConfigStore,
+    prompts: Prompts,
+    env: Mapping[str, str],
+    login_token: Callable[[], str | None],
+    stored_token: str | None,
+    reconfigure: bool,
+) -> tuple[str, str]:
+    """The token and where it came from: HF_TOKEN, saved, hf auth login, else asked (and saved if typed)."""
     env_token = (env.get("HF_TOKEN") or "").strip()
     if env_token:
-        token, source = env_token, "HF_TOKEN"
-    elif stored_token and not reconfigure:
-        token, source = stored_token, "saved"
-    elif not reconfigure and (logged_in := login_token()):
-        token, source = logged_in, "hf auth login"
-    else:
-        current = stored_token or login_token()
-        token = _ask_token(prompts, current)
-        source = "kept" if token == current else "typed"
-        if source == "typed":
-            store.save_token(token)
+        return env_token, "HF_TOKEN"
+    if stored_token and not reconfigure:
+        return stored_token, "saved"
+    if not reconfigure and (logged_in := login_token()):
+        return logged_in, "hf auth login"
+    current = stored_token or login_token()
+    token = _ask_token(prompts, current)
+    source = "kept" if token == current else "typed"
+    if source == "typed":
+        store.save_token(token)
+    return token, source
 
-    if need_swarm and (swarm_url is None or (reconfigure and not swarm and prompts.interactive)):
-        swarm_url = _ask_swarm(prompts, swarm_url)
 
-    devices = list_gpus()
+def _choose_gpu(prompts: Prompts, devices: list, gpu: int | None, saved: int | None, reconfigure: bool) -> int | None:
+    """The GPU to use: ``--gpu`` if it exists, else the saved choice or the user's when several are visible."""
     if gpu is not None:
         if not 0 <= gpu < len(devices):
             found = f"GPUs 0..{len(devices) - 1} are visible" if devices else "no NVIDIA GPU is visible"
             raise ClientConfigError(f"--gpu {gpu} does not exist: {found}")
-        gpu_index: int | None = gpu
-    elif len(devices) > 1:
-        current = previous.gpu_index if previous else None
-        valid = current is not None and current < len(devices)
-        gpu_index = current if valid and not reconfigure else _ask_gpu(prompts, devices, current if valid else None)
-    else:
-        gpu_index = 0 if devices else None
-
-    saved_gpu = gpu_index if gpu is None else (previous.gpu_index if previous else None)
-    store.save(ClientConfig(swarm_url=swarm_url, gpu_index=saved_gpu))
-    return ResolvedClient(ClientConfig(swarm_url=swarm_url, gpu_index=gpu_index), token, source, Path(config_dir))
+        return gpu
+    if len(devices) > 1:
+        valid = saved is not None and saved < len(devices)
+        return saved if valid and not reconfigure else _ask_gpu(prompts, devices, saved if valid else None)
+    return 0 if devices else None

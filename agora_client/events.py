@@ -12,7 +12,7 @@ import os
 import threading
 import time
 import weakref
-from typing import IO, Annotated, Any, Iterable, Literal, Union
+from typing import IO, Annotated, Any, Iterable, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -20,6 +20,10 @@ VERSION = 1
 
 SyncPhase = Literal["sync1", "sync2", "active"]
 Level = Literal["debug", "info", "warning", "error"]
+# The preflight checks in the order the runtime runs them; reachability last: the swarm tests it during the join.
+PreflightCheck = Literal["gpu", "host_ram", "disk", "download_rate", "seed_rtt", "reachability"]
+PREFLIGHT_CHECKS: tuple[PreflightCheck, ...] = get_args(PreflightCheck)
+MACHINE_CHECKS: tuple[PreflightCheck, ...] = PREFLIGHT_CHECKS[:-1]  # the ones run before the join
 
 
 class _Event(BaseModel):
@@ -157,7 +161,7 @@ class PreflightEvent(_Event):
     """One check before authorization: pass, warn or fail, with the measured value and the reason."""
 
     kind: Literal["preflight"] = "preflight"
-    check: Literal["gpu", "host_ram", "disk", "reachability", "download_rate", "seed_rtt"]
+    check: PreflightCheck
     status: Literal["pass", "warn", "fail"]
     value: str = ""
     reason: str = ""

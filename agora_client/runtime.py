@@ -19,12 +19,18 @@ import argparse
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agora_client.events import ErrorEvent, EventWriter, ExitEvent
 from agora_client.frontend.exit_codes import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, EXIT_USAGE
 from agora_client.system.lifetime import stop_on_signals
 from agora_client.system.log_events import logs_to_events
+
+if TYPE_CHECKING:
+    from agora_client.auth.run_description import RunDescription
+    from agora_client.joining.contributor import Contributor
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -39,33 +45,55 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retry-every", type=float, default=30.0, help="seconds between join attempts while unreachable")
     parser.add_argument("--batch-size-override", type=int, default=None, metavar="N",
                         help="lower the microbatch the GPU's memory plan allows to N")
-    parser.add_argument("--lie", action="store_true", help=argparse.SUPPRESS)  # tests: a dishonest worker
+
+
+class _CannotStart(Exception):
+    """Why the runtime cannot start (the message) and its exit code."""
+
+    def __init__(self, code: int, reason: str):
+        super().__init__(reason)
+        self.code = code
 
 
 def run(args: argparse.Namespace) -> int:
+    """Token, run description, contributor, then contribute until stopped; the exit code as the module docstring says."""
     stop = stop_on_signals()  # first: nothing forked later may inherit the handler
     events = EventWriter(sys.stdout)
     logs_to_events(events)  # the front end shows events; engine log records become events, not stderr
     token = os.environ.get("HF_TOKEN", "")
     if not token:
         return _exit(events, EXIT_USAGE, "no token: set HF_TOKEN (the app does this for you)")
-    from agora_client.auth.reachability import AnnounceError, default_host_port, parse_announce
+    try:
+        description = _run_description(args)
+    except _CannotStart as failure:
+        return _exit(events, failure.code, str(failure))
+    contributor = _contributor(args, description, events, stop)
+    signal.signal(signal.SIGUSR1, lambda *_: contributor.retry_now.set())  # the app's "retry now" key
+    return _contribute(contributor, token, events)
+
+
+def _run_description(args: argparse.Namespace) -> RunDescription:
+    """The swarm's run description, once ``--announce-addr`` (if given) is known to be usable."""
+    from agora_client.auth.reachability import AnnounceError, parse_announce
     from agora_client.auth.run_description import RunDescriptionError, fetch_description
 
     if args.announce_addr is not None:
         try:
             parse_announce(args.announce_addr)
         except AnnounceError as error:
-            return _exit(events, EXIT_USAGE, str(error))
+            raise _CannotStart(EXIT_USAGE, str(error)) from error
     try:
-        description = fetch_description(args.swarm)
+        return fetch_description(args.swarm)
     except RunDescriptionError as error:
-        return _exit(events, EXIT_ERROR, str(error))
-    from agora_client.auth.client import AuthRejected, AuthError
+        raise _CannotStart(EXIT_ERROR, str(error)) from error
+
+
+def _contributor(args: argparse.Namespace, description: RunDescription, events: EventWriter,
+                 stop: threading.Event) -> Contributor:
+    """The contributor for this run and device; loads the engine, whose helpers forked from then on die with us."""
+    from agora_client.auth.reachability import default_host_port
     from agora_client.system.gpu import torch_device_for
-    from agora_client.joining.contributor import Contributor, ContributorOptions, PreflightFailed
-    from agora_client.joining.gpu_fit import GpuRefused
-    from agora_client.joining.peer_key import PeerKeyError
+    from agora_client.joining.contributor import Contributor, ContributorOptions
     from agora_client.system.lifetime import die_with_parent
 
     die_with_parent()  # a killed worker must not leave hivemind's helpers serving requests
@@ -76,10 +104,18 @@ def run(args: argparse.Namespace) -> int:
         host_port=default_host_port(args.gpu) if args.host_port is None else args.host_port,
         gpu=args.gpu, device=device, device_note=device_note, monitor_url=args.monitor or description.monitor_url,
         announce_addr=args.announce_addr, retry_every=args.retry_every, batch_size_override=args.batch_size_override,
-        lie=args.lie,
     )
-    contributor = Contributor(options, events, stop)
-    signal.signal(signal.SIGUSR1, lambda *_: contributor.retry_now.set())  # the app's "retry now" key
+    return Contributor(options, events, stop)
+
+
+def _contribute(contributor: Contributor, token: str, events: EventWriter) -> int:
+    """Run the contributor until it stops or fails, close it, and exit with the code that says how it ended."""
+    from agora_client.auth.client import AuthRejected, AuthError
+    from agora_client.auth.run_description import RunDescriptionError
+    from agora_client.joining.contributor import PreflightFailed
+    from agora_client.joining.gpu_fit import GpuRefused
+    from agora_client.joining.peer_key import PeerKeyError
+
     try:
         contributor.run(token)
     except AuthRejected as error:  # the auth event said why

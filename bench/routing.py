@@ -2,11 +2,12 @@
 """Least-loaded routing against round-robin, with one slow and one fast worker in a stage.
 
 One local swarm (tiny preset, real processes on 127.0.0.1): head, body2 and tail have two fast workers each
-(``--others``), as in the demo; body1 has a fast worker and one made F times slower with `agora worker --slower F`
-(every request takes F times its own compute time, the rest asleep, as on a GPU F times slower that takes no CPU
-from the others). So body1 is the stage the slow worker can hold back. body1 holds ``--body1-layers`` layers
-(3; tiny has 1): with one, a request's fixed cost (RPC, serialization, the p2p daemon) outweighs its compute, so
-a GPU 3x slower makes the whole request far less than 3x slower; on a large model compute is most of it.
+(``--others``), as in the demo; body1 has a fast worker and one made F times slower, run by
+tests/faulty_worker.py with `--slower F` (every request takes F times its own compute time, the rest asleep, as
+on a GPU F times slower that takes no CPU from the others). So body1 is the stage the slow worker can hold
+back. body1 holds ``--body1-layers`` layers (3; tiny has 1): with one, a request's fixed cost (RPC,
+serialization, the p2p daemon) outweighs its compute, so a GPU 3x slower makes the whole request far less than
+3x slower; on a large model compute is most of it.
 The same swarm then serves a trainer with `--routing least-loaded` and a trainer with `--routing round-robin`,
 one after the other (alternating per round so that machine load falls on both alike). For each policy: the
 share of body1's requests each worker served, and the trainer's pipeline throughput in tokens/s, both
@@ -47,6 +48,7 @@ from _trainer_progress import ProgressRecorder, served_by, tokens_per_second  # 
 
 from agora_client.swarm.launcher import START_TIMEOUT, WORKER_READY, LocalSwarm, SwarmOptions  # noqa: E402
 from tests.cpu_quota import CpuQuotas, unavailable  # noqa: E402
+from tests.faulty_worker import faulty  # noqa: E402
 
 POLICIES = ("least-loaded", "round-robin")
 SLOW_STAGE = "body1"
@@ -107,7 +109,7 @@ def measure_policies(
         swarm.start()
         launching = [swarm.start_worker(stage, wait=False) for stage in swarm.workers if stage != SLOW_STAGE
                      for _ in range(args.others - 1)]
-        slow = swarm.start_worker(SLOW_STAGE, "--slower", str(args.slower))
+        slow = swarm.start_worker(SLOW_STAGE, program=faulty(slower=args.slower))
         for worker in launching:
             worker.wait_for(WORKER_READY, START_TIMEOUT)
         fast_uid, slow_uid = f"{SLOW_STAGE}.0.0", f"{SLOW_STAGE}.0.{slow.name.rsplit('-', 1)[1]}"

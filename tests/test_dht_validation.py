@@ -19,15 +19,10 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from agora_client.auth.tickets import generate_signing_key, issue_ticket, public_key_text
 from agora_client.config import load_config
-from agora_client.monitor.records import MetricsRecord, create_signed_dht, metrics_key, metrics_subkey, owner_subkey, publish_metrics
-from agora_client.monitor.verdicts import (
-    VERDICTS_KEY,
-    Verdict,
-    fetch_verdicts,
-    publish_verdict,
-    trainer_peer_id,
-    trainer_ticket,
-)
+from agora_client.discovery.signed_records import VERDICTS_KEY, MetricsRecord, Verdict, metrics_key
+from agora_client.monitor.records import create_signed_dht, metrics_subkey, publish_metrics
+from agora_client.monitor.signatures import owner_subkey
+from agora_client.monitor.verdicts import fetch_verdicts, publish_verdict, trainer_peer_id, trainer_ticket
 from agora_client.swarm.processes import ManagedProcess
 from agora_client.discovery.roster import WorkerRecord, announce, fetch_roster, roster_key
 from agora_client.discovery.seed import READY_PREFIX
@@ -169,8 +164,8 @@ def test_the_monitor_keeps_only_verdicts_of_ticketed_trainers(seed):
         rejected: list[str] = []
         found = fetch_verdicts(monitor, public_key_text(auth_key), on_reject=rejected.append)
         assert [(v.trainer, v.peer_id) for v in found] == [(trainer_peer_id(honest), worker_id)]
-        assert any("ticket is for body1" in reason for reason in rejected), rejected
-        assert any("invalid trainer ticket" in reason for reason in rejected), rejected
+        assert any("/ stage body1, not" in reason for reason in rejected), rejected  # a worker's ticket
+        assert any("invalid ticket in verdict" in reason for reason in rejected), rejected
     finally:
         monitor.shutdown()
         for node in nodes:

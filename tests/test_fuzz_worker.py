@@ -18,17 +18,16 @@ import pytest
 import torch
 from hivemind import DHT
 from hivemind.compression import serialize_torch_tensor
-from hivemind.moe.client.expert import get_server_stub
-from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.p2p import PeerID
-from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE
 from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import iter_as_aiter
 
 from agora_client.auth.ticket_source import SelfIssuedTickets
 from agora_client.auth.tickets import generate_signing_key, issue_ticket
+from agora_client.engine.expert_calls import (
+    DEFAULT_MAX_MSG_SIZE, call_stream, call_unary, close_replica, replicate_p2p, run_coroutine, server_stub,
+)
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
-from agora_client.trainer.rpc import call_stream, call_unary, close_replica
 from agora_client.serving.rejections import LOG_INTERVAL_S
 from agora_client.serving.validation import WARMUP_REQUESTS
 from tests.swarm_helpers import events, wait_until
@@ -45,10 +44,10 @@ class Attacker:
 
     def __init__(self, swarm: LocalSwarm, worker_peer: str):
         self.dht = DHT(initial_peers=swarm.seed_addrs, start=True, client_mode=True)
-        self.p2p = RemoteExpertWorker.run_coroutine(self.dht.replicate_p2p())
+        self.p2p = replicate_p2p(self.dht)
         self.peer_id = self.p2p.peer_id.to_base58()
         self.worker_peer = PeerID.from_base58(worker_peer)
-        self.stub = get_server_stub(self.p2p, self.worker_peer)
+        self.stub = server_stub(self.p2p, worker_peer)
         self.trainer_tickets = SelfIssuedTickets.from_file(swarm.signing_key_path, role="trainer", stage="trainer")
         self.key = self.trainer_tickets.key
         self.refused_calls = 0
@@ -58,7 +57,7 @@ class Attacker:
         return self.trainer_tickets.ticket_for(self.peer_id).encode()
 
     def run(self, coroutine, timeout: float = ANSWER_WITHIN):
-        return RemoteExpertWorker.run_coroutine(asyncio.wait_for(coroutine, timeout))
+        return run_coroutine(asyncio.wait_for(coroutine, timeout))
 
     def call(
         self, kind: str, tensors, *, metadata: bytes | None = None, stream: bool = False, part_bytes: int = DEFAULT_MAX_MSG_SIZE

@@ -32,13 +32,13 @@ from agora_client.auth.run_description import (
     RunChanged, RunDescriptionError, check_unchanged, describe_run, fetch_description, parse_description,
 )
 from agora_client.config import load_config
-from agora_client.events import EventWriter, PreflightEvent, ReachabilityEvent
+from agora_client.events import MACHINE_CHECKS, EventWriter, PreflightEvent, ReachabilityEvent
 from agora_client.frontend.lines import LineFormatter
 from agora_client.snapshots import save_stage_snapshot, serve_directory
 from agora_client.system.gpu import CardId, _parse_bus_id, match_cuda_index
 from agora_client.joining.peer_key import PeerKeyError, key_path, load_or_create_peer_key, peer_id_of
 from agora_client.joining.preflight import (
-    check_disk, check_download_rate, check_gpu, check_host_ram, check_seed_rtt, reachability_result,
+    check_disk, check_download_rate, check_gpu, check_host_ram, check_seed_rtt, machine_checks, reachability_result,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -140,7 +140,8 @@ def test_the_worker_dht_runs_on_the_stored_key(tmp_path):
     script = f"""
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.dht.crypto import RSASignatureValidator
-from agora_client.joining.peer_key import load_or_create_peer_key, use_as_process_key, peer_id_of
+from agora_client.joining.peer_key import load_or_create_peer_key, peer_id_of
+from agora_client.engine.identity import use_as_process_key
 from agora_client.auth.key_proof import peer_id_of_public_key
 from agora_client.monitor.records import signed_dht_kwargs
 key = load_or_create_peer_key({str(path)!r})
@@ -320,6 +321,11 @@ def test_preflight_checks_measure_for_real(tmp_path):
     assert rtt.status == "pass" and "1 of 2 seeds answering" in rtt.value
     dead = check_seed_rtt(replace(run, seeds=(f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/QmX",)))
     assert dead.status == "fail" and "outbound" in dead.reason
+
+
+def test_the_machine_checks_run_in_the_order_the_event_contract_lists(tmp_path):
+    run = describe_run(load_config("tiny2"), (), None, None)
+    assert [check().check for check in machine_checks(run, "cpu", "no --gpu given", tmp_path)] == list(MACHINE_CHECKS)
 
 
 def test_preflight_and_reachability_lines_for_headless_and_the_app():

@@ -1,8 +1,8 @@
 """A lying worker in a real local swarm is caught by the trainer's spot checks, banned, loses its points,
 and training goes on: the loss still falls.
 
-The liar joins like any contributor (auth service, snapshot, sync phases) with the test-only `--lie`
-switch: it computes, then answers random tensors of the right shape and scale. Placeholder admissions
+The liar joins like any contributor (auth service, snapshot, sync phases), run by tests/faulty_worker.py
+with `--lie`: it computes, then answers random tensors of the right shape and scale. Placeholder admissions
 hold the auth service's head and body slots, so the liar lands in the tail, which has two honest workers:
 every disagreement has a referee. (Honest head replicas drift as far apart as random outputs after a
 single optimizer step of this preset, so output comparison cannot judge the head; see the report in
@@ -25,6 +25,7 @@ from agora_client.auth.key_proof import peer_id_of_public_key
 from agora_client.events import EventWriter, json_objects
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
 from agora_client.swarm.processes import ManagedProcess
+from tests.faulty_worker import faulty
 from tests.swarm_helpers import progress, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -51,8 +52,8 @@ def test_a_lying_worker_is_banned_loses_its_points_and_the_loss_still_falls(tmp_
         monitor_url = swarm.start_monitor(auth_url, interval=2.0)
         trainer = swarm.start_trainer()  # the launcher gives it the auth service's key: it can name the liar
         liar = ManagedProcess(
-            "liar", ["runtime", "--swarm", auth_url, "--config-dir", str(tmp_path / "liar"), "--host-port", "0", "--lie"],
-            tmp_path / "liar.log", env={"HF_TOKEN": token},
+            "liar", ["runtime", "--swarm", auth_url, "--config-dir", str(tmp_path / "liar"), "--host-port", "0"],
+            tmp_path / "liar.log", env={"HF_TOKEN": token}, program=faulty(lie=True),
         )
         wait_until(lambda: any(e["kind"] == "stage" for e in json_objects(liar.lines())), 240, "the liar's worker to start")
         stage_event = next(e for e in json_objects(liar.lines()) if e["kind"] == "stage")

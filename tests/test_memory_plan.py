@@ -1,4 +1,5 @@
-"""The 8b shapes, the memory plan against the tensors stages really build, and the join-time GPU fit check."""
+"""The 8b shapes, the memory plan against the tensors stages really build, the join-time GPU fit check, and the
+preflight's use of both."""
 
 from __future__ import annotations
 
@@ -6,13 +7,17 @@ import argparse
 import io
 import json
 import math
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from agora_client.auth.client import StageAssignment
+from agora_client.auth.run_description import describe_run
 from agora_client.config import ConfigError, load_config
 from agora_client.events import EventWriter
+from agora_client.frontend.lines import human_bytes
 from agora_client.model import build_stage, describe, param_counts
 from agora_client.model.memory import (
     CUDA_RESERVED_BYTES,
@@ -22,7 +27,8 @@ from agora_client.model.memory import (
     usable_bytes,
 )
 from agora_client.system.gpu import GpuSpec
-from agora_client.joining.gpu_fit import GpuRefused, JoinFit, fit_stage
+from agora_client.joining.gpu_fit import GpuRefused, JoinFit, check_capability, fit_stage
+from agora_client.joining.preflight import check_disk, check_gpu, check_host_ram
 from agora_client.worker.optimizer import OffloadAdamW
 
 GB = 10**9
@@ -146,6 +152,34 @@ def test_compute_capability_below_8_is_refused_with_the_reason() -> None:
         with pytest.raises(GpuRefused, match=r"compute capability 7\.\d; workers need 8\.0 .* BF16"):
             fit_stage(load_config("8b"), "body1", _card(80, capability, "Tesla V100"))
     assert fit_stage(load_config("8b"), "body1", _card(80, (8, 0))).microbatch >= 1
+
+
+@pytest.mark.parametrize("capability", [(7, 0), (7, 5), (8, 0), (9, 0)])
+def test_preflight_applies_the_fit_checks_capability_rule(monkeypatch: pytest.MonkeyPatch, capability) -> None:
+    """The preflight fails the card the fit check would refuse, with the same reason, before anything else runs."""
+    card = _card(80, capability, "card")
+    properties = SimpleNamespace(name=card.name, total_memory=card.memory_total, major=capability[0], minor=capability[1])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
+    result = check_gpu("cuda:0", "GPU 0 is cuda:0")
+    if capability < (8, 0):
+        with pytest.raises(GpuRefused) as refused:
+            check_capability(card)
+        assert (result.status, result.reason) == ("fail", str(refused.value))
+    else:
+        check_capability(card)
+        assert (result.status, result.reason) == ("pass", "GPU 0 is cuda:0")
+
+
+def test_preflight_needs_come_from_the_plan_of_the_largest_stage(tmp_path: Path) -> None:
+    run = describe_run(load_config("8b"), (), None, None)
+    plans = [plan_stage(run.config, stage) for stage in run.config.model.stage_names]
+    snapshot = max(plan.snapshot for plan in plans)
+    assert snapshot == max(plan.weights + plan.moments for plan in plans) == 12 * max(param_counts(run.config.model).values())
+    assert f"about {human_bytes(2 * snapshot)} needed" in check_disk(run, tmp_path).value
+    on_gpu = snapshot  # a GPU worker reads its snapshot into host memory before moving it
+    assert f"about {human_bytes(on_gpu)} needed" in check_host_ram(run, on_cpu=False).value
+    on_cpu = max(plan.host + plan.gpu_peak for plan in plans)
+    assert f"about {human_bytes(on_cpu)} needed" in check_host_ram(run, on_cpu=True).value
 
 
 def test_batch_size_override_may_only_lower_the_microbatch() -> None:

@@ -8,8 +8,9 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils.crypto import RSAPrivateKey
 
-from agora_client.monitor.records import metrics_key, owner_subkey
 from agora_client.discovery.roster import WorkerRecord, roster_key
+from agora_client.discovery.signed_records import metrics_key
+from agora_client.monitor.signatures import owner_subkey
 from agora_client.discovery.validators import SwarmSchemaValidator, possible_stage_names, record_validators, swarm_key_schemas
 
 VALIDATOR = SwarmSchemaValidator(swarm_key_schemas(possible_stage_names()))

@@ -137,7 +137,7 @@ def test_hivemind_round_failures_do_not_reach_the_log_as_tracebacks() -> None:
 
     from hivemind.averaging.partition import AllreduceException
 
-    from agora_client.averaging.sparta import _not_cancel_noise, _reported_by_the_round
+    from agora_client.engine.averaging import _not_cancel_noise, _reported_by_the_round
 
     def record(message: str, error: BaseException | None = None, level: int = logging.ERROR) -> logging.LogRecord:
         exc_info = (type(error), error, None) if error is not None else None

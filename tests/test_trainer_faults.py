@@ -5,8 +5,8 @@ each test adds the workers it needs. What the tests read:
 - the trainer's lines: [ROSTER] when a worker joins or is forgotten, [RETRY] per failed request (stage,
   kind, uid, how long it had been outstanding), [WARNING] stall / resume notices, and [PROGRESS] every
   second with per-stage windows of retries, bans and requests served per uid;
-- slow workers are made with `--slowdown S` (S seconds added to every request), which keeps a request
-  surely outstanding on them when they are killed.
+- slow workers run through tests/faulty_worker.py with `--slowdown S` (S seconds added to every request),
+  which keeps a request surely outstanding on them when they are killed.
 Two ways a worker dies: `crash` kills its whole process group at once (the machine is gone: its p2p daemon
 too, so outstanding requests fail at once); `kill_main` kills only its main process, whose forked connection
 handlers and p2p daemon live on and keep accepting requests that never complete (a hung worker: only the
@@ -25,6 +25,7 @@ import pytest
 
 from agora_client.swarm.launcher import WORKER_READY, LocalSwarm, SwarmOptions
 from agora_client.swarm.processes import ManagedProcess
+from tests.faulty_worker import faulty
 from tests.swarm_helpers import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]  # the first test also pays for starting the swarm
@@ -180,14 +181,14 @@ def test_workers_crashed_mid_forward_and_mid_backward_are_retried_banned_and_for
     # it receives forwards (on a loaded machine the pipeline may first stall a few seconds while the newcomer
     # finishes starting); none can have finished 8 s later, so no backward can have been sent to it yet.
     mark = trainer.mark()
-    slow_body1 = swarm.start_worker("body1", "--slowdown", "12")
+    slow_body1 = swarm.start_worker("body1", program=faulty(slowdown=12))
     body1_uid = _uid(slow_body1)
     trainer.wait_for(f"[ROSTER] body1: +{body1_uid}", mark, 60)
     time.sleep(8.0)
     crash(slow_body1)
     killed_at = trainer.mark()
     # Mid-backward: a tail worker whose requests take 4 s; start it now, it joins while body1 recovers.
-    slow_tail = swarm.start_worker("tail", "--slowdown", "4", wait=False)
+    slow_tail = swarm.start_worker("tail", wait=False, program=faulty(slowdown=4))
     tail_uid = _uid(slow_tail)
 
     # The trainer may have sent the slow worker further forwards just before the kill; those fail young, so
@@ -234,7 +235,7 @@ def test_an_emptied_stage_stalls_once_and_resumes_when_a_worker_returns(swarm, t
     only_body2.kill_main(signal.SIGKILL)  # its forked helpers and p2p daemon die with it: requests fail at once
     # For the next test, started now to save time: a slow body1 worker, then a fast one (the newcomer). Joining
     # body1 does not matter here (body2 is stalled), and the first body1 worker has served alone for minutes.
-    swarm.start_worker("body1", "--slowdown", "0.3", wait=False)
+    swarm.start_worker("body1", wait=False, program=faulty(slowdown=0.3))
     swarm.start_worker("body1", wait=False)
 
     stalled_at = trainer.wait_for(stall, mark, FORGET_TIMEOUT + TIMEOUT)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from agora_client.events import (
+    MACHINE_CHECKS,  # the machine's preflight checks, in the order the runtime runs them
     AuthEvent, DownloadEvent, ErrorEvent, Event, LogEvent, PreflightEvent, QueueEvent, ReachabilityEvent, SyncEvent,
 )
 
@@ -42,9 +43,6 @@ PREFLIGHT_ADVICE = "fix what the failed preflight check says (see the Preflight 
 JOIN_TAG = "JOIN"  # log events with this tag say what happens between two steps (starting the worker...)
 _SYNC_STEPS = {"sync1": JoinStep.SYNC1, "sync2": JoinStep.SYNC2, "active": JoinStep.ACTIVE}
 
-# The preflight checks in the order the runtime runs them; reachability is tested by the swarm during the join.
-MACHINE_CHECKS = ("gpu", "host_ram", "disk", "download_rate", "seed_rtt")
-CHECKS = (*MACHINE_CHECKS, "reachability")
 CHECK_LABELS = {
     "gpu": "GPU",
     "host_ram": "Host RAM",
@@ -155,69 +153,97 @@ class JoinTracker:
 
     def apply(self, event: Event) -> bool:
         """Update from one event; True when the stepper should be redrawn."""
-        if isinstance(event, AuthEvent):
-            if event.status == "authorizing":
-                dialing = self.preflight.reachability is not None and self.preflight.reachability.status == "checking"
-                self.status = "Exchanging your Hugging Face token for a slot" + (
-                    "; the swarm is connecting back to this worker..." if dialing else "..."
-                )
-            elif event.status == "authorized":
-                self.authorized = True
-                self._advance(JoinStep.DOWNLOAD)
-                self.status = f"Authorized as {event.identity or 'unknown'}, stage {event.stage or '?'}"
-            else:
-                self._fail(event.message or f"authorization {event.status}", REJECTED_ADVICE if event.status == "rejected" else "")
-            return True
-        if isinstance(event, DownloadEvent):
-            before = self.step
-            self._advance(JoinStep.DOWNLOAD)
-            if event.status == "failed":
-                self._fail(event.message or "the snapshot download failed")
-                return True
-            if event.status == "done" and self.step == JoinStep.DOWNLOAD:
-                self.status = "Snapshot ready; waiting for the join queue's answer..."
-                return True
-            return before != self.step
-        if isinstance(event, QueueEvent):
-            self._advance(JoinStep.QUEUE)
-            if event.position > 0:
-                self.status = "Waiting in the join queue; the downloaded snapshot is kept"
-            else:
-                self.status = "Admitted: no wait in the join queue"
-            return True
-        if isinstance(event, LogEvent) and event.tag == JOIN_TAG:  # what the runtime does between the steps
-            self.status = event.message
-            return True
-        if isinstance(event, SyncEvent):
-            step = _SYNC_STEPS[event.phase]
-            changed = step != self.step
-            self.step, self.failure = step, None
-            if changed or event.message:
-                self.status = event.message.splitlines()[0] if event.message else LABELS[step]
-            return True
-        if isinstance(event, PreflightEvent):
-            self.preflight.apply(event)
-            if event.check != "reachability":
-                done = self.preflight.machine_done
-                self.status = f"Preflight: checking this machine and its network ({done} of {len(MACHINE_CHECKS)} checks done)..."
-                if done == len(MACHINE_CHECKS):
-                    self.status = "Preflight done: opening the worker's port..."
-            return True
-        if isinstance(event, ReachabilityEvent):
-            self.preflight.apply(event)
-            where = event.address or (f"port {event.port}" if event.port is not None else "its port")
-            if event.status == "checking":
-                self.status = f"Asking the swarm to connect back to this worker ({where})..."
-            elif event.status == "unreachable":
-                self.status = f"Not reachable at {where}: open the port (see below); r retries now"
-            elif not self.authorized:  # once authorized, the auth line says more
-                self.status = f"The swarm reached this worker at {where}"
-            return True
-        if isinstance(event, ErrorEvent):
-            preflight_failed = self.step == JoinStep.AUTHORIZATION and not self.authorized and self.preflight.failed()
-            self._fail(event.message, event.hint or (PREFLIGHT_ADVICE if preflight_failed else ""))
-            return True
+        match event:
+            case AuthEvent():
+                return self._on_auth(event)
+            case DownloadEvent():
+                return self._on_download(event)
+            case QueueEvent():
+                return self._on_queue(event)
+            case LogEvent(tag=tag) if tag == JOIN_TAG:  # what the runtime does between the steps
+                return self._on_join_log(event)
+            case SyncEvent():
+                return self._on_sync(event)
+            case PreflightEvent():
+                return self._on_preflight(event)
+            case ReachabilityEvent():
+                return self._on_reachability(event)
+            case ErrorEvent():
+                return self._on_error(event)
         return False
+
+    def _on_auth(self, event: AuthEvent) -> bool:
+        if event.status == "authorizing":
+            dialing = self.preflight.reachability is not None and self.preflight.reachability.status == "checking"
+            self.status = "Exchanging your Hugging Face token for a slot" + (
+                "; the swarm is connecting back to this worker..." if dialing else "..."
+            )
+        elif event.status == "authorized":
+            self.authorized = True
+            self._advance(JoinStep.DOWNLOAD)
+            self.status = f"Authorized as {event.identity or 'unknown'}, stage {event.stage or '?'}"
+        else:
+            self._fail(event.message or f"authorization {event.status}", REJECTED_ADVICE if event.status == "rejected" else "")
+        return True
+
+    def _on_download(self, event: DownloadEvent) -> bool:
+        """Progress alone redraws only when it moves the step."""
+        before = self.step
+        self._advance(JoinStep.DOWNLOAD)
+        if event.status == "failed":
+            self._fail(event.message or "the snapshot download failed")
+            return True
+        if event.status == "done" and self.step == JoinStep.DOWNLOAD:
+            self.status = "Snapshot ready; waiting for the join queue's answer..."
+            return True
+        return before != self.step
+
+    def _on_queue(self, event: QueueEvent) -> bool:
+        self._advance(JoinStep.QUEUE)
+        if event.position > 0:
+            self.status = "Waiting in the join queue; the downloaded snapshot is kept"
+        else:
+            self.status = "Admitted: no wait in the join queue"
+        return True
+
+    def _on_join_log(self, event: LogEvent) -> bool:
+        self.status = event.message
+        return True
+
+    def _on_sync(self, event: SyncEvent) -> bool:
+        """A sync phase sets the step, forward or back to phase 1."""
+        step = _SYNC_STEPS[event.phase]
+        changed = step != self.step
+        self.step, self.failure = step, None
+        if changed or event.message:
+            self.status = event.message.splitlines()[0] if event.message else LABELS[step]
+        return True
+
+    def _on_preflight(self, event: PreflightEvent) -> bool:
+        self.preflight.apply(event)
+        if event.check != "reachability":
+            done = self.preflight.machine_done
+            self.status = f"Preflight: checking this machine and its network ({done} of {len(MACHINE_CHECKS)} checks done)..."
+            if done == len(MACHINE_CHECKS):
+                self.status = "Preflight done: opening the worker's port..."
+        return True
+
+    def _on_reachability(self, event: ReachabilityEvent) -> bool:
+        self.preflight.apply(event)
+        where = event.address or (f"port {event.port}" if event.port is not None else "its port")
+        if event.status == "checking":
+            self.status = f"Asking the swarm to connect back to this worker ({where})..."
+        elif event.status == "unreachable":
+            self.status = f"Not reachable at {where}: open the port (see below); r retries now"
+        elif not self.authorized:  # once authorized, the auth line says more
+            self.status = f"The swarm reached this worker at {where}"
+        return True
+
+    def _on_error(self, event: ErrorEvent) -> bool:
+        """Fail the current step; without a hint, advise fixing a failed preflight check if one failed before authorization."""
+        preflight_failed = self.step == JoinStep.AUTHORIZATION and not self.authorized and self.preflight.failed()
+        self._fail(event.message, event.hint or (PREFLIGHT_ADVICE if preflight_failed else ""))
+        return True
 
     def child_exited(self, code: int | None, reason: str, advice: str = "") -> None:
         """The runtime is gone: a nonzero exit fails the current step unless an error already did."""

@@ -102,59 +102,126 @@ def authorize(
     secret = Secret(token)
     base = swarm_url.rstrip("/")
     events.emit(AuthEvent(status="authorizing", peer_id=peer_id, message=f"Authorizing with {base}"))
-    own_client = client is None
     http = client or httpx.Client(timeout=timeout_s)
-    queued_since: float | None = None
     try:
-        where = {
-            key: value for key, value in (("port", port), ("announce", announce), ("gpu_memory_bytes", gpu_memory))
-            if value is not None
-        }
-        reply = _join(http, base, secret, peer_id, peer_key, events, where)
-        dial = reply.get("dial")  # only the join's reply carries it; polls come later
-        assigned = False
-        last_queue_log = -float("inf")
-        poll_failures = 0
-        waiter = stop or threading.Event()
-        while reply["status"] == "queued":
-            queued_since = queued_since or time.monotonic()
-            if on_assigned is not None and not assigned:
-                assigned = True
-                on_assigned(StageAssignment(reply["stage"], reply.get("snapshot_url")))
-            if time.monotonic() - last_queue_log >= queue_log_every:
-                last_queue_log = time.monotonic()
-                events.emit(QueueEvent(position=int(reply["position"]), estimated_wait_s=reply.get("estimated_wait_s")))
-            interval = min(poll_every, float(reply.get("poll_every_s") or poll_every))
-            if waiter.wait(interval):
-                raise _fail(events, peer_id, "authorization cancelled while waiting in the join queue")
-            try:
-                reply = _post(http, f"{base}/v1/join/poll", {"queue_id": reply["queue_id"], "peer_id": peer_id})
-                poll_failures = 0
-            except _PlaceLost:
-                log.info("the join queue place was lost; joining again")
-                reply = _join(http, base, secret, peer_id, peer_key, events, where)
-            except _Unreachable as error:
-                poll_failures += 1
-                if poll_failures >= _MAX_POLL_FAILURES:
-                    raise _fail(events, peer_id, str(error)) from None
-                log.warning("polling the join queue failed (%d/%d): %s", poll_failures, _MAX_POLL_FAILURES, error)
-            except _Refused as error:
-                raise _answer_error(events, peer_id, error) from None
-        try:
-            authorization = _authorization(reply, base, time.monotonic() - queued_since if queued_since else 0.0, dial)
-        except AuthFailed as error:
-            raise _fail(events, peer_id, str(error)) from None
-        if on_assigned is not None and not assigned:
-            on_assigned(StageAssignment(authorization.stage, authorization.snapshot_url))
+        attempt = _JoinAttempt(
+            http=http, base=base, secret=secret, peer_id=peer_id, peer_key=peer_key, events=events,
+            where=_listening_fields(port, announce, gpu_memory), poll_every=poll_every,
+            queue_log_every=queue_log_every, on_assigned=on_assigned, waiter=stop or threading.Event(),
+        )
+        authorization = attempt.run()
     finally:
-        if own_client:
+        if client is None:
             http.close()
+    _emit_authorized(events, peer_id, authorization)
+    return authorization
+
+
+def _listening_fields(port: int | None, announce: str | None, gpu_memory: int | None) -> dict[str, Any]:
+    """The join's fields saying where this peer listens and what its GPU holds, those given."""
+    return {
+        key: value for key, value in (("port", port), ("announce", announce), ("gpu_memory_bytes", gpu_memory))
+        if value is not None
+    }
+
+
+@dataclass
+class _JoinAttempt:
+    """One authorization: join, wait in the queue while the service says so, and read the slot granted."""
+
+    http: httpx.Client
+    base: str
+    secret: Secret = field(repr=False)
+    peer_id: str
+    peer_key: RSAPrivateKey | None = field(repr=False)
+    events: EventWriter
+    where: dict[str, Any]
+    poll_every: float
+    queue_log_every: float
+    on_assigned: Callable[[StageAssignment], None] | None
+    waiter: threading.Event
+    queued_since: float | None = None
+    assigned: bool = False  # on_assigned was called
+    last_queue_log: float = -float("inf")
+    poll_failures: int = 0
+
+    def run(self) -> Authorization:
+        """The slot granted; calls ``on_assigned`` once the stage is known, if the queue did not already."""
+        reply = self._send_join()
+        dial = reply.get("dial")  # only the join's reply carries it; polls come later
+        reply = self._wait_in_queue(reply)
+        authorization = self._read_authorization(reply, dial)
+        if self._stage_unannounced():
+            self._announce_stage(StageAssignment(authorization.stage, authorization.snapshot_url))
+        return authorization
+
+    def _send_join(self) -> dict[str, Any]:
+        """POST /v1/join; a failure emits its event and raises."""
+        return _join(self.http, self.base, self.secret, self.peer_id, self.peer_key, self.events, self.where)
+
+    def _wait_in_queue(self, reply: dict[str, Any]) -> dict[str, Any]:
+        """Poll until the reply is no longer "queued"; returns that reply."""
+        while reply["status"] == "queued":
+            self.queued_since = self.queued_since or time.monotonic()
+            if self._stage_unannounced():
+                self._announce_stage(StageAssignment(reply["stage"], reply.get("snapshot_url")))
+            self._log_queue_place(reply)
+            self._sleep_until_next_poll(reply)
+            reply = self._poll(reply)
+        return reply
+
+    def _stage_unannounced(self) -> bool:
+        return self.on_assigned is not None and not self.assigned
+
+    def _announce_stage(self, assignment: StageAssignment) -> None:
+        """Tell the caller the stage (once), so it can start the snapshot download."""
+        assert self.on_assigned is not None
+        self.assigned = True
+        self.on_assigned(assignment)
+
+    def _log_queue_place(self, reply: dict[str, Any]) -> None:
+        """A QueueEvent at once, then every ``queue_log_every`` seconds."""
+        if time.monotonic() - self.last_queue_log >= self.queue_log_every:
+            self.last_queue_log = time.monotonic()
+            self.events.emit(QueueEvent(position=int(reply["position"]), estimated_wait_s=reply.get("estimated_wait_s")))
+
+    def _sleep_until_next_poll(self, reply: dict[str, Any]) -> None:
+        interval = min(self.poll_every, float(reply.get("poll_every_s") or self.poll_every))
+        if self.waiter.wait(interval):
+            raise _fail(self.events, self.peer_id, "authorization cancelled while waiting in the join queue")
+
+    def _poll(self, reply: dict[str, Any]) -> dict[str, Any]:
+        """The queue's next answer; a lost place joins again, a failed poll keeps ``reply`` until too many fail."""
+        try:
+            answer = _post(self.http, f"{self.base}/v1/join/poll", {"queue_id": reply["queue_id"], "peer_id": self.peer_id})
+        except _PlaceLost:
+            log.info("the join queue place was lost; joining again")
+            return self._send_join()
+        except _Unreachable as error:
+            self.poll_failures += 1
+            if self.poll_failures >= _MAX_POLL_FAILURES:
+                raise _fail(self.events, self.peer_id, str(error)) from None
+            log.warning("polling the join queue failed (%d/%d): %s", self.poll_failures, _MAX_POLL_FAILURES, error)
+            return reply
+        except _Refused as error:
+            raise _answer_error(self.events, self.peer_id, error) from None
+        self.poll_failures = 0
+        return answer
+
+    def _read_authorization(self, reply: dict[str, Any], dial: Any) -> Authorization:
+        waited_s = time.monotonic() - self.queued_since if self.queued_since else 0.0
+        try:
+            return _authorization(reply, self.base, waited_s, dial)
+        except AuthFailed as error:
+            raise _fail(self.events, self.peer_id, str(error)) from None
+
+
+def _emit_authorized(events: EventWriter, peer_id: str, authorization: Authorization) -> None:
     events.emit(AuthEvent(
         status="authorized", identity=authorization.identity, stage=authorization.stage, peer_id=peer_id,
         slot=authorization.slot,
         message=f"Authorized as {authorization.identity}: slot {authorization.slot} on stage {authorization.stage}",
     ))
-    return authorization
 
 
 def report_active(swarm_url: str, ticket: str, *, client: httpx.Client | None = None) -> None:

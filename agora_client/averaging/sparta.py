@@ -26,36 +26,25 @@ Threads and processes:
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import math
-import multiprocessing as mp
-import signal
 import threading
 import time
-from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
-from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.control import AveragingStage, StepControl
-from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, TensorPartReducer
 from hivemind.dht import DHT
-from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
-from hivemind.utils import MPFuture, get_dht_time
-from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
 
-from agora_client.config import SpartaConfig
-from agora_client.events import SpartaEvent
 from agora_client.averaging.bounds import bounded, bounded_weight
 from agora_client.averaging.group_admission import GroupAdmission
 from agora_client.averaging.partition import StridedPartition, partition_of
-
-_SENT, _RECEIVED = 0, 1
+from agora_client.config import SpartaConfig
+from agora_client.engine.averaging import DEFAULT_PART_SIZE_BYTES, RoundAverager, RoundOutcome, found_no_group
+from agora_client.events import SpartaEvent
 
 
 @dataclass(frozen=True)
@@ -89,245 +78,65 @@ class RoundReport:
         )
 
 
-class _MeteredStub:
-    """A groupmate's stub whose averaged-part replies are counted as received."""
+class _BoundingScreen:
+    """SPARTA's PartScreen: every groupmate's numbers are bounded against this peer's own (bounds.py), as a
+    sender's part here and as an averaged part a remote reducer returns; the peers bounded are named."""
 
-    def __init__(self, stub: Any, count_received: Callable[[AsyncIterator], AsyncIterator]):
-        self._stub, self._count_received = stub, count_received
+    def __init__(self, max_ratio: float):
+        self._max_ratio = max_ratio
+        self.suspects: dict[str, str] = {}  # peer id -> what it sent or returned
+        self._discarded = 0
 
-    async def rpc_aggregate_part(self, inputs: AsyncIterator[averaging_pb2.AveragingData]) -> AsyncIterator:
-        return self._count_received(await self._stub.rpc_aggregate_part(inputs))
-
-
-class _BoundedPartReducer(TensorPartReducer):
-    """hivemind's reducer; each sender's part is first bounded against this peer's own part of the slice."""
-
-    def __init__(
-        self, own_parts: Sequence[torch.Tensor], num_senders: int, max_ratio: float, on_bounded: Callable[[int, str], None]
-    ):
-        super().__init__(tuple(part.shape for part in own_parts), num_senders)
-        self._own_parts, self._max_ratio, self._on_bounded = own_parts, max_ratio, on_bounded
-
-    async def accumulate_part(
-        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
-    ) -> torch.Tensor:
+    def sent_part(self, sender: PeerID, own: torch.Tensor, part: torch.Tensor, weight: float) -> tuple[torch.Tensor, float]:
         weight = bounded_weight(weight)
-        if 0 <= part_index < self.num_parts:  # hivemind itself refuses other indices
-            tensor_part, problem = bounded(self._own_parts[part_index], tensor_part, self._max_ratio)
-            if problem is not None:
-                self._on_bounded(sender_index, problem)
-                if problem.startswith(("non-finite", "a part of shape")):
-                    weight = 0.0  # nothing of it enters the average
-        return await super().accumulate_part(sender_index, part_index, tensor_part, weight=weight)
+        part, problem = bounded(own, part, self._max_ratio)
+        if problem is not None:
+            self._suspect(sender, f"sent {problem}")
+            if problem.startswith(("non-finite", "a part of shape")):
+                weight = 0.0  # nothing of it enters the average
+        return part, weight
 
+    def returned_part(self, reducer: PeerID, own: torch.Tensor, delta: torch.Tensor) -> None:
+        value, problem = bounded(own, own + delta, self._max_ratio)
+        if problem is not None:
+            self._suspect(reducer, f"returned {problem}")
+            if problem.startswith("non-finite"):
+                self._discarded += delta.numel()
+            delta.copy_(value - own)
 
-class _SpartaAllReduceRunner(AllReduceRunner):
-    """hivemind's butterfly all-reduce, counting the serialized bytes of every message on the wire and
-    bounding every peer's influence (as a sender here, as a reducer in bound_received)."""
-
-    def __init__(self, *, traffic: torch.Tensor, max_ratio: float, **kwargs: Any):
-        super().__init__(**kwargs)
-        self._traffic, self._max_ratio = traffic, max_ratio
-        self.suspects: dict[PeerID, str] = {}
-        self.discarded = 0  # elements whose averaged value came back non-finite and was not used
-        # hivemind builds its reducer by name; marking that one finished keeps its __del__ quiet
-        self.tensor_part_reducer.finished.set()
-        self.tensor_part_reducer = _BoundedPartReducer(
-            self.parts_for_local_averaging,
-            len(self.sender_peer_ids),
-            max_ratio,
-            lambda sender, problem: self._suspect(self.sender_peer_ids[sender], f"sent {problem}"),
-        )
+    def discarded(self) -> int:
+        return self._discarded
 
     def _suspect(self, peer: PeerID, problem: str) -> None:
-        self.suspects.setdefault(peer, problem)
-
-    def bound_received(self, local: torch.Tensor, delta: torch.Tensor) -> None:
-        """Bound, in place, the averaged deltas that each remote reducer sent back for its parts of ``local``."""
-        part_values = int(self.tensor_part_container.part_size_bytes / local.element_size())
-        parts = iter(zip(local.view(-1).split(part_values), delta.view(-1).split(part_values)))
-        for peer, count in zip(self.ordered_peer_ids, self.tensor_part_container.num_parts_by_peer):
-            for own, change in (next(parts) for _ in range(count)):
-                if peer == self.peer_id:
-                    continue  # our own reduction used bounded parts already
-                value, problem = bounded(own, own + change, self._max_ratio)
-                if problem is not None:
-                    self._suspect(peer, f"returned {problem}")
-                    if problem.startswith("non-finite"):
-                        self.discarded += change.numel()
-                    change.copy_(value - own)
-
-    async def _count_received(self, stream: AsyncIterator[averaging_pb2.AveragingData]) -> AsyncIterator:
-        async for message in stream:
-            self._traffic[_RECEIVED] += message.ByteSize()
-            yield message
-
-    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
-        async for message in super()._generate_input_for_peer(peer_index):
-            self._traffic[_SENT] += message.ByteSize()
-            yield message
-
-    def _get_peer_stub(self, peer: PeerID) -> Any:
-        return _MeteredStub(super()._get_peer_stub(peer), self._count_received)
-
-    async def rpc_aggregate_part(
-        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        async for message in super().rpc_aggregate_part(self._count_received(stream), context):
-            self._traffic[_SENT] += message.ByteSize()
-            yield message
-
-    def unshared_elements(self) -> int:
-        """Elements of this slice that were not averaged with any other peer.
-
-        Parts whose remote reducer failed come back as zero deltas (hivemind counts them in failed_size);
-        parts this peer reduced itself count only if at least one other sender's data made it in.
-        """
-        reducer = self.tensor_part_reducer
-        lonely = sum(
-            shape.numel()
-            for index, shape in enumerate(reducer.part_shapes)
-            if sum(index < failed_after for failed_after in reducer.sender_failed_after) < 2
-        )
-        return self.tensor_part_container.failed_size + lonely + self.discarded
+        self.suspects.setdefault(peer.to_base58(), problem)
 
 
-class _GroupAverager(DecentralizedAverager):
-    """hivemind's averager with SPARTA's group rules. Runs in its own process, like its parent class."""
-
-    # hivemind's averager hands its shared buffer and pipes to its process by fork; keep fork even in a spawned host
-    _start_method, _Popen = "fork", staticmethod(mp.get_context("fork").Process._Popen)
+class _GroupAverager(RoundAverager):
+    """The engine's round averager with SPARTA's group rules: tickets (admission), a positive weight, bounds."""
 
     def __init__(
         self, buffer: torch.Tensor, dht: DHT, *, layout: bytes, max_peer_delta: float,
         admission: GroupAdmission | None, **kwargs: Any,
     ):
-        super().__init__([buffer], dht, start=False, **kwargs)
-        self._admission = admission
-        # peers that slice their parameters differently must never match: fold the layout into the schema
-        self.schema_hash = hashlib.blake2b(self.schema_hash + layout, digest_size=20).digest()
-        self.traffic = torch.zeros(2, dtype=torch.int64).share_memory_()
-        self._max_peer_delta = max_peer_delta
+        super().__init__(buffer, dht, layout=layout, **kwargs)
+        self._admission, self._max_peer_delta = admission, max_peer_delta
 
-    def run(self) -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host process decides when this one ends
-        for name in _ROUND_LOGGERS:  # a logger's filter sees only its own records, not its children's
-            logging.getLogger(name).addFilter(_reported_by_the_round)
-        logging.getLogger("asyncio").addFilter(_not_cancel_noise)
-        super().run()
-
-    def set_round(self, group_bits: str, target_group_size: int | None) -> MPFuture:
-        """Use this group key, and assemble the group as soon as it has target_group_size peers (None: at the deadline)."""
-        future = MPFuture()
-        self._outer_pipe.send(("_set_round", [], dict(group_bits=group_bits, target_group_size=target_group_size, future=future)))
-        return future
-
-    async def _set_round(self, group_bits: str, target_group_size: int | None, future: MPFuture) -> None:
-        self._matchmaking.group_key_manager.group_bits = group_bits
-        self._matchmaking.target_group_size = target_group_size
-        future.set_result(None)
-
-    def run_in_background(self, await_ready: bool = True, timeout: Optional[float] = None) -> None:
-        # hivemind's version ignores SIGINT in the host process (and fails off the main thread); run() does it here
-        self.start()
-        if await_ready:
-            self.wait_until_ready(timeout)
-
-    def _user_data(self, gathered: bytes) -> Any:
-        """What a peer passed as ``gather`` to its step (None if a stranger sent something else)."""
-        try:
-            return self.serializer.loads(self.serializer.loads(gathered)[2])
-        except Exception:
-            return None
-
-    async def rpc_join_group(
-        self, request: averaging_pb2.JoinRequest, context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+    def joiner_refusal(self, peer: PeerID, data: Any) -> str | None:
         # as a leader: a peer without a ticket for this stage never gets into our group
-        if self._admission is not None:
-            peer = context.remote_id.to_base58()
-            if self._admission.refusal(peer, self._user_data(request.gather)) is not None:
-                yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-                return
-        async for message in super().rpc_join_group(request, context):
-            yield message
+        return None if self._admission is None else self._admission.refusal(peer.to_base58(), data)
 
-    def _refused_members(self, group_info: GroupInfo, members: list[Any]) -> str | None:
-        """Why this group may not average (a member without a valid ticket), or None."""
-        if self._admission is None:
-            return None
-        for peer, data in zip(group_info.peer_ids, members):
-            refusal = None if peer == self.peer_id else self._admission.refusal(peer.to_base58(), data)
+    def group_refusal(self, peer_ids: Sequence[PeerID], members: Sequence[Any]) -> str | None:
+        for peer, data in zip(peer_ids, members):
+            refusal = None if peer == self.peer_id else self.joiner_refusal(peer, data)
             if refusal is not None:
                 return f"refused: peer {peer.to_base58()} may not average with this stage ({refusal})"
-        return None
-
-    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> dict:
-        # every peer decodes the same gathered data, so all of them take the same decision
-        members = [self._user_data(raw) for raw in group_info.gathered]
-        refused = self._refused_members(group_info, members)
-        if refused is not None:
-            return dict(group_size=group_info.group_size, skipped=refused, unshared=0)
         weights = [member.get("weight") if isinstance(member, dict) else None for member in members]
         if not any(isinstance(weight, (int, float)) and weight > 0 for weight in weights):  # malformed: weight 0
-            return dict(group_size=group_info.group_size, skipped="every worker in the group had weight 0", unshared=0)
-        self._unshared, self._suspects = 0, {}
-        await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        return dict(group_size=group_info.group_size, skipped=None, unshared=self._unshared, suspects=self._suspects)
+            return "every worker in the group had weight 0"
+        return None
 
-    async def _run_allreduce_inplace_(
-        self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: Optional[bytes] = None, **kwargs: Any
-    ) -> None:
-        # hivemind builds AllReduceRunner by name here; this override is the only way to meter and bound the wire
-        group_id = group_info.group_id if group_id is None else group_id
-        runner = _SpartaAllReduceRunner(
-            traffic=self.traffic,
-            max_ratio=self._max_peer_delta,
-            p2p=self._p2p,
-            servicer_type=type(self),
-            prefix=self.prefix,
-            tensors=tensors,
-            group_id=group_id,
-            ordered_peer_ids=group_info.peer_ids,
-            **kwargs,
-        )
-        self._running_groups[group_id].set_result(runner)
-        try:
-            async for tensor, delta in azip(as_aiter(*tensors), runner):
-                runner.bound_received(tensor, delta)
-                tensor.add_(delta)  # parts whose reducer failed arrive as zero deltas and keep the local value
-        finally:
-            self._suspects = {peer.to_base58(): problem for peer, problem in runner.suspects.items()}
-        self._unshared = runner.unshared_elements()
-
-
-_ROUND_LOGGERS = (
-    "hivemind.averaging.averager",
-    "hivemind.averaging.allreduce",
-    "hivemind.averaging.partition",
-    "hivemind.utils.asyncio",  # tracebacks of matchmaking tasks torn down by a cancelled step
-)
-# partial rounds: the RoundReport says how much was kept
-_REPORTED_MESSAGES = ("did not finish", "Reducer: received", "Averaging: received")
-
-
-def _reported_by_the_round(record: logging.LogRecord) -> bool:
-    """hivemind logs a failed step with its traceback; SpartaAverager reports it as one RoundReport instead."""
-    if record.exc_info is not None:
-        return False
-    message = record.getMessage()
-    return not any(text in message for text in _REPORTED_MESSAGES)
-
-
-def _not_cancel_noise(record: logging.LogRecord) -> bool:
-    """What asyncio reports when a round is called off (SpartaAverager reported the round already): a step
-    cancelled just as its group formed cannot take its result; matchmaking tasks torn down mid-way."""
-    error = record.exc_info[1] if record.exc_info else None
-    if isinstance(error, InvalidStateError) and "CANCELLED" in str(error):
-        return False
-    if isinstance(error, RuntimeError) and "asynchronous generator is already running" in str(error):
-        return False
-    return not record.getMessage().startswith("Task was destroyed but it is pending")
+    def new_screen(self) -> _BoundingScreen:
+        return _BoundingScreen(self._max_peer_delta)
 
 
 @dataclass
@@ -467,49 +276,28 @@ class SpartaAverager:
     def _run_round(
         self, flight: _Flight, round_no: int, part: int, weight: float, sent: torch.Tensor, started: float
     ) -> RoundReport:
-        size = sent.numel()
         with self._averager.get_tensors() as (buffer,):
             buffer.zero_()
-            buffer[:size].copy_(sent)
-        self._averager.traffic.zero_()
-        group_size, fraction, reason, suspects = 0, 0.0, None, {}
+            buffer[: sent.numel()].copy_(sent)
+        self._averager.reset_traffic()
+        group_size, fraction, suspects = 0, 0.0, {}
         try:
-            if not self._averager.is_alive():
-                raise RuntimeError("hivemind's averager process is not running")
-            if flight.stop_reason is not None:  # called off while it waited behind the previous round
-                raise CancelledError()
-            stage_size = self._stage_size() if self._stage_size is not None else 0
-            # one matchmaking key per round: workers on another round never land in this group
-            self._averager.set_round(format(round_no, "b"), stage_size if stage_size >= 2 else None).result(
-                timeout=self._find_group_timeout
-            )
-            outcome = self._run_step(flight, {"weight": weight, **self._credentials()}, weight)
+            outcome = self._match_and_average(flight, round_no, weight)
         except Exception as error:
-            if flight.stop_reason is not None:
-                reason = flight.stop_reason
-            else:
-                reason = _describe_failure(error, self._find_group_timeout)
+            reason = flight.stop_reason if flight.stop_reason is not None else _describe_failure(error, self._find_group_timeout)
         else:
-            group_size, reason, suspects = outcome["group_size"], outcome["skipped"], outcome.get("suspects", {})
+            group_size, reason = outcome.group_size, outcome.skipped
+            suspects = outcome.screen.suspects if outcome.screen is not None else {}
             if reason is None:
-                with self._averager.get_tensors() as (buffer,):
-                    delta = buffer[:size] - sent
-                broken = ~torch.isfinite(delta)  # a part whose only surviving senders had weight 0 divides by zero
-                delta[broken] = 0.0
-                with self._lock:
-                    self.partition.add_(self._parameters, part, delta)
-                averaged = size - min(size, outcome["unshared"] + int(broken.sum()))
-                fraction = averaged / size if size else 1.0
-                if averaged < size:
-                    reason = f"{size - averaged} of {size} elements kept their local values: a peer dropped out"
-        traffic = self._averager.traffic.tolist()
+                fraction, reason = self._apply_average(part, sent, outcome.unshared)
+        bytes_sent, bytes_received = self._averager.traffic_bytes()
         return self._publish(RoundReport(
             round=round_no,
             partition=part,
             group_size=group_size,
             fraction=fraction,
-            bytes_sent=int(traffic[_SENT]),
-            bytes_received=int(traffic[_RECEIVED]),
+            bytes_sent=bytes_sent,
+            bytes_received=bytes_received,
             duration_s=time.monotonic() - started,
             weight=weight,
             ok=group_size > 0 and fraction > 0,
@@ -517,8 +305,34 @@ class SpartaAverager:
             suspects=tuple(sorted(suspects.items())),
         ))
 
-    def _run_step(self, flight: _Flight, gather: dict, weight: float) -> dict:
-        """Matchmaking and all-reduce in hivemind's process; returns _GroupAverager._aggregate_with_group's dict."""
+    def _match_and_average(self, flight: _Flight, round_no: int, weight: float) -> RoundOutcome:
+        if not self._averager.is_alive():
+            raise RuntimeError("hivemind's averager process is not running")
+        if flight.stop_reason is not None:  # called off while it waited behind the previous round
+            raise CancelledError()
+        stage_size = self._stage_size() if self._stage_size is not None else 0
+        # one matchmaking key per round: workers on another round never land in this group
+        self._averager.set_round(format(round_no, "b"), stage_size if stage_size >= 2 else None).result(
+            timeout=self._find_group_timeout
+        )
+        return self._run_step(flight, {"weight": weight, **self._credentials()}, weight)
+
+    def _apply_average(self, part: int, sent: torch.Tensor, unshared: int) -> tuple[float, str | None]:
+        """Add (averaged - sent) to the slice; returns the share of it averaged with another peer, and why not all."""
+        size = sent.numel()
+        with self._averager.get_tensors() as (buffer,):
+            delta = buffer[:size] - sent
+        broken = ~torch.isfinite(delta)  # a part whose only surviving senders had weight 0 divides by zero
+        delta[broken] = 0.0
+        with self._lock:
+            self.partition.add_(self._parameters, part, delta)
+        averaged = size - min(size, unshared + int(broken.sum()))
+        if averaged < size:
+            return averaged / size, f"{size - averaged} of {size} elements kept their local values: a peer dropped out"
+        return 1.0, None
+
+    def _run_step(self, flight: _Flight, gather: dict, weight: float) -> RoundOutcome:
+        """Matchmaking and all-reduce in hivemind's process."""
         control = self._averager.step(
             gather=gather,
             weight=weight,
@@ -560,7 +374,7 @@ def _describe_failure(error: BaseException, find_group_timeout: float) -> str:
     text = str(error) or type(error).__name__
     if isinstance(error, CancelledError):
         return "cancelled: the averager is shutting down"
-    if "could not find a group" in text:
+    if found_no_group(error):
         return f"no other worker of this stage joined the round within {find_group_timeout:.0f}s"
     if isinstance(error, TimeoutError):
         return "the round did not finish within its time bound"

@@ -30,6 +30,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import BaseModel, ValidationError
 
 from agora_client.discovery.roster import WorkerRecord, progress_prefix, roster_key
+from agora_client.discovery.signed_records import VERDICTS_KEY, MetricsRecord, Verdict, metrics_key
 
 MAX_BODIES = 254
 _OWNER = b"[owner:"
@@ -91,10 +92,6 @@ def _subkey_is_well_formed(subkey: object, signed: bool) -> bool:
 
 
 def swarm_key_schemas(stages: Iterable[str]) -> dict[str, KeySchema]:
-    # imported here: the record modules start their DHTs with record_validators()
-    from agora_client.monitor.records import MetricsRecord, metrics_key
-    from agora_client.monitor.verdicts import VERDICTS_KEY, Verdict
-
     by_peer = attrgetter("peer_id")
     schemas = {VERDICTS_KEY: KeySchema(Verdict, attrgetter("subkey_name"), signed=True)}
     for stage in stages:

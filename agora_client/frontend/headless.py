@@ -16,7 +16,7 @@ import sys
 import time
 from typing import TextIO
 
-from agora_client.events import AuthEvent
+from agora_client.events import AuthEvent, Event
 from agora_client.frontend.client import ClientSession
 from agora_client.frontend.exit_codes import EXIT_ERROR, client_exit_code
 from agora_client.frontend.lines import LineFormatter, TaggedLine
@@ -28,6 +28,7 @@ STOPPING = {
     signal.SIGINT: "Interrupted: stopping the worker (finishing the current request, freeing the slot)...",
     signal.SIGTERM: "Asked to stop: stopping the worker (finishing the current request, freeing the slot)...",
 }
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class HeadlessPrinter:
@@ -60,58 +61,84 @@ async def run_headless(
     err: TextIO = sys.stderr,
     interrupt_timeout_s: float | None = None,
 ) -> int:
+    """Run the runtime, print its output until it exits (SIGINT/SIGTERM stop it gracefully); the exit code."""
     timeouts = {} if interrupt_timeout_s is None else {"interrupt_timeout_s": interrupt_timeout_s}
-    process = RuntimeProcess(command, **timeouts)
+    run = _HeadlessRun(RuntimeProcess(command, **timeouts), printer, event_log, err)
     loop = asyncio.get_running_loop()
-    stop_signal: int | None = None
-    stop_requested = asyncio.Event()
-
-    def request_stop(signum: int) -> None:
-        nonlocal stop_signal
-        if stop_signal is None:
-            stop_signal = signum
-            printer.stop_requested(STOPPING[signum])
-        stop_requested.set()
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, request_stop, signum)
-    stopper: asyncio.Task | None = None
-    rejected = False
+    for signum in _STOP_SIGNALS:
+        loop.add_signal_handler(signum, run.request_stop, signum)
     try:
-        try:
-            await process.start()
-        except OSError as error:
-            text = f"Could not start the runtime ({command.argv[0]}): {error}"
-            printer.write(printer.formatter.note(text, time.time(), "ERROR", "error"))
+        if not await run.start(command.argv[0]):
             return EXIT_ERROR
-
-        async def stop_when_asked() -> None:
-            await stop_requested.wait()
-            await process.stop()
-
-        stopper = asyncio.create_task(stop_when_asked())
-        async for item in read_runtime(process, event_log=event_log):
-            if isinstance(item, StderrLine):
-                err.write(item.text + "\n")
-                err.flush()
-            elif isinstance(item, MalformedLine):
-                printer.write(printer.formatter.malformed(item.reason, item.raw, item.ts))
-            elif isinstance(item, EventLine):
-                event = item.event
-                rejected = rejected or (isinstance(event, AuthEvent) and event.status == "rejected")
-                for line in printer.formatter.format(event):
-                    printer.write(line)
-        code = await process.wait()
+        run.stop_when_asked()
+        await run.show_output()
+        code = await run.process.wait()
     finally:
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in _STOP_SIGNALS:
             loop.remove_signal_handler(signum)
-        if stopper is not None:
-            stopper.cancel()
-        if process.running:
-            await process.stop()
-        if event_log:
-            event_log.close()
-    return client_exit_code(code, stop_signal, rejected)
+        await run.clean_up()
+    return client_exit_code(code, run.stop_signal, run.rejected)
+
+
+class _HeadlessRun:
+    """One headless run: the runtime process, where its output goes, and whether it was asked to stop."""
+
+    def __init__(self, process: RuntimeProcess, printer: HeadlessPrinter, event_log: EventLog | None, err: TextIO):
+        self.process, self.printer, self.event_log, self.err = process, printer, event_log, err
+        self.stop_signal: int | None = None  # the first stop signal received
+        self.stop_requested = asyncio.Event()
+        self.stopper: asyncio.Task | None = None
+        self.rejected = False  # the swarm turned the join away
+
+    def request_stop(self, signum: int) -> None:
+        """A signal handler: the first signal prints why the worker stops; every one asks it to."""
+        if self.stop_signal is None:
+            self.stop_signal = signum
+            self.printer.stop_requested(STOPPING[signum])
+        self.stop_requested.set()
+
+    async def start(self, program: str) -> bool:
+        """Start the runtime; False (after an error line) if it could not be started."""
+        try:
+            await self.process.start()
+        except OSError as error:
+            text = f"Could not start the runtime ({program}): {error}"
+            self.printer.write(self.printer.formatter.note(text, time.time(), "ERROR", "error"))
+            return False
+        return True
+
+    def stop_when_asked(self) -> None:
+        """Stop the runtime, in the background, once a stop is requested."""
+        self.stopper = asyncio.create_task(self._stop_on_request())
+
+    async def _stop_on_request(self) -> None:
+        await self.stop_requested.wait()
+        await self.process.stop()
+
+    async def show_output(self) -> None:
+        """Relay everything the runtime writes until its output ends."""
+        async for item in read_runtime(self.process, event_log=self.event_log):
+            if isinstance(item, StderrLine):
+                self.err.write(item.text + "\n")
+                self.err.flush()
+            elif isinstance(item, MalformedLine):
+                self.printer.write(self.printer.formatter.malformed(item.reason, item.raw, item.ts))
+            elif isinstance(item, EventLine):
+                self._show_event(item.event)
+
+    def _show_event(self, event: Event) -> None:
+        self.rejected = self.rejected or (isinstance(event, AuthEvent) and event.status == "rejected")
+        for line in self.printer.formatter.format(event):
+            self.printer.write(line)
+
+    async def clean_up(self) -> None:
+        """Cancel the stopper, stop the runtime if it still runs, close the event log."""
+        if self.stopper is not None:
+            self.stopper.cancel()
+        if self.process.running:
+            await self.process.stop()
+        if self.event_log:
+            self.event_log.close()
 
 
 def run_session(session: ClientSession) -> int:

@@ -33,12 +33,14 @@ from agora_client.monitor.estimate import estimate_points, fetch_confirmed, fetc
 from agora_client.monitor.records import MetricsRecord, publish_metrics, signed_dht_kwargs
 from agora_client.snapshots import download_snapshot
 from agora_client.discovery.dht import connect_dht
+from agora_client.engine.identity import use_as_process_key
 from agora_client.system.resources import ResourceProbe
 from agora_client.joining.gpu_fit import JoinFit
 from agora_client.worker.metrics import WorkerMetrics
 from agora_client.worker.node import WorkerNode, WorkerOptions
+from agora_client.worker.prepared_stage import PreparedStage
 from agora_client.trainer.progress import fetch_progress, swarm_event
-from agora_client.joining.peer_key import key_path, load_or_create_peer_key, peer_id_of, use_as_process_key
+from agora_client.joining.peer_key import key_path, load_or_create_peer_key, peer_id_of
 from agora_client.joining.preflight import machine_checks, reachability_result
 from agora_client.joining.preparation import StagePreparation
 from agora_client.worker.sync import NAMES
@@ -70,7 +72,6 @@ class ContributorOptions:
     batch_size_override: int | None = None  # may only lower the microbatch the memory plan allows
     announce_addr: str | None = None  # HOST:PORT other peers should dial, when a NAT or cloud remaps the port
     retry_every: float = 30.0  # seconds between join attempts while the worker is unreachable
-    lie: bool = False  # tests only: a dishonest worker (see WorkerOptions.lie)
 
     @property
     def device_name(self) -> str:
@@ -80,6 +81,28 @@ class ContributorOptions:
     def snapshot_dir(self) -> Path:
         """Downloaded and own snapshots of this GPU's runtime (each GPU's runtime downloads on its own)."""
         return self.config_dir / "snapshots" / self.device_name
+
+
+@dataclass
+class _PeerIdentity:
+    """This GPU's stored peer key, its peer id and the DHT arguments that sign with it."""
+
+    key: RSAPrivateKey
+    peer_id: str
+    dht_kwargs: dict  # peer id and metrics signatures share one key
+
+
+@dataclass
+class _Staging:
+    """The stage's snapshot download and build (run while queued), behind the check that the GPU fits the stage."""
+
+    preparation: StagePreparation
+    fit: JoinFit
+    prepare: Callable[[StageAssignment], None]  # the preparation's start, guarded by the fit
+
+    @property
+    def gpu_memory(self) -> int | None:
+        return self.fit.gpu.memory_total if self.fit.gpu is not None else None
 
 
 class Contributor:
@@ -92,39 +115,74 @@ class Contributor:
         self._dht = None
 
     def run(self, token: str) -> None:
-        options = self.options
-        identity_path = key_path(options.config_dir, options.device_name)
-        peer_key = load_or_create_peer_key(identity_path)
-        use_as_process_key(peer_key)  # the same peer id as on the last run
-        dht_kwargs = signed_dht_kwargs(identity_path)  # peer id and metrics signatures share one key
-        peer_id = peer_id_of(identity_path)
+        """Join and serve until stopped; returns early when stopped before the worker is active."""
+        identity = self._load_identity()
         self._preflight()
-        announce = {"announce_maddrs": [_maddr(options.announce_addr)]} if options.announce_addr else {}
-        # The worker's port opens before the join: the auth service dials it back before admitting us.
-        self._dht = connect_dht(options.run.seeds, host=LISTEN_HOST, port=options.host_port, **announce, **dht_kwargs)
-        port = _listening_port(self._dht)
-        config = options.run.config
-        preparation = StagePreparation(config, options.device, options.snapshot_dir, self.events)
-        fit = JoinFit(config, _cuda_index(options.device), options.batch_size_override, self.events)  # refuses unfit GPUs
-        prepare = fit.guard(preparation.start)
-        gpu_memory = fit.gpu.memory_total if fit.gpu is not None else None
-        auth = self._authorize(token, peer_id, peer_key, port, gpu_memory, prepare)
+        port = self._open_port(identity)
+        staging = self._start_staging()
+        auth = self._authorize(token, identity.peer_id, identity.key, port, staging.gpu_memory, staging.prepare)
         if auth is None:
             return
         self.auth = auth
-        if auth.stage != preparation.stage:  # a re-join in the queue was given another stage
-            prepare(StageAssignment(stage=auth.stage, snapshot_url=auth.snapshot_url))
-        prepared = preparation.result(self.stop)
+        prepared = self._prepared_stage(auth, staging)
         if prepared is None:  # stopped
             return
-        snapshot, built = prepared
+        self._announce_admission(auth)
+        node = self._create_node(auth, identity, staging.fit, prepared)
+        metrics = self._count_work(node, auth, identity)
+        if self.stop.is_set():
+            return
+        self._start_node(node)
+        if self.stop.is_set():
+            return
+        report_active(self.options.swarm_url, auth.ticket)
+        self._serve(node, metrics, identity.dht_kwargs["record_validators"][0])
+
+    def _load_identity(self) -> _PeerIdentity:
+        """This GPU's peer key from the config dir (created on the first run), made hivemind's process-wide key."""
+        path = key_path(self.options.config_dir, self.options.device_name)
+        key = load_or_create_peer_key(path)
+        use_as_process_key(key)  # the same peer id as on the last run
+        dht_kwargs = signed_dht_kwargs(path)  # peer id and metrics signatures share one key
+        return _PeerIdentity(key=key, peer_id=peer_id_of(path), dht_kwargs=dht_kwargs)
+
+    def _open_port(self, identity: _PeerIdentity) -> int:
+        """Open the worker's port (its DHT) before the join: the auth service dials it back before admitting us."""
+        options = self.options
+        announce = {"announce_maddrs": [_maddr(options.announce_addr)]} if options.announce_addr else {}
+        self._dht = connect_dht(options.run.seeds, host=LISTEN_HOST, port=options.host_port, **announce, **identity.dht_kwargs)
+        return _listening_port(self._dht)
+
+    def _start_staging(self) -> _Staging:
+        """Check the GPU against the run (unfit ones are refused) and get ready to prepare whichever stage is assigned."""
+        options = self.options
+        config = options.run.config
+        preparation = StagePreparation(config, options.device, options.snapshot_dir, self.events)
+        fit = JoinFit(config, _cuda_index(options.device), options.batch_size_override, self.events)  # refuses unfit GPUs
+        return _Staging(preparation=preparation, fit=fit, prepare=fit.guard(preparation.start))
+
+    def _prepared_stage(self, auth: Authorization, staging: _Staging) -> tuple[Path | None, PreparedStage] | None:
+        """The assigned stage's snapshot and build, once both are ready; None when stopped first."""
+        if auth.stage != staging.preparation.stage:  # a re-join in the queue was given another stage
+            staging.prepare(StageAssignment(stage=auth.stage, snapshot_url=auth.snapshot_url))
+        return staging.preparation.result(self.stop)
+
+    def _announce_admission(self, auth: Authorization) -> None:
+        """Hold the admission's ticket and say the queue is passed and the worker is starting."""
         self.ticket.replace(auth.ticket)
         if auth.queued_s == 0:  # admitted at once: say so, or the queue step would pass without a word
             self.events.emit(QueueEvent(position=0, estimated_wait_s=0.0))
         self.events.log("Starting the worker: joining the swarm's DHT and loading the stage...", tag="JOIN")
+
+    def _create_node(
+        self, auth: Authorization, identity: _PeerIdentity, fit: JoinFit, prepared: tuple[Path | None, PreparedStage],
+    ) -> WorkerNode:
+        """The worker for the assigned stage, from the prepared snapshot and build, on the DHT opened for the join."""
+        options = self.options
+        snapshot, built = prepared
         self.node = node = WorkerNode(
             WorkerOptions(
-                config,
+                options.run.config,
                 auth.stage,
                 list(auth.seeds),
                 device=options.device,
@@ -133,17 +191,22 @@ class Contributor:
                 prepared=built,
                 exit_snapshot_dir=options.snapshot_dir / "own",
                 max_batch_size=fit.max_batch_size,
-                dht_kwargs=dht_kwargs,
+                dht_kwargs=identity.dht_kwargs,
                 auth_public_key=auth.public_key,
                 tickets=self.ticket,
                 recovery=lambda: self._download_snapshot(auth.snapshot_url),
                 dht=self._dht,
-                lie=options.lie,
             ),
             self.events,
         )
         self._dht = None  # the node owns it now
-        metrics = WorkerMetrics(config.model, auth.stage, peer_id=node.peer_id, identity=auth.identity, ticket=auth.ticket)
+        return node
+
+    def _count_work(self, node: WorkerNode, auth: Authorization, identity: _PeerIdentity) -> WorkerMetrics:
+        """The worker's signed metrics, fed by its requests (each in the sync phase it came in) and averaging rounds."""
+        metrics = WorkerMetrics(
+            self.options.run.config.model, auth.stage, peer_id=node.peer_id, identity=auth.identity, ticket=auth.ticket,
+        )
 
         def count(kind: str, tokens) -> None:
             metrics.set_phase(NAMES[node.sync.phase])  # the phase at the time of the request decides if it earns
@@ -151,17 +214,15 @@ class Contributor:
 
         node.add_request_hook(count)
         node.add_round_hook(lambda report: metrics.on_sparta_round(report.ok, report.fraction))
-        if self.stop.is_set():
-            return
+        return metrics
+
+    def _start_node(self, node: WorkerNode) -> None:
+        """Start the worker: it waits for a calm moment in the stage, then passes sync phases 1 and 2."""
         self.events.log(
             "Worker up. Waiting for a calm moment in the stage (no averaging round, early in its step) to begin sync 1...",
             tag="JOIN",
         )
         node.start(self.stop)
-        if self.stop.is_set():
-            return
-        report_active(options.swarm_url, auth.ticket)
-        self._serve(node, metrics, dht_kwargs["record_validators"][0])
 
     def _preflight(self) -> None:
         options = self.options

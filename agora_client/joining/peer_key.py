@@ -16,6 +16,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
+from agora_client.engine.identity import key_from_der
 from agora_client.monitor.records import write_identity_file
 
 
@@ -46,22 +47,7 @@ def load_or_create_peer_key(path: Path) -> RSAPrivateKey:
             f"{path} is not a usable peer key; move it away to start with a new peer id "
             "(the swarm then sees a new peer, bound to the account you join with)"
         ) from None
-    key = RSAPrivateKey.__new__(RSAPrivateKey)
-    key.__setstate__({"_private_key": identity.data})  # hivemind's unpickling path: the key from its DER bytes
-    return key
-
-
-def use_as_process_key(key: RSAPrivateKey) -> None:
-    """Make ``key`` hivemind's process-wide key, before anything signs with it.
-
-    hivemind's RSASignatureValidator (metrics, ProgressTracker) signs with ``RSAPrivateKey.process_wide()``,
-    which has no setter: a fresh key per process would give a new peer id on every run.
-    """
-    with RSAPrivateKey._process_wide_key_lock:
-        current = RSAPrivateKey._process_wide_key
-        if current is not None and current.to_bytes() != key.to_bytes():
-            raise RuntimeError("hivemind's process-wide key was already used before the peer key was loaded")
-        RSAPrivateKey._process_wide_key = key
+    return key_from_der(identity.data)
 
 
 def peer_id_of(path: Path) -> str:

@@ -3,7 +3,8 @@
 Each check returns a ``PreflightEvent`` (pass / warn / fail, the measured value, the reason). The
 runtime emits them before it asks for a slot; the app shows them and ``--headless`` prints them as
 ``[PREFLIGHT]`` lines. Reachability is checked by the auth service during the join (``reachability_result``).
-Memory and disk needs are estimates from the run config's parameter counts, allocating nothing.
+Memory and disk needs come from the stages' memory plan (agora_client/model/memory.py), allocating nothing;
+the GPU must pass the fit check's capability rule (agora_client/joining/gpu_fit.py).
 """
 
 from __future__ import annotations
@@ -20,21 +21,20 @@ import psutil
 
 from agora_client.auth.reachability import DialResult
 from agora_client.auth.run_description import RunDescription
-from agora_client.events import PreflightEvent
+from agora_client.events import MACHINE_CHECKS, PreflightCheck, PreflightEvent
 from agora_client.frontend.lines import human_bytes as human
-from agora_client.model.stages import param_counts
+from agora_client.joining.gpu_fit import GpuRefused, check_capability
+from agora_client.model.memory import StagePlan, plan_stage
+from agora_client.system.gpu import GpuSpec
 
-STATE_BYTES_PER_PARAM = 12  # a snapshot: fp32 weights + AdamW's two moments
-TRAIN_BYTES_PER_PARAM = 16  # training: weights, gradients and both moments, fp32
-MIN_CAPABILITY = (7, 0)
 SLOW_DOWNLOAD_BPS = 5e6
 SLOW_SEED_RTT_S = 0.25
 _TCP_MADDR = re.compile(r"^/(ip4|ip6|dns4|dns6|dns)/([^/]+)/tcp/(\d+)")
 
 
-def largest_stage_params(run: RunDescription) -> int:
+def _largest_need(run: RunDescription, need: Callable[[StagePlan], int]) -> int:
     """The joiner does not know its stage before authorizing: plan for the largest."""
-    return max(param_counts(run.config.model).values())
+    return max(need(plan_stage(run.config, stage)) for stage in run.config.model.stage_names)
 
 
 def check_gpu(device: str, note: str) -> PreflightEvent:
@@ -43,17 +43,17 @@ def check_gpu(device: str, note: str) -> PreflightEvent:
     import torch
 
     props = torch.cuda.get_device_properties(torch.device(device))
-    capability = (props.major, props.minor)
     value = f"{props.name}, {human(props.total_memory)} VRAM, compute capability {props.major}.{props.minor}"
-    if capability < MIN_CAPABILITY:
-        return PreflightEvent(check="gpu", status="warn", value=value,
-                              reason=f"compute capability below {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}: slow or unsupported kernels")
+    try:
+        check_capability(GpuSpec(props.name, int(props.total_memory), (props.major, props.minor)))
+    except GpuRefused as refused:
+        return PreflightEvent(check="gpu", status="fail", value=value, reason=str(refused))
     return PreflightEvent(check="gpu", status="pass", value=value, reason=note)
 
 
 def check_host_ram(run: RunDescription, on_cpu: bool) -> PreflightEvent:
-    params = largest_stage_params(run)
-    need = params * (TRAIN_BYTES_PER_PARAM if on_cpu else STATE_BYTES_PER_PARAM)
+    # a CPU worker holds the whole stage in host memory; a GPU worker reads its snapshot there before moving it
+    need = _largest_need(run, lambda plan: plan.host + plan.gpu_peak if on_cpu else plan.snapshot)
     available = psutil.virtual_memory().available
     return _headroom("host_ram", available, need, f"{human(available)} available, about {human(need)} needed",
                      fail="not enough free RAM for the largest stage: close other programs or use a larger machine",
@@ -61,7 +61,7 @@ def check_host_ram(run: RunDescription, on_cpu: bool) -> PreflightEvent:
 
 
 def check_disk(run: RunDescription, directory: Path) -> PreflightEvent:
-    need = largest_stage_params(run) * STATE_BYTES_PER_PARAM * 2  # the downloaded snapshot and our own exit snapshot
+    need = 2 * _largest_need(run, lambda plan: plan.snapshot)  # the downloaded snapshot and our own exit snapshot
     directory.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(directory).free
     return _headroom("disk", free, need, f"{human(free)} free in {directory}, about {human(need)} needed",
@@ -69,7 +69,7 @@ def check_disk(run: RunDescription, directory: Path) -> PreflightEvent:
                      warn="little room left beyond the snapshots")
 
 
-def _headroom(check: str, have: int, need: int, value: str, *, fail: str, warn: str) -> PreflightEvent:
+def _headroom(check: PreflightCheck, have: int, need: int, value: str, *, fail: str, warn: str) -> PreflightEvent:
     """Fail below what is needed, warn below twice that, else pass."""
     if have < need:
         return PreflightEvent(check=check, status="fail", value=value, reason=fail)
@@ -142,14 +142,15 @@ def reachability_result(dial: DialResult | None, port: int) -> PreflightEvent:
 
 
 def machine_checks(run: RunDescription, device: str, device_note: str, config_dir: Path) -> list[Callable[[], PreflightEvent]]:
-    """The checks that run before the join, in display order (reachability comes with the join)."""
-    return [
-        lambda: check_gpu(device, device_note),
-        lambda: check_host_ram(run, on_cpu=not device.startswith("cuda")),
-        lambda: check_disk(run, config_dir),
-        lambda: check_download_rate(run),
-        lambda: check_seed_rtt(run),
-    ]
+    """The checks that run before the join, in ``MACHINE_CHECKS`` order (reachability comes with the join)."""
+    checks: dict[PreflightCheck, Callable[[], PreflightEvent]] = {
+        "gpu": lambda: check_gpu(device, device_note),
+        "host_ram": lambda: check_host_ram(run, on_cpu=not device.startswith("cuda")),
+        "disk": lambda: check_disk(run, config_dir),
+        "download_rate": lambda: check_download_rate(run),
+        "seed_rtt": lambda: check_seed_rtt(run),
+    }
+    return [checks[name] for name in MACHINE_CHECKS]
 
 
 def _first_snapshot_file(http: httpx.Client, run: RunDescription) -> str:

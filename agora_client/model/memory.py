@@ -63,6 +63,11 @@ class StagePlan:
     def host(self) -> int:
         return (self.moments if self.offload_optimizer else 0) + self.averaging
 
+    @property
+    def snapshot(self) -> int:
+        """A snapshot of the stage: its fp32 weights and AdamW's two moments (the basis U is rebuilt, not stored)."""
+        return self.weights + self.moments
+
     def to_dict(self) -> dict:
         return {**asdict(self), "gpu_resident": self.gpu_resident, "gpu_peak": self.gpu_peak, "host": self.host}
 

@@ -22,11 +22,11 @@ from agora_client.monitor.points import (
 from agora_client.monitor.store import PointsStore
 
 _LAZY = {
-    "MetricsRecord": "agora_client.monitor.records",
+    "MetricsRecord": "agora_client.discovery.signed_records",
     "VerifiedRecord": "agora_client.monitor.records",
     "publish_metrics": "agora_client.monitor.records",
     "fetch_metrics": "agora_client.monitor.records",
-    "metrics_key": "agora_client.monitor.records",
+    "metrics_key": "agora_client.discovery.signed_records",
     "signed_dht_kwargs": "agora_client.monitor.records",
     "create_signed_dht": "agora_client.monitor.records",
     "write_identity_file": "agora_client.monitor.records",

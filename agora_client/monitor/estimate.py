@@ -6,9 +6,9 @@ from urllib.parse import quote
 
 import httpx
 
+from agora_client.discovery.signed_records import MetricsRecord
 from agora_client.events import PointsEvent
 from agora_client.monitor.points import COMPUTE_PHASES, PFLOP, SECONDS_PER_HOUR
-from agora_client.monitor.records import MetricsRecord
 
 
 def estimate_points(

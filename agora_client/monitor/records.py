@@ -14,16 +14,17 @@ The monitor then keeps a record only if
 
 For the key-to-peer binding the worker's DHT must run on the same RSA key as its validator:
 start it with ``signed_dht_kwargs(path)`` (identity file + validator of hivemind's process-wide key).
+The record's schema and key are in agora_client.discovery.signed_records, the signature checks in
+``signatures``.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from hivemind import DHT
 from hivemind.p2p import PeerID
@@ -31,38 +32,12 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
-from agora_client.auth.key_proof import peer_id_of_public_key
-from agora_client.auth.tickets import InvalidTicket, TicketClaims, verify_ticket
-from agora_client.events import SyncPhase
-
-METRICS_KEY_PREFIX = "agora.metrics."
-_OWNER_RE = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
-
-
-class MetricsRecord(BaseModel):
-    """What a worker publishes about itself. Counters are monotonic within one ``run_id``."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    v: Literal[1] = 1
-    peer_id: str
-    identity: str
-    ticket: str
-    stage: str
-    run_id: str = Field(description="random per worker process; a new one tells the monitor its counters restarted")
-    sync_phase: SyncPhase
-    flops_total: float = Field(ge=0, description="FLOPs processed in every phase")
-    compute_flops: float = Field(ge=0, description="FLOPs processed from sync phase 2 on: the ones that earn points")
-    active_seconds: float = Field(ge=0, description="seconds registered and visible, from sync phase 1 on")
-    busy_seconds: float = Field(ge=0, description="seconds spent inside forward / backward")
-    batches: int = Field(ge=0, description="backward requests processed (each one a microbatch)")
-    forwards: int = Field(ge=0, description="forward requests processed")
-    tokens: int = Field(ge=0, description="tokens processed in backward requests")
-    sparta_rounds: int = Field(default=0, ge=0)
-    sparta_success_rate: float = Field(default=0.0, ge=0, le=1)
-    sparta_last_fraction: float = Field(default=0.0, ge=0, le=1)
-    ts: float
+from agora_client.auth.tickets import TicketClaims
+from agora_client.discovery.signed_records import MetricsRecord, metrics_key
+from agora_client.discovery.validators import record_validators
+from agora_client.monitor.signatures import check_signed, has_owner, owner_subkey
 
 
 @dataclass(frozen=True)
@@ -72,32 +47,8 @@ class VerifiedRecord:
     expiration_time: float
 
 
-def metrics_key(stage: str) -> str:
-    return f"{METRICS_KEY_PREFIX}{stage}"
-
-
-def owner_subkey(name: str, validator: RSASignatureValidator) -> bytes:
-    """``name + [owner:<the validator's public key>]``: a subkey only that key's holder can write."""
-    return name.encode() + validator.local_public_key
-
-
 def metrics_subkey(peer_id: str, validator: RSASignatureValidator) -> bytes:
     return owner_subkey(peer_id, validator)
-
-
-def signer_of(subkey: object, name: str) -> str:
-    """The peer id of the key that owns ``subkey``, which must be ``name + [owner:key]``; ValueError says why not."""
-    if not isinstance(subkey, bytes):
-        raise ValueError("unsigned record: subkey carries no owner key")
-    owners = _OWNER_RE.findall(subkey)
-    if len(owners) != 1:
-        raise ValueError("unsigned record: subkey carries no owner key" if not owners else "several owner keys in subkey")
-    if subkey.split(b"[owner:", 1)[0] != name.encode():
-        raise ValueError(f"subkey names another entry than {name}")
-    try:
-        return peer_id_of_public_key(owners[0])
-    except ValueError as error:
-        raise ValueError(f"unreadable owner key: {error}") from None
 
 
 def write_identity_file(path: Path | str, key: RSAPrivateKey | None = None) -> str:
@@ -123,8 +74,6 @@ def write_identity_file(path: Path | str, key: RSAPrivateKey | None = None) -> s
 
 def signed_dht_kwargs(identity_path: Path | str, key: RSAPrivateKey | None = None) -> dict[str, Any]:
     """DHT(...) keyword arguments for a worker whose metrics the monitor will accept."""
-    from agora_client.discovery.validators import record_validators  # (that module reads this one's record schema)
-
     write_identity_file(identity_path, key)
     return {"identity_path": str(identity_path), "record_validators": record_validators(key)}
 
@@ -152,26 +101,19 @@ def check_entry(
     stage: str, subkey: object, value: object, auth_public_key: str, *, now: float | None = None
 ) -> tuple[MetricsRecord, TicketClaims]:
     """Verify one DHT entry (already signature-checked by a DHT node with the validator). Raises ValueError why not."""
-    if not isinstance(subkey, bytes) or not _OWNER_RE.search(subkey):
+    if not has_owner(subkey):
         raise ValueError("unsigned record: subkey carries no owner key")
     try:
         record = MetricsRecord.model_validate(value)
     except ValidationError as error:
         raise ValueError(f"malformed metrics record: {error.errors()[0]['msg']}") from None
-    signer = signer_of(subkey, record.peer_id)
-    if signer != record.peer_id:
-        raise ValueError(f"record for {record.peer_id} is signed by the key of peer {signer}")
     if record.stage != stage:
         raise ValueError(f"record says stage {record.stage} but was published under {stage}")
-    try:
-        claims = verify_ticket(auth_public_key, record.ticket, now=now)
-    except InvalidTicket as error:
-        raise ValueError(f"invalid ticket: {error}") from None
-    if (claims.peer_id, claims.stage, claims.identity) != (record.peer_id, record.stage, record.identity):
-        raise ValueError(
-            f"ticket is for peer {claims.peer_id} / stage {claims.stage} / identity {claims.identity}, "
-            f"not the record's {record.peer_id} / {record.stage} / {record.identity}"
-        )
+    claims = check_signed(
+        subkey, record.peer_id, record=f"record for {record.peer_id}", signer=record.peer_id, ticket=record.ticket,
+        claims={"peer_id": record.peer_id, "stage": record.stage, "identity": record.identity},
+        auth_public_key=auth_public_key, now=now,
+    )
     return record, claims
 
 

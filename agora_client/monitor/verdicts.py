@@ -10,45 +10,27 @@ verdict only if
 
 So only a trainer holding the operator's ticket can cost a worker its points. The trainer issues its
 own ticket with the auth service's signing key (``trainer_ticket``): trainers run on the operator's host.
+The record's schema and key are in agora_client.discovery.signed_records, the signature checks in
+``signatures``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
-from agora_client.auth.tickets import InvalidTicket, issue_ticket, verify_ticket
 from agora_client.auth.key_proof import peer_id_of_public_key
-from agora_client.monitor.records import owner_subkey, signer_of
+from agora_client.auth.tickets import issue_ticket
+from agora_client.discovery.signed_records import VERDICTS_KEY, Verdict
+from agora_client.monitor.signatures import check_signed, owner_subkey
 
-VERDICTS_KEY = "agora.verdicts"
 TRAINER_ROLE = "trainer"  # a trainer's ticket names this role where a worker's names its stage
 TRAINER_TICKET_TTL = 3600.0
-
-
-class Verdict(BaseModel):
-    """A trainer's finding: this worker's outputs disagreed with its stage's majority this often."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    v: Literal[1] = 1
-    trainer: str = Field(description="peer id of the trainer's RSA key, which signs the record")
-    ticket: str = Field(description="the trainer's ticket (role trainer)")
-    peer_id: str = Field(description="the worker caught")
-    uid: str
-    stage: str
-    checks: int = Field(ge=1, description="spot checks the worker took part in")
-    disagreements: int = Field(ge=1, description="checks where it disagreed with the majority")
-    ts: float
-
-    @property
-    def subkey_name(self) -> str:
-        return f"{self.peer_id}/{self.trainer}"
 
 
 def trainer_peer_id(validator: RSASignatureValidator) -> str:
@@ -81,17 +63,11 @@ def check_verdict(subkey: object, value: object, auth_public_key: str, *, now: f
         verdict = Verdict.model_validate(value)
     except ValidationError as error:
         raise ValueError(f"malformed verdict: {error.errors()[0]['msg']}") from None
-    signer = signer_of(subkey, verdict.subkey_name)
-    if signer != verdict.trainer:
-        raise ValueError(f"verdict of trainer {verdict.trainer} is signed by the key of peer {signer}")
-    try:
-        claims = verify_ticket(auth_public_key, verdict.ticket, now=now)
-    except InvalidTicket as error:
-        raise ValueError(f"invalid trainer ticket: {error}") from None
-    if (claims.stage, claims.peer_id) != (TRAINER_ROLE, verdict.trainer):
-        raise ValueError(
-            f"ticket is for {claims.stage} {claims.peer_id}, not for trainer {verdict.trainer}: only trainers judge workers"
-        )
+    check_signed(  # only a trainer's ticket (stage TRAINER_ROLE) lets a verdict count
+        subkey, verdict.subkey_name, record=f"verdict of trainer {verdict.trainer}", signer=verdict.trainer,
+        ticket=verdict.ticket, claims={"peer_id": verdict.trainer, "stage": TRAINER_ROLE},
+        auth_public_key=auth_public_key, now=now,
+    )
     return verdict
 
 

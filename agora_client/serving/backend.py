@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from typing import Callable
 
 import torch
@@ -66,43 +65,28 @@ class StageBackend(ModuleBackend):
         on_forward: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], None],
         on_backward: Callable[[torch.Tensor], None],
         on_unhealthy: Callable[[str], None],
-        slowdown_s: float = 0.0,
-        slower: float = 1.0,
-        lie: bool = False,
         **kwargs,
     ):
         super().__init__(name, module, **kwargs)
         self.lock, self._on_samples = lock, on_samples
-        self.slowdown_s, self.slower, self.lie = slowdown_s, slower, lie
         self._autocast = autocast_context(device, mixed_precision)
         self._on_forward, self._on_backward, self._on_unhealthy = on_forward, on_backward, on_unhealthy
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        started = time.perf_counter()
         with self.lock, self._autocast():
             outputs = super().forward(*inputs)
         outputs = tuple(out.float() if out.is_floating_point() else out for out in outputs)
         self._require_finite(outputs, "forward outputs")
-        self._emulate_slower_gpu(started)
         self._on_forward(_tokens(inputs), outputs)
-        return _scrambled(outputs) if self.lie else outputs
+        return outputs
 
     def backward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        started = time.perf_counter()
         with self.lock, self._autocast():
             grads = super().backward(*inputs)  # re-runs forward, autograd, then calls on_backward
         grads = tuple(grad.float() if grad.is_floating_point() else grad for grad in grads)
         self._require_finite(grads, "input gradients")
-        self._emulate_slower_gpu(started)
         self._on_backward(_tokens(inputs))
-        return _scrambled(grads) if self.lie else grads
-
-    def _emulate_slower_gpu(self, started: float) -> None:
-        # tests and benchmarks only (no delay by default): a fixed delay, and a request taking `slower` x its own
-        # time; asleep, so a slow worker does not take the CPU from the others on a shared machine
-        delay = self.slowdown_s + (self.slower - 1.0) * (time.perf_counter() - started)
-        if delay > 0:
-            time.sleep(delay)
+        return grads
 
     def _require_finite(self, tensors: tuple[torch.Tensor, ...], what: str) -> None:
         if not all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point()):
@@ -112,13 +96,6 @@ class StageBackend(ModuleBackend):
     def on_backward(self, batch_size: int) -> None:
         # Replaces hivemind's per-request optimizer step: gradients accumulate until the stage epoch.
         self._on_samples(batch_size)
-
-
-def _scrambled(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """Test-only lying worker: random values of the right shape and scale in place of every float output."""
-    return tuple(
-        torch.randn_like(t) * t.pow(2).mean().sqrt() if t.is_floating_point() and t.numel() else t for t in tensors
-    )
 
 
 def _tokens(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The worker's hivemind moe Server, with two seams swapped in.
+"""The worker's hivemind moe Server, with two seams swapped in (through agora_client/engine/serving.py).
 
 - Connection handlers check every request's ticket, size, schema and values before it reaches a pool,
   and count every answered request and its payload bytes (serving/traffic.py).
@@ -14,18 +14,17 @@ import ctypes
 import multiprocessing as mp
 import threading
 from multiprocessing.sharedctypes import Synchronized
-from typing import AsyncIterator, Callable, Iterator
+from typing import AsyncIterator, Callable, Iterator, Sequence
 
+import torch
 from hivemind import DHT
-from hivemind.moe.server.connection_handler import ConnectionHandler
-from hivemind.moe.server.server import Server
-from hivemind.moe.server.task_pool import TaskPool
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 from hivemind.utils import nested_flatten
 from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
 from agora_client.discovery.roster import WorkerRecord, announce, withdraw
+from agora_client.engine.serving import CheckedConnectionHandler, HostedServer
 from agora_client.serving.backend import StageBackend, WorkerUnhealthy
 from agora_client.serving.rejections import RejectionLog
 from agora_client.serving.ticket_gate import TicketGate
@@ -42,7 +41,7 @@ from agora_client.serving.validation import (
 _HEAR_OUT_S = 3.0  # how long a refused stream is still read so that its caller hears why
 
 
-class GuardedConnectionHandler(ConnectionHandler):
+class GuardedConnectionHandler(CheckedConnectionHandler):
     """hivemind's handler with every request checked in order, each step before the next is paid for:
     ticket (nothing else read yet) -> this worker's health -> declared sizes, shapes and dtypes
     (before the payload is deserialized) -> values (before the request reaches a pool)."""
@@ -76,11 +75,6 @@ class GuardedConnectionHandler(ConnectionHandler):
         self._vocab_size, self._max_request_batch = vocab_size, max_request_batch
         self._gate, self._rejections, self._healthy = gate, rejections, healthy
         self._meter = meter
-
-    @classmethod
-    def _get_handle_name(cls, namespace, method_name):
-        # hivemind derives protocol names from the class name; keep ConnectionHandler's so clients find us
-        return ConnectionHandler._get_handle_name(namespace, method_name)
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         with self._refusals(context):
@@ -159,15 +153,15 @@ class GuardedConnectionHandler(ConnectionHandler):
             self._rejections.report(context.remote_id.to_base58(), error.reason, str(error))
             raise
 
-    async def _process_inputs(self, inputs, pool: TaskPool, schema):
-        uid, kind = self._pools[pool.name]
+    def check_inputs(self, pool_name: str, inputs: Sequence[torch.Tensor]) -> None:
+        uid, kind = self._pools[pool_name]
         validate_inputs(inputs, self._schemas[uid, kind], vocab_size=self._vocab_size, max_batch_size=self._max_request_batch)
         self._magnitudes[kind].check(inputs)
-        outputs = await super()._process_inputs(inputs, pool, schema)
+
+    def answered(self, pool_name: str, inputs: Sequence[torch.Tensor], outputs: Sequence[runtime_pb2.Tensor]) -> None:
         if self._meter is not None:  # every answered request, whichever rpc (plain or streamed) carried it
             received = sum(tensor.numel() * tensor.element_size() for tensor in inputs)
-            self._meter.on_request(kind, received, sum(proto.ByteSize() for proto in outputs))
-        return outputs
+            self._meter.on_request(self._pools[pool_name][1], received, sum(proto.ByteSize() for proto in outputs))
 
 
 class StageAnnouncer(threading.Thread):
@@ -191,7 +185,9 @@ class StageAnnouncer(threading.Thread):
         super().join(timeout)
 
 
-class StageServer(Server):
+class StageServer(HostedServer):
+    """One stage served through GuardedConnectionHandlers, announced by a StageAnnouncer."""
+
     def __init__(
         self,
         dht: DHT,
@@ -207,23 +203,19 @@ class StageServer(Server):
         meter: RequestMeter | None = None,
         **runtime_kwargs,
     ):
-        super().__init__(dht, {backend.name: backend}, num_connection_handlers=0, **runtime_kwargs)
-        self.healthy = mp.get_context("fork").Value(ctypes.c_bool, True)  # shared with the forked handlers
-        self.conn_handlers = [
-            GuardedConnectionHandler(
-                dht, self.module_backends, vocab_size=vocab_size, max_request_batch=max_request_batch,
-                gate=gate, rejections=rejections, healthy=self.healthy, meter=meter,
-            )
-            for _ in range(num_connection_handlers)
-        ]
-        self.dht_handler_thread = self.announcer = StageAnnouncer(dht, record, announce_period)
-        self._shutdown_once = threading.Lock()
-        self._is_shut_down = False
-
-    def shutdown(self) -> None:
-        # hivemind's run() calls shutdown() again once its runtime has stopped: the second call must do nothing
-        with self._shutdown_once:
-            if self._is_shut_down:
-                return
-            self._is_shut_down = True
-        super().shutdown()
+        healthy = mp.get_context("fork").Value(ctypes.c_bool, True)  # shared with the forked handlers
+        announcer = StageAnnouncer(dht, record, announce_period)
+        super().__init__(
+            dht,
+            {backend.name: backend},
+            handlers=lambda backends: [
+                GuardedConnectionHandler(
+                    dht, backends, vocab_size=vocab_size, max_request_batch=max_request_batch,
+                    gate=gate, rejections=rejections, healthy=healthy, meter=meter,
+                )
+                for _ in range(num_connection_handlers)
+            ],
+            announcer=announcer,
+            **runtime_kwargs,
+        )
+        self.healthy, self.announcer = healthy, announcer

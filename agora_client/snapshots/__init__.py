@@ -9,8 +9,9 @@ from .format import (
     load_stage_snapshot,
     read_manifest,
 )
+from .location import open_store
 from .server import RangeRequestHandler, SnapshotServer, serve_directory
-from .store import KeepPolicy, LocalStore, SnapshotStore, StoredSnapshot, keep_newest, open_store, save_stage_snapshot
+from .store import KeepPolicy, LocalStore, SnapshotStore, StoredSnapshot, keep_newest, save_stage_snapshot
 
 __all__ = [
     "DownloadError", "KeepPolicy", "LocalStore", "RangeRequestHandler", "SnapshotError", "SnapshotInfo", "SnapshotServer",

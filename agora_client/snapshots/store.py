@@ -2,8 +2,7 @@
 
 Both hold the same layout (see ``format.py``): ``<stage>/<epoch>-<UTC time>/{params,optimizer}.safetensors``,
 its ``manifest.json`` written last, and ``<stage>/latest.json``. A snapshot counts as present once its
-manifest is, so a reader never sees half of one. ``open_store`` picks the backend from the location;
-the S3 backend (and boto3) is imported only when a location starts with ``s3://``.
+manifest is, so a reader never sees half of one. ``location.open_store`` picks the backend from the location.
 """
 
 from __future__ import annotations
@@ -168,20 +167,6 @@ class LocalStore(SnapshotStore):
         latest = {"stage": stage, "epoch": int(name.split("-", 1)[0]), "timestamp": snapshot_time(name),
                   "manifest": f"{name}/{MANIFEST_FILE}"}
         write_json(stage_dir / LATEST_FILE, latest)
-
-
-def open_store(location: str | Path) -> SnapshotStore:
-    """``s3://bucket/prefix`` (endpoint and credentials from the usual AWS_* variables) or a local directory."""
-    text = str(location)
-    if text.startswith("s3://"):
-        try:
-            from .s3 import S3Store  # boto3 only for operators who use S3
-        except ImportError as error:
-            raise SnapshotError(f"{text}: an S3 store needs boto3 ({error}); pip install boto3") from None
-        return S3Store(text)
-    if "://" in text:
-        raise SnapshotError(f"{text} is neither a local directory nor an s3://bucket/prefix location")
-    return LocalStore(text)
 
 
 def save_stage_snapshot(

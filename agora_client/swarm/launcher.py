@@ -18,7 +18,7 @@ import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 from agora_client.auth.identity import write_demo_token_file
 from agora_client.auth.tickets import load_or_create_signing_key
@@ -26,7 +26,7 @@ from agora_client.checkpoints.sets import CheckpointError, CheckpointSet, format
 from agora_client.config import ConfigError, load_config
 from agora_client.snapshots import SnapshotError, SnapshotServer, open_store, read_manifest, serve_directory
 from agora_client.snapshots.format import MANIFEST_FILE, verify_files
-from agora_client.swarm.processes import ManagedProcess, stop_all
+from agora_client.swarm.processes import CLI, ManagedProcess, stop_all
 from agora_client.discovery.seed import READY_PREFIX
 
 WORKER_READY = "[WORKER]"
@@ -152,8 +152,8 @@ class LocalSwarm:
         self.monitor_url = self.monitor.wait_for(MONITOR_READY, START_TIMEOUT).split()[-1].removesuffix("/leaderboard")
         return self.monitor_url
 
-    def _spawn(self, name: str, args: list[str]) -> ManagedProcess:
-        return ManagedProcess(name, args, self.options.run_dir / "logs" / f"{name}.log", on_line=self.on_line)
+    def _spawn(self, name: str, args: list[str], program: Sequence[str] = CLI) -> ManagedProcess:
+        return ManagedProcess(name, args, self.options.run_dir / "logs" / f"{name}.log", on_line=self.on_line, program=program)
 
     def start_seeds(self, count: int = 2) -> list[str]:
         for index in range(count):
@@ -162,7 +162,8 @@ class LocalSwarm:
             self.seed_addrs.append(seed.wait_for(READY_PREFIX, START_TIMEOUT).split()[-1])
         return self.seed_addrs
 
-    def start_worker(self, stage: str, *extra: str, wait: bool = True) -> ManagedProcess:
+    def start_worker(self, stage: str, *extra: str, wait: bool = True, program: Sequence[str] = CLI) -> ManagedProcess:
+        """A worker of ``stage`` with the swarm's arguments and ``extra``, run by ``program`` (default: ``agora``)."""
         index = len(self.workers[stage])
         placement = self.place_worker(stage, index)
         args = ["worker", "--stage", stage, "--index", str(index), "--preset", self.options.preset, "--host", placement.address]
@@ -180,7 +181,7 @@ class LocalSwarm:
         if stage in self.resume_dirs:
             args += ["--snapshot", str(self.resume_dirs[stage])]
         with placement.entered():  # the worker and its daemons start where it is placed (e.g. a network namespace)
-            worker = self._spawn(f"{stage}-{index}", [*args, *self.options.worker_args, *extra])
+            worker = self._spawn(f"{stage}-{index}", [*args, *self.options.worker_args, *extra], program)
         self.workers[stage].append(worker)
         if wait:
             worker.wait_for(WORKER_READY, START_TIMEOUT)
@@ -272,12 +273,35 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Start a whole swarm from the command line and keep it up until Ctrl-C or a trainer exits; the exit code."""
     try:
         resume_at = None if args.resume_at is None else parse_time(args.resume_at)
     except CheckpointError as error:
         print(f"[ERROR] --resume-at: {error}")
         return 2
-    options = SwarmOptions(
+    options = _options_from_args(args, resume_at)
+    try:
+        swarm = LocalSwarm(options, on_line=_relay_trainer_line)
+    except ConfigError as error:
+        print(f"[ERROR] {error}")
+        return 2
+    stop = _event_set_on_stop_signals()
+    print(f"[SWARM] starting {options.preset}: 2 seeds, {options.workers_per_stage} workers per stage, "
+          f"{options.trainers} trainer(s); logs in {options.run_dir / 'logs'}", flush=True)
+    try:
+        return _start_and_watch(swarm, stop)
+    except (CheckpointError, SnapshotError) as error:
+        print(f"[ERROR] cannot resume: {error}", flush=True)
+        return 2
+    except RuntimeError as error:
+        print(f"[ERROR] {error}", flush=True)
+        return 1
+    finally:
+        _stop_swarm(swarm)
+
+
+def _options_from_args(args: argparse.Namespace, resume_at: float | None) -> SwarmOptions:
+    return SwarmOptions(
         preset=args.preset,
         workers_per_stage=args.workers_per_stage,
         trainers=args.trainers,
@@ -289,41 +313,40 @@ def run(args: argparse.Namespace) -> int:
         resume_from=args.resume_from,
     )
 
-    def relay(name: str, line: str) -> None:
-        if name.startswith("trainer") and line.startswith(("[PROGRESS]", "[WARNING]", "[ERROR]", "[TRAINER]")):
-            print(f"{name}: {line}", flush=True)
 
-    try:
-        swarm = LocalSwarm(options, on_line=relay)
-    except ConfigError as error:
-        print(f"[ERROR] {error}")
-        return 2
+def _relay_trainer_line(name: str, line: str) -> None:
+    """Show the trainers' progress, warnings and errors on the console; everything else stays in the logs."""
+    if name.startswith("trainer") and line.startswith(("[PROGRESS]", "[WARNING]", "[ERROR]", "[TRAINER]")):
+        print(f"{name}: {line}", flush=True)
+
+
+def _event_set_on_stop_signals() -> threading.Event:
+    """An event that SIGINT and SIGTERM set."""
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    print(f"[SWARM] starting {options.preset}: 2 seeds, {options.workers_per_stage} workers per stage, "
-          f"{options.trainers} trainer(s); logs in {options.run_dir / 'logs'}", flush=True)
-    try:
-        if options.resume:
-            checkpoints = swarm.prepare_resume()
-            for stage, snapshot in checkpoints.members.items():
-                print(f"[SWARM] {stage} resumes from {snapshot.name} (epoch {snapshot.epoch}, {format_time(snapshot.timestamp)})", flush=True)
-        swarm.start()
-        print(f"[SWARM] all workers up after {time.monotonic() - swarm.started_at:.1f}s; seeds: {' '.join(swarm.seed_addrs)}", flush=True)
-        print("[SWARM] press Ctrl-C to stop", flush=True)
-        while not stop.wait(1.0):
-            if not all(trainer.alive for trainer in swarm.trainers):
-                print("[ERROR] a trainer exited; see its log", flush=True)
-                return 1
-    except (CheckpointError, SnapshotError) as error:
-        print(f"[ERROR] cannot resume: {error}", flush=True)
-        return 2
-    except RuntimeError as error:
-        print(f"[ERROR] {error}", flush=True)
-        return 1
-    finally:
-        print("[SWARM] stopping every process...", flush=True)
-        swarm.stop()
-        left = swarm.leftover_pids()
-        print(f"[SWARM] stopped{'' if not left else f'; processes still running: {left}'}", flush=True)
+    return stop
+
+
+def _start_and_watch(swarm: LocalSwarm, stop: threading.Event) -> int:
+    """Start the swarm (from checkpoints if asked), then wait for ``stop``: 0, or 1 as soon as a trainer exits."""
+    if swarm.options.resume:
+        checkpoints = swarm.prepare_resume()
+        for stage, snapshot in checkpoints.members.items():
+            print(f"[SWARM] {stage} resumes from {snapshot.name} (epoch {snapshot.epoch}, {format_time(snapshot.timestamp)})", flush=True)
+    swarm.start()
+    print(f"[SWARM] all workers up after {time.monotonic() - swarm.started_at:.1f}s; seeds: {' '.join(swarm.seed_addrs)}", flush=True)
+    print("[SWARM] press Ctrl-C to stop", flush=True)
+    while not stop.wait(1.0):
+        if not all(trainer.alive for trainer in swarm.trainers):
+            print("[ERROR] a trainer exited; see its log", flush=True)
+            return 1
     return 0
+
+
+def _stop_swarm(swarm: LocalSwarm) -> None:
+    """Stop every process and say whether any outlived the stop."""
+    print("[SWARM] stopping every process...", flush=True)
+    swarm.stop()
+    left = swarm.leftover_pids()
+    print(f"[SWARM] stopped{'' if not left else f'; processes still running: {left}'}", flush=True)

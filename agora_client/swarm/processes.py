@@ -18,7 +18,8 @@ CLI = [sys.executable, "-c", "import sys; from agora_client.cli import main; sys
 
 
 class ManagedProcess:
-    """A role started as ``agora <args>``; its output goes to a log file, line by line through ``on_line``."""
+    """A role started as ``<program> <args>`` (``agora`` unless ``program`` says otherwise, e.g. a test's own
+    entry point wrapping it); its output goes to a log file, line by line through ``on_line``."""
 
     def __init__(
         self,
@@ -28,6 +29,7 @@ class ManagedProcess:
         *,
         on_line: Callable[[str, str], None] | None = None,
         env: dict[str, str] | None = None,
+        program: Sequence[str] = CLI,
     ):
         self.name, self.log_path = name, log_path
         self._on_line = on_line
@@ -37,7 +39,7 @@ class ManagedProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("a", buffering=1)
         self.proc = subprocess.Popen(
-            [*CLI, *args],
+            [*program, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -3,11 +3,10 @@
 The rules follow what hivemind actually raises (observed against real p2pd peers):
 - the remote handler raised: ``P2PHandlerError`` whose text is ``repr(exc)`` (unary calls) or
   ``"Failed to call handler `name` at <peer>: <str(exc)>"`` (streams);
-- the daemon could not reach the peer: ``P2PDaemonError`` / ``ControlFailure`` with go-libp2p text such as
-  ``failed to dial``, ``dial backoff``, ``connection refused``, ``failed to find any peer in table``,
-  ``stream reset`` (peer died mid-call), ``protocols not supported`` (peer alive, server gone);
-- the peer died mid-stream: the reply stream just ends, which ``asingle`` turns into a ValueError
-  ("... got an empty iterable"), and code reading tensors directly should raise ``WorkerVanishedError``.
+- the daemon could not reach the peer: ``P2PDaemonError`` / ``ControlFailure``, read by
+  agora_client/engine/libp2p_errors.py (dial failures, a peer gone mid-call or no longer serving);
+- the peer died mid-stream: the reply stream just ends, which ``asingle`` turns into a ValueError,
+  and code reading tensors directly should raise ``WorkerVanishedError``.
 """
 
 from __future__ import annotations
@@ -16,7 +15,9 @@ import asyncio
 from dataclasses import dataclass
 from enum import Enum
 
-from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
+from hivemind.p2p import P2PDaemonError, P2PHandlerError
+
+from agora_client.engine.libp2p_errors import DaemonFailure, daemon_failure, says_timeout, stream_ended_empty
 
 
 class ErrorClass(str, Enum):
@@ -29,24 +30,6 @@ class WorkerVanishedError(ConnectionError):
     """A worker's reply ended without an answer (its stream closed: the peer died mid-call)."""
 
 
-_UNREACHABLE_HINTS = (
-    "failed to dial",
-    "dial backoff",
-    "all dials failed",
-    "no addresses",
-    "no good addresses",
-    "failed to find any peer",
-    "routing: not found",
-    "connection refused",
-    "connection reset",
-    "stream reset",
-    "broken pipe",
-    "protocols not supported",
-    "protocol not supported",
-    "peer id mismatch",
-    "resource limit exceeded",
-)
-_TIMEOUT_HINTS = ("deadline exceeded", "timed out", "timeout", "i/o timeout")
 # the worker raised, but for reasons of its own state, not because of our input
 _WORKER_SIDE_HINTS = (
     "out of memory",
@@ -63,8 +46,12 @@ _WORKER_SIDE_HINTS = (
     "connectionerror",
     "connectionreseterror",
 )
-_OWN_LIMIT_HINTS = ("message size exceeds", "exceeds message size limit")
-_EMPTY_STREAM_HINT = "got an empty iterable"  # hivemind.utils.asyncio.asingle on a closed stream
+_ROUTE_ON_DAEMON_FAILURE = {
+    DaemonFailure.OWN_LIMIT: ErrorClass.FATAL,
+    DaemonFailure.UNREACHABLE: ErrorClass.RETRY_OTHER,
+    DaemonFailure.TIMEOUT: ErrorClass.RETRY_SAME,
+    DaemonFailure.OTHER: ErrorClass.RETRY_OTHER,  # the daemon could not deliver to that peer for a reason we do not know
+}
 
 
 def classify(error: BaseException) -> ErrorClass:
@@ -72,12 +59,12 @@ def classify(error: BaseException) -> ErrorClass:
     if isinstance(error, P2PHandlerError):
         return _classify_remote(str(error).lower())
     if isinstance(error, P2PDaemonError):
-        return _classify_daemon(str(error).lower())
+        return _ROUTE_ON_DAEMON_FAILURE[daemon_failure(error)]
     if isinstance(error, TimeoutError):  # asyncio.TimeoutError and concurrent.futures.TimeoutError alias it
         return ErrorClass.RETRY_SAME
     if isinstance(error, (ConnectionError, asyncio.IncompleteReadError, EOFError)):
         return ErrorClass.RETRY_OTHER
-    if isinstance(error, ValueError) and _EMPTY_STREAM_HINT in str(error):
+    if stream_ended_empty(error):
         return ErrorClass.RETRY_OTHER
     if isinstance(error, OSError):
         return ErrorClass.RETRY_SAME
@@ -89,19 +76,9 @@ def classify(error: BaseException) -> ErrorClass:
 def _classify_remote(text: str) -> ErrorClass:
     if any(hint in text for hint in _WORKER_SIDE_HINTS):
         return ErrorClass.RETRY_OTHER
-    if any(hint in text for hint in _TIMEOUT_HINTS):
+    if says_timeout(text):
         return ErrorClass.RETRY_SAME
     return ErrorClass.FATAL  # shape / dtype / validation error: the worker rejected this input
-
-
-def _classify_daemon(text: str) -> ErrorClass:
-    if any(hint in text for hint in _OWN_LIMIT_HINTS):
-        return ErrorClass.FATAL
-    if any(hint in text for hint in _UNREACHABLE_HINTS):
-        return ErrorClass.RETRY_OTHER
-    if any(hint in text for hint in _TIMEOUT_HINTS):
-        return ErrorClass.RETRY_SAME
-    return ErrorClass.RETRY_OTHER  # the daemon could not deliver to that peer for a reason we do not know
 
 
 @dataclass(frozen=True)

@@ -21,14 +21,18 @@ import itertools
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agora_client.auth.ticket_source import SelfIssuedTickets
 from hivemind.dht.crypto import RSASignatureValidator
 
 from agora_client.auth.tickets import load_signing_key
-from agora_client.config import ConfigError, load_config
+from agora_client.config import ConfigError, RunConfig, load_config
 from agora_client.monitor.verdicts import Verdict, publish_verdict, trainer_peer_id, trainer_ticket
 from agora_client.discovery.dht import NoSeedAnswered, connect_dht
 from agora_client.discovery.roster import WorkerRecord, fetch_roster
@@ -123,51 +127,28 @@ class RosterWatcher(threading.Thread):
 
 
 def run(args: argparse.Namespace) -> int:
+    """Join every stage's DHT, wait for workers, then train until stopped; the exit code."""
     stop = stop_on_signals()
     try:
-        overrides = {} if args.spot_check_fraction is None else {"spot_checks": {"fraction": args.spot_check_fraction}}
-        config = load_config(args.preset, overrides)
-        auth_key = load_signing_key(args.ticket_key) if args.ticket_key else None
-        shard = _parse_shard(args.shard)
-        stream = SequenceStream(args.data, config.model.seq_len, shard, seed=config.seed + shard.index)
-        batches = stream.batches(config.optim.microbatch_size)
-        batches = itertools.chain([next(batches)], batches)  # read the source now: bad --data fails before joining
-        tickets = SelfIssuedTickets.from_file(args.ticket_key, role="trainer", stage="trainer") if args.ticket_key else None
+        inputs = _TrainerInputs.load(args)
     except (ConfigError, DataError, ValueError) as error:
         say("ERROR", str(error))
         return 2
-    stages = list(config.model.stage_names)
+    stages = list(inputs.config.model.stage_names)
     try:
         dhts = {stage: connect_dht(args.seeds, host=args.host) for stage in stages}  # one DHT peer per stage
     except NoSeedAnswered as error:
         say("ERROR", str(error))
         return 1
     traffic = TrafficCounter()
-    if tickets is None:
-        say("WARNING", "no --ticket-key: requests carry no ticket, and workers that check tickets will refuse them")
-    clients = {stage: StageClient(stage, dhts[stage], traffic, args.timeout, tickets) for stage in stages}
+    clients = _stage_clients(args, stages, dhts, traffic, inputs.tickets)
     balancer = BALANCERS[args.routing]
     router = Router(stages, lambda stage: balancer(stage, ban_seconds=args.ban_seconds))
-    watcher = RosterWatcher(dhts, router, args.roster_every, stop)
-    watcher.refresh()
-    while router.empty_stages() and not stop.is_set():
-        say("TRAINER", f"waiting for workers: {', '.join(router.empty_stages())}")
-        stop.wait(3)
-        watcher.refresh()
-    watcher.start()
-    spot_checks = SpotChecker(config.spot_checks, router, clients, on_ban=lambda finding: _name_liar(finding, dhts, auth_key))
-    pipeline = Pipeline(
-        stages,
-        clients,
-        router,
-        StallNotice(lambda message: say("WARNING", message)),
-        stop=stop,
-        on_failure=lambda message: say("RETRY", message),
-        spot_checks=spot_checks if config.spot_checks.fraction > 0 else None,
-    )
+    _wait_for_workers(RosterWatcher(dhts, router, args.roster_every, stop), router, stop)
+    pipeline = _pipeline(inputs, stages, clients, router, dhts, stop)
     progress = ProgressPublisher(dhts[stages[0]], ttl=max(60.0, 3 * args.report_every))
     try:
-        done = _train(pipeline, batches, args, router, traffic, stop, progress)
+        done = _train(pipeline, inputs.batches, args, router, traffic, stop, progress)
     except DataError as error:  # a bad record further into the data
         say("ERROR", str(error))
         return 2
@@ -179,6 +160,66 @@ def run(args: argparse.Namespace) -> int:
             dht.shutdown()
     say("TRAINER", f"stopped after {done} microbatches")
     return 0
+
+
+@dataclass
+class _TrainerInputs:
+    """What the trainer reads before joining: the run config, its data and the operator's key, if given."""
+
+    config: RunConfig
+    auth_key: Ed25519PrivateKey | None  # the auth service's signing key (--ticket-key)
+    batches: Iterator
+    tickets: SelfIssuedTickets | None
+
+    @classmethod
+    def load(cls, args: argparse.Namespace) -> "_TrainerInputs":
+        """Raises ConfigError, DataError or ValueError on a bad preset, shard, data source or key."""
+        overrides = {} if args.spot_check_fraction is None else {"spot_checks": {"fraction": args.spot_check_fraction}}
+        config = load_config(args.preset, overrides)
+        auth_key = load_signing_key(args.ticket_key) if args.ticket_key else None
+        shard = _parse_shard(args.shard)
+        stream = SequenceStream(args.data, config.model.seq_len, shard, seed=config.seed + shard.index)
+        batches = stream.batches(config.optim.microbatch_size)
+        batches = itertools.chain([next(batches)], batches)  # read the source now: bad --data fails before joining
+        tickets = SelfIssuedTickets.from_file(args.ticket_key, role="trainer", stage="trainer") if args.ticket_key else None
+        return cls(config, auth_key, batches, tickets)
+
+
+def _stage_clients(
+    args: argparse.Namespace, stages: list[str], dhts: dict, traffic: TrafficCounter, tickets: SelfIssuedTickets | None,
+) -> dict[str, StageClient]:
+    """One client per stage, over that stage's DHT peer."""
+    if tickets is None:
+        say("WARNING", "no --ticket-key: requests carry no ticket, and workers that check tickets will refuse them")
+    return {stage: StageClient(stage, dhts[stage], traffic, args.timeout, tickets) for stage in stages}
+
+
+def _wait_for_workers(watcher: RosterWatcher, router: Router, stop: threading.Event) -> None:
+    """Read the rosters until every stage has a worker (or a stop), then keep them current in the background."""
+    watcher.refresh()
+    while router.empty_stages() and not stop.is_set():
+        say("TRAINER", f"waiting for workers: {', '.join(router.empty_stages())}")
+        stop.wait(3)
+        watcher.refresh()
+    watcher.start()
+
+
+def _pipeline(
+    inputs: _TrainerInputs, stages: list[str], clients: dict[str, StageClient], router: Router, dhts: dict,
+    stop: threading.Event,
+) -> Pipeline:
+    """The pipeline over the stage clients, with spot checks if the run config asks for any."""
+    config = inputs.config
+    spot_checks = SpotChecker(config.spot_checks, router, clients, on_ban=lambda finding: _name_liar(finding, dhts, inputs.auth_key))
+    return Pipeline(
+        stages,
+        clients,
+        router,
+        StallNotice(lambda message: say("WARNING", message)),
+        stop=stop,
+        on_failure=lambda message: say("RETRY", message),
+        spot_checks=spot_checks if config.spot_checks.fraction > 0 else None,
+    )
 
 
 def _train(

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from agora_client.config import ConfigError, load_config
+from agora_client.config import ConfigError, RunConfig, load_config
 from agora_client.events import EventWriter
 from agora_client.discovery.dht import NoSeedAnswered
+
+if TYPE_CHECKING:
+    from agora_client.auth.ticket_source import SelfIssuedTickets
+    from agora_client.worker.node import WorkerNode, WorkerOptions
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -20,10 +26,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--join", action="store_true", help="join a running swarm through sync phases 1 and 2")
     parser.add_argument("--index", type=int, default=None, help="uid index <stage>.0.<index> (default: lowest free)")
     parser.add_argument("--init-seed", type=int, default=None, help="seed for this worker's initial weights")
-    parser.add_argument("--slowdown", type=float, default=0.0, help="seconds added to every request (emulates a slow GPU)")
-    parser.add_argument("--slower", type=float, default=1.0, metavar="F",
-                        help="every request takes F times its own time (emulates a GPU F times slower; F >= 1)")
-    parser.add_argument("--lie", action="store_true", help=argparse.SUPPRESS)  # tests: answer random tensors
     parser.add_argument("--publish-snapshots", default=None, metavar="STORE", help="write stage snapshots here (directory or s3://bucket/prefix)")
     parser.add_argument("--publish-every", type=int, default=5, help="epochs between snapshots (default 5)")
     parser.add_argument("--checkpoints", default=None, metavar="STORE",
@@ -41,43 +43,74 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _CannotStart(Exception):
+    """A step that ends the worker before it starts: the message (for stderr) and the exit code."""
+
+    def __init__(self, error: Exception, code: int):
+        super().__init__(str(error))
+        self.code = code
+
+
 def run(args: argparse.Namespace) -> int:
+    """Host the stage until stopped: 0 then; 1 when no seed answers; 2 for a bad stage or config, ticket key or snapshot."""
     from agora_client.system.lifetime import die_with_parent, stop_on_signals
 
     stop = stop_on_signals()  # before anything forks: helpers must not inherit the handler
-    if args.slowdown < 0 or args.slower < 1:
-        print(f"[ERROR] --slowdown must be >= 0 and --slower >= 1 (got {args.slowdown}, {args.slower})", file=sys.stderr)
-        return 2
-    import torch
-
-    from agora_client.auth.ticket_source import SelfIssuedTickets
-    from agora_client.snapshots import SnapshotError, latest_snapshot
-    from agora_client.worker.node import WorkerNode, WorkerOptions
-
     die_with_parent()  # a killed worker must not leave hivemind's helpers serving requests
+    try:
+        node = _create_node(args)
+    except _CannotStart as failure:
+        print(f"[ERROR] {failure}", file=sys.stderr)
+        return failure.code
+    _serve_until_stopped(node, stop)
+    return 0
 
+
+def _create_node(args: argparse.Namespace) -> WorkerNode:
+    """The worker for ``--stage``, not yet started: config, events, options, then the node (joins the DHT)."""
+    from agora_client.snapshots import SnapshotError
+    from agora_client.worker.node import WorkerNode
+
+    config = _load_config(args)
+    events = _event_writer(args)
+    options = _worker_options(args, config)
+    try:
+        return WorkerNode(options, events)
+    except NoSeedAnswered as error:
+        raise _CannotStart(error, 1) from error
+    except SnapshotError as error:  # a --snapshot that is damaged or from another run config
+        raise _CannotStart(error, 2) from error
+
+
+def _load_config(args: argparse.Namespace) -> RunConfig:
+    """The run config of ``--preset``, checked to have ``--stage``."""
     try:
         config = load_config(args.preset)
         config.model.stage(args.stage)
     except ConfigError as error:
-        print(f"[ERROR] {error}", file=sys.stderr)
-        return 2
+        raise _CannotStart(error, 2) from error
+    return config
+
+
+def _event_writer(args: argparse.Namespace) -> EventWriter:
+    """Events to ``--events``: stdout for '-', else appended to that file; nowhere without it."""
     events = EventWriter()
     if args.events == "-":
         events.add_sink(sys.stdout)
     elif args.events:
         events.add_sink(open(args.events, "a", buffering=1))
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tickets, public_key = None, args.auth_public_key
-    if args.ticket_key is not None:
-        try:
-            tickets = SelfIssuedTickets.from_file(args.ticket_key, role="worker", stage=args.stage)
-        except ValueError as error:
-            print(f"[ERROR] {error}", file=sys.stderr)
-            return 2
-        public_key = public_key or tickets.public_key
+    return events
+
+
+def _worker_options(args: argparse.Namespace, config: RunConfig) -> WorkerOptions:
+    """The worker's options from the command line: device, tickets, snapshots to start from, publish and recover from."""
+    from agora_client.snapshots import latest_snapshot
+    from agora_client.worker.node import WorkerOptions
+
+    device = _device(args)
+    tickets, public_key = _tickets(args)
     recover_from = args.recover_from
-    options = WorkerOptions(
+    return WorkerOptions(
         config,
         args.stage,
         args.seeds,
@@ -86,9 +119,6 @@ def run(args: argparse.Namespace) -> int:
         joining=args.join,
         index=args.index,
         init_seed=args.init_seed,
-        slowdown_s=args.slowdown,
-        slower=args.slower,
-        lie=args.lie,
         snapshot=args.snapshot,
         publish_dir=args.publish_snapshots,
         publish_every=args.publish_every,
@@ -97,14 +127,30 @@ def run(args: argparse.Namespace) -> int:
         tickets=tickets,
         recovery=(lambda: latest_snapshot(recover_from / args.stage)) if recover_from is not None else None,
     )
+
+
+def _device(args: argparse.Namespace) -> str:
+    """``--device``, else cuda if available, else cpu."""
+    import torch
+
+    return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _tickets(args: argparse.Namespace) -> tuple[SelfIssuedTickets | None, str | None]:
+    """The worker's own tickets when given ``--ticket-key``, and the auth public key it serves (None: serves anyone)."""
+    from agora_client.auth.ticket_source import SelfIssuedTickets
+
+    if args.ticket_key is None:
+        return None, args.auth_public_key
     try:
-        node = WorkerNode(options, events)
-    except NoSeedAnswered as error:
-        print(f"[ERROR] {error}", file=sys.stderr)
-        return 1
-    except SnapshotError as error:  # a --snapshot that is damaged or from another run config
-        print(f"[ERROR] {error}", file=sys.stderr)
-        return 2
+        tickets = SelfIssuedTickets.from_file(args.ticket_key, role="worker", stage=args.stage)
+    except ValueError as error:
+        raise _CannotStart(error, 2) from error
+    return tickets, args.auth_public_key or tickets.public_key
+
+
+def _serve_until_stopped(node: WorkerNode, stop: threading.Event) -> None:
+    """Start the node unless already stopped, serve until ``stop`` is set, then leave and shut it down."""
     try:
         if not stop.is_set():
             node.start(stop)
@@ -114,4 +160,3 @@ def run(args: argparse.Namespace) -> int:
     finally:
         node.shutdown()
     print(f"[WORKER] {node.uid} stopped", flush=True)
-    return 0

@@ -43,9 +43,6 @@ class WorkerOptions:
     num_handlers: int = 2
     index: int | None = None  # uid index (<stage>.0.<index>); default: the lowest free one
     init_seed: int | None = None  # different seeds give different starting weights (tests of averaging)
-    slowdown_s: float = 0.0  # added to every request: emulates a slow GPU in tests and benchmarks
-    slower: float = 1.0  # every request takes this many times its own time: a GPU this many times slower
-    lie: bool = False  # answer random tensors of the right shape: the dishonest worker of the spot-check tests
     snapshot: Path | None = None  # a downloaded stage snapshot to start from
     publish_dir: Path | str | None = None  # snapshot store (directory or s3://) written every publish_every epochs
     publish_every: int = 5
@@ -93,15 +90,47 @@ class EpochStats:
 
 
 class WorkerNode:
+    """One stage's worker: its DHT peer, parameters, optimizer and epochs, SPARTA averager and moe server."""
+
     def __init__(self, options: WorkerOptions, events: EventWriter):
         self.options, self.events = options, events
-        config, stage = options.config, options.stage
         self.device = torch.device(options.device)
         if options.prepared is not None:
-            _check_prepared(options.prepared, stage, options.snapshot)
+            _check_prepared(options.prepared, options.stage, options.snapshot)
         self.dht = options.dht or connect_dht(options.seeds, host=options.host, **options.dht_kwargs)
         self.peer_id = self.dht.peer_id.to_base58()
+        prepared, start_epoch = self._load_stage()
+        self._health_lock = threading.Lock()
+        self._build_gates(options, events)
+        self.sync = SyncState(options.config.sync, events.emit, joining=options.joining)
+        self.meter = RequestMeter()  # before the server: its connection handlers fork with it
+        self.requests = EpochStats(self.meter)
+        self._request_hooks: list[Callable[[str, torch.Tensor], None]] = []
+        self._round_hooks: list[Callable[[RoundReport], None]] = []
+        self.epochs = self._epoch_controller(start_epoch)
+        self._last_epoch = start_epoch  # the epoch of the previous epoch hook: rounds crossed by a jump still start
+        self._snapshot_due = options.publish_dir is not None  # the first one is written at start()
+        self.snapshots = open_store(options.publish_dir) if options.publish_dir is not None else None
+        self.checkpoints = self._checkpoint_writer()
+        self.sparta = self._sparta_averager()
+        self.backend = self._stage_backend(prepared)
+        self.server = StageServer(
+            self.dht,
+            self.backend,
+            self.record,
+            announce_period=options.config.announce_period,
+            vocab_size=options.config.model.vocab_size,
+            max_request_batch=options.config.optim.microbatch_size,  # the largest microbatch a trainer of this run sends
+            gate=self.call_gate,
+            rejections=self.rejections,
+            num_connection_handlers=options.num_handlers,
+            device=self.device,
+            meter=self.meter,
+        )
 
+    def _load_stage(self) -> tuple[PreparedStage, int]:
+        """The stage's module, parameters, optimizer and uid; returns the stage and its epoch (the snapshot's, or 0)."""
+        options, config, stage = self.options, self.options.config, self.options.stage
         prepared = options.prepared or prepare_stage(
             config, stage, self.device, seed=options.init_seed if options.init_seed is not None else config.seed,
             seeded_weights=options.snapshot is None,  # a snapshot sets every weight below
@@ -113,21 +142,19 @@ class WorkerNode:
         start_epoch = 0
         if options.snapshot is not None:
             start_epoch = load_stage_snapshot(options.snapshot, self.module, self.optimizer, stage=stage).epoch
-            events.log(f"restored {stage} from its snapshot at epoch {start_epoch}", tag="DOWNLOAD")
+            self.events.log(f"restored {stage} from its snapshot at epoch {start_epoch}", tag="DOWNLOAD")
         self.uid = stage_uid(stage, index)
-        self._health_lock = threading.Lock()
-        self._build_gates(options, events)
-        self.sync = SyncState(config.sync, events.emit, joining=options.joining)
-        self.meter = RequestMeter()  # before the server: its connection handlers fork with it
-        self.requests = EpochStats(self.meter)
-        self._request_hooks: list[Callable[[str, torch.Tensor], None]] = []
-        self.epochs = EpochController(
+        return prepared, start_epoch
+
+    def _epoch_controller(self, start_epoch: int) -> EpochController:
+        config, events = self.options.config, self.events
+        return EpochController(
             self.dht,
-            stage,
+            self.options.stage,
             self.parameters,
             self.optimizer,
             target_batch_size=config.optim.target_batch_size,
-            clip_norm=config.clip_norm(stage),
+            clip_norm=config.clip_norm(self.options.stage),
             sync=self.sync,
             on_epoch=self._on_epoch,
             on_error=self._on_epoch_error,
@@ -135,34 +162,36 @@ class WorkerNode:
             on_corrupt_weights=self.mark_unhealthy,
             epoch=start_epoch,
         )
-        self._round_hooks: list[Callable[[RoundReport], None]] = []
-        self._last_epoch = start_epoch  # the epoch of the previous epoch hook: rounds crossed by a jump still start
-        self._snapshot_due = options.publish_dir is not None  # the first one is written at start()
-        self.snapshots = open_store(options.publish_dir) if options.publish_dir is not None else None
-        self.checkpoints = None
-        if options.checkpoint_store is not None:
-            self.checkpoints = CheckpointWriter(
-                open_store(options.checkpoint_store), config, stage, self.module, self.optimizer, self.epochs.lock,
-                grad_norm=lambda: self.epochs.last_grad_norm, events=events,
-            )
-        self.sparta = SpartaAverager(
+
+    def _checkpoint_writer(self) -> CheckpointWriter | None:
+        if self.options.checkpoint_store is None:
+            return None
+        return CheckpointWriter(
+            open_store(self.options.checkpoint_store), self.options.config, self.options.stage, self.module,
+            self.optimizer, self.epochs.lock, grad_norm=lambda: self.epochs.last_grad_norm, events=self.events,
+        )
+
+    def _sparta_averager(self) -> SpartaAverager:
+        return SpartaAverager(
             self.dht,
-            f"agora_{stage}_sparta",
+            f"agora_{self.options.stage}_sparta",
             self.parameters,
-            config.sparta,
+            self.options.config.sparta,
             lock=self.epochs.lock,
             on_round=self._on_round,
             stage_size=lambda: self.epochs.tracker.global_progress.num_peers,  # no DHT lookup: the tracker has it
             admission=None if self.averaging_gate is None else GroupAdmission(
-                self.averaging_gate, options.tickets, self.rejections
+                self.averaging_gate, self.options.tickets, self.rejections
             ),
         )
+
+    def _stage_backend(self, prepared: PreparedStage) -> StageBackend:
+        config = self.options.config
         if config.use_mixed_precision and not native_bf16(self.device):
-            events.log(f"no native bf16 on this {self.device.type} (emulated bf16 is slower than fp32): the stage "
-                       "computes in fp32, not under the run's bf16 autocast", tag="TRAINING")
-        is_tail = stage == "tail"
-        max_batch = options.max_batch_size or config.optim.microbatch_size * 8
-        self.backend = StageBackend(
+            self.events.log(f"no native bf16 on this {self.device.type} (emulated bf16 is slower than fp32): the stage "
+                            "computes in fp32, not under the run's bf16 autocast", tag="TRAINING")
+        is_tail = self.options.stage == "tail"
+        return StageBackend(
             self.uid,
             self.module,
             lock=self.epochs.lock,
@@ -172,26 +201,10 @@ class WorkerNode:
             on_forward=lambda tokens, outputs: self._on_request("forward", tokens, outputs, is_tail),
             on_backward=lambda tokens: self._on_request("backward", tokens, (), is_tail),
             on_unhealthy=self.mark_unhealthy,
-            slowdown_s=options.slowdown_s,
-            slower=options.slower,
-            lie=options.lie,
             args_schema=prepared.args_schema,
             outputs_schema=prepared.outputs_schema,
             min_batch_size=1,
-            max_batch_size=max_batch,
-        )
-        self.server = StageServer(
-            self.dht,
-            self.backend,
-            self.record,
-            announce_period=config.announce_period,
-            vocab_size=config.model.vocab_size,
-            max_request_batch=config.optim.microbatch_size,  # the largest microbatch a trainer of this run sends
-            gate=self.call_gate,
-            rejections=self.rejections,
-            num_connection_handlers=options.num_handlers,
-            device=self.device,
-            meter=self.meter,
+            max_batch_size=self.options.max_batch_size or config.optim.microbatch_size * 8,
         )
 
     def _build_gates(self, options: WorkerOptions, events: EventWriter) -> None:

@@ -7,8 +7,8 @@ from textual.containers import Horizontal, Vertical
 from textual.markup import escape
 from textual.widgets import Static
 
-from agora_client.events import PreflightEvent
-from tui.state import CHECK_LABELS, CHECKS, PreflightState
+from agora_client.events import PREFLIGHT_CHECKS, PreflightEvent
+from tui.state import CHECK_LABELS, PreflightState
 
 MARKS = {"pass": "✔", "warn": "▲", "fail": "✖", "checking": "◌", "waiting": "○"}
 _MARK_STYLE = {"pass": "$text-success", "warn": "$text-warning", "fail": "$text-error", "checking": "$text-accent", "waiting": "$text-muted"}
@@ -43,7 +43,7 @@ class PreflightPanel(Vertical):
     """One row per check: a mark, the check's name, what was measured and why it passed, warned or failed."""
 
     def compose(self) -> ComposeResult:
-        for check in CHECKS:
+        for check in PREFLIGHT_CHECKS:
             with Horizontal(id=f"check-{check}", classes="check-row -waiting"):
                 yield Static(classes="check-label")
                 yield Static(classes="check-text")
@@ -54,7 +54,7 @@ class PreflightPanel(Vertical):
 
     def show(self, state: PreflightState, stopped: bool = False) -> None:
         """Redraw from the preflight state; ``stopped``: the runtime ended, so nothing pending will come."""
-        for check in CHECKS:
+        for check in PREFLIGHT_CHECKS:
             result = state.results.get(check)
             if result is not None:
                 status, text = result.status, _result_text(result)

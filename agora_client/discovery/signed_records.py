@@ -1,0 +1,64 @@
+"""The DHT keys and record schemas of what workers and trainers sign: metrics and verdicts.
+
+A worker stores its ``MetricsRecord`` under ``agora.metrics.<stage>``, a trainer its ``Verdict`` under
+``agora.verdicts``, each under an owner subkey only its key can write. The record validators every node
+runs check these schemas; the monitor (agora_client.monitor) checks signer, ticket and claims.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agora_client.events import SyncPhase
+
+METRICS_KEY_PREFIX = "agora.metrics."
+VERDICTS_KEY = "agora.verdicts"
+
+
+class MetricsRecord(BaseModel):
+    """What a worker publishes about itself. Counters are monotonic within one ``run_id``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    v: Literal[1] = 1
+    peer_id: str
+    identity: str
+    ticket: str
+    stage: str
+    run_id: str = Field(description="random per worker process; a new one tells the monitor its counters restarted")
+    sync_phase: SyncPhase
+    flops_total: float = Field(ge=0, description="FLOPs processed in every phase")
+    compute_flops: float = Field(ge=0, description="FLOPs processed from sync phase 2 on: the ones that earn points")
+    active_seconds: float = Field(ge=0, description="seconds registered and visible, from sync phase 1 on")
+    busy_seconds: float = Field(ge=0, description="seconds spent inside forward / backward")
+    batches: int = Field(ge=0, description="backward requests processed (each one a microbatch)")
+    forwards: int = Field(ge=0, description="forward requests processed")
+    tokens: int = Field(ge=0, description="tokens processed in backward requests")
+    sparta_rounds: int = Field(default=0, ge=0)
+    sparta_success_rate: float = Field(default=0.0, ge=0, le=1)
+    sparta_last_fraction: float = Field(default=0.0, ge=0, le=1)
+    ts: float
+
+
+def metrics_key(stage: str) -> str:
+    return f"{METRICS_KEY_PREFIX}{stage}"
+
+
+class Verdict(BaseModel):
+    """A trainer's finding: this worker's outputs disagreed with its stage's majority this often."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    v: Literal[1] = 1
+    trainer: str = Field(description="peer id of the trainer's RSA key, which signs the record")
+    ticket: str = Field(description="the trainer's ticket (role trainer)")
+    peer_id: str = Field(description="the worker caught")
+    uid: str
+    stage: str
+    checks: int = Field(ge=1, description="spot checks the worker took part in")
+    disagreements: int = Field(ge=1, description="checks where it disagreed with the majority")
+    ts: float
+
+    @property
+    def subkey_name(self) -> str:
+        return f"{self.peer_id}/{self.trainer}"
