@@ -208,10 +208,12 @@ def resolve_client(
     login_token: Callable[[], str | None] = hf_login_token,
     list_gpus: Callable[[], list] = _list_gpus,
     need_swarm: bool = True,
+    use_gpu: bool = True,
 ) -> ResolvedClient:
     """Load, complete (asking only what is missing) and save the client config; return it with the token.
 
-    ``need_swarm=False`` (a replayed runtime in tests) does not ask for a swarm address."""
+    ``need_swarm=False`` (a replayed runtime in tests) does not ask for a swarm address; ``use_gpu=False``
+    (``--cpu``) chooses no GPU and keeps the saved choice."""
     prompts = prompts or Prompts()
     store = ClientConfigStore(config_dir)
     previous, stored_token = _load_saved(store, reconfigure)
@@ -220,8 +222,8 @@ def resolve_client(
     if need_swarm and (swarm_url is None or (reconfigure and not swarm and prompts.interactive)):
         swarm_url = _ask_swarm(prompts, swarm_url)
     saved_gpu_index = previous.gpu_index if previous else None
-    gpu_index = _choose_gpu(prompts, list_gpus(), gpu, saved_gpu_index, reconfigure)
-    saved_gpu = gpu_index if gpu is None else saved_gpu_index  # a --gpu choice is for this run only
+    gpu_index = _choose_gpu(prompts, list_gpus(), gpu, saved_gpu_index, reconfigure) if use_gpu else None
+    saved_gpu = gpu_index if gpu is None and use_gpu else saved_gpu_index  # --gpu and --cpu are for this run only
     store.save(ClientConfig(swarm_url=swarm_url, gpu_index=saved_gpu))
     return ResolvedClient(ClientConfig(swarm_url=swarm_url, gpu_index=gpu_index), token, source, Path(config_dir))
 

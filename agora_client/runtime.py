@@ -35,7 +35,9 @@ if TYPE_CHECKING:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--swarm", required=True, help="URL of the swarm's auth service")
-    parser.add_argument("--gpu", type=int, default=None, help="GPU number as nvidia-smi shows it (default: CPU)")
+    device = parser.add_mutually_exclusive_group()
+    device.add_argument("--gpu", type=int, default=None, help="GPU number as nvidia-smi shows it")
+    device.add_argument("--cpu", action="store_true", help="run the worker on the CPU: the demo and tests only")
     parser.add_argument("--config-dir", type=Path, default=None, help="where identity keys and downloads live")
     parser.add_argument("--monitor", default=None, help="monitor URL for confirmed points (default: the swarm's)")
     parser.add_argument("--host-port", type=int, default=None,
@@ -48,11 +50,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 class _CannotStart(Exception):
-    """Why the runtime cannot start (the message) and its exit code."""
+    """Why the runtime cannot start (the message), its exit code and, where it helps, what to do."""
 
-    def __init__(self, code: int, reason: str):
+    def __init__(self, code: int, reason: str, hint: str | None = None):
         super().__init__(reason)
-        self.code = code
+        self.code, self.hint = code, hint
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,10 +66,11 @@ def run(args: argparse.Namespace) -> int:
     if not token:
         return _exit(events, EXIT_USAGE, "no token: set HF_TOKEN (the app does this for you)")
     try:
+        device = _device(args)
         description = _run_description(args)
     except _CannotStart as failure:
-        return _exit(events, failure.code, str(failure))
-    contributor = _contributor(args, description, events, stop)
+        return _exit(events, failure.code, str(failure), hint=failure.hint)
+    contributor = _contributor(args, device, description, events, stop)
     signal.signal(signal.SIGUSR1, lambda *_: contributor.retry_now.set())  # the app's "retry now" key
     return _contribute(contributor, token, events)
 
@@ -88,17 +91,31 @@ def _run_description(args: argparse.Namespace) -> RunDescription:
         raise _CannotStart(EXIT_ERROR, str(error)) from error
 
 
-def _contributor(args: argparse.Namespace, description: RunDescription, events: EventWriter,
+def _device(args: argparse.Namespace) -> tuple[str, str]:
+    """(torch device, note): the chosen GPU, or the CPU only when ``--cpu`` asks for it."""
+    from agora_client.system.gpu import CPU_NOTE, NoUsableGpu, torch_device_for
+
+    if args.cpu:
+        return "cpu", CPU_NOTE
+    try:
+        return torch_device_for(args.gpu)
+    except NoUsableGpu as error:
+        raise _CannotStart(
+            EXIT_ERROR, f"{error}. A worker needs a usable CUDA GPU",
+            hint="choose an NVIDIA GPU that CUDA can use with --gpu N; --cpu runs the worker on the CPU (the demo and tests only)",
+        ) from error
+
+
+def _contributor(args: argparse.Namespace, device: tuple[str, str], description: RunDescription, events: EventWriter,
                  stop: threading.Event) -> Contributor:
     """The contributor for this run and device; loads the engine, whose helpers forked from then on die with us."""
     from agora_client.auth.reachability import default_host_port
-    from agora_client.system.gpu import torch_device_for
     from agora_client.joining.contributor import Contributor, ContributorOptions
     from agora_client.system.lifetime import die_with_parent
 
     die_with_parent()  # a killed worker must not leave hivemind's helpers serving requests
 
-    device, device_note = torch_device_for(args.gpu)
+    device, device_note = device
     options = ContributorOptions(
         swarm_url=args.swarm, run=description, config_dir=args.config_dir or _default_config_dir(),
         host_port=default_host_port(args.gpu) if args.host_port is None else args.host_port,
@@ -113,7 +130,7 @@ def _contribute(contributor: Contributor, token: str, events: EventWriter) -> in
     from agora_client.auth.client import AuthRejected, AuthError
     from agora_client.auth.run_description import RunDescriptionError
     from agora_client.joining.contributor import PreflightFailed
-    from agora_client.joining.gpu_fit import GpuRefused
+    from agora_client.joining.gpu_fit import StageRefused
     from agora_client.joining.peer_key import PeerKeyError
 
     try:
@@ -122,7 +139,7 @@ def _contribute(contributor: Contributor, token: str, events: EventWriter) -> in
         return _exit(events, EXIT_REJECTED, str(error), said=True)
     except AuthError as error:
         return _exit(events, EXIT_ERROR, str(error), said=True)
-    except (RunDescriptionError, PreflightFailed, PeerKeyError, GpuRefused) as error:
+    except (RunDescriptionError, PreflightFailed, PeerKeyError, StageRefused) as error:
         return _exit(events, EXIT_ERROR, str(error))
     except Exception as error:  # the app shows it; a bare traceback helps nobody
         events.emit(ErrorEvent(message=f"{error.__class__.__name__}: {error}", where="runtime"))
@@ -132,9 +149,9 @@ def _contribute(contributor: Contributor, token: str, events: EventWriter) -> in
     return _exit(events, EXIT_OK, "stopped")
 
 
-def _exit(events: EventWriter, code: int, reason: str, *, said: bool = False) -> int:
+def _exit(events: EventWriter, code: int, reason: str, *, said: bool = False, hint: str | None = None) -> int:
     if code != EXIT_OK and not said:
-        events.emit(ErrorEvent(message=reason, where="runtime"))
+        events.emit(ErrorEvent(message=reason, hint=hint or "", where="runtime"))
     events.emit(ExitEvent(code=code, reason=reason))
     return code
 

@@ -121,7 +121,7 @@ class Contributor:
 
     def __init__(self, mode: str, auth_url: str, token: str, config_dir: Path, log_path: Path, size: tuple[int, int]):
         self.mode, self.config_dir = mode, config_dir
-        argv = [sys.executable, str(ROOT / "agora_cli.py"), "--swarm", auth_url, "--config-dir", str(config_dir), "--host-port", "0"]
+        argv = [sys.executable, str(ROOT / "agora_cli.py"), "--cpu", "--swarm", auth_url, "--config-dir", str(config_dir), "--host-port", "0"]
         env = {**os.environ, "HF_TOKEN": token, "PYTHONUNBUFFERED": "1"}
         self.terminal: TerminalReader | None = None
         self.launched = time.time()  # the config dir's logs also hold earlier runs

@@ -128,7 +128,7 @@ def main() -> None:
         started = time.time()
         with on_client_host():
             runtime = ManagedProcess(
-                "runtime", ["runtime", "--swarm", auth_url, "--config-dir", str(Path(tmp) / "client"), "--host-port", "0"],
+                "runtime", ["runtime", "--cpu", "--swarm", auth_url, "--config-dir", str(Path(tmp) / "client"), "--host-port", "0"],
                 Path(tmp) / "logs" / "runtime.log", env={"HF_TOKEN": token},
             )
         deadline = time.monotonic() + FIRST_BATCH_TIMEOUT

@@ -11,17 +11,35 @@ The peak over both is compared with the plan.
   CPU allocator's, from the profiler's running "Total Allocated" over the step, plus the bytes the
   stage's tensors held when the step began (weights, frozen basis, gradients; moments if not offloaded).
 
-Usage: python bench/memory.py [--device cuda|cpu] [--stages head,body1,tail] [--microbatch N] [--fp32] [--no-offload]
+- Export (`agora export`): a checkpoint set of the 8b layer split at width --export-width (640: the scaled 8b
+  above; 128 for a quick check) is exported in a fresh process, fp32 and bf16, while a thread samples its RSS
+  (psutil). The peak above the RSS before the export is compared with what the streamed export may hold: the
+  largest stage plus the largest shard it wrote (shards of a quarter stage, so there are several).
+
+- Snapshot load: each of --stages at width --load-width (640: the scaled 8b; 256 for a quick check) is saved with
+  both AdamW moments by one fresh process; another builds the stage as a joiner does (weights left unset) and
+  loads the snapshot into it and its optimizer, while a thread samples its RSS (psutil). The peak above the RSS
+  before the build (taken after a first build of the stage, dropped: imports and what the allocator keeps from
+  building the basis belong to the process, not to the load) is compared with what the stage holds in host
+  memory by the plan on the CPU: weights, frozen basis and both moments (no gradients: they appear at the first
+  backward). The streamed load may add one tensor of the files (``largest_tensor``) above that.
+
+Usage: python bench/memory.py [--device cuda|cpu] [--stages head,body1,tail] [--microbatch N] [--fp32] [--no-offload] [--export-width W]
+                              [--load-width W]
 The last line is one JSON object: per stage the measured and planned peaks and their ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import multiprocessing
 import tempfile
+import threading
 from pathlib import Path
 
+import psutil
 import torch
 from hivemind.moe.server.module_backend import ModuleBackend
 from hivemind.utils.tensor_descr import BatchTensorDescriptor
@@ -31,6 +49,7 @@ from agora_client.config import RunConfig, load_config
 from agora_client.model import build_stage
 from agora_client.model.memory import gib, plan_stage, usable_bytes
 from agora_client.serving.backend import autocast_context
+from agora_client.snapshots import load_stage_snapshot, save_stage_snapshot
 from agora_client.worker.optimizer import build_optimizer
 
 # The 8b preset with every width divided by 8 (head dim and the layer split kept): fits a CPU run.
@@ -132,6 +151,137 @@ def measure_stage(run: RunConfig, stage: str, microbatch: int, device: torch.dev
     }
 
 
+class RssPeak:
+    """The highest resident set size of this process while the block runs, sampled by a thread."""
+
+    def __init__(self, every_s: float = 0.002):
+        self.every_s, self.peak = every_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        process = psutil.Process()
+        while True:
+            self.peak = max(self.peak, process.memory_info().rss)
+            if self._stop.wait(self.every_s):
+                return
+
+    def __enter__(self) -> "RssPeak":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, psutil.Process().memory_info().rss)
+
+
+def _export_in_child(store_dir: str, out: str, dtype: str, max_shard_bytes: int, answer) -> None:
+    """Runs in a fresh process, so the baseline holds no checkpoint-writing leftovers."""
+    from agora_client.checkpoints import select_set
+    from agora_client.checkpoints.export import export_set
+    from agora_client.snapshots import LocalStore
+
+    store = LocalStore(store_dir)
+    checkpoints = select_set(store)
+    # code, not data, belongs to the baseline: a stage's first to_empty() off the meta device imports torch.fx's
+    # symbolic shapes (sympy, ~480 modules, ~50 MB at any size); the matmul library sets up on its first call
+    torch.nn.Linear(1, 1, device="meta").to_empty(device="cpu")
+    torch.ones(64, 64) @ torch.ones(64, 64)
+    baseline = psutil.Process().memory_info().rss
+    with RssPeak() as meter:
+        export_set(store, checkpoints, Path(out), dtype=dtype, max_shard_bytes=max_shard_bytes)
+    answer.send((baseline, meter.peak))
+
+
+def _stage_bytes(module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+def measure_export(width: int) -> dict:
+    """Host peak of `agora export` (fp32 and bf16) against the largest stage plus the largest shard written."""
+    from agora_client.checkpoints import run_record
+    from agora_client.snapshots import LocalStore
+
+    run = width_scaled(width)
+    results = []
+    with tempfile.TemporaryDirectory() as folder:
+        store = LocalStore(Path(folder) / "store")
+        largest = 0
+        for stage in run.model.stage_names:  # one stage in memory at a time here too
+            module = build_stage(run.model, stage, seed=run.seed)
+            largest = max(largest, _stage_bytes(module))
+            store.save(stage, module, torch.optim.AdamW(module.parameters()), 1, extra={"run": run_record(run)})
+            del module
+        context = multiprocessing.get_context("spawn")
+        for dtype in ("fp32", "bf16"):
+            out = Path(folder) / f"hf-{dtype}"
+            receive, send = context.Pipe(duplex=False)
+            child = context.Process(target=_export_in_child, args=(str(store.root), str(out), dtype, largest // 4, send))
+            child.start()
+            baseline, peak = receive.recv()
+            child.join()
+            shard = max(path.stat().st_size for path in out.glob("model*.safetensors"))
+            plan = largest + shard
+            results.append({"dtype": dtype, "baseline_rss": baseline, "peak_rss_above_baseline": peak - baseline,
+                            "largest_stage": largest, "largest_shard": shard, "planned_peak": plan,
+                            "ratio": (peak - baseline) / plan, "shards": len(list(out.glob("model*.safetensors")))})
+            print(f"export {dtype}: peak {gib(peak - baseline)} above the baseline, planned {gib(plan)} (stage + shard), "
+                  f"ratio {(peak - baseline) / plan:.3f}, {results[-1]['shards']} shards")
+    parameters = sum(p.numel() for stage in run.model.stage_names for p in build_stage(run.model, stage, seed=0, device="meta").parameters())
+    return {"width": width, "parameters": parameters, "runs": results, "max_ratio": max(r["ratio"] for r in results)}
+
+
+def width_scaled(width: int) -> RunConfig:
+    """The scaled 8b (layer split kept) at d_model ``width``."""
+    heads = max(1, width // 128)
+    shape = {"d_model": width, "n_heads": heads, "n_kv_heads": max(1, heads // 5), "ffn_hidden": width * 36 // 10}
+    return load_config("8b", {**SCALED_8B, "model": {**SCALED_8B["model"], **shape}})
+
+
+def _save_snapshot_in_child(run: RunConfig, stage: str, folder: str) -> tuple[str, int]:
+    """(A process of its own.) The stage with both AdamW moments saved under folder: its directory, its largest tensor's bytes."""
+    module = build_stage(run.model, stage, seed=0)
+    parameters = [p for p in module.parameters() if p.requires_grad]
+    optimizer = build_optimizer(parameters, run)
+    for parameter in parameters:
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()  # creates the moments
+    moments = [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    directory = save_stage_snapshot(Path(folder), stage, module, optimizer, epoch=1, keep=1)
+    return str(directory), max(t.numel() * t.element_size() for t in (*module.state_dict().values(), *moments))
+
+
+def _load_in_child(run: RunConfig, stage: str, directory: str) -> dict:
+    """(A fresh process.) RSS before the stage is built, its peak over the build and the load, and after."""
+    # A first build, dropped, leaves imports and what the allocator keeps from building the basis in the baseline.
+    build_stage(run.model, stage, seed=0, seeded_weights=False)
+    gc.collect()
+    before = psutil.Process().memory_info().rss
+    with RssPeak(every_s=0.001) as meter:
+        module = build_stage(run.model, stage, seed=0, seeded_weights=False)  # a joiner's: the snapshot sets them
+        optimizer = build_optimizer([p for p in module.parameters() if p.requires_grad], run)
+        load_stage_snapshot(Path(directory), module, optimizer, stage=stage)
+    return {"rss_before": before, "rss_peak": meter.peak, "rss_after": psutil.Process().memory_info().rss}
+
+
+def measure_snapshot_load(run: RunConfig, stage: str) -> dict:
+    """Host peak of loading the stage's snapshot against what the stage holds in host memory by the plan on the CPU."""
+    plan = plan_stage(run, stage)
+    planned = plan.weights + plan.frozen + plan.moments
+    spawn = multiprocessing.get_context("spawn")  # fresh processes: nothing left over from the save or another stage
+    with tempfile.TemporaryDirectory() as folder:
+        with spawn.Pool(1) as pool:
+            directory, largest = pool.apply(_save_snapshot_in_child, (run, stage, folder))
+        with spawn.Pool(1) as pool:
+            rss = pool.apply(_load_in_child, (run, stage, directory))
+    measured = rss["rss_peak"] - rss["rss_before"]
+    return {
+        "stage": stage, "parameters": plan.weights // 4, **rss, "measured_peak": measured, "planned_stage_host": planned,
+        "largest_tensor": largest, "ratio": measured / planned, "peak_above_loaded_stage": rss["rss_peak"] - rss["rss_after"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -139,6 +289,10 @@ def main() -> None:
     parser.add_argument("--microbatch", type=int, default=None, help="sequences per pass (default: the run's)")
     parser.add_argument("--fp32", action="store_true", help="use_mixed_precision: false")
     parser.add_argument("--no-offload", action="store_true", help="offload_optimizer: false (moments on the device)")
+    parser.add_argument("--export-width", type=int, default=640,
+                        help="d_model of the exported model (8b layer split; 640: the scaled 8b, 128: a quick check; 0: skip)")
+    parser.add_argument("--load-width", type=int, default=640,
+                        help="d_model of the stages whose snapshot load is measured (640: the scaled 8b, 256: a quick check; 0: skip)")
     args = parser.parse_args()
     device = torch.device(args.device)
     switches = {"use_mixed_precision": not args.fp32, "offload_optimizer": not args.no_offload}
@@ -161,6 +315,12 @@ def main() -> None:
         results.append(result)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    loads = [measure_snapshot_load(width_scaled(args.load_width), stage) for stage in args.stages.split(",")] if args.load_width else []
+    for entry in loads:
+        print(f"{entry['stage']} snapshot load: host peak {gib(entry['measured_peak'])} above the start, planned "
+              f"{gib(entry['planned_stage_host'])} (weights, basis, moments), ratio {entry['ratio']:.3f}; largest tensor "
+              f"{gib(entry['largest_tensor'])}, peak above the loaded stage {gib(entry['peak_above_loaded_stage'])}")
+    export = measure_export(args.export_width) if args.export_width else None
     print(json.dumps({
         "device": str(device),
         "preset": run.name,
@@ -169,6 +329,9 @@ def main() -> None:
         "stages": results,
         "skipped": skipped,
         "max_ratio": max((r["ratio"] for r in results), default=None),
+        "export": export,
+        "snapshot_loads": loads,
+        "max_load_ratio": max((entry["ratio"] for entry in loads), default=None),
     }))
 
 

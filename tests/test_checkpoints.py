@@ -14,6 +14,7 @@ import torch
 from agora_client.checkpoints import CheckpointError, Retention, list_sets, parse_time, run_record, select_set
 from agora_client.checkpoints.export import export_set, load_set
 from agora_client.checkpoints.writer import CheckpointWriter
+from agora_client.snapshots.background import BackgroundWriter
 from agora_client.cli import main
 from agora_client.config import load_config
 from agora_client.events import EventWriter
@@ -184,17 +185,18 @@ def test_writer_checkpoints_every_period_with_run_and_training_stats(tmp_path):
     events = EventWriter()
     events.emit = lambda event: messages.append(event.message)  # type: ignore[method-assign]
     store = LocalStore(tmp_path)
-    writer = CheckpointWriter(store, config, "tail", module, optimizer, lock, grad_norm=lambda: 0.5, events=events)
+    background = BackgroundWriter(module, optimizer, lock)
+    writer = CheckpointWriter(store, config, "tail", background, grad_norm=lambda: 0.5, events=events)
     writer.on_epoch(1, 4.0, averaging=False)  # not due yet
     assert store.list("tail") == []
     writer.last_written -= 1.2
     writer.on_epoch(2, 3.0, averaging=True)  # due, but waits for an epoch without an averaging round
-    assert writer._thread is None
+    assert background.last_lock_hold_s is None  # nothing was copied
     writer.on_epoch(3, 2.0, averaging=False)
-    writer._thread.join()
+    assert background.wait(30)
     writer.last_written -= 2.1  # overdue by a whole period: written even while a round is in flight
     writer.on_epoch(4, 1.0, averaging=True)
-    writer._thread.join()
+    assert background.wait(30)
     writer.close(5)
     first, overdue, final = store.list("tail")
     assert (first.epoch, overdue.epoch, final.epoch) == (3, 4, 5)

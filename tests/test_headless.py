@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from agora_client.events import SyncEvent
+from agora_client.frontend.supervisor import INTERRUPT_TIMEOUT_S
 from agora_client.frontend.lines import LineFormatter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,6 +117,38 @@ def test_ctrl_c_stops_the_child_gracefully_and_exits_130(tmp_path):
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+def test_a_second_ctrl_c_stops_the_runtime_at_once(tmp_path):
+    """The runtime stand-in ignores SIGINT: the first Ctrl-C would wait out the graceful stop's 10 s; the second
+    gives the runtime its second stop signal at once."""
+    env = {**os.environ, "HF_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen(
+        client(tmp_path, "sync1", "--hold", "--ignore-sigint"), env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+    )
+    try:
+        assert "[SYNC]" in _first_line_with(process, "[SYNC]", timeout=30)  # the runtime is up and replaying
+        process.send_signal(signal.SIGINT)
+        _first_line_with(process, "Interrupted: stopping the worker", timeout=30)
+        process.send_signal(signal.SIGINT)
+        hurried = time.monotonic()
+        process.communicate(timeout=30)
+        assert time.monotonic() - hurried < INTERRUPT_TIMEOUT_S  # not the graceful stop's wait
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130
+
+
+def _first_line_with(process: subprocess.Popen, text: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if text in line:
+            return line
+        assert line or process.poll() is None, f"the client ended before printing {text!r}"
+    raise AssertionError(f"no line with {text!r} within {timeout} s")
+
+
 def test_events_are_logged_per_gpu_without_the_token(tmp_path):
     result = run_client(tmp_path, "crash", "--exit-code", "1", "--stderr", f"HF_TOKEN={TOKEN}")
     assert result.returncode == 1
@@ -151,7 +184,7 @@ def test_retry_every_is_a_client_option_the_runtime_accepts(tmp_path):
     parser) and, with no swarm at the address, fails on that, once, with exit code 1."""
     env = {**os.environ, "HF_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
-        [sys.executable, str(ROOT / "agora_cli.py"), "--headless", "--retry-every", "5", "--swarm", "http://127.0.0.1:9",
+        [sys.executable, str(ROOT / "agora_cli.py"), "--headless", "--cpu", "--retry-every", "5", "--swarm", "http://127.0.0.1:9",
          "--config-dir", str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=50, stdin=subprocess.DEVNULL,
     )

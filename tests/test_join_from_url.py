@@ -348,11 +348,23 @@ def _runtime_exit(*args: str) -> tuple[int, list[dict]]:
 
 
 def test_the_runtime_exits_cleanly_when_the_description_cannot_be_read_or_the_announce_is_bad(tmp_path):
-    code, events = _runtime_exit("--swarm", f"http://127.0.0.1:{closed_port()}", "--config-dir", str(tmp_path))
+    code, events = _runtime_exit("--cpu", "--swarm", f"http://127.0.0.1:{closed_port()}", "--config-dir", str(tmp_path))
     assert code == 1 and events[-1]["kind"] == "exit"
     assert "could not read the run description" in events[-1]["reason"] and "hf_test" not in json.dumps(events)
-    code, events = _runtime_exit("--swarm", "http://127.0.0.1:1", "--announce-addr", "nowhere", "--config-dir", str(tmp_path))
+    code, events = _runtime_exit("--cpu", "--swarm", "http://127.0.0.1:1", "--announce-addr", "nowhere", "--config-dir", str(tmp_path))
     assert code == 2 and "is not HOST:PORT" in events[-1]["reason"]
+
+
+def test_the_runtime_refuses_to_fall_back_to_the_cpu(tmp_path):
+    """Without a usable CUDA GPU the runtime stops with the reason; only --cpu (the demo, the tests) runs on the CPU."""
+    cases = [((), "no GPU chosen")] + ([] if torch.cuda.is_available() else [(("--gpu", "0"), "CUDA is not available to torch")])
+    for device_args, why in cases:
+        code, events = _runtime_exit(*device_args, "--swarm", "http://127.0.0.1:1", "--config-dir", str(tmp_path))
+        assert code == 1 and events[-1]["kind"] == "exit", events
+        assert why in events[-1]["reason"] and "A worker needs a usable CUDA GPU" in events[-1]["reason"]
+        assert "--cpu runs the worker on the CPU" in next(e["hint"] for e in events if e["kind"] == "error")
+    code, events = _runtime_exit("--cpu", "--swarm", f"http://127.0.0.1:{closed_port()}", "--config-dir", str(tmp_path))
+    assert code == 1 and "could not read the run description" in events[-1]["reason"]  # --cpu got past the device
 
 
 def test_the_app_tracker_offers_a_retry_while_unreachable():

@@ -14,12 +14,10 @@ import httpx
 import psutil
 import pytest
 import yaml
-from safetensors.torch import load_file
 
 from hivemind.dht.crypto import RSASignatureValidator
 
 from agora_client.events import json_objects
-from agora_client.snapshots import latest_snapshot
 from agora_client.discovery.dht import connect_dht
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
 from agora_client.swarm.processes import ManagedProcess
@@ -73,7 +71,7 @@ def test_joiner_passes_every_phase_in_order(join_swarm, tmp_path):
     client_dir = tmp_path / "client"
     runtime = ManagedProcess(
         "runtime",
-        ["runtime", "--swarm", auth_url, "--config-dir", str(client_dir), "--host-port", "0", "--monitor", monitor_url],
+        ["runtime", "--cpu", "--swarm", auth_url, "--config-dir", str(client_dir), "--host-port", "0", "--monitor", monitor_url],
         tmp_path / "runtime.log",
         env={"HF_TOKEN": token},
     )
@@ -152,16 +150,12 @@ def test_joiner_passes_every_phase_in_order(join_swarm, tmp_path):
 
     _check_counts_and_points(events, stage, preset_path)
 
-    # SPARTA pulled it toward its peer: it ends closer to the peer than the snapshot it started from,
-    # although both kept training on different data (the exact weight-0 rule is tested in test_sparta).
-    own = load_file(latest_snapshot(client_dir / "snapshots" / "cpu" / "own" / stage) / "params.safetensors")
-    peer = load_file(latest_snapshot(swarm.snapshot_dir / stage) / "params.safetensors")
-    start_dir = next(p for p in (client_dir / "snapshots" / "cpu" / stage).iterdir() if p.is_dir())
-    start = load_file(start_dir / "params.safetensors")
-    distance = lambda a, b: sum(float((a[k] - b[k]).pow(2).sum()) for k in b) ** 0.5  # noqa: E731
+    # SPARTA pulled it toward its peer in full while it synced (receive-only, weight 0: the rule itself is tested in
+    # test_sparta). A stop writes no exit snapshot any more, so its final weights are not compared here.
     receive_only = [e for e in events if e["kind"] == "sparta" and e["weight"] == 0.0]
-    assert any(e["ok"] and e["fraction"] == 1.0 for e in receive_only), f"no complete receive-only round: {receive_only}"
-    assert distance(own, peer) < distance(start, peer)
+    assert any(e["ok"] and e["fraction"] == 1.0 and e["bytes_received"] > 0 for e in receive_only), (
+        f"no complete receive-only round: {receive_only}"
+    )
 
 
 def test_app_on_a_real_runtime_reaches_active_and_quits_clean(join_swarm, tmp_path):
@@ -170,7 +164,7 @@ def test_app_on_a_real_runtime_reaches_active_and_quits_clean(join_swarm, tmp_pa
     from agora_client.frontend.supervisor import INTERRUPT_TIMEOUT_S, runtime_command
 
     swarm, auth_url, token, preset_path, _ = join_swarm
-    command = runtime_command(token=token, swarm=auth_url, config_dir=tmp_path / "client", host_port=0)
+    command = runtime_command(token=token, swarm=auth_url, cpu=True, config_dir=tmp_path / "client", host_port=0)
     app = AgoraApp(command)
 
     async def drive() -> list[int]:

@@ -52,7 +52,7 @@ def test_a_lying_worker_is_banned_loses_its_points_and_the_loss_still_falls(tmp_
         monitor_url = swarm.start_monitor(auth_url, interval=2.0)
         trainer = swarm.start_trainer()  # the launcher gives it the auth service's key: it can name the liar
         liar = ManagedProcess(
-            "liar", ["runtime", "--swarm", auth_url, "--config-dir", str(tmp_path / "liar"), "--host-port", "0"],
+            "liar", ["runtime", "--cpu", "--swarm", auth_url, "--config-dir", str(tmp_path / "liar"), "--host-port", "0"],
             tmp_path / "liar.log", env={"HF_TOKEN": token}, program=faulty(lie=True),
         )
         wait_until(lambda: any(e["kind"] == "stage" for e in json_objects(liar.lines())), 240, "the liar's worker to start")

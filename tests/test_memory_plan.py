@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 
@@ -27,7 +28,7 @@ from agora_client.model.memory import (
     usable_bytes,
 )
 from agora_client.system.gpu import GpuSpec
-from agora_client.joining.gpu_fit import GpuRefused, JoinFit, check_capability, fit_stage
+from agora_client.joining.gpu_fit import GpuRefused, HostRefused, JoinFit, check_capability, check_host, fit_stage
 from agora_client.joining.preflight import check_disk, check_gpu, check_host_ram
 from agora_client.worker.optimizer import OffloadAdamW
 
@@ -170,16 +171,40 @@ def test_preflight_applies_the_fit_checks_capability_rule(monkeypatch: pytest.Mo
         assert (result.status, result.reason) == ("pass", "GPU 0 is cuda:0")
 
 
-def test_preflight_needs_come_from_the_plan_of_the_largest_stage(tmp_path: Path) -> None:
+def test_preflight_needs_come_from_the_plan_of_the_smallest_stage(tmp_path: Path) -> None:
+    """Before its stage is assigned, a joiner is refused only if it cannot hold even the smallest stage."""
     run = describe_run(load_config("8b"), (), None, None)
     plans = [plan_stage(run.config, stage) for stage in run.config.model.stage_names]
-    snapshot = max(plan.snapshot for plan in plans)
-    assert snapshot == max(plan.weights + plan.moments for plan in plans) == 12 * max(param_counts(run.config.model).values())
-    assert f"about {human_bytes(2 * snapshot)} needed" in check_disk(run, tmp_path).value
-    on_gpu = snapshot  # a GPU worker reads its snapshot into host memory before moving it
-    assert f"about {human_bytes(on_gpu)} needed" in check_host_ram(run, on_cpu=False).value
-    on_cpu = max(plan.host + plan.gpu_peak for plan in plans)
+    smallest = min(plans, key=lambda plan: plan.snapshot)
+    assert smallest.stage.startswith("body") and smallest.snapshot == 12 * min(param_counts(run.config.model).values())
+    assert f"about {human_bytes(smallest.disk_need)} needed" in check_disk(run, tmp_path).value
+    assert f"about {human_bytes(smallest.host)} needed" in check_host_ram(run, on_cpu=False).value
+    on_cpu = smallest.host + smallest.gpu_peak  # a CPU worker holds the whole stage in host memory
     assert f"about {human_bytes(on_cpu)} needed" in check_host_ram(run, on_cpu=True).value
+
+
+def test_a_16_gb_host_is_admitted_for_a_body_and_refused_for_the_tail_with_the_numbers() -> None:
+    run, host = load_config("8b"), 16 * GB
+    body, tail = plan_stage(run, "body1"), plan_stage(run, "tail")
+    assert body.host < host < tail.host  # 7.1 GiB planned against 21.4 GiB
+    check_host(run, "body1", on_gpu=True, ram_available=host, disk_free=body.disk_need)
+    with pytest.raises(HostRefused) as refused:
+        check_host(run, "tail", on_gpu=True, ram_available=host, disk_free=tail.disk_need)
+    assert f"keeps {tail.host / GIB:.2f} GiB in host memory" in str(refused.value)
+    assert f"has {host / GIB:.2f} GiB available" in str(refused.value)
+    with pytest.raises(HostRefused, match=rf"needs {body.disk_need / GIB:.2f} GiB of disk"):
+        check_host(run, "body1", on_gpu=True, ram_available=host, disk_free=body.disk_need - 1)
+
+
+def test_the_fit_plans_with_the_cards_free_memory_and_an_explicit_capacity() -> None:
+    run = load_config("8b")
+    idle, busy = _card(48), GpuSpec("desktop card", 48 * GIB, (8, 9), memory_free=26 * GIB)
+    assert busy.capacity == 26 * GIB
+    assert fit_stage(run, "body1", busy).largest == largest_microbatch(run, "body1", 26 * GIB) < fit_stage(run, "body1", idle).largest
+    held = idle.limited_to(24 * GIB)  # a 48 GB card held to half by a torch memory fraction is judged as a 24 GB one
+    assert fit_stage(run, "body1", held).largest == fit_stage(run, "body1", _card(24)).largest
+    with pytest.raises(GpuRefused, match=r"48\.00 GiB \(20\.00 GiB free\)"):
+        fit_stage(run, "tail", GpuSpec("desktop card", 48 * GIB, (8, 9), memory_free=20 * GIB))
 
 
 def test_batch_size_override_may_only_lower_the_microbatch() -> None:
@@ -192,10 +217,11 @@ def test_batch_size_override_may_only_lower_the_microbatch() -> None:
             fit_stage(run, "body1", _card(48), override=bad)
 
 
-def test_join_check_refuses_before_the_download_starts() -> None:
+def test_join_check_refuses_before_the_download_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=64 * GB))  # a host that holds any stage
     out = io.StringIO()
     started: list[StageAssignment] = []
-    fit = JoinFit(load_config("8b"), 0, None, EventWriter(out), probe=lambda index: _card(24))
+    fit = JoinFit(load_config("8b"), 0, None, EventWriter(out), disk_dir=tmp_path, probe=lambda index: _card(24))
     start = fit.guard(started.append)
     with pytest.raises(GpuRefused, match="cannot hold stage tail"):
         start(StageAssignment("tail", "http://127.0.0.1:1/snapshot"))
@@ -205,8 +231,8 @@ def test_join_check_refuses_before_the_download_starts() -> None:
     logged = [json.loads(line) for line in out.getvalue().splitlines()]
     assert any(event["kind"] == "log" and "holds stage body1" in event["message"] for event in logged)
     with pytest.raises(GpuRefused, match="compute capability 6.1"):
-        JoinFit(load_config("8b"), 0, None, EventWriter(out), probe=lambda index: _card(24, (6, 1), "GTX 1080"))
-    assert JoinFit(load_config("tiny"), None, None, EventWriter(out)).gpu is None  # a CPU worker: nothing to check
+        JoinFit(load_config("8b"), 0, None, EventWriter(out), disk_dir=tmp_path, probe=lambda index: _card(24, (6, 1), "GTX 1080"))
+    assert JoinFit(load_config("tiny"), None, None, EventWriter(out), disk_dir=tmp_path).gpu is None  # a CPU worker: nothing to check
 
 
 def test_describe_8b_prints_counts_beside_the_documents_and_the_memory_plan(capsys: pytest.CaptureFixture[str]) -> None:

@@ -78,7 +78,7 @@ def test_ctrl_c_during_the_download_stops_within_5s_and_frees_the_slot(tmp_path)
             )
             with AuthServer(AuthService(settings, TokenFileIdentity(token_file), tmp_path / "state")) as auth:
                 client = subprocess.Popen(
-                    [sys.executable, str(ROOT / "agora_cli.py"), "--headless", "--swarm", auth.url,
+                    [sys.executable, str(ROOT / "agora_cli.py"), "--headless", "--cpu", "--swarm", auth.url,
                      "--config-dir", str(tmp_path / "client"), "--host-port", "0"],
                     env={**os.environ, "HF_TOKEN": token, "PYTHONPATH": str(ROOT)},
                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

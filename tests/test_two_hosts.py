@@ -53,7 +53,7 @@ def _runtime(hosts: TwoHosts, name: str, auth_url: str, token: str, config_dir: 
     with hosts.b.entered():  # the contributor lives on host b and knows only the auth URL
         return ManagedProcess(
             name,
-            ["runtime", "--swarm", auth_url, "--config-dir", str(config_dir), "--host-port", str(port),
+            ["runtime", "--cpu", "--swarm", auth_url, "--config-dir", str(config_dir), "--host-port", str(port),
              "--retry-every", str(RETRY_S)],
             log_dir / f"{name}.log",
             env={"HF_TOKEN": token},

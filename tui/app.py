@@ -349,7 +349,9 @@ class AgoraApp(App[int]):
         self._quit(signal.SIGINT)
 
     def _quit(self, stop_signal: int | None) -> None:
-        if self.quitting:
+        if self.quitting:  # asked again while stopping: the runtime exits at once
+            if self.process is not None:
+                self.process.hurry()
             return
         self.quitting = True
         self.tracker.status = "Stopping: finishing the current request and leaving the averaging group..."

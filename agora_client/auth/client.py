@@ -235,9 +235,9 @@ def renew_ticket(swarm_url: str, ticket: str, *, client: httpx.Client | None = N
     return str(reply["ticket"]), float(reply["expires_at"])
 
 
-def leave(swarm_url: str, ticket: str, *, client: httpx.Client | None = None) -> bool:
-    """Free the slot; True if the service still held it."""
-    return bool(_call(swarm_url, "/v1/leave", {"ticket": ticket}, client).get("freed"))
+def leave(swarm_url: str, ticket: str, *, client: httpx.Client | None = None, timeout_s: float = 30.0) -> bool:
+    """Free the slot; True if the service still held it. ``timeout_s`` bounds the call when no client is given."""
+    return bool(_call(swarm_url, "/v1/leave", {"ticket": ticket}, client, timeout_s).get("freed"))
 
 
 def swarm_status(swarm_url: str, *, client: httpx.Client | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
@@ -343,8 +343,10 @@ def _authorization(reply: dict[str, Any], base: str, waited_s: float, dial: Any)
         raise AuthFailed(f"{base} answered an authorization without its fields; is it an Agora auth service of this version?") from None
 
 
-def _call(swarm_url: str, path: str, body: dict[str, Any], client: httpx.Client | None) -> dict[str, Any]:
-    http = client or httpx.Client(timeout=30.0)
+def _call(
+    swarm_url: str, path: str, body: dict[str, Any], client: httpx.Client | None, timeout_s: float = 30.0,
+) -> dict[str, Any]:
+    http = client or httpx.Client(timeout=timeout_s)
     try:
         return _post(http, f"{swarm_url.rstrip('/')}{path}", body)
     except _Unreachable as error:

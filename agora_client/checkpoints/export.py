@@ -1,8 +1,11 @@
-"""`agora export`: a consistent checkpoint set as one Hugging Face model directory.
+"""`agora export`: a consistent checkpoint set as one Hugging Face model directory, streamed stage by stage.
 
-The directory holds config.json (Olmo2ForCausalLM), model.safetensors (dense float32 weights), the
-byte-level tokenizer files and agora_export.json (which checkpoint each stage came from). It is built
-in a temporary sibling directory and renamed into place, so ``--out`` is either complete or absent.
+The directory holds config.json (Olmo2ForCausalLM), the dense weights in safetensors shards (``model.safetensors``,
+or ``model-0000N-of-0000M.safetensors`` plus ``model.safetensors.index.json`` above the shard size), the byte-level
+tokenizer files and agora_export.json (which checkpoint each stage came from). Only each stage's weights file is
+fetched; one stage at a time is loaded, folded into OLMo2 tensors and written, so the host holds at most the
+largest stage plus one shard. The directory is built in a temporary sibling and renamed into place, so ``--out``
+is either complete or absent.
 """
 
 from __future__ import annotations
@@ -15,57 +18,76 @@ import sys
 import tempfile
 from pathlib import Path
 
-from safetensors.torch import save_file
+import torch
 
 from agora_client.config import ModelConfig
-from agora_client.model import StageModule, build_stage
-from agora_client.snapshots import SnapshotError, SnapshotStore, load_stage_snapshot, open_store
+from agora_client.model import StageModule
+from agora_client.snapshots import SnapshotError, SnapshotStore, open_store
 
-from .olmo2 import ExportError, olmo2_config, olmo2_state_dict
+from .olmo2 import ExportError, check_layers, olmo2_config, olmo2_stage_tensors
 from .sets import DEFAULT_STORE, CheckpointError, CheckpointSet, format_time, parse_time, select_set
+from .shards import DEFAULT_MAX_SHARD_BYTES, ShardWriter, parse_size
+from .stage_weights import load_stage_weights
 from .tokenizer import BYTES, write_tokenizer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEFAULT_DTYPE = "fp32"  # lossless: the trained float32 weights as they are; bf16 (half the bytes) is a choice
 
 
 def load_set(store: SnapshotStore, checkpoints: CheckpointSet, cache: Path) -> tuple[ModelConfig, dict[str, StageModule]]:
-    """Every stage of the set rebuilt from its run config and loaded (hashes and shapes verified)."""
+    """Every stage of the set loaded at once, from its weights file (hashes and shapes verified).
+
+    For comparing an export with the stages it came from; the export itself holds one stage at a time."""
     run = checkpoints.run()
     config = ModelConfig.model_validate(run["model"])
-    modules = {}
-    for stage in config.stage_names:
-        module = build_stage(config, stage, seed=run["seed"], seeded_weights=False)  # the checkpoint sets every weight
-        snapshot = checkpoints.members[stage]
-        try:
-            load_stage_snapshot(store.local_dir(snapshot, cache), module, stage=stage)
-        except SnapshotError as error:
-            raise CheckpointError(f"stage {stage}, checkpoint {snapshot.name}: {error}") from None
-        modules[stage] = module.eval()
-    return config, modules
+    return config, {stage: load_stage_weights(store, checkpoints.members[stage], config, run["seed"], cache)
+                    for stage in config.stage_names}
 
 
-def export_set(store: SnapshotStore, checkpoints: CheckpointSet, out: Path) -> Path:
-    """Write the set as a Hugging Face OLMo2 directory at ``out`` (which must not exist yet)."""
+def write_weights(store: SnapshotStore, checkpoints: CheckpointSet, config: ModelConfig, directory: Path,
+                  dtype: torch.dtype, max_shard_bytes: int) -> None:
+    """Each stage in turn: fetch its weights, fold them into OLMo2 tensors in ``dtype``, write them to shards."""
+    seed, cache = checkpoints.run()["seed"], directory / "download"
+    shards = ShardWriter(directory, max_shard_bytes)
+    layers: list[int] = []
+    try:
+        for stage in config.stage_names:
+            module = load_stage_weights(store, checkpoints.members[stage], config, seed, cache)
+            shutil.rmtree(cache, ignore_errors=True)  # a downloaded weights file is read once
+            for name, tensor in olmo2_stage_tensors(config, module, dtype):
+                shards.add(name, tensor)
+            layers += [int(index) for index in module.layers]
+            del module  # before the next stage loads: only the current shard may still hold some of its tensors
+        check_layers(config, layers)
+    except ExportError as error:
+        raise CheckpointError(str(error)) from None
+    shards.finish()
+
+
+def export_set(store: SnapshotStore, checkpoints: CheckpointSet, out: Path, *, dtype: str = DEFAULT_DTYPE,
+               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Write the set as a Hugging Face OLMo2 directory at ``out`` (which must not exist yet), weights in ``dtype``
+    (a key of DTYPES) and in shards of at most ``max_shard_bytes`` (a larger single tensor gets a shard alone)."""
+    if dtype not in DTYPES:
+        raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     out = Path(out)
     if out.exists():
         raise CheckpointError(f"{out} already exists; choose another --out or remove it first")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))  # same file system: rename is atomic
     try:
-        config, modules = load_set(store, checkpoints, staging / "download")
+        config = ModelConfig.model_validate(checkpoints.run()["model"])
         if config.vocab_size < BYTES:
             raise CheckpointError(f"vocab_size {config.vocab_size} cannot hold the byte-level tokenizer's {BYTES} tokens")
-        try:
-            state = olmo2_state_dict(config, modules)
-        except ExportError as error:
-            raise CheckpointError(str(error)) from None
-        shutil.rmtree(staging / "download", ignore_errors=True)
-        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        _write_json(staging / "config.json", olmo2_config(config))
+        write_weights(store, checkpoints, config, staging, DTYPES[dtype], max_shard_bytes)
+        _write_json(staging / "config.json", olmo2_config(config, DTYPES[dtype]))
         _write_json(staging / "generation_config.json", {"do_sample": False})
         write_tokenizer(staging, config.seq_len)
         _write_json(staging / "agora_export.json", {
             "at": format_time(checkpoints.at),
             "run": checkpoints.run(),
             "loss": checkpoints.loss,
+            "dtype": dtype,
             "stages": {stage: {"checkpoint": snapshot.name, "time": format_time(snapshot.timestamp), "epoch": snapshot.epoch}
                        for stage, snapshot in checkpoints.members.items()},
         })
@@ -87,16 +109,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", default=DEFAULT_STORE, help=f"checkpoint store: a directory or s3://bucket/prefix (default {DEFAULT_STORE})")
     parser.add_argument("--at", default=None, help="time T (ISO 8601 UTC or unix seconds); default: the newest set")
     parser.add_argument("--out", type=Path, required=True, help="new directory for the Hugging Face model")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=DEFAULT_DTYPE,
+                        help=f"weight dtype (default {DEFAULT_DTYPE}: the trained float32 weights unchanged, which bf16 "
+                             "cannot give back; bf16 halves the files and the memory to serve them)")
+    parser.add_argument("--max-shard-size", type=_size, default=DEFAULT_MAX_SHARD_BYTES, metavar="SIZE",
+                        help="largest safetensors shard, e.g. 5GB (the default, as transformers) or 500MB")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         store = open_store(args.store)
         checkpoints = select_set(store, None if args.at is None else parse_time(args.at))
-        out = export_set(store, checkpoints, args.out)
+        out = export_set(store, checkpoints, args.out, dtype=args.dtype, max_shard_bytes=args.max_shard_size)
     except (CheckpointError, SnapshotError) as error:
         print(f"[ERROR] {error}", file=sys.stderr)
         return 2
     stages = ", ".join(f"{stage} {format_time(snapshot.timestamp)}" for stage, snapshot in checkpoints.members.items())
-    print(f"[EXPORT] {out}: Olmo2ForCausalLM from the set at {format_time(checkpoints.at)} ({stages})")
+    shards = len(list(out.glob("model*.safetensors")))
+    print(f"[EXPORT] {out}: Olmo2ForCausalLM in {args.dtype}, {shards} shard(s), from the set at {format_time(checkpoints.at)} ({stages})")
     return 0

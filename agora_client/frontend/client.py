@@ -59,7 +59,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-format", choices=("text", "json"), default="text", help="headless output format")
     parser.add_argument("--swarm", metavar="URL", help="auth service of the swarm to join")
     parser.add_argument("--monitor", metavar="URL", help="points monitor of the swarm, for confirmed points")
-    parser.add_argument("--gpu", metavar="N", type=int, help="GPU to contribute (NVML index)")
+    device = parser.add_mutually_exclusive_group()
+    device.add_argument("--gpu", metavar="N", type=int, help="GPU to contribute (NVML index)")
+    device.add_argument("--cpu", action="store_true", help="run the worker on the CPU: the demo and tests only")
     parser.add_argument("--reconfigure", action="store_true", help="ask for the token, swarm and GPU again")
     parser.add_argument("--config-dir", type=Path, help="client config dir (default: $XDG_CONFIG_HOME/agora)")
     parser.add_argument("--host-port", type=int, help="TCP port peers reach the worker on (default: 49200 + GPU number)")
@@ -77,7 +79,7 @@ def _command(args: argparse.Namespace, token: str, swarm: str, gpu: int | None, 
     if args.runtime_cmd:
         return ChildCommand(tuple(shlex.split(args.runtime_cmd)), {"HF_TOKEN": token, "PYTHONUNBUFFERED": "1"})
     return runtime_command(
-        token=token, swarm=swarm, gpu=gpu, config_dir=config_dir, monitor=args.monitor,
+        token=token, swarm=swarm, gpu=gpu, cpu=args.cpu, config_dir=config_dir, monitor=args.monitor,
         host_port=args.host_port, announce_addr=args.announce_addr, retry_every=args.retry_every,
     )
 
@@ -87,7 +89,7 @@ def prepare(args: argparse.Namespace) -> ClientSession | int:
     config_dir = args.config_dir or default_config_dir()
     try:
         client = resolve_client(
-            config_dir, reconfigure=args.reconfigure, swarm=args.swarm, gpu=args.gpu,
+            config_dir, reconfigure=args.reconfigure, swarm=args.swarm, gpu=args.gpu, use_gpu=not args.cpu,
             prompts=Prompts(interactive=sys.stdin.isatty()), need_swarm=not args.runtime_cmd,
         )
     except ClientConfigError as error:

@@ -91,10 +91,12 @@ class _HeadlessRun:
         self.rejected = False  # the swarm turned the join away
 
     def request_stop(self, signum: int) -> None:
-        """A signal handler: the first signal prints why the worker stops; every one asks it to."""
+        """A signal handler: the first signal prints why the worker stops and asks it to; a second one hurries it."""
         if self.stop_signal is None:
             self.stop_signal = signum
             self.printer.stop_requested(STOPPING[signum])
+        else:
+            self.process.hurry()
         self.stop_requested.set()
 
     async def start(self, program: str) -> bool:

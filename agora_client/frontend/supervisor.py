@@ -1,8 +1,9 @@
 """The worker runtime as a child process: started in its own session, read line by line,
 stopped gracefully, and never left behind.
 
-Stopping: SIGINT to the child (the runtime finishes the current request, leaves its averaging
-group and frees its slot), then SIGTERM, then SIGKILL to its whole group, each after a bounded
+Stopping: SIGINT to the child (the runtime frees its slot, leaves the roster and its averaging group,
+then finishes the current request and stops, within RUNTIME_STOP_S at any stage size), then SIGTERM
+(its second stop signal: it exits at once), then SIGKILL to its whole group, each after a bounded
 wait. Only the child itself is interrupted: its helper processes must stay up while it shuts them
 down in order (they die with it if it is killed). Whatever
 is left in the group after the child exits (p2pd, say) is terminated the same way.
@@ -26,8 +27,9 @@ import agora_client
 
 Stream = Literal["stdout", "stderr", "oversize"]
 LINE_LIMIT = 1 << 20  # a longer stdout line is reported as malformed, not buffered
-INTERRUPT_TIMEOUT_S = 15.0  # time to finish the current request and leave the averaging group
-TERMINATE_TIMEOUT_S = 5.0
+RUNTIME_STOP_S = 10.0  # what the runtime promises for a graceful stop (the slot is free within its first seconds)
+INTERRUPT_TIMEOUT_S = RUNTIME_STOP_S
+TERMINATE_TIMEOUT_S = 3.0  # a second stop signal makes the runtime exit at once: only a hung process needs longer
 GROUP_LEFTOVER_TIMEOUT_S = 3.0
 _POLL_S = 0.05
 _EXIT_POLL_S = 0.25  # while reading: how often to look whether the child itself has exited
@@ -54,13 +56,14 @@ def runtime_command(
     token: str,
     swarm: str | None = None,
     gpu: int | None = None,
+    cpu: bool = False,
     config_dir: Path | None = None,
     monitor: str | None = None,
     host_port: int | None = None,
     announce_addr: str | None = None,
     retry_every: float | None = None,
 ) -> ChildCommand:
-    """The real runtime: ``agora runtime [--swarm URL] [--gpu N] [--config-dir D] [--monitor URL] [--host-port P]
+    """The real runtime: ``agora runtime [--swarm URL] [--gpu N | --cpu] [--config-dir D] [--monitor URL] [--host-port P]
     [--announce-addr HOST:PORT] [--retry-every S]``, token in HF_TOKEN."""
     root = str(Path(agora_client.__file__).resolve().parent.parent)
     argv = [sys.executable, "-c", _BOOTSTRAP.format(root=root), "runtime"]
@@ -68,6 +71,8 @@ def runtime_command(
         argv += ["--swarm", swarm]
     if gpu is not None:
         argv += ["--gpu", str(gpu)]
+    if cpu:
+        argv += ["--cpu"]
     if config_dir is not None:
         argv += ["--config-dir", str(config_dir)]
     if monitor:
@@ -241,6 +246,11 @@ class RuntimeProcess:
         """Last resort when no event loop is left to wait in: SIGKILL the whole group now."""
         if self._process is not None:
             self._signal_group(signal.SIGKILL)
+
+    def hurry(self) -> None:
+        """A second stop request: give the runtime its second stop signal now (it exits at once)."""
+        if self.running and self.stop_requested:
+            self._signal_child(signal.SIGTERM)
 
     def retry_now(self) -> None:
         """Ask the runtime to retry its join at once (it waits between attempts while unreachable)."""

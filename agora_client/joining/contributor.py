@@ -53,6 +53,7 @@ METRICS_EVERY = 15.0
 RENEW_MARGIN = 300.0  # renew the ticket this many seconds before it expires
 DESCRIPTION_EVERY = 60.0  # re-read the run description this often: a changed hash stops the worker
 LISTEN_HOST = "0.0.0.0"  # other peers (and the auth service's dial-back) must reach the worker
+LEAVE_TIMEOUT_S = 3.0  # a stop is done within 10 s: an auth service that does not answer by then lets the ticket expire
 
 
 class PreflightFailed(RuntimeError):
@@ -79,7 +80,7 @@ class ContributorOptions:
 
     @property
     def snapshot_dir(self) -> Path:
-        """Downloaded and own snapshots of this GPU's runtime (each GPU's runtime downloads on its own)."""
+        """Downloaded snapshots of this GPU's runtime (each GPU's runtime downloads on its own)."""
         return self.config_dir / "snapshots" / self.device_name
 
 
@@ -102,7 +103,7 @@ class _Staging:
 
     @property
     def gpu_memory(self) -> int | None:
-        return self.fit.gpu.memory_total if self.fit.gpu is not None else None
+        return self.fit.gpu.capacity if self.fit.gpu is not None else None
 
 
 class Contributor:
@@ -158,7 +159,8 @@ class Contributor:
         options = self.options
         config = options.run.config
         preparation = StagePreparation(config, options.device, options.snapshot_dir, self.events)
-        fit = JoinFit(config, _cuda_index(options.device), options.batch_size_override, self.events)  # refuses unfit GPUs
+        fit = JoinFit(config, _cuda_index(options.device), options.batch_size_override, self.events,
+                      disk_dir=options.config_dir)  # refuses unfit GPUs and hosts
         return _Staging(preparation=preparation, fit=fit, prepare=fit.guard(preparation.start))
 
     def _prepared_stage(self, auth: Authorization, staging: _Staging) -> tuple[Path | None, PreparedStage] | None:
@@ -189,7 +191,6 @@ class Contributor:
                 joining=True,
                 snapshot=snapshot,
                 prepared=built,
-                exit_snapshot_dir=options.snapshot_dir / "own",
                 max_batch_size=fit.max_batch_size,
                 dht_kwargs=identity.dht_kwargs,
                 auth_public_key=auth.public_key,
@@ -334,16 +335,22 @@ class Contributor:
         return download_snapshot(url, self.options.snapshot_dir, events=self.events)
 
     def close(self) -> None:
-        """Leave gracefully: finish the current request, leave the stage, free the slot."""
+        """Leave fast at any stage size: the slot, then (in the worker's shutdown) the roster and the averaging
+        group, and only then what takes longer at a large stage (the server, finishing the requests in flight)."""
+        self._free_slot()  # first: an averaging round in flight may hold the worker's shutdown up to its bound
         if self.node is not None:
             self.node.shutdown()
         if self._dht is not None:  # stopped before the node took it over
             self._dht.shutdown()
-        if self.auth is not None:
-            try:
-                leave(self.options.swarm_url, self.auth.ticket)
-            except Exception as error:  # the slot expires with its ticket anyway
-                self.events.log(f"could not release the slot: {error}", tag="WARNING", level="warning")
+
+    def _free_slot(self) -> None:
+        """Give the slot back to the auth service; a failure only warns."""
+        if self.auth is None:
+            return
+        try:
+            leave(self.options.swarm_url, self.auth.ticket, timeout_s=LEAVE_TIMEOUT_S)
+        except Exception as error:  # the slot expires with its ticket anyway
+            self.events.log(f"could not release the slot: {error}", tag="WARNING", level="warning")
 
 
 def _maddr(announce_addr: str) -> str:

@@ -1,13 +1,19 @@
-"""Join-time check, before any download: can the chosen GPU hold the assigned stage, and how many sequences per pass?
+"""Join-time check, before any download: can this machine hold the assigned stage, and how many sequences per pass?
 
 The decision comes from the stage's memory plan (agora_client/model/memory.py), the same numbers
-``agora describe`` prints. ``--batch-size-override N`` may only lower the microbatch the plan allows.
+``agora describe`` prints: the GPU's free memory (NVML) against the stage's peak, the host's available RAM
+and the config dir's free disk against what the stage keeps there. ``--batch-size-override N`` may only
+lower the microbatch the plan allows.
 """
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
+
+import psutil
 
 from agora_client.auth.client import StageAssignment
 from agora_client.config import RunConfig
@@ -18,8 +24,16 @@ from agora_client.system.gpu import GpuSpec, probe_cuda_device
 MIN_CAPABILITY = (8, 0)
 
 
-class GpuRefused(RuntimeError):
-    """This GPU cannot serve the run; the message says why, with the numbers, and what to do."""
+class StageRefused(RuntimeError):
+    """This machine cannot serve the run or its assigned stage; the message says why, with the numbers, and what to do."""
+
+
+class GpuRefused(StageRefused):
+    """The GPU is too old or too small."""
+
+
+class HostRefused(StageRefused):
+    """The host has too little free RAM or disk for the assigned stage."""
 
 
 def check_capability(gpu: GpuSpec) -> None:
@@ -41,14 +55,15 @@ class FitDecision:
 
 def fit_stage(run: RunConfig, stage: str, gpu: GpuSpec, *, override: int | None = None) -> FitDecision:
     check_capability(gpu)
-    largest = largest_microbatch(run, stage, gpu.memory_total)
+    largest = largest_microbatch(run, stage, gpu.capacity)
     if largest < 1:
         plan = plan_stage(run, stage, 1)
         raise GpuRefused(
             f"{gpu.name} cannot hold stage {stage}: one sequence of {run.model.seq_len} tokens needs "
             f"{gib(plan.gpu_peak)} of GPU memory (weights {gib(plan.weights)}, gradients {gib(plan.gradients)}, "
             f"saved activations {gib(plan.saved_activations)}, backward {gib(plan.backward_transient)}), and the card has "
-            f"{gib(gpu.memory_total)}, {gib(usable_bytes(gpu.memory_total))} usable after {gib(CUDA_RESERVED_BYTES)} "
+            f"{gib(gpu.memory_total)} ({gib(gpu.capacity)} free), {gib(usable_bytes(gpu.capacity))} usable after "
+            f"{gib(CUDA_RESERVED_BYTES)} "
             "for CUDA itself. "
             "Use a GPU with more memory."
         )
@@ -61,13 +76,33 @@ def fit_stage(run: RunConfig, stage: str, gpu: GpuSpec, *, override: int | None 
     if chosen < run.optim.microbatch_size:
         raise GpuRefused(
             f"the run sends {run.optim.microbatch_size} sequences per request, but this worker would take at most "
-            f"{chosen} on stage {stage} ({gpu.name}, {gib(gpu.memory_total)}); use a larger GPU or drop the override"
+            f"{chosen} on stage {stage} ({gpu.name}, {gib(gpu.capacity)} free); use a larger GPU or drop the override"
         )
     return FitDecision(chosen, largest, plan_stage(run, stage, chosen))
 
 
+def check_host(run: RunConfig, stage: str, *, on_gpu: bool, ram_available: int, disk_free: int) -> None:
+    """Refuse a stage whose host RAM or disk needs (from its memory plan) exceed what this machine has free."""
+    plan = plan_stage(run, stage)
+    ram = plan.host_need(on_gpu)
+    if ram_available < ram:
+        kept = "AdamW's moments and SPARTA's buffers" if on_gpu else "the whole stage (a CPU worker)"
+        raise HostRefused(
+            f"stage {stage} keeps {gib(ram)} in host memory ({kept}); this machine has {gib(ram_available)} available. "
+            "Close other programs or use a machine with more RAM."
+        )
+    if disk_free < plan.disk_need:
+        raise HostRefused(
+            f"stage {stage} needs {gib(plan.disk_need)} of disk (its {gib(plan.snapshot)} snapshot and room for the "
+            f"next one); the config dir has {gib(disk_free)} free. Free space or pass another --config-dir."
+        )
+
+
 class JoinFit:
-    """The contributor's check: capability as soon as it starts, the stage's fit once the stage is assigned."""
+    """The contributor's check: capability as soon as it starts, the stage's fit once the stage is assigned.
+
+    :param capacity: judge the GPU as a card of this many bytes (a larger card held to a torch memory fraction)
+    """
 
     def __init__(
         self,
@@ -75,21 +110,29 @@ class JoinFit:
         gpu_index: int | None,
         override: int | None,
         events: EventWriter,
+        *,
+        disk_dir: Path,
+        capacity: int | None = None,
         probe: Callable[[int], GpuSpec | None] = probe_cuda_device,
     ):
-        self.run, self.override, self.events = run, override, events
+        self.run, self.override, self.events, self.disk_dir = run, override, events, Path(disk_dir)
         self.gpu = probe(gpu_index) if gpu_index is not None else None  # None: a CPU worker, nothing to check
+        if self.gpu is not None and capacity is not None:
+            self.gpu = self.gpu.limited_to(capacity)
         if self.gpu is not None:
             check_capability(self.gpu)
         self.max_batch_size: int | None = None  # set by check(); None keeps the worker's default
 
     def check(self, stage: str) -> None:
+        self.disk_dir.mkdir(parents=True, exist_ok=True)
+        check_host(self.run, stage, on_gpu=self.gpu is not None, ram_available=psutil.virtual_memory().available,
+                   disk_free=shutil.disk_usage(self.disk_dir).free)
         if self.gpu is None:
             return
         decision = fit_stage(self.run, stage, self.gpu, override=self.override)
         self.max_batch_size = decision.microbatch
         self.events.log(
-            f"{self.gpu.name} ({gib(self.gpu.memory_total)}) holds stage {stage}: up to {decision.largest} sequences "
+            f"{self.gpu.name} ({gib(self.gpu.capacity)} free) holds stage {stage}: up to {decision.largest} sequences "
             f"per pass, taking {decision.microbatch} (planned peak {gib(decision.plan.gpu_peak)}, "
             f"host {gib(decision.plan.host)})",
             tag="GPU",

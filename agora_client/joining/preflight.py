@@ -3,8 +3,9 @@
 Each check returns a ``PreflightEvent`` (pass / warn / fail, the measured value, the reason). The
 runtime emits them before it asks for a slot; the app shows them and ``--headless`` prints them as
 ``[PREFLIGHT]`` lines. Reachability is checked by the auth service during the join (``reachability_result``).
-Memory and disk needs come from the stages' memory plan (agora_client/model/memory.py), allocating nothing;
-the GPU must pass the fit check's capability rule (agora_client/joining/gpu_fit.py).
+Memory and disk needs come from the smallest stage's memory plan (agora_client/model/memory.py), allocating
+nothing: the stage is assigned later, and then checked itself; the GPU must pass the fit check's capability rule
+(agora_client/joining/gpu_fit.py).
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ SLOW_SEED_RTT_S = 0.25
 _TCP_MADDR = re.compile(r"^/(ip4|ip6|dns4|dns6|dns)/([^/]+)/tcp/(\d+)")
 
 
-def _largest_need(run: RunDescription, need: Callable[[StagePlan], int]) -> int:
-    """The joiner does not know its stage before authorizing: plan for the largest."""
-    return max(need(plan_stage(run.config, stage)) for stage in run.config.model.stage_names)
+def _smallest_plan(run: RunDescription) -> StagePlan:
+    """The joiner does not know its stage before authorizing: a machine that cannot hold even the smallest stage
+    is refused now; the assigned stage is checked once known (agora_client/joining/gpu_fit.py)."""
+    return min((plan_stage(run.config, stage) for stage in run.config.model.stage_names), key=lambda plan: plan.snapshot)
 
 
 def check_gpu(device: str, note: str) -> PreflightEvent:
@@ -52,20 +54,22 @@ def check_gpu(device: str, note: str) -> PreflightEvent:
 
 
 def check_host_ram(run: RunDescription, on_cpu: bool) -> PreflightEvent:
-    # a CPU worker holds the whole stage in host memory; a GPU worker reads its snapshot there before moving it
-    need = _largest_need(run, lambda plan: plan.host + plan.gpu_peak if on_cpu else plan.snapshot)
+    plan = _smallest_plan(run)
+    need = plan.host_need(on_gpu=not on_cpu)
     available = psutil.virtual_memory().available
     return _headroom("host_ram", available, need, f"{human(available)} available, about {human(need)} needed",
-                     fail="not enough free RAM for the largest stage: close other programs or use a larger machine",
+                     fail=f"not enough free RAM even for the smallest stage ({plan.stage}): close other programs or "
+                          "use a larger machine",
                      warn="little headroom beyond the stage itself")
 
 
 def check_disk(run: RunDescription, directory: Path) -> PreflightEvent:
-    need = 2 * _largest_need(run, lambda plan: plan.snapshot)  # the downloaded snapshot and our own exit snapshot
+    plan = _smallest_plan(run)
     directory.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(directory).free
-    return _headroom("disk", free, need, f"{human(free)} free in {directory}, about {human(need)} needed",
-                     fail="not enough disk for the stage snapshots: free space or pass another --config-dir",
+    return _headroom("disk", free, plan.disk_need, f"{human(free)} free in {directory}, about {human(plan.disk_need)} needed",
+                     fail=f"not enough disk even for the smallest stage's snapshots ({plan.stage}): free space or "
+                          "pass another --config-dir",
                      warn="little room left beyond the snapshots")
 
 

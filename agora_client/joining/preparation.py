@@ -3,7 +3,8 @@
 Both start as soon as the stage is known, possibly deep in the join queue, and run side by side in
 daemon threads, so the worker's start after admission is only loading the snapshot into a stage
 that already exists. The threads end with the process if the contributor stops first; a partial
-download is resumed next time.
+download is resumed next time. Once the assigned stage's snapshot is downloaded, every other download
+(earlier joins, recoveries, a stage assigned before this one) is removed.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Callable
 from agora_client.auth.client import StageAssignment
 from agora_client.config import RunConfig
 from agora_client.events import EventWriter
-from agora_client.snapshots import download_snapshot
+from agora_client.snapshots import download_snapshot, remove_other_downloads
 from agora_client.worker.prepared_stage import PreparedStage, prepare_stage
 
 POLL_SECONDS = 0.2  # how soon a wait notices the stop event
@@ -86,6 +87,7 @@ class StagePreparation:
             if not self._download.finished(stop):
                 return None
             snapshot = self._download.outcome()
+            remove_other_downloads(snapshot)  # here, not in the download thread: a dropped thread must not remove this one
         if not self._build.finished(stop):
             return None
         return snapshot, self._build.outcome()

@@ -68,6 +68,16 @@ class StagePlan:
         """A snapshot of the stage: its fp32 weights and AdamW's two moments (the basis U is rebuilt, not stored)."""
         return self.weights + self.moments
 
+    def host_need(self, on_gpu: bool) -> int:
+        """Host memory a worker of this stage needs: a GPU worker's offloaded moments and averaging buffers
+        (snapshots load tensor by tensor); a CPU worker holds the whole stage there."""
+        return self.host if on_gpu else self.host + self.gpu_peak
+
+    @property
+    def disk_need(self) -> int:
+        """Disk a worker of this stage needs: the snapshot in use, and room to fetch the next one beside it."""
+        return 2 * self.snapshot
+
     def to_dict(self) -> dict:
         return {**asdict(self), "gpu_resident": self.gpu_resident, "gpu_peak": self.gpu_peak, "host": self.host}
 

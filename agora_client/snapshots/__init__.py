@@ -1,7 +1,7 @@
 """Stage snapshots: the on-disk format, where they are stored (local directory or S3), a Range-capable
 HTTP file server, and the resumable download."""
 
-from .download import DownloadError, download_snapshot
+from .download import DownloadError, download_snapshot, remove_other_downloads
 from .format import (
     SnapshotError,
     SnapshotInfo,
@@ -16,5 +16,5 @@ from .store import KeepPolicy, LocalStore, SnapshotStore, StoredSnapshot, keep_n
 __all__ = [
     "DownloadError", "KeepPolicy", "LocalStore", "RangeRequestHandler", "SnapshotError", "SnapshotInfo", "SnapshotServer",
     "SnapshotStore", "StoredSnapshot", "download_snapshot", "keep_newest", "latest_snapshot", "load_stage_snapshot",
-    "open_store", "read_manifest", "save_stage_snapshot", "serve_directory",
+    "open_store", "read_manifest", "remove_other_downloads", "save_stage_snapshot", "serve_directory",
 ]

@@ -10,7 +10,9 @@ or it is downloaded again from scratch.
 At line rate: the sha256 is computed while the bytes stream in, on a thread of its own (hashlib releases
 the GIL, so hashing overlaps receiving; a resumed file hashes only what is already on disk, once), each
 network block goes straight to the file without a copy, and nothing is read back after the transfer.
-No fsync: a file torn by a crash fails its hash when it is next used.
+Files are fsynced once, when the whole snapshot is verified: the directory's download mark
+(``download_marks.py``) then says so, and the load trusts those files instead of hashing them again.
+``remove_other_downloads`` keeps the disk to the snapshot in use.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import hashlib
 import json
 import os
 import queue
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -29,7 +32,8 @@ import httpx
 
 from agora_client.events import DownloadEvent, EventWriter
 
-from .format import MANIFEST_FILE, SnapshotError, check_manifest, file_sha256, snapshot_name
+from .download_marks import is_download, mark_started, mark_verified
+from .format import MANIFEST_FILE, SnapshotError, check_manifest, file_sha256, snapshot_name, snapshot_time
 
 _HASH_BLOCK = 8 << 20  # reading back what a previous run left in a .part file
 
@@ -69,6 +73,7 @@ def download_snapshot(
         manifest, manifest_url = _fetch_manifest(http, url, max_retries, backoff_s)
         target = Path(dest_dir) / manifest["stage"] / snapshot_name(manifest["epoch"], manifest["timestamp"])
         target.mkdir(parents=True, exist_ok=True)
+        mark_started(target)
         progress = _Progress(events, sum(entry["size"] for entry in manifest["files"].values()), progress_every_s)
         for name, entry in manifest["files"].items():
             file_url = entry.get("url") or urljoin(manifest_url, name)
@@ -76,6 +81,7 @@ def download_snapshot(
             fetcher.run(max_retries, backoff_s, max_corrupt_retries)
         local = {**manifest, "files": {name: {"sha256": e["sha256"], "size": e["size"]} for name, e in manifest["files"].items()}}
         _write_json(target / MANIFEST_FILE, local)  # without per-file URLs: presigned signatures stay off disk
+        mark_verified(target, MANIFEST_FILE, list(manifest["files"]))
         progress.done(f"snapshot of {manifest['stage']} at epoch {manifest['epoch']} ready in {target}")
         return target
     except DownloadError as error:
@@ -84,6 +90,27 @@ def download_snapshot(
     finally:
         if own_client:
             http.close()
+
+
+def remove_other_downloads(in_use: Path) -> list[Path]:
+    """Remove every snapshot directory downloaded beside ``in_use`` (complete or partial), keeping ``in_use``;
+    return the removed ones. Only directories a download of ours made are touched (they carry its mark and a
+    snapshot's name, under ``<download root>/<stage>/``); nothing at all when ``in_use`` is not one of them.
+    Best effort, never raising: what cannot be removed or read is left (the next call tries again)."""
+    in_use = Path(in_use).resolve()
+    removed: list[Path] = []
+    try:
+        if not is_download(in_use):
+            return removed
+        for directory in sorted(in_use.parent.parent.glob("*/*")):
+            if directory == in_use or directory.is_symlink() or not directory.is_dir():
+                continue
+            if snapshot_time(directory.name) is not None and is_download(directory):
+                shutil.rmtree(directory, ignore_errors=True)  # a stale download thread may still write into it
+                removed.append(directory)
+    except OSError:
+        pass  # an unreadable download root: nothing more to remove safely
+    return removed
 
 
 class _Progress:

@@ -12,7 +12,8 @@ Layout under a snapshot root::
 
 The manifest is written last; ``store.py`` makes a snapshot appear only complete (a renamed
 directory, or for S3 the manifest uploaded after the files) and replaces ``latest.json`` after it.
-Readers verify every hash and shape before touching the module or the optimizer.
+Readers verify every hash (but trust files a download verified as they streamed in: ``download_marks.py``)
+and every name and shape before touching the module or the optimizer, then stream the files tensor by tensor.
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
+
+from .download_marks import verified_by_download
+from .errors import SnapshotError
+from .tensor_file import TensorFile
 
 FORMAT = "agora-stage-snapshot"
 FORMAT_VERSION = 1
@@ -40,10 +44,6 @@ MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest.json"
 _SNAPSHOT_NAME = re.compile(r"^\d{8,}-\d{8}T\d{6}\.\d{6}Z$")
 _HASH_BLOCK = 1 << 20
-
-
-class SnapshotError(Exception):
-    """A snapshot that cannot be written or used; the message names the file and the mismatch."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,23 @@ def snapshot_time(name: str) -> float | None:
     return moment.timestamp()
 
 
+@dataclass(frozen=True)
+class StageState:
+    """A stage's tensors as a snapshot holds them: the module's state_dict, the optimizer's flattened state
+    (keys "state.<param index>.<name>") and its description for the manifest."""
+
+    params: dict[str, torch.Tensor]
+    optimizer: dict[str, torch.Tensor]
+    optimizer_meta: dict[str, Any]
+
+
+def live_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> StageState:
+    """The stage's tensors where they live, not copied: read them (or copy them) under the stage lock."""
+    params = {key: value.detach() for key, value in module.state_dict().items()}
+    tensors, meta = _flatten_optimizer(module, optimizer)
+    return StageState(params, tensors, meta)
+
+
 def write_snapshot_files(
     directory: Path,
     stage: str,
@@ -90,12 +107,25 @@ def write_snapshot_files(
     Call it outside averaging rounds so parameters and optimizer state belong to the same step.
     ``extra`` adds JSON sections to the manifest (training statistics, the run config).
     """
+    live = live_state(module, optimizer)
+    state = StageState(_cpu_tensors(live.params), _cpu_tensors(live.optimizer), live.optimizer_meta)
+    return write_state_files(directory, stage, state, epoch, timestamp=timestamp, extra=extra)
+
+
+def write_state_files(
+    directory: Path,
+    stage: str,
+    state: StageState,
+    epoch: int,
+    *,
+    timestamp: float | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``write_snapshot_files`` from a state already taken: contiguous CPU tensors that share no storage."""
     timestamp = time.time() if timestamp is None else timestamp
     directory = Path(directory)
-    params = _cpu_tensors(module.state_dict())
-    optimizer_tensors, optimizer_meta = _flatten_optimizer(module, optimizer)
-    save_file(params, str(directory / PARAMS_FILE))
-    save_file(optimizer_tensors, str(directory / OPTIMIZER_FILE))
+    save_file(state.params, str(directory / PARAMS_FILE))
+    save_file(state.optimizer, str(directory / OPTIMIZER_FILE))
     files = {}
     for file_name in (PARAMS_FILE, OPTIMIZER_FILE):
         path = directory / file_name
@@ -110,8 +140,8 @@ def write_snapshot_files(
         "timestamp": timestamp,
         "created": datetime.fromtimestamp(timestamp, tz=timezone.utc).isoformat(),
         "files": files,
-        "params": {key: list(tensor.shape) for key, tensor in params.items()},
-        "optimizer": optimizer_meta,
+        "params": {key: list(tensor.shape) for key, tensor in state.params.items()},
+        "optimizer": state.optimizer_meta,
     }
     write_json(directory / MANIFEST_FILE, manifest)
     fsync_dir(directory)
@@ -123,24 +153,29 @@ def load_stage_snapshot(
 ) -> SnapshotInfo:
     """Verify the snapshot in ``directory`` against its manifest, then load it into module (and optimizer).
 
-    Nothing is modified unless every file's hash and every tensor's shape match; otherwise SnapshotError.
+    Nothing is modified unless every file's hash (skipped for files its download verified) and every tensor's
+    name and shape match; otherwise SnapshotError. The files are then read one tensor at a time, each copied
+    straight into the module's tensor or the optimizer's state, so a load holds at most one tensor of the files
+    beyond the stage itself. A file that fails to read midway leaves the stage partly loaded (SnapshotError).
     """
     directory = Path(directory)
     manifest = read_manifest(directory / MANIFEST_FILE)
     if stage is not None and manifest["stage"] != stage:
         raise SnapshotError(f"{directory} is a snapshot of stage {manifest['stage']}, not {stage}; download the {stage} snapshot")
-    verify_files(directory, manifest)
-    params = _load_tensors(directory / PARAMS_FILE)
-    _check_against(params, module.state_dict(), f"{directory / PARAMS_FILE}")
-    optimizer_state = None
+    if not verified_by_download(directory, MANIFEST_FILE, manifest["files"]):
+        verify_files(directory, manifest)
+    params = TensorFile(directory / PARAMS_FILE)
+    targets = module.state_dict()
+    params.check_fits(targets)
+    optimizer_load = None
     if optimizer is not None:
         if OPTIMIZER_FILE not in manifest["files"]:
             raise SnapshotError(f"{directory} holds no optimizer state")
-        optimizer_state = _unflatten_optimizer(_load_tensors(directory / OPTIMIZER_FILE), manifest.get("optimizer"), module, optimizer, directory)
-    with torch.no_grad():
-        module.load_state_dict(params, strict=True)
-    if optimizer_state is not None:
-        optimizer.load_state_dict(optimizer_state)
+        optimizer_load = _OptimizerLoad(TensorFile(directory / OPTIMIZER_FILE), manifest.get("optimizer"), module, optimizer)
+    params.load_into(targets)
+    if optimizer_load is not None:
+        with torch.no_grad():
+            optimizer_load.apply()
     return SnapshotInfo(epoch=manifest["epoch"], timestamp=manifest["timestamp"], stage=manifest["stage"], directory=directory)
 
 
@@ -232,6 +267,7 @@ def _cpu_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _flatten_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The optimizer's tensors where they live (numbers become new 0-d CPU tensors) and its manifest section."""
     state_dict = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, str] = {}
@@ -239,7 +275,7 @@ def _flatten_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer) -> t
         for name, value in entries.items():
             key = f"state.{index}.{name}"
             if isinstance(value, torch.Tensor):
-                tensors[key] = value
+                tensors[key] = value.detach()
             elif isinstance(value, (bool, int, float)):
                 # A Python scalar becomes a 0-d tensor; its type is remembered to restore it exactly.
                 scalars[key] = type(value).__name__
@@ -262,72 +298,69 @@ def _flatten_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer) -> t
         "param_names": parameter_names,
         "scalars": scalars,
     }
-    return _cpu_tensors(tensors), meta
+    return tensors, meta
 
 
-def _unflatten_optimizer(
-    tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None, module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path
-) -> dict[str, Any]:
-    where = directory / OPTIMIZER_FILE
-    if meta is None or meta["class"] != type(optimizer).__name__:
-        saved = meta["class"] if meta else "no"
-        raise SnapshotError(f"{where} holds {saved} state but this stage uses {type(optimizer).__name__}")
-    names = {id(parameter): name for name, parameter in module.named_parameters()}
-    current_names = [[names.get(id(parameter)) for parameter in group["params"]] for group in optimizer.param_groups]
-    if meta["param_names"] != current_names:
-        raise SnapshotError(f"{where} was saved for other parameters (names or order differ); it belongs to another model config")
-    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
-    state: dict[int, dict[str, Any]] = {}
-    for key, tensor in tensors.items():
+class _OptimizerLoad:
+    """An optimizer file checked against the optimizer (names, shapes, groups: before anything is modified),
+    then streamed into the optimizer's own state tensors by ``apply``."""
+
+    def __init__(self, source: TensorFile, meta: dict[str, Any] | None, module: nn.Module, optimizer: torch.optim.Optimizer):
+        self.source, self.optimizer, where = source, optimizer, source.path
+        if meta is None or meta["class"] != type(optimizer).__name__:
+            saved = meta["class"] if meta else "no"
+            raise SnapshotError(f"{where} holds {saved} state but this stage uses {type(optimizer).__name__}")
+        names = {id(parameter): name for name, parameter in module.named_parameters()}
+        current_names = [[names.get(id(parameter)) for parameter in group["params"]] for group in optimizer.param_groups]
+        if meta["param_names"] != current_names:
+            raise SnapshotError(f"{where} was saved for other parameters (names or order differ); it belongs to another model config")
+        self.parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+        self.tensors: dict[str, tuple[int, str]] = {}  # file key -> (parameter index, state name)
+        self.state: dict[int, dict[str, Any]] = {}
+        flat_names = _flat(current_names)
+        for key, (shape, dtype) in source.entries.items():
+            index, name = self._place(key, shape, flat_names)
+            if key in meta["scalars"]:
+                value: Any = {"bool": bool, "int": int, "float": float}[meta["scalars"][key]](source.value(key))
+            else:
+                # Zero bytes however large: the optimizer allocates the real tensor where it keeps its state.
+                value = torch.zeros((), dtype=dtype).expand(shape)
+                self.tensors[key] = (index, name)
+            self.state.setdefault(index, {})[name] = value
+        if len(meta["param_groups"]) != len(optimizer.param_groups):
+            raise SnapshotError(f"{where} has {len(meta['param_groups'])} parameter groups, this optimizer {len(optimizer.param_groups)}")
+        self.groups = [
+            {name: tuple(value) if isinstance(current.get(name), tuple) else value for name, value in saved.items()}
+            for saved, current in zip(meta["param_groups"], optimizer.param_groups)
+        ]
+
+    def _place(self, key: str, shape: tuple[int, ...], names: list[str | None]) -> tuple[int, str]:
+        """The parameter index and state name of a file entry, checked against that parameter's shape."""
         parts = key.split(".")
-        if len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit() or int(parts[1]) >= len(parameters):
-            raise SnapshotError(f"{where} holds an unexpected entry {key!r}")
+        if len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit() or int(parts[1]) >= len(self.parameters):
+            raise SnapshotError(f"{self.source.path} holds an unexpected entry {key!r}")
         index = int(parts[1])
-        kind = meta["scalars"].get(key)
-        if kind is not None:
-            value: Any = {"bool": bool, "int": int, "float": float}[kind](tensor.item())
-        else:
-            if tensor.dim() > 0 and tensor.shape != parameters[index].shape:
-                raise SnapshotError(
-                    f"{where}: {key} has shape {tuple(tensor.shape)} but parameter {index} "
-                    f"({_flat(current_names)[index]}) has {tuple(parameters[index].shape)}"
-                )
-            value = tensor
-        state.setdefault(index, {})[parts[2]] = value
-    groups = []
-    if len(meta["param_groups"]) != len(optimizer.param_groups):
-        raise SnapshotError(f"{where} has {len(meta['param_groups'])} parameter groups, this optimizer {len(optimizer.param_groups)}")
-    for saved, current in zip(meta["param_groups"], optimizer.param_groups):
-        restored = {name: tuple(value) if isinstance(current.get(name), tuple) else value for name, value in saved.items()}
-        groups.append(restored)
-    return {"state": state, "param_groups": groups}
+        if shape and shape != tuple(self.parameters[index].shape):
+            raise SnapshotError(
+                f"{self.source.path}: {key} has shape {shape} but parameter {index} "
+                f"({names[index]}) has {tuple(self.parameters[index].shape)}"
+            )
+        return index, parts[2]
+
+    def apply(self) -> None:
+        """Restore the hyperparameters and the state's structure (the optimizer places and allocates its tensors),
+        then copy the file into them one tensor at a time."""
+        self.optimizer.load_state_dict({"state": self.state, "param_groups": self.groups})
+        for key, (index, name) in self.tensors.items():
+            state = self.optimizer.state[self.parameters[index]]
+            target = state[name]
+            if target.data_ptr() == self.state[index][name].data_ptr():  # an optimizer that kept the placeholder
+                target = state[name] = torch.empty(target.shape, dtype=target.dtype, device=target.device)
+            self.source.copy_into(key, target)
 
 
 def _flat(names: list[list[str | None]]) -> list[str | None]:
     return [name for group in names for name in group]
-
-
-def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError) as error:
-        raise SnapshotError(f"{path} is not a readable safetensors file ({error}); download the snapshot again") from None
-
-
-def _check_against(saved: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], where: str) -> None:
-    missing = sorted(set(expected) - set(saved))
-    unexpected = sorted(set(saved) - set(expected))
-    if missing or unexpected:
-        raise SnapshotError(
-            f"{where} does not fit this stage: missing {missing[:5]}, unexpected {unexpected[:5]}; "
-            "it was saved from another stage or model config"
-        )
-    for key, tensor in saved.items():
-        if tensor.shape != expected[key].shape:
-            raise SnapshotError(
-                f"{where}: {key} has shape {tuple(tensor.shape)} in the snapshot but {tuple(expected[key].shape)} "
-                "in this stage; it was saved from another model config"
-            )
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

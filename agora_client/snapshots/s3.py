@@ -15,6 +15,7 @@ import secrets
 import tempfile
 import threading
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -65,11 +66,12 @@ class S3Store(SnapshotStore):
         key = self._key(snapshot, MANIFEST_FILE)
         return check_manifest(self._get_json(key), f"s3://{self.bucket}/{key}")
 
-    def local_dir(self, snapshot: StoredSnapshot, cache: Path) -> Path:
+    def local_dir(self, snapshot: StoredSnapshot, cache: Path, files: Collection[str] | None = None) -> Path:
         target = Path(cache) / snapshot.stage / snapshot.name
         target.mkdir(parents=True, exist_ok=True)
         manifest = self.manifest(snapshot)
-        for name in [*manifest["files"], MANIFEST_FILE]:
+        wanted = [name for name in manifest["files"] if files is None or name in files]
+        for name in [*wanted, MANIFEST_FILE]:
             part = target / f"{name}.part"
             self._call(self.client.download_file, self.bucket, self._key(snapshot, name), str(part))
             os.replace(part, target / name)

@@ -12,6 +12,7 @@ import shutil
 import tempfile
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,12 +25,14 @@ from .format import (
     LATEST_FILE,
     MANIFEST_FILE,
     SnapshotError,
+    StageState,
     fsync_dir,
     read_manifest,
     snapshot_name,
     snapshot_time,
     write_json,
     write_snapshot_files,
+    write_state_files,
 )
 
 
@@ -73,12 +76,33 @@ class SnapshotStore(ABC):
         lock: AbstractContextManager = nullcontext(),
     ) -> StoredSnapshot:
         """Write a snapshot; only the serialization runs under ``lock``, the upload (if any) after it."""
+
+        def write(staging: Path, timestamp: float) -> None:
+            with lock:
+                write_snapshot_files(staging, stage, module, optimizer, epoch, timestamp=timestamp, extra=extra)
+
+        return self._write(stage, epoch, write, timestamp)
+
+    def save_state(
+        self, stage: str, state: StageState, epoch: int, *, extra: dict[str, Any] | None = None,
+        timestamp: float | None = None,
+    ) -> StoredSnapshot:
+        """Write a snapshot of a state already taken (a host copy: no lock needed), then upload it if remote."""
+        return self._write(
+            stage, epoch, lambda staging, moment: write_state_files(staging, stage, state, epoch, timestamp=moment, extra=extra),
+            timestamp,
+        )
+
+    def _write(
+        self, stage: str, epoch: int, write: Callable[[Path, float], None], timestamp: float | None
+    ) -> StoredSnapshot:
+        """``write(staging, timestamp)`` fills a staging directory, which becomes the snapshot only once complete:
+        a write that fails leaves the store as it was (the staging directory is removed)."""
         timestamp = time.time() if timestamp is None else timestamp
         name = snapshot_name(epoch, timestamp)
         staging = self._staging_dir(stage, name)
         try:
-            with lock:
-                write_snapshot_files(staging, stage, module, optimizer, epoch, timestamp=timestamp, extra=extra)
+            write(staging, timestamp)
             self._commit(stage, name, staging)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -108,8 +132,10 @@ class SnapshotStore(ABC):
         """The snapshot's checked manifest."""
 
     @abstractmethod
-    def local_dir(self, snapshot: StoredSnapshot, cache: Path) -> Path:
-        """A local directory holding the snapshot's files (downloaded under ``cache`` if remote); not yet verified."""
+    def local_dir(self, snapshot: StoredSnapshot, cache: Path, files: Collection[str] | None = None) -> Path:
+        """A local directory holding the snapshot's files (downloaded under ``cache`` if remote); not yet verified.
+
+        ``files`` names the only ones needed (an export reads the weights, not the optimizer state); None: all."""
 
     @abstractmethod
     def remove(self, snapshot: StoredSnapshot) -> None: ...
@@ -149,7 +175,7 @@ class LocalStore(SnapshotStore):
     def manifest(self, snapshot: StoredSnapshot) -> dict[str, Any]:
         return read_manifest(self.path(snapshot) / MANIFEST_FILE)
 
-    def local_dir(self, snapshot: StoredSnapshot, cache: Path) -> Path:
+    def local_dir(self, snapshot: StoredSnapshot, cache: Path, files: Collection[str] | None = None) -> Path:
         return self.path(snapshot)
 
     def remove(self, snapshot: StoredSnapshot) -> None:

@@ -51,6 +51,7 @@ def client_arguments(headless: bool, swarm_url: str, monitor_url: str, config_di
     configure_client(parser)
     argv = ["--swarm", swarm_url, "--monitor", monitor_url, "--config-dir", str(config_dir)]
     argv += ["--host-port", "0"]  # any free port: the demo must not collide with a contributor already on 49200
+    argv += ["--cpu"]  # the demo's tiny swarm runs on the CPU, the contributor's worker too
     return parser.parse_args([*argv, *(["--headless"] if headless else [])])
 
 

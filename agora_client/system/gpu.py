@@ -8,7 +8,7 @@ order, which is not necessarily the order of ``CUDA_VISIBLE_DEVICES``.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, TypeVar
 
 from agora_client.events import GpuInfo
@@ -130,6 +130,17 @@ class GpuSpec:
     name: str
     memory_total: int  # bytes
     capability: tuple[int, int]  # CUDA compute capability (major, minor)
+    memory_free: int | None = None  # bytes NVML counts free (a desktop's and other programs' use taken), None: unknown
+
+    @property
+    def capacity(self) -> int:
+        """Bytes a worker may plan with: the card's free memory where known, else its total."""
+        return self.memory_total if self.memory_free is None else min(self.memory_total, self.memory_free)
+
+    def limited_to(self, capacity: int) -> "GpuSpec":
+        """This card judged as one of ``capacity`` bytes (e.g. a larger card held to a torch memory fraction)."""
+        free = capacity if self.memory_free is None else min(self.memory_free, capacity)
+        return replace(self, memory_total=min(self.memory_total, capacity), memory_free=free)
 
 
 def probe_cuda_device(index: int) -> GpuSpec | None:
@@ -141,7 +152,24 @@ def probe_cuda_device(index: int) -> GpuSpec | None:
     if not 0 <= index < torch.cuda.device_count():
         raise ValueError(f"there is no CUDA device {index}: this machine has {torch.cuda.device_count()}; choose another --gpu")
     properties = torch.cuda.get_device_properties(index)
-    return GpuSpec(properties.name, int(properties.total_memory), (properties.major, properties.minor))
+    return GpuSpec(
+        properties.name, int(properties.total_memory), (properties.major, properties.minor),
+        memory_free=nvml_free_memory(cuda_card_ids()[index]),
+    )
+
+
+def nvml_free_memory(card: CardId) -> int | None:
+    """Free memory of ``card`` as NVML counts it (what a desktop or other programs hold is taken), or None."""
+    probe = GpuProbe()
+    try:
+        for index in range(probe.count()):
+            nvml_card = nvml_card_id(probe, index)
+            if nvml_card is not None and match_cuda_index(nvml_card, [card]) == 0:
+                memory = _query(probe._pynvml.nvmlDeviceGetMemoryInfo, probe._handle(index))
+                return int(memory.free) if memory else None
+        return None
+    finally:
+        probe.close()
 # -- --gpu N: the same physical card in NVML and in CUDA -------------------------------------------------
 
 
@@ -200,21 +228,29 @@ def _parse_bus_id(bus_id: str) -> tuple[int, int, int] | None:
         return None
 
 
+class NoUsableGpu(RuntimeError):
+    """The chosen GPU cannot be used through CUDA; the message says why and what to do."""
+
+
+CPU_NOTE = "--cpu: running on the CPU (the demo and tests only; a CPU worker is far too slow for a real run)"
+
+
 def torch_device_for(gpu: int | None) -> tuple[str, str]:
-    """(torch device, note) for ``--gpu N`` (N as NVML / nvidia-smi number it); the CPU when there is no such card."""
+    """(torch device, note) for ``--gpu N`` (N as NVML / nvidia-smi number it); NoUsableGpu when CUDA cannot use it."""
     if gpu is None:
-        return "cpu", "no --gpu given: running on the CPU"
+        raise NoUsableGpu("no GPU chosen: pass --gpu N, N as nvidia-smi numbers the cards")
     cuda = cuda_card_ids()
     if not cuda:
-        return "cpu", f"CUDA is not available to torch: GPU {gpu} is not used, running on the CPU"
+        raise NoUsableGpu(f"CUDA is not available to torch, so GPU {gpu} cannot be used: check the NVIDIA driver "
+                          "and that torch is a CUDA build")
     probe = GpuProbe()
     try:
         card = nvml_card_id(probe, gpu) if gpu < probe.count() else None
     finally:
         probe.close()
     if card is None:
-        return "cpu", f"NVML knows no GPU {gpu} (see nvidia-smi for the numbers): running on the CPU"
+        raise NoUsableGpu(f"NVML knows no GPU {gpu}: see nvidia-smi for the numbers")
     index = match_cuda_index(card, cuda)
     if index is None:
-        return "cpu", f"GPU {gpu} is hidden from CUDA (CUDA_VISIBLE_DEVICES?): running on the CPU"
+        raise NoUsableGpu(f"GPU {gpu} is hidden from CUDA: check CUDA_VISIBLE_DEVICES")
     return f"cuda:{index}", f"GPU {gpu} is cuda:{index}"

@@ -15,7 +15,9 @@ from agora_client.auth.ticket_source import TicketSource
 from agora_client.checkpoints.writer import CheckpointWriter
 from agora_client.config import RunConfig
 from agora_client.events import ErrorEvent, EventWriter, StageEvent, StepEvent
-from agora_client.snapshots import SnapshotError, keep_newest, load_stage_snapshot, open_store, save_stage_snapshot
+from agora_client.snapshots import SnapshotError, load_stage_snapshot, open_store, remove_other_downloads
+from agora_client.snapshots.background import BackgroundWriter
+from agora_client.snapshots.publisher import SnapshotPublisher
 from agora_client.discovery.dht import connect_dht
 from agora_client.discovery.roster import WorkerRecord, fetch_roster, free_index, stage_uid
 from agora_client.serving.backend import StageBackend, native_bf16
@@ -47,7 +49,6 @@ class WorkerOptions:
     publish_dir: Path | str | None = None  # snapshot store (directory or s3://) written every publish_every epochs
     publish_every: int = 5
     publish_keep: int = 3
-    exit_snapshot_dir: Path | None = None  # on a graceful stop, save this worker's own state here
     max_batch_size: int | None = None  # sequences per pass (the GPU fit check's); default 8 microbatches
     checkpoint_store: str | None = None  # timestamped checkpoints every config.checkpoint.period_s (directory or s3://)
     dht_kwargs: dict = field(default_factory=dict)
@@ -59,6 +60,7 @@ class WorkerOptions:
 
 
 STABLE_WINDOW_MAX_WAIT = 120.0  # a stage that never looks stable must not keep a joiner out forever
+WRITE_WAIT_AT_STOP_S = 5.0  # a stop waits this long for a snapshot being written; an abandoned one never appears
 
 
 class EpochStats:
@@ -110,7 +112,8 @@ class WorkerNode:
         self.epochs = self._epoch_controller(start_epoch)
         self._last_epoch = start_epoch  # the epoch of the previous epoch hook: rounds crossed by a jump still start
         self._snapshot_due = options.publish_dir is not None  # the first one is written at start()
-        self.snapshots = open_store(options.publish_dir) if options.publish_dir is not None else None
+        self.state_writer = BackgroundWriter(self.module, self.optimizer, self.epochs.lock)  # buffers on first use
+        self.snapshots = self._snapshot_publisher()
         self.checkpoints = self._checkpoint_writer()
         self.sparta = self._sparta_averager()
         self.backend = self._stage_backend(prepared)
@@ -163,12 +166,18 @@ class WorkerNode:
             epoch=start_epoch,
         )
 
+    def _snapshot_publisher(self) -> SnapshotPublisher | None:
+        options = self.options
+        if options.publish_dir is None:
+            return None
+        return SnapshotPublisher(open_store(options.publish_dir), options.stage, self.state_writer, options.publish_keep, self.events)
+
     def _checkpoint_writer(self) -> CheckpointWriter | None:
         if self.options.checkpoint_store is None:
             return None
         return CheckpointWriter(
-            open_store(self.options.checkpoint_store), self.options.config, self.options.stage, self.module,
-            self.optimizer, self.epochs.lock, grad_norm=lambda: self.epochs.last_grad_norm, events=self.events,
+            open_store(self.options.checkpoint_store), self.options.config, self.options.stage, self.state_writer,
+            grad_norm=lambda: self.epochs.last_grad_norm, events=self.events,
         )
 
     def _sparta_averager(self) -> SpartaAverager:
@@ -262,6 +271,7 @@ class WorkerNode:
         except Exception as error:  # stay out of routing; a restart rejoins through the join flow
             self.events.emit(ErrorEvent(message=f"could not recover: {error}", hint="restart this worker", where="worker health"))
             return
+        remove_other_downloads(path)  # the snapshot just loaded is the one in use now
         self.sync.begin(self.epochs.stage_epoch)  # re-sync weights with peers before serving trainers again
         self.server.healthy.value = True
         self.server.announcer.refresh.set()
@@ -348,21 +358,24 @@ class WorkerNode:
                 self.publish_snapshot(epoch)
 
     def publish_snapshot(self, epoch: int) -> None:
-        """Write this stage's snapshot; serialized under the lock, so weights and optimizer state are consistent."""
+        """Start writing this stage's snapshot: copied under the lock (weights and optimizer state are consistent),
+        written in the background; skipped, and said, while the previous write is in flight."""
         self._snapshot_due = False
-        self.snapshots.save(self.options.stage, self.module, self.optimizer, epoch, lock=self.epochs.lock)
-        self.snapshots.prune(self.options.stage, keep_newest(self.options.publish_keep))
+        self.snapshots.publish(epoch)
 
     def shutdown(self) -> None:
-        self.sparta.shutdown()  # leaves its averaging group first, so peers need not wait for us
+        """Leave the roster and the averaging group first, then stop what may take long at a large stage."""
+        if self.server.announcer.is_alive():  # withdraws the roster record: trainers stop routing to us
+            self.server.announcer.stop.set()
+            self.server.announcer.join(timeout=5)
+        self.sparta.shutdown()  # leaves its averaging group, so peers need not wait for us
         self.epochs.shutdown()
+        if not self.state_writer.wait(WRITE_WAIT_AT_STOP_S):
+            self.events.log(f"still writing the stage's state after {WRITE_WAIT_AT_STOP_S:.0f} s: a snapshot is abandoned at "
+                            "exit (it never becomes visible in the store), a checkpoint is waited for", tag="SNAPSHOT",
+                            level="warning")
         if self.checkpoints is not None:
             self.checkpoints.close(self.epochs.epoch)  # a stopped swarm resumes from where it stopped
-        if self.options.exit_snapshot_dir is not None:
-            with self.epochs.lock:
-                save_stage_snapshot(
-                    self.options.exit_snapshot_dir, self.options.stage, self.module, self.optimizer, self.epochs.epoch, 1
-                )
         if self.server.ident is not None:
             self.server.shutdown()  # its DHT too
             self.server.join(timeout=10)

@@ -1,0 +1,78 @@
+"""The mark a snapshot download leaves in its directory: which directories we downloaded, and whether their files
+were verified against the manifest while they streamed in (so a load need not hash them again).
+
+The mark holds the sha256 of the manifest and each file's size and modification time at verification; a file
+replaced or rewritten since then, or another manifest, makes the mark void and the loader hashes again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+# A dot name: never a snapshot file (a manifest refuses such names), never served as one.
+MARK_FILE = ".agora-download.json"
+
+
+def mark_started(directory: Path) -> None:
+    """Say that ``directory`` is a download of ours, not yet verified (voids an earlier verification)."""
+    _write(Path(directory), {"verified": None})
+
+
+def mark_verified(directory: Path, manifest_name: str, file_names: list[str]) -> None:
+    """Record that the files and the manifest in ``directory`` are verified; the files are fsynced first,
+    so that the mark never outlives a file torn by a crash."""
+    directory = Path(directory)
+    files = {}
+    for name in file_names:
+        path = directory / name
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+        files[name] = _fingerprint(path)
+    manifest_sha256 = hashlib.sha256((directory / manifest_name).read_bytes()).hexdigest()
+    _write(directory, {"verified": {"manifest_sha256": manifest_sha256, "files": files}})
+
+
+def is_download(directory: Path) -> bool:
+    return (Path(directory) / MARK_FILE).is_file()
+
+
+def verified_by_download(directory: Path, manifest_name: str, files: dict[str, Any]) -> bool:
+    """Whether the download verified exactly this manifest and these files (``files``: the manifest's entries)."""
+    directory = Path(directory)
+    try:
+        mark = json.loads((directory / MARK_FILE).read_text(encoding="utf-8"))
+        manifest_sha256 = hashlib.sha256((directory / manifest_name).read_bytes()).hexdigest()
+    except (OSError, ValueError):
+        return False
+    verified = mark.get("verified") if isinstance(mark, dict) else None
+    if not isinstance(verified, dict) or verified.get("manifest_sha256") != manifest_sha256:
+        return False
+    recorded = verified.get("files")
+    if not isinstance(recorded, dict) or set(recorded) != set(files):
+        return False
+    for name, entry in files.items():
+        try:
+            fingerprint = _fingerprint(directory / name)
+        except OSError:
+            return False
+        if fingerprint != recorded[name] or fingerprint[0] != entry["size"]:
+            return False
+    return True
+
+
+def _fingerprint(path: Path) -> list[int]:
+    stat = path.stat()
+    return [stat.st_size, stat.st_mtime_ns]
+
+
+def _write(directory: Path, mark: dict[str, Any]) -> None:
+    temporary = directory / f"{MARK_FILE}.tmp"
+    with open(temporary, "w", encoding="utf-8") as handle:
+        json.dump(mark, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, directory / MARK_FILE)
