@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -35,6 +34,7 @@ from agora_client.config import load_config
 from agora_client.discovery.dht import connect_dht
 from agora_client.engine.expert_calls import call_expert, close_replica, replicate_p2p, server_stub
 from agora_client.model import build_stage
+from _widened import widened_config  # noqa: E402  (bench/ is on sys.path: this script's own folder)
 
 STAGE, UID = "body1", "body1.0.0"
 CLI = [sys.executable, "-c", "import sys; from agora_client.cli import main; sys.exit(main())"]
@@ -43,13 +43,9 @@ LOCK_HOLD = re.compile(r"copied under the stage lock in ([0-9.]+) s")
 
 
 def preset(body_params: int, epoch_requests: int, batch: int) -> dict:
-    """tiny, with body1 widened to about ``body_params`` (4 layers of width d, ffn 3d: ~13 d^2 each)."""
-    data = yaml.safe_load((resources.files("agora_client") / "presets" / "tiny.yaml").read_text())
-    width = max(64, round(math.sqrt(body_params / (13 * BODY_LAYERS)) / 64) * 64)
-    model = data["model"]
-    model.update(d_model=width, ffn_hidden=3 * width, n_heads=width // 64, n_layers=3 + BODY_LAYERS)
-    model["stages"] = [{"name": "head", "layers": 1}, {"name": "body1", "layers": BODY_LAYERS},
-                       {"name": "body2", "layers": 1}, {"name": "tail", "layers": 1}]
+    """tiny, with body1 widened to about ``body_params`` (bench/_widened.py), ``batch`` sequences per request and
+    an epoch every ``epoch_requests`` backward passes."""
+    data = widened_config(body_params, BODY_LAYERS).model_dump(mode="json")
     data["optim"].update(microbatch_size=batch, target_batch_size=batch * epoch_requests)
     return data
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import sys
 import tempfile
 import time
@@ -34,27 +33,13 @@ from agora_client.auth import (  # noqa: E402
     AdmissionPolicy, AuthServer, AuthService, ServiceSettings, TokenFileIdentity, swarm_status, write_demo_token_file,
 )
 from agora_client.auth.run_description import describe_run  # noqa: E402
-from agora_client.config import RunConfig, load_config  # noqa: E402
 from agora_client.frontend.stream import EventLine, StderrLine, read_runtime  # noqa: E402
 from agora_client.frontend.supervisor import RUNTIME_STOP_S, RuntimeProcess, runtime_command  # noqa: E402
 from agora_client.model.stages import param_counts  # noqa: E402
+from _widened import widened_config  # noqa: E402  (bench/ is on sys.path: this script's own folder)
 
 STAGE = "body1"
 SERVING_TIMEOUT_S = 900.0  # building a 300M stage on a loaded CPU takes minutes
-HEAD_DIM = 64
-
-
-def widened_config(stage_params: float, layers: int) -> RunConfig:
-    """The tiny preset with body1 of about ``stage_params`` parameters in ``layers`` layers (13 d^2 per layer:
-    attention 4 d^2, a 3 d wide feed-forward 9 d^2)."""
-    tiny = load_config("tiny")
-    d_model = max(HEAD_DIM, round(math.sqrt(stage_params / (13 * layers)) / HEAD_DIM) * HEAD_DIM)
-    stages = tuple(spec.model_copy(update={"layers": layers if spec.name == STAGE else 1}) for spec in tiny.model.stages)
-    model = tiny.model.model_copy(update={
-        "d_model": d_model, "n_heads": d_model // HEAD_DIM, "ffn_hidden": 3 * d_model,
-        "n_layers": sum(spec.layers for spec in stages), "stages": stages,
-    })
-    return tiny.model_copy(update={"model": model})
 
 
 async def measure(auth_url: str, token: str, config_dir: Path) -> dict:
