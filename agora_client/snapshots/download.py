@@ -18,7 +18,6 @@ Files are fsynced once, when the whole snapshot is verified: the directory's dow
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import queue
 import shutil
@@ -33,6 +32,7 @@ import httpx
 from agora_client.events import DownloadEvent, EventWriter
 
 from .download_marks import is_download, mark_started, mark_verified
+from .durable import write_json
 from .format import MANIFEST_FILE, SnapshotError, check_manifest, file_sha256, snapshot_name, snapshot_time
 
 _HASH_BLOCK = 8 << 20  # reading back what a previous run left in a .part file
@@ -80,7 +80,7 @@ def download_snapshot(
             fetcher = _FileFetch(http, file_url, target / name, entry, progress)
             fetcher.run(max_retries, backoff_s, max_corrupt_retries)
         local = {**manifest, "files": {name: {"sha256": e["sha256"], "size": e["size"]} for name, e in manifest["files"].items()}}
-        _write_json(target / MANIFEST_FILE, local)  # without per-file URLs: presigned signatures stay off disk
+        write_json(target / MANIFEST_FILE, local)  # without per-file URLs: presigned signatures stay off disk
         mark_verified(target, MANIFEST_FILE, list(manifest["files"]))
         progress.done(f"snapshot of {manifest['stage']} at epoch {manifest['epoch']} ready in {target}")
         return target
@@ -356,9 +356,3 @@ def _shown(url: str) -> str:
     """The URL without its query string, which for a presigned URL is a credential."""
     parts = urlsplit(url)
     return f"{parts.scheme}://{parts.netloc}{parts.path}"
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(json.dumps(data, indent=2, sort_keys=True), encoding="utf-8")
-    os.replace(temporary, path)

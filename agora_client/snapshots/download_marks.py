@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from .durable import fsync_file, write_json
 
 # A dot name: never a snapshot file (a manifest refuses such names), never served as one.
 MARK_FILE = ".agora-download.json"
@@ -19,7 +20,7 @@ MARK_FILE = ".agora-download.json"
 
 def mark_started(directory: Path) -> None:
     """Say that ``directory`` is a download of ours, not yet verified (voids an earlier verification)."""
-    _write(Path(directory), {"verified": None})
+    write_json(Path(directory) / MARK_FILE, {"verified": None})
 
 
 def mark_verified(directory: Path, manifest_name: str, file_names: list[str]) -> None:
@@ -28,12 +29,10 @@ def mark_verified(directory: Path, manifest_name: str, file_names: list[str]) ->
     directory = Path(directory)
     files = {}
     for name in file_names:
-        path = directory / name
-        with open(path, "rb") as handle:
-            os.fsync(handle.fileno())
-        files[name] = _fingerprint(path)
+        fsync_file(directory / name)
+        files[name] = _fingerprint(directory / name)
     manifest_sha256 = hashlib.sha256((directory / manifest_name).read_bytes()).hexdigest()
-    _write(directory, {"verified": {"manifest_sha256": manifest_sha256, "files": files}})
+    write_json(directory / MARK_FILE, {"verified": {"manifest_sha256": manifest_sha256, "files": files}})
 
 
 def is_download(directory: Path) -> bool:
@@ -67,12 +66,3 @@ def verified_by_download(directory: Path, manifest_name: str, files: dict[str, A
 def _fingerprint(path: Path) -> list[int]:
     stat = path.stat()
     return [stat.st_size, stat.st_mtime_ns]
-
-
-def _write(directory: Path, mark: dict[str, Any]) -> None:
-    temporary = directory / f"{MARK_FILE}.tmp"
-    with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump(mark, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, directory / MARK_FILE)

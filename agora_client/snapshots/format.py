@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .download_marks import verified_by_download
+from .durable import fsync_dir, fsync_file, write_json
 from .errors import SnapshotError
 from .tensor_file import TensorFile
 
@@ -92,24 +92,13 @@ def live_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> StageStat
     return StageState(params, tensors, meta)
 
 
-def write_snapshot_files(
-    directory: Path,
-    stage: str,
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    epoch: int,
-    *,
-    timestamp: float | None = None,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Write params, optimizer state and the manifest (last) into the existing ``directory``; return the manifest.
+def cpu_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> StageState:
+    """The stage's state as CPU tensors that share no storage, ready to write (a GPU stage's tensors are copied).
 
-    Call it outside averaging rounds so parameters and optimizer state belong to the same step.
-    ``extra`` adds JSON sections to the manifest (training statistics, the run config).
+    Take it outside averaging rounds and optimizer steps, so parameters and optimizer state belong to the same step.
     """
     live = live_state(module, optimizer)
-    state = StageState(_cpu_tensors(live.params), _cpu_tensors(live.optimizer), live.optimizer_meta)
-    return write_state_files(directory, stage, state, epoch, timestamp=timestamp, extra=extra)
+    return StageState(_cpu_tensors(live.params), _cpu_tensors(live.optimizer), live.optimizer_meta)
 
 
 def write_state_files(
@@ -121,7 +110,11 @@ def write_state_files(
     timestamp: float | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``write_snapshot_files`` from a state already taken: contiguous CPU tensors that share no storage."""
+    """Write params, optimizer state and the manifest (last) into the existing ``directory``; return the manifest.
+
+    ``state`` holds contiguous CPU tensors that share no storage (``cpu_state``, or a worker's host copy);
+    ``extra`` adds JSON sections to the manifest (training statistics, the run config).
+    """
     timestamp = time.time() if timestamp is None else timestamp
     directory = Path(directory)
     save_file(state.params, str(directory / PARAMS_FILE))
@@ -129,7 +122,7 @@ def write_state_files(
     files = {}
     for file_name in (PARAMS_FILE, OPTIMIZER_FILE):
         path = directory / file_name
-        _fsync_file(path)
+        fsync_file(path)
         files[file_name] = {"sha256": file_sha256(path), "size": path.stat().st_size}
     manifest = {
         **(extra or {}),
@@ -361,26 +354,3 @@ class _OptimizerLoad:
 
 def _flat(names: list[list[str | None]]) -> list[str | None]:
     return [name for group in names for name in group]
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    fsync_dir(path.parent)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)

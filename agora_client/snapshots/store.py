@@ -13,7 +13,6 @@ import tempfile
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Collection
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -26,12 +25,12 @@ from .format import (
     MANIFEST_FILE,
     SnapshotError,
     StageState,
+    cpu_state,
     fsync_dir,
     read_manifest,
     snapshot_name,
     snapshot_time,
     write_json,
-    write_snapshot_files,
     write_state_files,
 )
 
@@ -65,44 +64,23 @@ class SnapshotStore(ABC):
     location: str
 
     def save(
-        self,
-        stage: str,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        epoch: int,
-        *,
-        extra: dict[str, Any] | None = None,
-        timestamp: float | None = None,
-        lock: AbstractContextManager = nullcontext(),
+        self, stage: str, module: nn.Module, optimizer: torch.optim.Optimizer, epoch: int, *,
+        extra: dict[str, Any] | None = None, timestamp: float | None = None,
     ) -> StoredSnapshot:
-        """Write a snapshot; only the serialization runs under ``lock``, the upload (if any) after it."""
-
-        def write(staging: Path, timestamp: float) -> None:
-            with lock:
-                write_snapshot_files(staging, stage, module, optimizer, epoch, timestamp=timestamp, extra=extra)
-
-        return self._write(stage, epoch, write, timestamp)
+        """Write a snapshot of a stage nothing else is changing (a worker writes its host copy: ``save_state``)."""
+        return self.save_state(stage, cpu_state(module, optimizer), epoch, extra=extra, timestamp=timestamp)
 
     def save_state(
         self, stage: str, state: StageState, epoch: int, *, extra: dict[str, Any] | None = None,
         timestamp: float | None = None,
     ) -> StoredSnapshot:
-        """Write a snapshot of a state already taken (a host copy: no lock needed), then upload it if remote."""
-        return self._write(
-            stage, epoch, lambda staging, moment: write_state_files(staging, stage, state, epoch, timestamp=moment, extra=extra),
-            timestamp,
-        )
-
-    def _write(
-        self, stage: str, epoch: int, write: Callable[[Path, float], None], timestamp: float | None
-    ) -> StoredSnapshot:
-        """``write(staging, timestamp)`` fills a staging directory, which becomes the snapshot only once complete:
-        a write that fails leaves the store as it was (the staging directory is removed)."""
+        """Write a snapshot of a state already taken into a staging directory, which becomes the snapshot (uploaded,
+        if remote) only once complete: a write that fails leaves the store as it was."""
         timestamp = time.time() if timestamp is None else timestamp
         name = snapshot_name(epoch, timestamp)
         staging = self._staging_dir(stage, name)
         try:
-            write(staging, timestamp)
+            write_state_files(staging, stage, state, epoch, timestamp=timestamp, extra=extra)
             self._commit(stage, name, staging)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
