@@ -111,7 +111,7 @@ def test_joiner_passes_every_phase_in_order(join_swarm, tmp_path):
             60,
             "the client to show its confirmed points",
         )
-        wait_until(lambda: _points_once_active(_events(runtime)) >= 2, 90, "two points estimates once active")
+        wait_until(lambda: _compute_grew(_events(runtime)), 90, "compute points to grow between two estimates once active")
     finally:
         runtime.stop(grace=30)
         observer.shutdown()
@@ -192,9 +192,16 @@ def test_app_on_a_real_runtime_reaches_active_and_quits_clean(join_swarm, tmp_pa
     assert app.return_code == 0
 
 
-def _points_once_active(events: list[dict]) -> int:
+def _compute_points_once_active(events: list[dict]) -> list[float]:
+    """The compute points of every estimate since the worker became active that counts any request: an estimate
+    taken just as it became active may come before its first request is answered (0)."""
     active = next((i for i, e in enumerate(events) if e["kind"] == "sync" and e["phase"] == "active"), len(events))
-    return sum(e["kind"] == "points" for e in events[active:])
+    return [e["compute"] for e in events[active:] if e["kind"] == "points" and e["compute"] > 0]
+
+
+def _compute_grew(events: list[dict]) -> bool:
+    computed = _compute_points_once_active(events)
+    return len(computed) >= 2 and computed[-1] > computed[0]
 
 
 def _check_counts_and_points(events: list[dict], stage: str, preset_path) -> None:
@@ -218,8 +225,7 @@ def _check_counts_and_points(events: list[dict], stage: str, preset_path) -> Non
     rows, seq = config.optim.microbatch_size, config.model.seq_len
     per_request = {kind: request_flops(config.model, stage, kind, rows, seq) for kind in ("forward", "backward")}
     points = [(i, e) for i, e in enumerate(events) if e["kind"] == "points"]
-    after_active = [e for i, e in points if i > active]
-    assert len(after_active) >= 2 and after_active[-1]["compute"] > after_active[0]["compute"] > 0
+    assert _compute_grew(events), _compute_points_once_active(events)
     for (i, event), (_, following) in zip(points, points[1:]):
         # presence accrues with wall time while registered (1 point per hour)
         gained = (following["presence"] - event["presence"]) * SECONDS_PER_HOUR
