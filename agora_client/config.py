@@ -1,4 +1,4 @@
-"""Run config: the model, its stage split, the optimizer, SPARTA and the sync phases.
+"""Run config: the model, its stage split, the optimizer, SPARTA, the sync phases, the tokenizer, data and evaluation.
 
 Presets ship as YAML in ``agora_client/presets``. Every field is validated and a bad
 file fails with one message that names the field and says how to fix it.
@@ -162,6 +162,31 @@ class SpotCheckConfig(_Strict):
     ban_seconds: float = Field(default=86400.0, gt=0, description="how long a trainer keeps a caught worker out")
 
 
+class TokenizerConfig(_Strict):
+    source: str = Field(
+        default="bytes", description="bytes, a tokenizers JSON file (path or shipped name), an https URL, or a hub repo id[@revision]"
+    )
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$", description="pins the file: any other content is refused")
+    eos_token: str | None = Field(default=None, description="the token that ends a document when documents are packed")
+
+
+class DataConfig(_Strict):
+    source: str | None = Field(
+        default=None, description="None: the Python standard library's source; a .txt/.jsonl/.parquet file or folder; a hub dataset"
+    )
+    subset: str | None = Field(default=None, description="the dataset's config name, e.g. sample-10BT")
+    split: str = "train"
+    text_field: str = "text"
+    shuffle_buffer: int = Field(default=1024, ge=1, description="documents in the seeded shuffle buffer")
+
+
+class EvalConfig(_Strict):
+    every_s: float = Field(default=300.0, gt=0, description="seconds between held-out evaluations")
+    sequences: int = Field(default=16, ge=1, description="held-out sequences per evaluation (forward passes only)")
+    split: str | None = Field(default=None, description="a held-out split of the dataset; None: hold out documents by hash")
+    holdout_fraction: float = Field(default=0.01, gt=0, lt=1, description="share of documents held out when there is no split")
+
+
 class RunConfig(_Strict):
     name: str
     seed: int = 0
@@ -171,6 +196,9 @@ class RunConfig(_Strict):
     sync: SyncConfig = SyncConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     spot_checks: SpotCheckConfig = SpotCheckConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    data: DataConfig = DataConfig()
+    eval: EvalConfig = EvalConfig()
     announce_period: float = Field(default=30.0, gt=0, description="seconds between a worker's DHT announcements")
     use_mixed_precision: bool = Field(default=True, description="forward under bf16 autocast; weights and grads stay fp32")
     offload_optimizer: bool = Field(default=True, description="AdamW moments in (pinned) host memory, stepped in chunks")

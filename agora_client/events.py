@@ -119,6 +119,8 @@ class SwarmEvent(_Event):
     loss: float | None = None  # newest loss the trainers reported (mean over trainers)
     loss_history: list[tuple[float, float]] = Field(default_factory=list)  # (ts, loss), oldest first
     tokens_per_s: float = 0.0  # all trainers together
+    eval_loss: float | None = None  # newest held-out eval loss (mean over the trainers that have evaluated)
+    eval_history: list[tuple[float, float]] = Field(default_factory=list)  # (time of the eval, its loss), oldest first
 
 
 class GpuInfo(BaseModel):

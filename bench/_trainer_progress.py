@@ -1,4 +1,4 @@
-"""Reading a trainer's [PROGRESS] lines as they arrive, for the bench scripts that run a local swarm."""
+"""Reading a trainer's [PROGRESS] and [EVAL] lines as they arrive, for the bench scripts that run a local swarm."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 PROGRESS = re.compile(r"\[PROGRESS\] microbatches=(\d+) loss=([0-9.]+|n/a)")
+EVAL = re.compile(r"\[EVAL\] loss=([0-9.]+) ")
 STAGE = re.compile(r"(\w+): \d+/\d+ ready, .*? served \[([^\]]*)\]")
 
 
@@ -17,6 +18,13 @@ class ProgressPoint:
     microbatches: int  # done since the trainer started
     loss: float | None  # None when no microbatch finished in the window
     served: dict[str, dict[str, int]] = field(default_factory=dict)  # stage -> uid -> requests in this window
+
+
+@dataclass(frozen=True)
+class EvalPoint:
+    at: float  # time.monotonic() when the line was read
+    loss: float  # on the trainer's held-out sample
+    microbatches: int  # done at the trainer's preceding [PROGRESS] line (0 before the first): within report_every s
 
 
 def parse(line: str, at: float) -> ProgressPoint | None:
@@ -32,21 +40,31 @@ def parse(line: str, at: float) -> ProgressPoint | None:
 
 
 class ProgressRecorder:
-    """An ``on_line`` callback for LocalSwarm: keeps every trainer's progress points, stamped on arrival."""
+    """An ``on_line`` callback for LocalSwarm: keeps every trainer's progress and evaluation points, stamped on arrival."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.points: dict[str, list[ProgressPoint]] = {}
+        self.evaluations: dict[str, list[EvalPoint]] = {}
 
     def __call__(self, name: str, line: str) -> None:
-        point = parse(line, time.monotonic())
-        if point is not None:
-            with self._lock:
+        at = time.monotonic()
+        point = parse(line, at)
+        evaluation = EVAL.search(line)
+        with self._lock:
+            if point is not None:
                 self.points.setdefault(name, []).append(point)
+            elif evaluation is not None:  # one process's lines arrive in order: its last point precedes this line
+                done = self.points[name][-1].microbatches if self.points.get(name) else 0
+                self.evaluations.setdefault(name, []).append(EvalPoint(at, float(evaluation.group(1)), done))
 
     def of(self, name: str) -> list[ProgressPoint]:
         with self._lock:
             return list(self.points.get(name, []))
+
+    def evaluations_of(self, name: str) -> list[EvalPoint]:
+        with self._lock:
+            return list(self.evaluations.get(name, []))
 
 
 def tokens_per_second(points: list[ProgressPoint], tokens_per_microbatch: int) -> float:

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Learning quality of the local swarm: its loss against the same model trained in one process, at equal token counts.
 
-Three runs, one after the other:
+Three runs, one after the other, all on the preset's data and tokenizer (tiny: the standard library's source,
+the shipped BPE tokenizer demo-bpe-2k.json):
 - quiet: the local swarm (`LocalSwarm`, tiny preset, 2 workers per stage, SPARTA as the preset sets it, one
   trainer on shard 0/1; real processes on 127.0.0.1) trains for --seconds, counted from the trainer's first
   finished microbatch. Worker 0 of each stage publishes snapshots (in both swarm runs, so that they differ
@@ -11,16 +12,24 @@ Three runs, one after the other:
   copy of the stage's latest published snapshot, through sync phases 1 and 2. Until the joiner is active
   the stage has one worker.
 - one process: the same stages chained in this process (bench/_single_process.py), fed the trainer's very
-  batches (same data, shard, seed and microbatch size), with the workers' optimizer and the run config's
-  settings (AdamW lr, betas, weight decay; the config has no lr schedule), the same autocast and the same
-  stage epochs (a step every target_batch_size samples, gradients averaged, stage-wise clipping), for as
-  many microbatches as the longer swarm run finished.
+  batches (the TokenStream the trainer builds: same data, tokenizer, shard, seed and microbatch size), with
+  the workers' optimizer and the run config's settings (AdamW lr, betas, weight decay; the config has no lr
+  schedule), the same autocast and the same stage epochs (a step every target_batch_size samples, gradients
+  averaged, stage-wise clipping), for as many microbatches as the longer swarm run finished.
 
 Matching is by token count, never by wall clock: every --report-every seconds the trainer prints how many
 microbatches it has finished and their mean loss since its previous line; the single process keeps the
 loss of each microbatch of the stream. Each swarm run is cut into --segments equal ranges of its tokens,
 and in each range the swarm's mean loss is divided by the single process's mean loss over exactly the
 same microbatches of the stream. The last range is the ratio "at the end". Target: <= 1.05.
+
+Held-out loss: every eval.every_s (tiny: 30 s; the first right at the start, before any training) the
+trainer sends the run's held-out sample (`held_out_sample`) through the swarm, forward passes only, and
+prints an [EVAL] line. Each is matched with the microbatches the trainer had finished at its preceding
+[PROGRESS] line (at most --report-every seconds earlier; the evaluation ran between its start and that
+line, while training went on beside it), and the single process evaluates its own model on the same sample,
+forward only, after exactly that many microbatches. Reported: both losses and their ratio at each
+evaluation, and the last one's ratio.
 
 What the swarm cannot do identically, which is what the ratio measures:
 - the two workers of a stage each step on the gradient of their own share of the stage's batch (no
@@ -60,9 +69,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _single_process import InProcessPipeline, trainer_batches  # noqa: E402
-from _trainer_progress import ProgressPoint, ProgressRecorder  # noqa: E402
+from _trainer_progress import EvalPoint, ProgressPoint, ProgressRecorder  # noqa: E402
 
 from agora_client.config import RunConfig, load_config  # noqa: E402
+from agora_client.data.heldout import held_out_sample  # noqa: E402
+from agora_client.data.tokenizer import load_run_tokenizer  # noqa: E402
 from agora_client.events import json_objects  # noqa: E402
 from agora_client.snapshots import latest_snapshot  # noqa: E402
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions  # noqa: E402
@@ -98,6 +109,19 @@ class Segment:
         return self.swarm_loss / self.single_loss
 
 
+@dataclass(frozen=True)
+class EvalComparison:
+    """Both sides' held-out loss after the same number of microbatches."""
+
+    microbatches: int
+    swarm_loss: float
+    single_loss: float
+
+    @property
+    def ratio(self) -> float:
+        return self.swarm_loss / self.single_loss
+
+
 @dataclass
 class Replacement:
     victim: str
@@ -113,6 +137,7 @@ class Replacement:
 class SwarmRun:
     name: str
     windows: list[LossWindow]
+    evaluations: list[EvalPoint]  # the trainer's [EVAL] lines
     dropped: int  # microbatches the trainer gave up on
     load: float  # 1-minute load average at the end of the run
     replacement: Replacement | None
@@ -222,22 +247,40 @@ def train_swarm(name: str, args: argparse.Namespace, run_dir: Path, kill_stage: 
                   f"{replacement.joiner} up {replacement.ready_after_s:.0f}s later", flush=True)
         train_until(name, recorder, trainer, started, started + args.seconds)
         windows = loss_windows(recorder.of(trainer.name))
+        evaluations = recorder.evaluations_of(trainer.name)
         dropped = sum("microbatch dropped" in line for line in trainer.lines())
     if not windows:
         raise RuntimeError(f"the {name} swarm finished no microbatch; see {run_dir / 'logs'}")
     if replacement is not None:
         replacement.active_after_s = seconds_to_active(run_dir, replacement.joiner, replacement.killed_at_wall)
-    return SwarmRun(name, windows, dropped, os.getloadavg()[0], replacement)
+    return SwarmRun(name, windows, evaluations, dropped, os.getloadavg()[0], replacement)
 
 
-def train_single_process(config: RunConfig, microbatches: int) -> tuple[list[float], int]:
-    """The loss of each of the stream's first ``microbatches`` microbatches, and the optimizer steps taken."""
+@dataclass
+class SingleProcessRun:
+    losses: list[float]  # of each microbatch of the stream, in order
+    steps: int  # optimizer steps taken
+    eval_losses: dict[int, float]  # microbatches trained -> held-out loss then
+
+
+def train_single_process(config: RunConfig, microbatches: int, evaluate_at: set[int]) -> SingleProcessRun:
+    """The stream's first ``microbatches`` microbatches, trained one by one; the held-out loss after each count in
+    ``evaluate_at`` (0: before training)."""
     model, batches, losses = InProcessPipeline(config), trainer_batches(config), []
+    sample = held_out_sample(config, load_run_tokenizer(config))
+    eval_losses = {0: model.eval_loss(sample)} if 0 in evaluate_at else {}
     for _ in range(microbatches):
         losses.append(model.train_microbatch(next(batches)))
+        if len(losses) in evaluate_at:
+            eval_losses[len(losses)] = model.eval_loss(sample)
         if len(losses) % PRINT_EVERY_MICROBATCHES == 0:
             print(f"  one process: {len(losses)}/{microbatches} microbatches, loss {losses[-1]:.3f}", flush=True)
-    return losses, model.steps
+    return SingleProcessRun(losses, model.steps, eval_losses)
+
+
+def eval_comparisons(run: SwarmRun, single: SingleProcessRun) -> list[EvalComparison]:
+    return [EvalComparison(point.microbatches, point.loss, single.eval_losses[point.microbatches])
+            for point in run.evaluations]
 
 
 def segments(windows: list[LossWindow], single_losses: list[float], count: int) -> list[Segment]:
@@ -271,6 +314,29 @@ def print_table(runs: list[tuple[SwarmRun, list[Segment]]], tokens_per_microbatc
                   f"{segment.ratio:>7.3f}  {events_in(segment, run.replacement)}".rstrip())
         print(f"{run.name:<6} ratio at the end {found[-1].ratio:.3f} (target <= {TARGET_RATIO}); "
               f"{run.dropped} microbatches dropped; load {run.load:.1f}")
+
+
+def print_eval_table(runs: list[SwarmRun], compared: dict[str, list[EvalComparison]], tokens_per_microbatch: int) -> None:
+    print(f"\n{'run':<6} {'held out at':>12} {'swarm loss':>11} {'one-process loss':>17} {'ratio':>7}")
+    for run in runs:
+        for comparison in compared[run.name]:
+            tokens = f"{comparison.microbatches * tokens_per_microbatch // 1000}k"
+            print(f"{run.name:<6} {tokens:>12} {comparison.swarm_loss:>11.4f} {comparison.single_loss:>17.4f} "
+                  f"{comparison.ratio:>7.3f}")
+        if not compared[run.name]:
+            print(f"{run.name:<6} no [EVAL] line from the trainer")
+
+
+def eval_figures(compared: list[EvalComparison], tokens_per_microbatch: int) -> dict:
+    return {
+        "eval_ratio_at_end": round(compared[-1].ratio, 4) if compared else None,
+        "eval_tokens_at_end": compared[-1].microbatches * tokens_per_microbatch if compared else None,
+        "evals": [
+            {"tokens": comparison.microbatches * tokens_per_microbatch, "swarm_eval_loss": round(comparison.swarm_loss, 4),
+             "single_process_eval_loss": round(comparison.single_loss, 4), "ratio": round(comparison.ratio, 4)}
+            for comparison in compared
+        ],
+    }
 
 
 def run_figures(run: SwarmRun, found: list[Segment], tokens_per_microbatch: int) -> dict:
@@ -310,21 +376,28 @@ def main() -> int:
         train_swarm("quiet", args, run_dir / "quiet", kill_stage=None),
         train_swarm("kill", args, run_dir / "kill", kill_stage=args.kill_stage),
     ]
+    evaluate_at = {point.microbatches for run in runs for point in run.evaluations}
     longest = max(run.windows[-1].end for run in runs)
-    print(f"one process: the stream's first {longest} microbatches", flush=True)
-    single_losses, single_steps = train_single_process(config, longest)
-    measured = [(run, segments(run.windows, single_losses, args.segments)) for run in runs]
+    print(f"one process: the stream's first {longest} microbatches, evaluated after {sorted(evaluate_at)}", flush=True)
+    single = train_single_process(config, max([longest, *evaluate_at]), evaluate_at)
+    measured = [(run, segments(run.windows, single.losses, args.segments)) for run in runs]
+    compared = {run.name: eval_comparisons(run, single) for run in runs}
     print_table(measured, tokens_per_microbatch)
+    print_eval_table(runs, compared, tokens_per_microbatch)
     result = {
         "bench": "convergence",
         "preset": config.name,
         "workers_per_stage": WORKERS_PER_STAGE,
         "tokens_per_microbatch": tokens_per_microbatch,
         "seconds_per_run": args.seconds,
+        "tokenizer": config.tokenizer.source,
+        "held_out_sequences": config.eval.sequences,
+        "eval_every_s": config.eval.every_s,
         "target_ratio": TARGET_RATIO,
-        **{run.name: run_figures(run, found, tokens_per_microbatch) for run, found in measured},
-        "single_process_microbatches": longest,
-        "single_process_optimizer_steps": single_steps,
+        **{run.name: run_figures(run, found, tokens_per_microbatch) | eval_figures(compared[run.name], tokens_per_microbatch)
+           for run, found in measured},
+        "single_process_microbatches": len(single.losses),
+        "single_process_optimizer_steps": single.steps,
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
     }

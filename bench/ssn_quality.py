@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Loss of the tiny model with and without the Subspace Networks constraint, trained side by side.
 
-Both models see the same batches (byte-level sequences of the standard library's source, via
-agora_client.trainer.data), in the same order, from the same seed, one step of each in turn so that
+Both models see the same batches (sequences of the standard library's source in the tiny run's BPE tokens, via
+agora_client.data), in the same order, from the same seed, one step of each in turn so that
 machine load falls on both alike. The unsplit model is used: the split pipeline is proven equal to it
 in tests/test_model_split.py. Last output line: one JSON object with the figures.
 
@@ -24,7 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agora_client.config import load_config  # noqa: E402
 from agora_client.model import FullModel, build_full_model, trainable_parameter_count  # noqa: E402
-from agora_client.trainer.data import SequenceStream, Shard  # noqa: E402
+from agora_client.data.heldout import held_out_sample  # noqa: E402
+from agora_client.data.sources import Shard  # noqa: E402
+from agora_client.data.stream import TokenStream  # noqa: E402
+from agora_client.data.tokenizer import load_run_tokenizer  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -68,10 +71,11 @@ def main() -> int:
         print("--steps, --batch, --seq-len, --eval-batches and --threads must be positive", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    # Two shards of one corpus: training and held-out data never share a document.
-    train = SequenceStream(None, args.seq_len, Shard(0, 2), seed=args.seed).batches(args.batch)
-    held_out = SequenceStream(None, args.seq_len, Shard(1, 2), seed=args.seed).batches(args.batch)
-    eval_batches = [next(held_out) for _ in range(args.eval_batches)]
+    # The tiny run's data and tokenizer; its held-out documents never enter the training stream.
+    run = load_config("tiny", {"model": {"seq_len": args.seq_len}, "eval": {"sequences": args.eval_batches * args.batch}})
+    tokenizer = load_run_tokenizer(run)
+    train = TokenStream(run.data, run.eval, tokenizer, args.seq_len, Shard(0, 1), seed=args.seed).batches(args.batch)
+    eval_batches = list(held_out_sample(run, tokenizer).split(args.batch))
 
     runs = {name: make_model(name == "subspace", args.seq_len, args.seed) for name in ("dense", "subspace")}
     losses: dict[str, list[float]] = {name: [] for name in runs}

@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from agora_client.auth import (  # noqa: E402
     AdmissionPolicy, AuthServer, AuthService, ServiceSettings, TokenFileIdentity, swarm_status, write_demo_token_file,
 )
-from agora_client.auth.run_description import describe_run  # noqa: E402
+from agora_client.auth.run_description import TokenizerSummary, describe_run  # noqa: E402
+from agora_client.data.tokenizer import load_run_tokenizer  # noqa: E402
 from agora_client.frontend.stream import EventLine, StderrLine, read_runtime  # noqa: E402
 from agora_client.frontend.supervisor import RUNTIME_STOP_S, RuntimeProcess, runtime_command  # noqa: E402
 from agora_client.model.stages import param_counts  # noqa: E402
@@ -96,10 +97,12 @@ def main() -> None:
     seed = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         seeds = tuple(str(maddr) for maddr in seed.get_visible_maddrs())
-        run = describe_run(config, seeds, None, None)
+        tokenizer = load_run_tokenizer(config)  # the client checks the served tokenizer before it joins
+        run = describe_run(config, seeds, None, None, TokenizerSummary.of(tokenizer))
         with tempfile.TemporaryDirectory(prefix="stop_time_") as folder:
             token = write_demo_token_file(Path(folder) / "tokens.json", "alice")
-            settings = ServiceSettings(policy=AdmissionPolicy(stages=(STAGE,), pacing_s=0.0), seeds=seeds, run=run)
+            settings = ServiceSettings(policy=AdmissionPolicy(stages=(STAGE,), pacing_s=0.0), seeds=seeds, run=run,
+                                       tokenizer_json=tokenizer.content)
             service = AuthService(settings, TokenFileIdentity(Path(folder) / "tokens.json"), Path(folder) / "state")
             with AuthServer(service) as auth:
                 figures = asyncio.run(measure(auth.url, token, Path(folder) / "client"))

@@ -40,7 +40,7 @@ from agora_client.auth import (
     verify_ticket,
     write_demo_token_file,
 )
-from agora_client.auth.run_description import describe_run
+from agora_client.auth.run_description import TokenizerSummary, describe_run
 from agora_client.config import load_config
 from agora_client.events import AuthEvent, EventWriter, QueueEvent, parse_event
 
@@ -147,7 +147,9 @@ def test_stage_assignment_picks_the_emptiest_stage(tmp_path: Path):
 
 
 def test_a_gpu_is_given_only_a_stage_it_can_hold(tmp_path: Path):
-    run = describe_run(load_config("8b"), ("/ip4/127.0.0.1/tcp/4001/p2p/QmSeed",), None, None)
+    config = load_config("8b")
+    llama3 = TokenizerSummary("0" * 64, config.model.vocab_size, config.tokenizer.eos_token)  # offline: not fetched from the hub
+    run = describe_run(config, ("/ip4/127.0.0.1/tcp/4001/p2p/QmSeed",), None, None, llama3)
     gib = 1 << 30
     users = ["small", "mid1", "mid2", "large", "cpu"]
     with auth_service(tmp_path, users=users, run=run, max_workers_per_stage=1) as (server, tokens):

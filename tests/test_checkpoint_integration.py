@@ -2,8 +2,9 @@
 
 One trained swarm serves every test: it trains until the loss has clearly fallen, then stops (each
 stage writes a final checkpoint). The export of its newest set must give the same logits as its
-stages run in sequence; a second swarm resumed from the set must start near the last loss, far
-below the loss of a fresh start.
+stages run in sequence; its trainer's record in the set holds its data position and eval loss; a second
+swarm resumed from the set must start near the last loss, far below the loss of a fresh start, with its
+trainer's data continuing from the recorded position.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tests.test_checkpoints import assert_export_matches_stages
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 CHECKPOINT_PERIOD_S = 3.0
 LOSS_DROP = 1.0  # nats the first swarm must learn before it is stopped
+EVAL_EVERY_S = 10.0  # the newest eval loss is one taken well into training
 
 
 def _trainer_losses(swarm: LocalSwarm, *, running: bool = True) -> list[float]:
@@ -37,6 +39,7 @@ def trained(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("checkpoints")
     preset = yaml.safe_load((resources.files("agora_client") / "presets" / "tiny.yaml").read_text())
     preset["checkpoint"] = {"period_s": CHECKPOINT_PERIOD_S}
+    preset["eval"] = {**preset["eval"], "every_s": EVAL_EVERY_S}
     preset_path = run_dir / "tiny-checkpoints.yaml"
     preset_path.write_text(yaml.safe_dump(preset))
     store = str(run_dir / "checkpoints")
@@ -68,7 +71,15 @@ def test_export_equals_the_swarm(trained, tmp_path):
     assert_export_matches_stages(store, select_set(store), tmp_path / "hf", tmp_path / "cache")
 
 
-def test_a_stopped_swarm_resumes_near_its_last_loss(trained):
+def test_the_trainer_recorded_its_data_position_and_eval_loss_with_the_checkpoints(trained):
+    chosen = select_set(open_store(trained["store"]))
+    record = chosen.trainers["0/1"]
+    assert record["position"]["sequences"] == record["microbatches"] * 8  # just after the microbatches handed out
+    assert chosen.eval_loss is not None and chosen.eval_loss < trained["fresh"]
+
+
+def test_a_stopped_swarm_resumes_near_its_last_loss_and_continues_its_data(trained):
+    position = select_set(open_store(trained["store"])).trainers["0/1"]["position"]
     swarm = LocalSwarm(SwarmOptions(preset=trained["preset"], workers_per_stage=1, run_dir=trained["run_dir"] / "resumed",
                                     report_every=3.0, checkpoint_store=trained["store"], resume=True))
     try:
@@ -80,6 +91,8 @@ def test_a_stopped_swarm_resumes_near_its_last_loss(trained):
     restored = [event for event in events(trained["run_dir"] / "resumed" / "events" / "tail-0.jsonl")
                 if event["kind"] == "log" and "restored tail" in event["message"]]
     assert restored, "the tail worker did not start from its checkpoint"
+    resumed_at = f"resumed at pass {position['pass']}, sequence {position['sequences']}"
+    assert any(line.startswith("[DATA]") and resumed_at in line for line in swarm.trainers[0].lines()), resumed_at
     fresh, last = trained["fresh"], trained["last"]
     assert max(resumed) <= last + 0.5, (resumed, last)
     assert max(resumed) <= fresh - 0.75 * LOSS_DROP, (resumed, fresh)

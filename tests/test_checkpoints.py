@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from agora_client.checkpoints import CheckpointError, Retention, list_sets, parse_time, run_record, select_set
 from agora_client.checkpoints.export import export_set, load_set
@@ -17,6 +18,9 @@ from agora_client.checkpoints.writer import CheckpointWriter
 from agora_client.snapshots.background import BackgroundWriter
 from agora_client.cli import main
 from agora_client.config import load_config
+from agora_client.data.byte_tokenizer import byte_tokenizer_json
+from agora_client.data.heldout import held_out_sample
+from agora_client.data.tokenizer import load_run_tokenizer
 from agora_client.events import EventWriter
 from agora_client.model import build_stage
 from agora_client.snapshots import LocalStore, StoredSnapshot
@@ -35,9 +39,11 @@ def perturbed_stage(stage: str, seed: int, config=CONFIG):
     return module, torch.optim.AdamW(module.parameters())
 
 
-def save(store: LocalStore, stage: str, at: float, *, epoch: int = 1, seed: int = 0, loss: float | None = None, config=CONFIG):
+def save(store: LocalStore, stage: str, at: float, *, epoch: int = 1, seed: int = 0, loss: float | None = None, config=CONFIG,
+         record: dict | None = None):
+    """A checkpoint of ``stage``; ``record`` replaces the run record run_record(config) would write."""
     module, optimizer = perturbed_stage(stage, seed, config)
-    extra = {"run": run_record(config), "training": {"loss": loss}}
+    extra = {"run": record or run_record(config), "training": {"loss": loss}}
     return store.save(stage, module, optimizer, epoch, extra=extra, timestamp=at)
 
 
@@ -117,7 +123,7 @@ def test_checkpoints_command_lists_sets_with_stage_times_and_loss(tmp_path, caps
     assert all(set(s["stages"]) == set(CONFIG.model.stage_names) and not s["missing"] for s in sets)
     assert main(["checkpoints", "--store", str(tmp_path), "--at", str(T0 + 50)]) == 0
     table = capsys.readouterr().out
-    assert "loss 2.5000  complete" in table and table.count("epoch 1") == 4
+    assert "loss 2.5000  eval n/a  complete" in table and table.count("epoch 1") == 4  # no trainer record: no eval loss
 
 
 # -- bad input ---------------------------------------------------------------------------------------------
@@ -218,43 +224,139 @@ def test_worker_runtime_imports_neither_boto3_nor_transformers():
 # -- export ------------------------------------------------------------------------------------------------
 
 
-def pipeline_logits(stages: dict, tokens: torch.Tensor) -> torch.Tensor:
-    """The stages run in sequence in this process, as the trainer chains them over the network."""
+SAMPLE_TEXTS = [
+    "Grüße, world\n",
+    "日本語のテキスト 🙂 and naïve café",
+    "def f(x):\n\treturn {'a': x ** 2}  # comment\n",
+    "    \n\n\n        indented\t\t tabs   and  runs   ",
+    "",
+]
+BYTES_CONFIG = load_config("tiny", {"model": {"vocab_size": 256}, "tokenizer": {"source": "bytes", "sha256": None, "eos_token": None}})
+
+
+def pipeline_boundary(stages: dict, tokens: torch.Tensor) -> torch.Tensor:
+    """The stages before the tail run in sequence in this process, as the trainer chains them over the network."""
     names = list(stages)
+    boundary = stages[names[0]](tokens)
+    for name in names[1:-1]:
+        boundary = stages[name](boundary, tokens)
+    return boundary
+
+
+def pipeline_logits(stages: dict, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        boundary = stages[names[0]](tokens)
-        for name in names[1:-1]:
-            boundary = stages[name](boundary, tokens)
-        return stages[names[-1]].logits(boundary, tokens)
+        return stages[list(stages)[-1]].logits(pipeline_boundary(stages, tokens), tokens)
+
+
+def pipeline_loss(stages: dict, sample: torch.Tensor) -> float:
+    """The tail's own loss over [B, T+1] sequences: every position predicts the next token, mean over all of them."""
+    inputs, labels = sample[:, :-1], sample[:, 1:]
+    with torch.no_grad():
+        return stages[list(stages)[-1]](pipeline_boundary(stages, inputs), inputs, labels).mean().item()
+
+
+def exported_loss(model, sample: torch.Tensor) -> float:
+    """The same predictions by the Hugging Face model: logits of sample[:, :-1] against sample[:, 1:]."""
+    with torch.no_grad():
+        logits = model(sample[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), sample[:, 1:].reshape(-1)).item()
 
 
 def assert_export_matches_stages(store, chosen, out: Path, cache: Path) -> None:
+    """The export of ``chosen`` is the stages' model: the same logits, the run's tokenizer, the same held-out loss."""
     transformers = pytest.importorskip("transformers")
     export_set(store, chosen, out)
-    config, stages = load_set(store, chosen, cache)
+    run, stages = load_set(store, chosen, cache)
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(model).__name__ == "Olmo2ForCausalLM"
-    tokens = torch.randint(0, config.vocab_size, (2, config.seq_len), generator=torch.Generator().manual_seed(5))
+    tokens = torch.randint(0, run.model.vocab_size, (2, run.model.seq_len), generator=torch.Generator().manual_seed(5))
     ours = pipeline_logits(stages, tokens)
     with torch.no_grad():
         theirs = model(tokens).logits
     assert ours.abs().max() > 1.0  # far from uniform: a wrong weight would show
     torch.testing.assert_close(theirs, ours, atol=2e-4, rtol=1e-4)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
-    text = "Grüße, world\n"
-    assert tokenizer(text, add_special_tokens=False).input_ids == list(text.encode("utf-8"))
-    prompt = torch.tensor([list(b"The ")])
-    generated = model.generate(prompt, max_new_tokens=8, do_sample=False)
-    assert generated.shape == (1, 12) and torch.equal(generated[:, :4], prompt)
+    tokenizer = load_run_tokenizer(run)
+    assert_tokenizer_is_the_runs(transformers.AutoTokenizer.from_pretrained(out), tokenizer, model, out)
+    assert_generates_the_pipelines_tokens(transformers.AutoTokenizer.from_pretrained(out), model, stages)
+    sample = held_out_sample(run, tokenizer)
+    assert sample.shape[1] == run.model.seq_len + 1
+    # the logits agree within 2e-4, so each token's loss within 4e-4; predictions off by one token (or on other text)
+    # move the perturbed model's loss by 0.01 or more, hidden inside a 1% tolerance
+    assert exported_loss(model, sample) == pytest.approx(pipeline_loss(stages, sample), abs=1e-3)
 
 
-@pytest.mark.parametrize("subspace", [True, False], ids=["subspace", "dense"])
-def test_export_gives_the_same_logits_as_the_stages(tmp_path, subspace):
+def assert_tokenizer_is_the_runs(exported, tokenizer, model, out: Path) -> None:
+    assert (out / "tokenizer.json").read_bytes() == tokenizer.content
+    for text in SAMPLE_TEXTS:
+        ids = exported(text, add_special_tokens=False).input_ids
+        assert ids == tokenizer.encode(text), text
+        assert exported.decode(ids) == tokenizer.decode(ids) == text
+    if tokenizer.eos_token is None:  # bytes: documents end with a blank line, there is no end-of-document id
+        assert exported.eos_token is None and model.config.eos_token_id is None
+        return
+    eos_id = tokenizer.document_end[0]
+    assert exported.eos_token == tokenizer.eos_token and exported.eos_token_id == eos_id
+    assert model.config.eos_token_id == model.generation_config.eos_token_id == eos_id
+    joined = f"one document{tokenizer.eos_token}the next"
+    assert exported(joined, add_special_tokens=False).input_ids == tokenizer.encode(joined)
+    assert eos_id in tokenizer.encode(joined)
+
+
+def assert_generates_the_pipelines_tokens(exported, model, stages) -> None:
+    """Greedy generate() from a prompt the exported tokenizer encodes continues with the pipeline's next token."""
+    prompt = exported("def main():\n    ", return_tensors="pt")
+    length = prompt.input_ids.shape[1]
+    generated = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+    assert torch.equal(generated[:, :length], prompt.input_ids) and length < generated.shape[1] <= length + 8
+    assert generated[0, length] == pipeline_logits(stages, prompt.input_ids)[0, -1].argmax()
+
+
+def older_bytes_set(store: LocalStore) -> None:
+    """A set written before runs named a tokenizer: no "tokenizer" in its run record, byte-level ids."""
+    record = run_record(BYTES_CONFIG)
+    del record["tokenizer"]
+    full_set(store, T0, config=BYTES_CONFIG, record=record)
+
+
+@pytest.mark.parametrize("kind", ["subspace", "dense", "older bytes record"])
+def test_export_gives_the_same_logits_tokens_and_held_out_loss_as_the_stages(tmp_path, kind):
     store = LocalStore(tmp_path / "store")
-    full_set(store, T0, config=load_config("tiny", {"model": {"subspace": {"enabled": subspace}}}))
+    if kind == "older bytes record":
+        older_bytes_set(store)
+    else:
+        full_set(store, T0, config=load_config("tiny", {"model": {"subspace": {"enabled": kind == "subspace"}}}))
     assert_export_matches_stages(store, select_set(store), tmp_path / "hf", tmp_path / "cache")
     provenance = json.loads((tmp_path / "hf" / "agora_export.json").read_text())
     assert set(provenance["stages"]) == set(CONFIG.model.stage_names)
+    exported_source = provenance["run"]["tokenizer"]["source"]
+    assert exported_source == ("bytes" if kind == "older bytes record" else CONFIG.tokenizer.source)
+    if kind == "older bytes record":
+        assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == byte_tokenizer_json()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"tokenizer": {"source": "no-such-tokenizer.json", "sha256": None}}, "tokenizer file no-such-tokenizer.json not found"),
+    ({"tokenizer": {"source": "agora-test/no-such-tokenizer", "sha256": None}}, "this machine looks offline"),
+    ({"tokenizer": {"sha256": "0" * 64}}, "but the run config pins 0000"),
+    ({"model": {"vocab_size": 4096}}, "has 2,048 tokens but model.vocab_size is 4,096"),
+], ids=["missing file", "hub offline", "sha256 pin", "vocab size"])
+def test_export_fails_before_writing_anything_when_the_tokenizer_cannot_be_used(tmp_path, capsys, hub_offline, overrides, message):
+    store = LocalStore(tmp_path / "store")
+    full_set(store, T0, config=load_config("tiny", overrides))
+    assert main(["export", "--store", str(tmp_path / "store"), "--out", str(tmp_path / "out" / "hf")]) == 2
+    error = capsys.readouterr().err
+    assert "cannot export with the run's tokenizer" in error and message in error
+    assert list(tmp_path.iterdir()) == [tmp_path / "store"]  # no output, no staging directory, not even its parent
+
+
+def test_export_refuses_stages_that_record_different_tokenizers(tmp_path):
+    store = LocalStore(tmp_path)
+    full_set(store, T0)
+    unpinned = load_config("tiny", {"tokenizer": {"sha256": None}})  # the same model, another tokenizer record
+    save(store, "body2", T0 + 1, config=unpinned)
+    with pytest.raises(CheckpointError, match=r"body2 checkpoint records the tokenizer .*'sha256': None.* but the head checkpoint .*'sha256': 'f2290bf2"):
+        export_set(store, select_set(store, T0 + 1), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_export_command_picks_the_set_at_t(tmp_path, capsys):
@@ -262,7 +364,7 @@ def test_export_command_picks_the_set_at_t(tmp_path, capsys):
     older = full_set(store, T0)
     full_set(store, T0 + 3600)
     assert main(["export", "--store", str(tmp_path / "store"), "--at", str(T0 + 60), "--out", str(tmp_path / "hf")]) == 0
-    assert "[EXPORT]" in capsys.readouterr().out
+    assert f"tokenizer {CONFIG.tokenizer.source}" in capsys.readouterr().out
     provenance = json.loads((tmp_path / "hf" / "agora_export.json").read_text())
     assert {stage: entry["checkpoint"] for stage, entry in provenance["stages"].items()} == {s: c.name for s, c in older.items()}
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [

@@ -24,8 +24,9 @@ from agora_client.auth import (
     write_demo_token_file,
 )
 from agora_client.auth.client import authorize
-from agora_client.auth.run_description import describe_run
+from agora_client.auth.run_description import TokenizerSummary, describe_run
 from agora_client.config import load_config
+from agora_client.data.tokenizer import load_run_tokenizer
 from agora_client.discovery.roster import fetch_roster
 from agora_client.events import EventWriter
 from agora_client.joining.contributor import Contributor, ContributorOptions
@@ -67,8 +68,10 @@ def admitted(tmp_path):
     token = write_demo_token_file(tmp_path / "tokens.json", "alice")
     seed = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     seeds = tuple(str(maddr) for maddr in seed.get_visible_maddrs())
-    run = describe_run(config, seeds, None, None)
-    settings = ServiceSettings(policy=AdmissionPolicy(stages=(STAGE,), pacing_s=0.0), seeds=seeds, run=run)
+    tokenizer = load_run_tokenizer(config)
+    run = describe_run(config, seeds, None, None, TokenizerSummary.of(tokenizer))
+    settings = ServiceSettings(policy=AdmissionPolicy(stages=(STAGE,), pacing_s=0.0), seeds=seeds, run=run,
+                               tokenizer_json=tokenizer.content)
     try:
         with AuthServer(AuthService(settings, TokenFileIdentity(tmp_path / "tokens.json"), tmp_path / "state")) as auth:
             options = ContributorOptions(swarm_url=auth.url, run=run, config_dir=tmp_path / "client", host_port=0)

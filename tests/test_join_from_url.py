@@ -29,9 +29,11 @@ from agora_client.auth.presence import PresenceWatcher
 from agora_client.auth.key_proof import peer_id_of_public_key, sign_join
 from agora_client.auth.reachability import AnnounceError, advice, default_host_port, dial_back, parse_announce
 from agora_client.auth.run_description import (
-    RunChanged, RunDescriptionError, check_unchanged, describe_run, fetch_description, parse_description,
+    RunChanged, RunDescription, RunDescriptionError, TokenizerSummary, check_unchanged, describe_run, fetch_description,
+    parse_description,
 )
 from agora_client.config import load_config
+from agora_client.data.tokenizer import load_run_tokenizer
 from agora_client.events import MACHINE_CHECKS, EventWriter, PreflightEvent, ReachabilityEvent
 from agora_client.frontend.lines import LineFormatter
 from agora_client.snapshots import save_stage_snapshot, serve_directory
@@ -45,14 +47,22 @@ REPO = Path(__file__).resolve().parent.parent
 SEEDS = ("/ip4/127.0.0.1/tcp/4001/p2p/QmSeedA", "/ip4/127.0.0.1/tcp/4002/p2p/QmSeedB")
 
 
+def describe(preset: str, seeds: tuple[str, ...] = SEEDS, snapshot_url: str | None = None,
+             monitor_url: str | None = None) -> RunDescription:
+    """The preset's run description as the auth service makes it, with the preset's tokenizer."""
+    config = load_config(preset)
+    return describe_run(config, seeds, snapshot_url, monitor_url, TokenizerSummary.of(load_run_tokenizer(config)))
+
+
 @contextmanager
 def service(tmp_path: Path, *, dial_back_on: bool = False, key_proof_on: bool = False, config: str = "tiny2", **policy):
     token_file = tmp_path / "tokens.json"
     tokens = {name: write_demo_token_file(token_file, name) for name in ("alice", "bob")}
-    run = describe_run(load_config(config), SEEDS, "http://127.0.0.1:1/snaps", "http://127.0.0.1:2")
+    run = describe(config, SEEDS, "http://127.0.0.1:1/snaps", "http://127.0.0.1:2")
     policy = {"stages": run.config.model.stage_names, "pacing_s": 0.0, "max_pending_per_stage": 100, **policy}
     settings = ServiceSettings(policy=AdmissionPolicy(**policy), seeds=SEEDS, poll_every_s=0.05, run=run,
-                               dial_back=dial_back_on, dial_timeout_s=2.0, key_proof=key_proof_on)
+                               dial_back=dial_back_on, dial_timeout_s=2.0, key_proof=key_proof_on,
+                               tokenizer_json=load_run_tokenizer(run.config).content)
     auth = AuthService(settings, TokenFileIdentity(token_file), tmp_path / "state")
     with AuthServer(auth) as server:
         yield server, tokens
@@ -80,13 +90,13 @@ def test_description_carries_the_full_run_and_a_hash(tmp_path):
         run = fetch_description(server.url)
     assert run.config == load_config("tiny2") and run.config != load_config("tiny")
     assert run.seeds == SEEDS and run.snapshot_url == "http://127.0.0.1:1/snaps" and run.monitor_url == "http://127.0.0.1:2"
-    assert run.hash.startswith("sha256:") and run.hash == describe_run(load_config("tiny2"), SEEDS, run.snapshot_url, run.monitor_url).hash
-    other = describe_run(load_config("tiny"), SEEDS, run.snapshot_url, run.monitor_url)
+    assert run.hash.startswith("sha256:") and run.hash == describe("tiny2", SEEDS, run.snapshot_url, run.monitor_url).hash
+    other = describe("tiny", SEEDS, run.snapshot_url, run.monitor_url)
     assert other.hash != run.hash
 
 
 def test_a_description_that_does_not_match_its_hash_or_lacks_seeds_is_refused():
-    good = describe_run(load_config("tiny2"), SEEDS, None, None).to_json()
+    good = describe("tiny2").to_json()
     altered = json.loads(json.dumps(good))
     altered["config"]["optim"]["lr"] = 1.0
     with pytest.raises(RunDescriptionError, match="does not match its hash"):
@@ -105,7 +115,7 @@ def test_unreadable_description_and_a_changed_hash_are_clear_errors(tmp_path):
         joined = fetch_description(server.url)
         check_unchanged(server.url, joined)  # same run: no error
         auth = server.service
-        auth.settings = replace(auth.settings, run=describe_run(load_config("tiny"), SEEDS, None, None))
+        auth.settings = replace(auth.settings, run=describe("tiny"))
         with pytest.raises(RunChanged, match="changed while this worker ran"):
             check_unchanged(server.url, joined)
         auth.settings = replace(auth.settings, run=None)
@@ -304,7 +314,7 @@ def test_nvml_card_is_found_in_cuda_numbering_by_uuid_then_pci():
 
 
 def test_preflight_checks_measure_for_real(tmp_path):
-    run = describe_run(load_config("tiny2"), SEEDS, None, None)
+    run = describe("tiny2")
     assert check_gpu("cpu", "no --gpu given").status == "warn"
     assert check_host_ram(run, on_cpu=True).status in ("pass", "warn")
     disk = check_disk(run, tmp_path / "cfg")
@@ -324,7 +334,7 @@ def test_preflight_checks_measure_for_real(tmp_path):
 
 
 def test_the_machine_checks_run_in_the_order_the_event_contract_lists(tmp_path):
-    run = describe_run(load_config("tiny2"), (), None, None)
+    run = describe("tiny2", ())
     assert [check().check for check in machine_checks(run, "cpu", "no --gpu given", tmp_path)] == list(MACHINE_CHECKS)
 
 

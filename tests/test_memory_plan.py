@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from agora_client.auth.client import StageAssignment
-from agora_client.auth.run_description import describe_run
+from agora_client.auth.run_description import TokenizerSummary, describe_run
 from agora_client.config import ConfigError, load_config
 from agora_client.events import EventWriter
 from agora_client.frontend.lines import human_bytes
@@ -173,7 +173,9 @@ def test_preflight_applies_the_fit_checks_capability_rule(monkeypatch: pytest.Mo
 
 def test_preflight_needs_come_from_the_plan_of_the_smallest_stage(tmp_path: Path) -> None:
     """Before its stage is assigned, a joiner is refused only if it cannot hold even the smallest stage."""
-    run = describe_run(load_config("8b"), (), None, None)
+    config = load_config("8b")
+    llama3 = TokenizerSummary("0" * 64, config.model.vocab_size, config.tokenizer.eos_token)  # offline: not fetched from the hub
+    run = describe_run(config, (), None, None, llama3)
     plans = [plan_stage(run.config, stage) for stage in run.config.model.stage_names]
     smallest = min(plans, key=lambda plan: plan.snapshot)
     assert smallest.stage.startswith("body") and smallest.snapshot == 12 * min(param_counts(run.config.model).values())
@@ -235,7 +237,7 @@ def test_join_check_refuses_before_the_download_starts(tmp_path: Path, monkeypat
     assert JoinFit(load_config("tiny"), None, None, EventWriter(out), disk_dir=tmp_path).gpu is None  # a CPU worker: nothing to check
 
 
-def test_describe_8b_prints_counts_beside_the_documents_and_the_memory_plan(capsys: pytest.CaptureFixture[str]) -> None:
+def test_describe_8b_prints_counts_beside_the_documents_and_the_memory_plan(capsys: pytest.CaptureFixture[str], hub_offline) -> None:
     assert describe.run(argparse.Namespace(preset="8b", json=True)) == 0
     info = json.loads(capsys.readouterr().out)
     run = load_config("8b")

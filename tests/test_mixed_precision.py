@@ -19,7 +19,7 @@ from agora_client.worker.optimizer import OffloadAdamW, build_optimizer
 
 
 def _train(mixed: bool, steps: int) -> list[float]:
-    config = load_config("tiny", {"model": {"seq_len": 32}}).model
+    config = load_config("tiny", {"model": {"seq_len": 32, "vocab_size": 256}, "tokenizer": {"source": "bytes", "sha256": None}}).model
     model = build_full_model(config, seed=3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(0)

@@ -144,7 +144,7 @@ def test_olmo2_shape_of_a_dense_block() -> None:
     assert {"layers.1.attn_norm.weight", "layers.1.mlp_norm.weight"} <= set(names)
     tail = build_stage(tiny(False), "tail", seed=0)
     assert tail.lm_head.weight.data_ptr() != build_stage(tiny(False), "head", seed=0).embed.weight.data_ptr()
-    assert tail.lm_head.weight.shape == (256, 256)
+    assert tail.lm_head.weight.shape == (2048, 256)  # (vocab, d_model)
 
 
 @pytest.mark.parametrize("subspace", [True, False], ids=["subspace", "dense"])
@@ -192,8 +192,8 @@ def test_bad_inputs_fail_with_one_clear_error() -> None:
     config = tiny(True)
     head, body = build_stage(config, "head", seed=0), build_stage(config, "body1", seed=0)
     tokens = torch.randint(0, 256, (2, 8))
-    with pytest.raises(ValueError, match=r"must lie in \[0, 256\)"):
-        head(torch.full((2, 8), 300))
+    with pytest.raises(ValueError, match=r"must lie in \[0, 2048\)"):
+        head(torch.full((2, 8), 3000))
     with pytest.raises(ValueError, match="int64"):
         head(tokens.float())
     with pytest.raises(ValueError, match="subspace compression set the same"):

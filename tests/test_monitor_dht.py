@@ -3,6 +3,7 @@
 Forged records sit in the same DHT key as the real ones the whole time; the monitor's totals must
 equal exactly what the honest workers' counters say. Validating nodes refuse unsigned and badly signed
 entries at write time, so those reach a reader only through a permissive node near the key.
+The monitor's scraper also keeps the trainers' (unsigned) loss and eval-loss points, each once.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ from agora_client.monitor.records import (
     signed_dht_kwargs,
     write_identity_file,
 )
+from agora_client.monitor.scraper import Scraper
+from agora_client.monitor.store import PointsStore
+from agora_client.trainer.progress import ProgressPublisher
 from agora_client.worker.metrics import WorkerMetrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -277,3 +281,20 @@ def test_a_signed_worker_dht_keeps_the_progress_tracker_working(swarm, tmp_path)
         if tracker is not None:
             tracker.shutdown()
         dht.shutdown()
+
+
+def test_each_scrape_keeps_the_trainers_loss_and_eval_points_once(swarm, tmp_path):
+    trainer = ProgressPublisher(swarm.unsigned, ttl=TTL)
+    assert trainer.publish(4, 5.0, 100.0, eval_loss=5.3, eval_at=1000.0)
+    assert trainer.publish(8, 4.7, 100.0, eval_loss=5.3, eval_at=1000.0)  # the same evaluation, reported again
+    store = PointsStore(tmp_path / "points.sqlite")
+    scraper = Scraper(swarm.monitor, ["head"], store, swarm.public_key)
+    try:
+        wait_for(lambda: scraper.scrape_once() is not None and len(store.learning()["loss"]) == 2, timeout=30,
+                 message="the scraper never stored the trainer's two loss points")
+        scraper.scrape_once()  # the same record read again adds nothing
+        curves = store.learning()
+    finally:
+        store.close()
+    assert [loss for _, loss in curves["loss"]] == [5.0, 4.7]
+    assert curves["eval_loss"] == [(1000.0, 5.3)]

@@ -1,4 +1,5 @@
-"""The SQLite ledger and the leaderboard HTTP API: restarts lose no total and count nothing twice."""
+"""The SQLite ledger and the leaderboard HTTP API: restarts lose no total and count nothing twice; the learning
+curve keeps each trainer's point once and is served as stored."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from agora_client.discovery.progress_records import TrainerProgress
 from agora_client.monitor.estimate import fetch_confirmed
 from agora_client.monitor.http_api import LeaderboardServer
+from agora_client.monitor.learning import LearningPoint, learning_points
 from agora_client.monitor.leaderboard_cli import format_table
 from agora_client.monitor.points import PFLOP, Observation, PointsPolicy
 from agora_client.monitor.store import PointsStore
@@ -110,3 +113,49 @@ def test_leaderboard_cli_says_what_to_do_when_the_monitor_is_down():
     assert printed.returncode == 1
     assert "could not reach the monitor" in printed.stderr and "Traceback" not in printed.stderr
     assert format_table([]).startswith("No contributors yet")
+
+
+def learning_point(trainer: str, series: str, ts: float, value: float) -> LearningPoint:
+    return LearningPoint(trainer=trainer, series=series, ts=ts, value=value)
+
+
+def test_learning_points_are_kept_once_and_survive_a_restart(tmp_path):
+    db = tmp_path / "points.sqlite"
+    store = PointsStore(db, POLICY)
+    first = [learning_point("t1", "loss", 10.0, 5.0), learning_point("t1", "eval_loss", 12.0, 5.3),
+             learning_point("t2", "loss", 11.0, 4.8)]
+    assert store.record_learning(first) == 3
+    # the next scrape reads the same histories again, with one new point of each series
+    again = [*first, learning_point("t1", "loss", 20.0, 4.5), learning_point("t1", "eval_loss", 22.0, 5.1)]
+    assert store.record_learning(again) == 2
+    store.close()
+
+    store = PointsStore(db, POLICY)  # the monitor restarted
+    assert store.record_learning(again) == 0
+    assert store.learning() == {"loss": [(10.0, 5.0), (11.0, 4.8), (20.0, 4.5)], "eval_loss": [(12.0, 5.3), (22.0, 5.1)]}
+    store.close()
+
+
+def test_learning_points_come_from_the_trainers_histories_without_non_finite_losses():
+    records = [
+        TrainerProgress(peer_id="t1", microbatches=4, loss=4.0, history=[(1.0, 5.0), (2.0, float("nan"))],
+                        eval_loss=4.2, eval_history=[(1.5, 4.2)], ts=2.0),
+        TrainerProgress(peer_id="t2", microbatches=2, history=[(3.0, float("inf"))], ts=3.0),
+    ]
+    assert learning_points(records) == [learning_point("t1", "loss", 1.0, 5.0), learning_point("t1", "eval_loss", 1.5, 4.2)]
+
+
+def test_learning_endpoint_serves_the_stored_curves(tmp_path):
+    store = PointsStore(tmp_path / "points.sqlite", POLICY)
+    server = LeaderboardServer(store, "127.0.0.1", 0).start()
+    try:
+        empty = httpx.get(f"{server.url}/learning", timeout=5)
+        store.record_learning([learning_point("t2", "loss", 11.0, 4.8), learning_point("t1", "loss", 10.0, 5.0),
+                               learning_point("t1", "eval_loss", 12.0, 5.3)])
+        reply = httpx.get(f"{server.url}/learning", timeout=5)
+    finally:
+        server.stop()
+        store.close()
+    assert empty.status_code == 200 and empty.json() == {"loss": [], "eval_loss": []}
+    assert reply.status_code == 200
+    assert reply.json() == {"loss": [[10.0, 5.0], [11.0, 4.8]], "eval_loss": [[12.0, 5.3]]}  # merged, oldest first

@@ -29,8 +29,9 @@ from agora_client.auth import (
     swarm_status,
     write_demo_token_file,
 )
-from agora_client.auth.run_description import describe_run
+from agora_client.auth.run_description import TokenizerSummary, describe_run
 from agora_client.config import load_config
+from agora_client.data.tokenizer import load_run_tokenizer
 from agora_client.model import build_stage
 from agora_client.snapshots import save_stage_snapshot
 from agora_client.snapshots.server import RangeRequestHandler, serve_directory
@@ -64,6 +65,7 @@ def _group_alive(pgid: int) -> list[int]:
 
 def test_ctrl_c_during_the_download_stops_within_5s_and_frees_the_slot(tmp_path):
     config = load_config("tiny")
+    tokenizer = load_run_tokenizer(config)  # the client checks the served tokenizer before it joins
     module = build_stage(config.model, "head", seed=0)
     save_stage_snapshot(tmp_path / "snaps", "head", module, torch.optim.AdamW(module.parameters()), epoch=3, keep=1)
     token_file = tmp_path / "tokens.json"
@@ -74,7 +76,8 @@ def test_ctrl_c_during_the_download_stops_within_5s_and_frees_the_slot(tmp_path)
         with serve_directory(tmp_path / "snaps", handler=Trickle) as snapshots:
             settings = ServiceSettings(
                 policy=AdmissionPolicy(stages=tuple(config.model.stage_names), pacing_s=0.0),
-                snapshot_url=snapshots.url, seeds=seeds, run=describe_run(config, seeds, snapshots.url, None),
+                snapshot_url=snapshots.url, seeds=seeds, tokenizer_json=tokenizer.content,
+                run=describe_run(config, seeds, snapshots.url, None, TokenizerSummary.of(tokenizer)),
             )
             with AuthServer(AuthService(settings, TokenFileIdentity(token_file), tmp_path / "state")) as auth:
                 client = subprocess.Popen(

@@ -156,7 +156,7 @@ def test_only_blocks_whose_output_crosses_a_boundary_are_constrained() -> None:
         assert block.attn_norm.weight is not None and block.mlp_norm.weight is not None
 
 
-def test_describe_8b_reports_k_51_and_about_100x(capsys: pytest.CaptureFixture[str]) -> None:
+def test_describe_8b_reports_k_51_and_about_100x(capsys: pytest.CaptureFixture[str], hub_offline) -> None:
     assert describe.run(argparse.Namespace(preset="8b", json=True)) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["k"] == 51 and info["d_model"] == 5120

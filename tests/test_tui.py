@@ -61,7 +61,10 @@ async def test_every_panel_follows_an_active_stream_and_q_stops_the_child():
         swarm_chart = app.query_one("#swarm .chart")
         assert swarm_chart.data == [loss for _, loss in last_swarm["loss_history"]]
         assert swarm_chart.display and swarm_chart.data[-1] < swarm_chart.data[0]
-        assert "2 trainer(s)" in shown(app.query_one("#swarm .detail"))
+        swarm_detail = shown(app.query_one("#swarm .detail"))
+        assert "2 trainer(s)" in swarm_detail
+        # the held-out eval loss beside it, with its trend over the evaluations
+        assert f"loss {last_swarm['loss']:.4f} · eval {last_swarm['eval_loss']:.4f} ↓ 0.484 over 3 evals" in swarm_detail
         # requests per minute and bandwidth, one chart point per traffic sample
         traffic = [line for line in (FIXTURES / "active.jsonl").read_text().splitlines() if '"kind":"traffic"' in line]
         assert len(app.query_one("#training .chart-backward").data) == len(traffic)

@@ -8,13 +8,14 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from agora_client.config import ConfigError, load_config
+from agora_client.config import ConfigError, RunConfig, load_config
+from agora_client.data.tokenizer import TokenizerError, load_run_tokenizer
 from agora_client.system.lifetime import stop_on_signals
 
 from .admission import AdmissionPolicy
 from .identity import HuggingFaceIdentity, IdentityError, IdentitySource, TokenFileIdentity
 from .presence import DhtRosters, PresenceWatcher
-from .run_description import describe_run
+from .run_description import TokenizerSummary, describe_run
 from .server import AuthServer, AuthService, ServiceSettings
 
 READY_PREFIX = "[AUTH] listening on "
@@ -82,29 +83,35 @@ def _object_store_links(location: str | None) -> Callable[[str], str | None] | N
     return links
 
 
+def build_settings(args: argparse.Namespace, config: RunConfig) -> ServiceSettings:
+    """The service's settings: admission policy, snapshot links, and the run description with the run's tokenizer."""
+    policy = AdmissionPolicy(
+        stages=config.model.stage_names, max_workers_per_stage=args.max_workers_per_stage,
+        per_identity_cap=args.per_identity_cap, pacing_s=args.pacing, max_pending_per_stage=args.max_pending,
+        integration_timeout_s=args.integration_timeout, ticket_ttl_s=args.ticket_ttl,
+    )
+    seeds = tuple(args.seeds)
+    links = _object_store_links(args.snapshot_url)
+    tokenizer = load_run_tokenizer(config)  # joiners check the served file against the description's sha256
+    return ServiceSettings(
+        policy=policy, snapshot_url=None if links else args.snapshot_url, seeds=seeds, snapshot_links=links,
+        run=describe_run(config, seeds, args.snapshot_url, args.monitor_url, TokenizerSummary.of(tokenizer)),
+        tokenizer_json=tokenizer.content, dial_back=args.dial_back, dial_timeout_s=args.dial_timeout, key_proof=True,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     stop = stop_on_signals()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config)
-        stages = config.model.stage_names
-        policy = AdmissionPolicy(
-            stages=stages, max_workers_per_stage=args.max_workers_per_stage, per_identity_cap=args.per_identity_cap,
-            pacing_s=args.pacing, max_pending_per_stage=args.max_pending,
-            integration_timeout_s=args.integration_timeout, ticket_ttl_s=args.ticket_ttl,
-        )
-        seeds = tuple(args.seeds)
-        links = _object_store_links(args.snapshot_url)
-        settings = ServiceSettings(
-            policy=policy, snapshot_url=None if links else args.snapshot_url, seeds=seeds, snapshot_links=links,
-            run=describe_run(config, seeds, args.snapshot_url, args.monitor_url),
-            dial_back=args.dial_back, dial_timeout_s=args.dial_timeout, key_proof=True,
-        )
+        settings = build_settings(args, config)
         service = AuthService(settings, build_identity_source(args), args.state_dir)
         server = AuthServer(service, args.host, args.port)
-    except (ConfigError, IdentityError, ValueError, OSError) as error:
-        print(f"[AUTH] cannot start the auth service: {error}", file=sys.stderr)
+    except (ConfigError, TokenizerError, IdentityError, ValueError, OSError) as error:
+        print(f"[ERROR] cannot start the auth service: {error}", file=sys.stderr)
         return 2
+    stages, seeds, policy = config.model.stage_names, settings.seeds, settings.policy
     if len(seeds) < 2:
         print(f"[AUTH] warning: {len(seeds)} seed(s) given; give two or more (--seed) so joiners survive a seed going down",
               file=sys.stderr, flush=True)
@@ -118,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PUBLIC_KEY_PREFIX}{service.public_key}", flush=True)
         print(f"[AUTH] identities: {service.identities.describe()}; stages {', '.join(stages)}, "
               f"{policy.max_workers_per_stage} slots each; run {config.name} {settings.run.hash[:19]}", flush=True)
+        print(f"[AUTH] tokenizer {config.tokenizer.source}: sha256 {settings.run.tokenizer.sha256[:16]}, "
+              f"{settings.run.tokenizer.vocab_size:,} tokens, served at {server.url}/v1/tokenizer", flush=True)
         stop.wait()
     if watcher is not None:
         watcher.close()

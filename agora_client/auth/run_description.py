@@ -1,24 +1,30 @@
 """The run description: everything a joiner needs to know about a swarm, served by its auth service.
 
 ``GET /v1/run`` answers ``{"v": 1, "config": {...}, "seeds": [...], "snapshot_url": ..., "monitor_url": ...,
-"hash": "sha256:<hex>"}``. ``config`` is the full run config (model shapes, stage split, optimizer and
-batch targets, SPARTA, sync phases); the hash covers every other field, so a client can tell that the
-swarm it joined is still the same run (``watch`` re-reads it while the worker runs).
+"tokenizer": {"sha256": ..., "vocab_size": ..., "eos_token": ...}, "hash": "sha256:<hex>"}``. ``config`` is the
+full run config (model shapes, stage split, optimizer and batch targets, SPARTA, sync phases); the hash covers
+every other field, so a client can tell that the swarm it joined is still the same run (``watch`` re-reads it
+while the worker runs). ``GET /v1/tokenizer`` serves the tokenizer's JSON file; ``fetch_tokenizer`` checks it
+against the description's sha256 and the model's vocabulary.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from agora_client.config import ConfigError, RunConfig, parse_config
+from agora_client.data.tokenizer import MAX_TOKENIZER_BYTES, RunTokenizer, TokenizerError, from_served
 
 DESCRIPTION_VERSION = 1
 RUN_PATH = "/v1/run"
+TOKENIZER_PATH = "/v1/tokenizer"
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class RunDescriptionError(Exception):
@@ -30,21 +36,40 @@ class RunChanged(RunDescriptionError):
 
 
 @dataclass(frozen=True)
+class TokenizerSummary:
+    """What the description says of the run's tokenizer: the served file must hash to ``sha256``."""
+
+    sha256: str
+    vocab_size: int
+    eos_token: str | None
+
+    @classmethod
+    def of(cls, tokenizer: RunTokenizer) -> "TokenizerSummary":
+        return cls(tokenizer.sha256, tokenizer.vocab_size, tokenizer.eos_token)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sha256": self.sha256, "vocab_size": self.vocab_size, "eos_token": self.eos_token}
+
+
+@dataclass(frozen=True)
 class RunDescription:
     config: RunConfig
     seeds: tuple[str, ...]
     snapshot_url: str | None
     monitor_url: str | None
+    tokenizer: TokenizerSummary
     hash: str
 
     def to_json(self) -> dict[str, Any]:
-        return {**_content(self.config, self.seeds, self.snapshot_url, self.monitor_url), "hash": self.hash}
+        return {**_content(self.config, self.seeds, self.snapshot_url, self.monitor_url, self.tokenizer), "hash": self.hash}
 
 
-def describe_run(config: RunConfig, seeds: tuple[str, ...], snapshot_url: str | None, monitor_url: str | None) -> RunDescription:
+def describe_run(
+    config: RunConfig, seeds: tuple[str, ...], snapshot_url: str | None, monitor_url: str | None, tokenizer: TokenizerSummary,
+) -> RunDescription:
     """The description the auth service serves, with its content hash."""
-    content = _content(config, seeds, snapshot_url, monitor_url)
-    return RunDescription(config, tuple(seeds), snapshot_url, monitor_url, content_hash(content))
+    content = _content(config, seeds, snapshot_url, monitor_url, tokenizer)
+    return RunDescription(config, tuple(seeds), snapshot_url, monitor_url, tokenizer, content_hash(content))
 
 
 def content_hash(content: dict[str, Any]) -> str:
@@ -69,10 +94,32 @@ def parse_description(data: Any, source: str) -> RunDescription:
         config = parse_config(data.get("config"), f"served by {source}")
     except ConfigError as error:
         raise RunDescriptionError(f"{error}\nthis client cannot run that config; update the client or tell the operator") from None
-    content = _content(config, tuple(seeds), data.get("snapshot_url"), data.get("monitor_url"))
+    tokenizer = _parse_tokenizer(data.get("tokenizer"), config, source)
+    content = _content(config, tuple(seeds), data.get("snapshot_url"), data.get("monitor_url"), tokenizer)
     if data.get("hash") != content_hash(content):
         raise RunDescriptionError(f"{source}: the run description does not match its hash (altered in transit?); try again")
-    return RunDescription(config, tuple(seeds), data.get("snapshot_url"), data.get("monitor_url"), data["hash"])
+    return RunDescription(config, tuple(seeds), data.get("snapshot_url"), data.get("monitor_url"), tokenizer, data["hash"])
+
+
+def _parse_tokenizer(data: Any, config: RunConfig, source: str) -> TokenizerSummary:
+    """The description's tokenizer section, whose vocabulary must be the model's."""
+    fields = data if isinstance(data, dict) else {}
+    sha256, vocab_size, eos_token = fields.get("sha256"), fields.get("vocab_size"), fields.get("eos_token")
+    if (
+        not isinstance(sha256, str) or not _SHA256.match(sha256)
+        or not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size <= 0
+        or not (eos_token is None or isinstance(eos_token, str))
+    ):
+        raise RunDescriptionError(
+            f"{source}: the run description names no usable tokenizer (tokenizer.sha256, vocab_size, eos_token); "
+            "its auth service may be older than this client: tell the swarm's operator"
+        )
+    if vocab_size != config.model.vocab_size:
+        raise RunDescriptionError(
+            f"{source}: the run's tokenizer has {vocab_size:,} tokens but its model.vocab_size is "
+            f"{config.model.vocab_size:,}; the swarm is misconfigured: tell the swarm's operator"
+        )
+    return TokenizerSummary(sha256, vocab_size, eos_token)
 
 
 def fetch_description(swarm_url: str, *, client: httpx.Client | None = None, timeout_s: float = 15.0) -> RunDescription:
@@ -106,11 +153,48 @@ def check_unchanged(swarm_url: str, joined: RunDescription, *, client: httpx.Cli
         )
 
 
-def _content(config: RunConfig, seeds: tuple[str, ...], snapshot_url: str | None, monitor_url: str | None) -> dict[str, Any]:
+def fetch_tokenizer(swarm_url: str, run: RunDescription, *, timeout_s: float = 30.0) -> RunTokenizer:
+    """The tokenizer the swarm serves, refused unless it hashes to the description's sha256 and fits the model."""
+    url = f"{swarm_url.rstrip('/')}{TOKENIZER_PATH}"
+    content = _download_tokenizer(url, timeout_s)
+    try:
+        return from_served(run.config, content, run.tokenizer.sha256, where=url)
+    except TokenizerError as error:
+        raise RunDescriptionError(f"the swarm's tokenizer cannot be used, so this worker does not join: {error}") from None
+
+
+def _download_tokenizer(url: str, timeout_s: float) -> bytes:
+    """The served file's bytes, read up to MAX_TOKENIZER_BYTES."""
+    content = bytearray()
+    try:
+        with httpx.stream("GET", url, timeout=timeout_s) as response:
+            if response.status_code != 200:
+                raise RunDescriptionError(
+                    f"{url} answered HTTP {response.status_code}: the swarm's auth service does not serve the run's "
+                    "tokenizer; it may be older than this client: tell the swarm's operator"
+                )
+            for chunk in response.iter_bytes():
+                content += chunk
+                if len(content) > MAX_TOKENIZER_BYTES:
+                    raise RunDescriptionError(
+                        f"{url} sent more than {MAX_TOKENIZER_BYTES >> 20} MiB, more than any tokenizer file: "
+                        "not joining; tell the swarm's operator"
+                    )
+    except httpx.HTTPError as error:
+        raise RunDescriptionError(
+            f"could not download the run's tokenizer from {url} ({type(error).__name__}); check your network and try again"
+        ) from None
+    return bytes(content)
+
+
+def _content(
+    config: RunConfig, seeds: tuple[str, ...], snapshot_url: str | None, monitor_url: str | None, tokenizer: TokenizerSummary,
+) -> dict[str, Any]:
     return {
         "v": DESCRIPTION_VERSION,
         "config": config.model_dump(mode="json"),
         "seeds": list(seeds),
         "snapshot_url": snapshot_url,
         "monitor_url": monitor_url,
+        "tokenizer": tokenizer.to_json(),
     }

@@ -2,6 +2,7 @@
 
 JSON API (every answer is a JSON object with ``status``):
   GET  /v1/run                                -> the run description (run_description.py); 503 if none is set
+  GET  /v1/tokenizer                          -> the run's tokenizer.json, whose sha256 the description gives; 503 if none
   POST /v1/join    {token, peer_id, port, announce?, gpu_memory_bytes?, peer_key?, signed_at?, key_proof?}
                                               -> 200 authorized | 200 queued | 403 rejected | 409 unreachable | 400 | 401 | 503
   POST /v1/join/poll {queue_id, peer_id}      -> as /v1/join; 404 if the queue place is gone
@@ -27,11 +28,13 @@ import secrets
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
+
+from agora_client.data.tokenizer import sha256_of
 
 from .admission import AdmissionPolicy, Decision, Queued, Rejected, SlotBook, UnknownQueueEntry
 from .bindings import PeerBindings
@@ -65,6 +68,8 @@ class ServiceSettings:
     dial_timeout_s: float = 5.0
     key_proof: bool = False
     """Admit only joins signed by the key of the peer id they name (the CLI turns this on)."""
+    tokenizer_json: bytes | None = field(default=None, repr=False)
+    """The run's tokenizer file (``RunTokenizer.content``), served to joiners; it must hash to ``run.tokenizer.sha256``."""
 
     def snapshot_url_for(self, stage: str) -> str | None:
         if self.snapshot_links is not None:
@@ -90,6 +95,7 @@ class AuthService:
     """
 
     def __init__(self, settings: ServiceSettings, identities: IdentitySource, state_dir: Path):
+        _check_tokenizer_matches(settings)
         self.settings = settings
         self.identities = identities
         self.state_dir = Path(state_dir)
@@ -108,6 +114,11 @@ class AuthService:
         if self.settings.run is None:
             raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "this auth service was started without a run description")
         return self.settings.run.to_json()
+
+    def tokenizer_json(self) -> bytes:
+        if self.settings.tokenizer_json is None:
+            raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "this auth service was started without the run's tokenizer")
+        return self.settings.tokenizer_json
 
     def join(self, body: dict[str, Any], source: str = "127.0.0.1") -> tuple[HTTPStatus, dict[str, Any]]:
         token = _field(body, "token", str)
@@ -369,6 +380,11 @@ class _AuthHandler(BaseHTTPRequestHandler):
                 self._reply(HTTPStatus.OK, self.service.run_description())
             except RequestError as error:
                 self._reply(error.status, {"status": "error", "error": str(error)})
+        elif path == "/v1/tokenizer":
+            try:
+                self._send(HTTPStatus.OK, self.service.tokenizer_json())  # the file as it is: its sha256 is checked
+            except RequestError as error:
+                self._reply(error.status, {"status": "error", "error": str(error)})
         else:
             self._reply(HTTPStatus.NOT_FOUND, {"status": "error", "error": f"no such endpoint: GET {self.path.split('?')[0]}"})
 
@@ -407,7 +423,9 @@ class _AuthHandler(BaseHTTPRequestHandler):
         return body
 
     def _reply(self, status: HTTPStatus, payload: dict[str, Any]) -> None:
-        data = json.dumps(payload).encode("utf-8")
+        self._send(status, json.dumps(payload).encode("utf-8"))
+
+    def _send(self, status: HTTPStatus, data: bytes) -> None:
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -432,6 +450,17 @@ def _peer_id(body: dict[str, Any]) -> str:
     if not PEER_ID.match(peer_id):
         raise RequestError(HTTPStatus.BAD_REQUEST, "peer_id must be 1-128 letters, digits or . _ : - (a libp2p peer id)")
     return peer_id
+
+
+def _check_tokenizer_matches(settings: ServiceSettings) -> None:
+    """Refuse to serve a tokenizer file other than the one the run description pins."""
+    if settings.run is None or settings.tokenizer_json is None:
+        return
+    if sha256_of(settings.tokenizer_json) != settings.run.tokenizer.sha256:
+        raise ValueError(
+            f"the tokenizer file to serve has sha256 {sha256_of(settings.tokenizer_json)[:16]}..., but the run description "
+            f"says {settings.run.tokenizer.sha256[:16]}...: describe the run with the tokenizer it serves"
+        )
 
 
 def _load_or_create_secret(path: Path) -> bytes:

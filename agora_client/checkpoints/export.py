@@ -1,11 +1,11 @@
 """`agora export`: a consistent checkpoint set as one Hugging Face model directory, streamed stage by stage.
 
 The directory holds config.json (Olmo2ForCausalLM), the dense weights in safetensors shards (``model.safetensors``,
-or ``model-0000N-of-0000M.safetensors`` plus ``model.safetensors.index.json`` above the shard size), the byte-level
-tokenizer files and agora_export.json (which checkpoint each stage came from). Only each stage's weights file is
-fetched; one stage at a time is loaded, folded into OLMo2 tensors and written, so the host holds at most the
-largest stage plus one shard. The directory is built in a temporary sibling and renamed into place, so ``--out``
-is either complete or absent.
+or ``model-0000N-of-0000M.safetensors`` plus ``model.safetensors.index.json`` above the shard size), the run's
+tokenizer (the very tokenizer.json the trainers used, with its tokenizer_config.json) and agora_export.json (which
+checkpoint each stage came from). Only each stage's weights file is fetched; one stage at a time is loaded, folded
+into OLMo2 tensors and written, so the host holds at most the largest stage plus one shard. The directory is built
+in a temporary sibling and renamed into place, so ``--out`` is either complete or absent.
 """
 
 from __future__ import annotations
@@ -20,28 +20,61 @@ from pathlib import Path
 
 import torch
 
-from agora_client.config import ModelConfig
+from agora_client.config import ConfigError, ModelConfig, RunConfig, TokenizerConfig, parse_config
+from agora_client.data.tokenizer import (RunTokenizer, TokenizerError, describe_tokenizer, load_run_tokenizer,
+                                         tokenizer_config_json)
 from agora_client.model import StageModule
 from agora_client.snapshots import SnapshotError, SnapshotStore, open_store
 
 from .olmo2 import ExportError, check_layers, olmo2_config, olmo2_stage_tensors
-from .sets import DEFAULT_STORE, CheckpointError, CheckpointSet, format_time, parse_time, select_set
+from .sets import DEFAULT_STORE, RUN_KEY, CheckpointError, CheckpointSet, format_time, parse_time, select_set
 from .shards import DEFAULT_MAX_SHARD_BYTES, ShardWriter, parse_size
 from .stage_weights import load_stage_weights
-from .tokenizer import BYTES, write_tokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_DTYPE = "fp32"  # lossless: the trained float32 weights as they are; bf16 (half the bytes) is a choice
 
 
-def load_set(store: SnapshotStore, checkpoints: CheckpointSet, cache: Path) -> tuple[ModelConfig, dict[str, StageModule]]:
-    """Every stage of the set loaded at once, from its weights file (hashes and shapes verified).
+def set_run_config(checkpoints: CheckpointSet) -> RunConfig:
+    """The set's run as a RunConfig: its name, seed, model and tokenizer (a record without one: the byte-level
+    tokenizer, as before runs named theirs). Data and evaluation are not recorded: they keep their defaults."""
+    run = checkpoints.run()  # the members agree on seed and model
+    tokenizers = {stage: TokenizerConfig.model_validate(manifest[RUN_KEY].get("tokenizer", {}))
+                  for stage, manifest in checkpoints.manifests.items()}
+    tokenizer = tokenizers[checkpoints.expected[0]]
+    odd = [stage for stage, other in tokenizers.items() if other != tokenizer]
+    if odd:
+        raise CheckpointError(
+            f"the {', '.join(odd)} checkpoint records the tokenizer {tokenizers[odd[0]].model_dump()} but the "
+            f"{checkpoints.expected[0]} checkpoint {tokenizer.model_dump()}: these stages were not trained on the same tokens"
+        )
+    try:
+        return parse_config({"name": run["name"], "seed": run["seed"], "model": run["model"],
+                             "tokenizer": tokenizer.model_dump(mode="json")})
+    except ConfigError as error:
+        raise CheckpointError(f"the checkpoints' run record is not a valid run config: {error}") from None
 
-    For comparing an export with the stages it came from; the export itself holds one stage at a time."""
-    run = checkpoints.run()
-    config = ModelConfig.model_validate(run["model"])
-    return config, {stage: load_stage_weights(store, checkpoints.members[stage], config, run["seed"], cache)
-                    for stage in config.stage_names}
+
+def load_set(store: SnapshotStore, checkpoints: CheckpointSet, cache: Path) -> tuple[RunConfig, dict[str, StageModule]]:
+    """The set's run config and every stage of the set loaded at once, from its weights file (hashes and shapes
+    verified). For comparing an export with the stages it came from; the export itself holds one stage at a time."""
+    run = set_run_config(checkpoints)
+    return run, {stage: load_stage_weights(store, checkpoints.members[stage], run.model, run.seed, cache)
+                 for stage in run.model.stage_names}
+
+
+def export_tokenizer(run: RunConfig) -> RunTokenizer:
+    """The run's tokenizer, loaded and checked as the trainers load it (sha256 pin, vocabulary size)."""
+    try:
+        return load_run_tokenizer(run)
+    except TokenizerError as error:
+        raise CheckpointError(f"cannot export with the run's tokenizer: {error}") from None
+
+
+def write_tokenizer(directory: Path, tokenizer: RunTokenizer, model_max_length: int) -> None:
+    """tokenizer.json byte for byte as the trainers read it, and transformers' tokenizer_config.json beside it."""
+    (directory / "tokenizer.json").write_bytes(tokenizer.content)
+    (directory / "tokenizer_config.json").write_text(tokenizer_config_json(tokenizer, model_max_length), encoding="utf-8")
 
 
 def write_weights(store: SnapshotStore, checkpoints: CheckpointSet, config: ModelConfig, directory: Path,
@@ -73,19 +106,21 @@ def export_set(store: SnapshotStore, checkpoints: CheckpointSet, out: Path, *, d
     out = Path(out)
     if out.exists():
         raise CheckpointError(f"{out} already exists; choose another --out or remove it first")
+    run = set_run_config(checkpoints)
+    tokenizer = export_tokenizer(run)  # before anything is written: a tokenizer that cannot load fails the export
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))  # same file system: rename is atomic
     try:
-        config = ModelConfig.model_validate(checkpoints.run()["model"])
-        if config.vocab_size < BYTES:
-            raise CheckpointError(f"vocab_size {config.vocab_size} cannot hold the byte-level tokenizer's {BYTES} tokens")
+        config = run.model
         write_weights(store, checkpoints, config, staging, DTYPES[dtype], max_shard_bytes)
-        _write_json(staging / "config.json", olmo2_config(config, DTYPES[dtype]))
-        _write_json(staging / "generation_config.json", {"do_sample": False})
-        write_tokenizer(staging, config.seq_len)
+        eos = _eos_token_id(tokenizer)
+        _write_json(staging / "config.json", olmo2_config(config, DTYPES[dtype], eos))
+        # pad = eos: generate() pads finished sequences of a batch with it (OLMo2's own generation config has one)
+        _write_json(staging / "generation_config.json", {"do_sample": False, "eos_token_id": eos, "pad_token_id": eos})
+        write_tokenizer(staging, tokenizer, config.seq_len)
         _write_json(staging / "agora_export.json", {
             "at": format_time(checkpoints.at),
-            "run": checkpoints.run(),
+            "run": checkpoints.run() | {"tokenizer": describe_tokenizer(tokenizer)},
             "loss": checkpoints.loss,
             "dtype": dtype,
             "stages": {stage: {"checkpoint": snapshot.name, "time": format_time(snapshot.timestamp), "epoch": snapshot.epoch}
@@ -99,6 +134,11 @@ def export_set(store: SnapshotStore, checkpoints: CheckpointSet, out: Path, *, d
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def _eos_token_id(tokenizer: RunTokenizer) -> int | None:
+    """The id that ends a document, where the tokenizer has one (the byte-level one ends documents with a blank line)."""
+    return None if tokenizer.eos_token is None else tokenizer.backend.token_to_id(tokenizer.eos_token)
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -133,5 +173,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     stages = ", ".join(f"{stage} {format_time(snapshot.timestamp)}" for stage, snapshot in checkpoints.members.items())
     shards = len(list(out.glob("model*.safetensors")))
-    print(f"[EXPORT] {out}: Olmo2ForCausalLM in {args.dtype}, {shards} shard(s), from the set at {format_time(checkpoints.at)} ({stages})")
+    tokenizer = set_run_config(checkpoints).tokenizer.source
+    print(f"[EXPORT] {out}: Olmo2ForCausalLM in {args.dtype}, {shards} shard(s), tokenizer {tokenizer}, "
+          f"from the set at {format_time(checkpoints.at)} ({stages})")
     return 0

@@ -1,4 +1,4 @@
-"""`agora checkpoints`: the consistent checkpoint sets in a store, per-stage times and the loss around each."""
+"""`agora checkpoints`: the consistent checkpoint sets in a store, per-stage times, the loss and eval loss around each."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ def describe_set(checkpoints: CheckpointSet) -> dict:
     return {
         "at": format_time(checkpoints.at),
         "loss": checkpoints.loss,
+        "eval_loss": checkpoints.eval_loss,
+        "trainers": {shard: {"time": format_time(record["timestamp"]), "microbatches": record.get("microbatches")}
+                     for shard, record in sorted(checkpoints.trainers.items())},
         "missing": checkpoints.missing,
         "stages": {
             stage: {"checkpoint": snapshot.name, "time": format_time(snapshot.timestamp), "epoch": snapshot.epoch,
@@ -26,10 +29,13 @@ def describe_set(checkpoints: CheckpointSet) -> dict:
 
 def format_set(info: dict) -> str:
     loss = "n/a" if info["loss"] is None else f"{info['loss']:.4f}"
+    eval_loss = "n/a" if info["eval_loss"] is None else f"{info['eval_loss']:.4f}"
     state = f"incomplete: no {', '.join(info['missing'])}" if info["missing"] else "complete"
-    lines = [f"T = {info['at']}  loss {loss}  {state}"]
+    lines = [f"T = {info['at']}  loss {loss}  eval {eval_loss}  {state}"]
     for stage, member in info["stages"].items():
         lines.append(f"    {stage:<8}{member['time']}  ({member['offset_s']:+.1f}s)  epoch {member['epoch']}")
+    for shard, record in info["trainers"].items():
+        lines.append(f"    trainer {shard}  data position at {record['time']}, {record['microbatches']} microbatches")
     return "\n".join(lines)
 
 

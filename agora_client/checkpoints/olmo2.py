@@ -27,8 +27,8 @@ class ExportError(Exception):
     """The model holds something OLMo2 cannot express; the message names it."""
 
 
-def olmo2_config(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """config.json for ``Olmo2ForCausalLM`` with weights in ``dtype``; the byte tokenizer has no special tokens."""
+def olmo2_config(config: ModelConfig, dtype: torch.dtype = torch.float32, eos_token_id: int | None = None) -> dict[str, Any]:
+    """config.json for ``Olmo2ForCausalLM`` with weights in ``dtype`` and the tokenizer's end-of-document id, if any."""
     dtype_name = str(dtype).removeprefix("torch.")
     return {
         "architectures": ["Olmo2ForCausalLM"],
@@ -53,7 +53,7 @@ def olmo2_config(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
         "use_cache": True,
         "pad_token_id": None,
         "bos_token_id": None,
-        "eos_token_id": None,
+        "eos_token_id": eos_token_id,
         "torch_dtype": dtype_name,
         "dtype": dtype_name,
     }

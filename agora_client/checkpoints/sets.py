@@ -19,6 +19,8 @@ from pydantic import ValidationError
 from agora_client.config import ModelConfig, RunConfig
 from agora_client.snapshots import SnapshotError, SnapshotStore, StoredSnapshot
 
+from .trainer_records import nearest_records
+
 DEFAULT_STORE = "runs/swarm/checkpoints"  # where `agora swarm` checkpoints with its default --run-dir
 RUN_KEY = "run"  # manifest section: {"name", "seed", "model"}
 TRAINING_KEY = "training"  # manifest section: {"loss", "clip_norm", "last_grad_norm", "period_s"}
@@ -29,8 +31,10 @@ class CheckpointError(Exception):
 
 
 def run_record(config: RunConfig) -> dict[str, Any]:
-    """What a checkpoint records about its run: enough to rebuild every stage (U and E_f come from the seed)."""
-    return {"name": config.name, "seed": config.seed, "model": config.model.model_dump(mode="json")}
+    """What a checkpoint records about its run: enough to rebuild every stage (U and E_f come from the seed) and to
+    export it with its tokenizer."""
+    return {"name": config.name, "seed": config.seed, "model": config.model.model_dump(mode="json"),
+            "tokenizer": config.tokenizer.model_dump(mode="json")}
 
 
 def parse_time(text: str) -> float:
@@ -61,6 +65,7 @@ class CheckpointSet:
     members: dict[str, StoredSnapshot]
     manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
     expected: tuple[str, ...] = ()
+    trainers: dict[str, dict[str, Any]] = field(default_factory=dict)  # shard "i/n" -> its record nearest ``at``
 
     @property
     def missing(self) -> list[str]:
@@ -71,6 +76,12 @@ class CheckpointSet:
         """The loss the tail measured on trainers' batches just before its checkpoint."""
         tail = self.manifests.get("tail", {}).get(TRAINING_KEY, {})
         return tail.get("loss")
+
+    @property
+    def eval_loss(self) -> float | None:
+        """The trainers' held-out loss near the set's time (mean over the trainers that had evaluated)."""
+        losses = [record["eval_loss"] for record in self.trainers.values() if isinstance(record.get("eval_loss"), (int, float))]
+        return sum(losses) / len(losses) if losses else None
 
     def run(self) -> dict[str, Any]:
         """The run every member belongs to; CheckpointError if a stage is missing or members disagree."""
@@ -143,7 +154,7 @@ def _build_set(store: SnapshotStore, at: float, listings: dict[str, list[StoredS
         if isinstance(stages, list):
             expected = tuple(spec["name"] for spec in stages)
             break
-    return CheckpointSet(at=at, members=members, manifests=manifests, expected=expected)
+    return CheckpointSet(at=at, members=members, manifests=manifests, expected=expected, trainers=nearest_records(store, at))
 
 
 def _normalized(record: dict[str, Any]) -> dict[str, Any]:

@@ -1,9 +1,11 @@
 """A contributor's worker joining a running swarm: preflight -> authorize -> download -> queue -> sync 1 -> sync 2 -> active.
 
 Everything about the run comes from the swarm's run description (``RunDescription``): the stage is
-built from its config, never from a preset. The peer key is the one kept in the config dir for this
-GPU, so the peer id survives restarts. The worker's port is open before the join: the auth service
-dials it back, and while it cannot, the contributor shows the diagnosis and tries again.
+built from its config, never from a preset; the tokenizer the swarm serves must be the one the
+description pins and fit the model's vocabulary, or the worker does not join. The peer key is the
+one kept in the config dir for this GPU, so the peer id survives restarts. The worker's port is open
+before the join: the auth service dials it back, and while it cannot, the contributor shows the
+diagnosis and tries again.
 
 The stage is assigned as soon as the auth service answers, even while the client waits in the
 join queue, so the snapshot download and the stage's build run during the queue (StagePreparation)
@@ -26,7 +28,9 @@ from agora_client.auth.client import (
     Authorization, PeerUnreachable, StageAssignment, authorize, leave, renew_ticket, report_active,
 )
 from agora_client.auth.reachability import advice
-from agora_client.auth.run_description import RunChanged, RunDescription, RunDescriptionError, check_unchanged
+from agora_client.auth.run_description import (
+    RunChanged, RunDescription, RunDescriptionError, check_unchanged, fetch_tokenizer,
+)
 from agora_client.auth.ticket_source import HeldTicket
 from agora_client.events import EventWriter, QueueEvent, ReachabilityEvent
 from agora_client.monitor.estimate import estimate_points, fetch_confirmed, fetch_rank
@@ -119,6 +123,7 @@ class Contributor:
         """Join and serve until stopped; returns early when stopped before the worker is active."""
         identity = self._load_identity()
         self._preflight()
+        self._check_tokenizer()
         port = self._open_port(identity)
         staging = self._start_staging()
         auth = self._authorize(token, identity.peer_id, identity.key, port, staging.gpu_memory, staging.prepare)
@@ -234,6 +239,14 @@ class Contributor:
         failed = [f"{result.check}: {result.reason}" for result in results if result.status == "fail"]
         if failed:
             raise PreflightFailed("preflight failed: " + "; ".join(failed))
+
+    def _check_tokenizer(self) -> None:
+        """The swarm's tokenizer against its description and the model; RunDescriptionError (not joining) if it differs."""
+        tokenizer = fetch_tokenizer(self.options.swarm_url, self.options.run)
+        self.events.log(
+            f"Tokenizer checked: sha256 {tokenizer.sha256[:16]}, {tokenizer.vocab_size:,} tokens, as the run description says",
+            tag="JOIN",
+        )
 
     def _authorize(
         self, token: str, peer_id: str, peer_key: RSAPrivateKey, port: int, gpu_memory: int | None,

@@ -1,4 +1,8 @@
-"""`agora describe --preset 8b`: a preset's stages, parameter counts, boundary traffic and memory plan, allocating nothing."""
+"""`agora describe --preset 8b`: a preset's stages, parameter counts, boundary traffic, memory plan and tokenizer, allocating nothing.
+
+A tokenizer that cannot be fetched (a hub repo on a machine offline) is shown as not loaded; one that is
+loaded but does not fit the preset (another vocabulary size, another sha256 than pinned) fails the command.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import json
 import sys
 
 from agora_client.config import ConfigError, ModelConfig, RunConfig, SubspaceConfig, load_config
+from agora_client.data.tokenizer import TokenizerError, TokenizerUnavailable, describe_tokenizer, load_run_tokenizer
 from agora_client.model.memory import gib, largest_microbatch, plan_stage
 from agora_client.model.stages import boundary_width, param_counts
 
@@ -83,6 +88,22 @@ def describe_run(run: RunConfig) -> dict:
     return info
 
 
+def describe_run_tokenizer(run: RunConfig) -> dict:
+    """The run's tokenizer as loaded, or its source and why it could not be loaded; TokenizerError if it does not fit."""
+    try:
+        return describe_tokenizer(load_run_tokenizer(run))
+    except TokenizerUnavailable as error:
+        return {"source": run.tokenizer.source, "unavailable": str(error)}
+
+
+def format_tokenizer(tokenizer: dict) -> str:
+    if "unavailable" in tokenizer:
+        return f"tokenizer {tokenizer['source']}: not loaded ({tokenizer['unavailable']})"
+    eos = "a blank line ends a document" if tokenizer["eos_token"] is None else f"eos {tokenizer['eos_token']}"
+    return (f"tokenizer {tokenizer['source']}: sha256 {tokenizer['sha256'][:16]}, "
+            f"vocab {tokenizer['vocab_size']:,}, {eos}")
+
+
 def format_memory(info: dict) -> list[str]:
     precision = "bf16 autocast" if info["use_mixed_precision"] else "fp32"
     moments = "host (offloaded)" if info["offload_optimizer"] else "GPU"
@@ -132,6 +153,8 @@ def format_description(name: str, info: dict) -> str:
     )
     if "memory" in info:
         lines += format_memory(info)
+    if "tokenizer" in info:
+        lines.append(format_tokenizer(info["tokenizer"]))
     return "\n".join(lines)
 
 
@@ -143,9 +166,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.preset)
-    except ConfigError as error:
+        tokenizer = describe_run_tokenizer(config)
+    except (ConfigError, TokenizerError) as error:
         print(error, file=sys.stderr)
         return 2
-    info = describe_run(config)
+    info = {**describe_run(config), "tokenizer": tokenizer}
     print(json.dumps(info) if args.json else format_description(config.name, info))
     return 0

@@ -5,6 +5,9 @@
                             compute, withheld, withheld_compute, score, online, first_seen, last_seen}; 404 if the
                             monitor never verified it. A peer a trainer caught lying is withheld: compute 0, its
                             credited compute shown as withheld_compute
+  GET /learning          -> {"loss": [[ts, loss], ...], "eval_loss": [[ts, eval loss], ...]}: the swarm's learning
+                            curve, every point the trainers' progress records carried since the monitor's first
+                            scrape, all trainers merged, oldest first (eval_loss: the held-out evaluations)
   GET /health            -> {"status": "ok", "peers": n}
 Scores are in PFLOPs.
 """
@@ -62,6 +65,8 @@ class _Handler(BaseHTTPRequestHandler):
                     self._reply(HTTPStatus.NOT_FOUND, {"error": f"no verified metrics from peer {peer_id} yet"})
                 else:
                     self._reply(HTTPStatus.OK, peer_points(peer, now, store))
+            elif path == "/learning":
+                self._reply(HTTPStatus.OK, store.learning())
             elif path == "/health":
                 self._reply(HTTPStatus.OK, {"status": "ok", "peers": len(store.peers())})
             else:

@@ -1,4 +1,5 @@
-"""`agora monitor`: scrape the stages' signed metrics, keep points in SQLite, serve the leaderboard over HTTP."""
+"""`agora monitor`: scrape the stages' signed metrics and the trainers' progress, keep points and the learning
+curve in SQLite, serve the leaderboard and the curve over HTTP."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """One scrape: read the stages' metrics records from the DHT, keep the verified ones, credit them;
-withhold the compute points of workers that a ticketed trainer's verdict names."""
+withhold the compute points of workers that a ticketed trainer's verdict names; keep the points of the
+trainers' loss and eval-loss curves from their progress records."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from collections.abc import Callable, Sequence
 
 from hivemind import DHT
 
+from agora_client.discovery.progress_records import fetch_progress
+from agora_client.monitor.learning import learning_points
 from agora_client.monitor.points import Observation, PeerState
 from agora_client.monitor.records import VerifiedRecord, fetch_metrics
 from agora_client.monitor.store import PointsStore
@@ -32,7 +35,8 @@ def observation_of(verified: VerifiedRecord, seen_at: float) -> Observation:
 
 
 class Scraper:
-    """Reads ``agora.metrics.<stage>`` for every stage and records what verifies in the store."""
+    """Reads ``agora.metrics.<stage>`` for every stage and records what verifies in the store, and the
+    trainers' ``agora.trainers`` progress records for the learning curve."""
 
     def __init__(
         self,
@@ -63,4 +67,6 @@ class Scraper:
         verified = fetch_metrics(self.dht, self.stages, self.auth_public_key, now=now, on_reject=self._reject)
         observations = [observation_of(item, now) for item in verified]
         records = {item.record.peer_id: item.record.model_dump_json(exclude={"ticket"}) for item in verified}
-        return self.store.record_scrape(observations, records, now)
+        updated = self.store.record_scrape(observations, records, now)
+        self.store.record_learning(learning_points(fetch_progress(self.dht)))
+        return updated

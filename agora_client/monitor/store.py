@@ -1,4 +1,5 @@
-"""Durable points: SQLite (WAL) holding identities, peers, each peer's last observation and its totals.
+"""Durable points: SQLite (WAL) holding identities, peers, each peer's last observation and its totals;
+and the swarm's learning curve (the trainers' loss and held-out eval-loss points, see monitor/learning.py).
 
 Every scrape is applied in one transaction that writes the new totals together with the
 counters they were computed from, so a monitor restarted at any moment neither loses a
@@ -12,6 +13,7 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+from agora_client.monitor.learning import SERIES, LearningPoint
 from agora_client.monitor.points import (
     LeaderboardRow,
     Observation,
@@ -53,6 +55,13 @@ CREATE TABLE IF NOT EXISTS withheld (
     since REAL NOT NULL,
     reason TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS learning (
+    trainer TEXT NOT NULL,
+    series TEXT NOT NULL,
+    ts REAL NOT NULL,
+    value REAL NOT NULL,
+    PRIMARY KEY (trainer, series, ts)
+) WITHOUT ROWID;
 """
 
 _LOAD = """
@@ -109,6 +118,28 @@ class PointsStore:
                 "INSERT OR IGNORE INTO withheld (peer_id, since, reason) VALUES (?, ?, ?)", (peer_id, now, reason)
             )
             return cursor.rowcount == 1
+
+    def record_learning(self, points: Iterable[LearningPoint]) -> int:
+        """Keep the points not stored yet (one transaction); how many were new."""
+        rows = [(point.trainer, point.series, point.ts, point.value) for point in points]
+        with self._lock:
+            before = self._db.total_changes
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.executemany("INSERT OR IGNORE INTO learning (trainer, series, ts, value) VALUES (?, ?, ?, ?)", rows)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            return self._db.total_changes - before
+
+    def learning(self) -> dict[str, list[tuple[float, float]]]:
+        """Each series' points of all trainers merged, oldest first: {"loss": [(ts, loss), ...], "eval_loss": [...]}."""
+        curves: dict[str, list[tuple[float, float]]] = {series: [] for series in SERIES}
+        with self._lock:
+            for series, ts, value in self._db.execute("SELECT series, ts, value FROM learning ORDER BY ts, trainer"):
+                curves[series].append((ts, value))
+        return curves
 
     def leaderboard(self, now: float) -> list[LeaderboardRow]:
         return leaderboard(self.peers().values(), now, self.policy)

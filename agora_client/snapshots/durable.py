@@ -8,10 +8,14 @@ from pathlib import Path
 from typing import Any
 
 
-def write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any], *, compact: bool = False) -> None:
+    """``compact``: no indentation (a record of long lists, like a trainer's data position)."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True)
+        if compact:
+            json.dump(data, handle, separators=(",", ":"))
+        else:
+            json.dump(data, handle, indent=2, sort_keys=True)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temporary, path)

@@ -24,7 +24,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from .format import LATEST_FILE, MANIFEST_FILE, SnapshotError, check_manifest, snapshot_time
-from .store import SnapshotStore, StoredSnapshot
+from .store import TRAINERS_DIR, SnapshotStore, StoredSnapshot
 
 SIGNED_PREFIX = ".signed"  # signed manifests for joiners; a dot name is never a stage
 DEFAULT_LINK_SECONDS = 3600.0
@@ -49,9 +49,27 @@ class S3Store(SnapshotStore):
         for page in self._pages(Prefix=self.prefix, Delimiter="/"):
             for common in page.get("CommonPrefixes", []):
                 name = common["Prefix"][len(self.prefix):].strip("/")
-                if name and not name.startswith("."):
+                if name and not name.startswith(".") and name != TRAINERS_DIR:
                     found.add(name)
         return sorted(found)
+
+    def put_record(self, key: str, data: dict[str, Any]) -> None:
+        body = json.dumps(data, separators=(",", ":")).encode()
+        self._call(self.client.put_object, Bucket=self.bucket, Key=f"{self.prefix}{key}", Body=body, ContentType="application/json")
+
+    def get_record(self, key: str) -> dict[str, Any]:
+        data = self._get_json(f"{self.prefix}{key}")
+        if not isinstance(data, dict):
+            raise SnapshotError(f"s3://{self.bucket}/{self.prefix}{key} is not a JSON object")
+        return data
+
+    def record_names(self, folder: str) -> list[str]:
+        prefix = f"{self.prefix}{folder.strip('/')}/"
+        names = [item["Key"][len(prefix):] for page in self._pages(Prefix=prefix) for item in page.get("Contents", [])]
+        return sorted(name for name in names if name.endswith(".json") and "/" not in name)
+
+    def remove_record(self, key: str) -> None:
+        self._call(self.client.delete_object, Bucket=self.bucket, Key=f"{self.prefix}{key}")
 
     def list(self, stage: str) -> list[StoredSnapshot]:
         found = []

@@ -7,6 +7,7 @@ manifest is, so a reader never sees half of one. ``location.open_store`` picks t
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -47,6 +48,8 @@ class StoredSnapshot:
     def epoch(self) -> int:
         return int(self.name.split("-", 1)[0])
 
+
+TRAINERS_DIR = "trainers"  # trainers' records (data positions, eval losses) beside the stages' folders
 
 # Given a stage's snapshots (oldest first) and the time now, the names to keep.
 KeepPolicy = Callable[[list[StoredSnapshot], float], set[str]]
@@ -102,6 +105,21 @@ class SnapshotStore(ABC):
         """Stage names that hold at least one object."""
 
     @abstractmethod
+    def put_record(self, key: str, data: dict[str, Any]) -> None:
+        """Write one small JSON record at ``key`` (``folder/name.json``) in one step: readers see all of it or nothing."""
+
+    @abstractmethod
+    def get_record(self, key: str) -> dict[str, Any]:
+        """A record written by ``put_record``; SnapshotError if it is missing or damaged."""
+
+    @abstractmethod
+    def record_names(self, folder: str) -> list[str]:
+        """The names of the records in ``folder``, sorted."""
+
+    @abstractmethod
+    def remove_record(self, key: str) -> None: ...
+
+    @abstractmethod
     def list(self, stage: str) -> list[StoredSnapshot]:
         """The stage's complete snapshots, oldest first."""
 
@@ -134,7 +152,31 @@ class LocalStore(SnapshotStore):
     def stages(self) -> list[str]:
         if not self.root.is_dir():
             return []
-        return sorted(entry.name for entry in self.root.iterdir() if entry.is_dir() and not entry.name.startswith("."))
+        return sorted(entry.name for entry in self.root.iterdir()
+                      if entry.is_dir() and not entry.name.startswith(".") and entry.name != TRAINERS_DIR)
+
+    def put_record(self, key: str, data: dict[str, Any]) -> None:
+        path = self.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, data, compact=True)
+
+    def get_record(self, key: str) -> dict[str, Any]:
+        try:
+            data = json.loads((self.root / key).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise SnapshotError(f"the record {self.root / key} is unreadable ({type(error).__name__})") from None
+        if not isinstance(data, dict):
+            raise SnapshotError(f"the record {self.root / key} is not a JSON object")
+        return data
+
+    def record_names(self, folder: str) -> list[str]:
+        directory = self.root / folder
+        if not directory.is_dir():
+            return []
+        return sorted(entry.name for entry in directory.iterdir() if entry.suffix == ".json" and entry.is_file())
+
+    def remove_record(self, key: str) -> None:
+        (self.root / key).unlink(missing_ok=True)
 
     def list(self, stage: str) -> list[StoredSnapshot]:
         stage_dir = self.root / stage

@@ -11,6 +11,7 @@ operator's own workers and trainers sign their tickets with it, and workers serv
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import socket
 import threading
@@ -99,6 +100,7 @@ class LocalSwarm:
         self.tokens: dict[str, str] = {}
         self.started_at = time.monotonic()
         self.resume_dirs: dict[str, Path] = {}  # stage -> the checkpoint its workers start from
+        self.resume_positions: dict[str, Path] = {}  # trainer shard "i/n" -> the record its data continues from
         load_or_create_signing_key(self.signing_key_path)
 
     @property
@@ -191,7 +193,12 @@ class LocalSwarm:
         index = len(self.trainers)
         args = ["trainer", "--preset", self.options.preset, "--host", self.options.host, "--seeds", *self.seed_addrs]
         args += ["--ticket-key", str(self.signing_key_path)]
-        args += ["--shard", f"{index}/{max(self.options.trainers, index + 1)}", "--report-every", str(self.options.report_every)]
+        shard = f"{index}/{max(self.options.trainers, index + 1)}"
+        args += ["--shard", shard, "--report-every", str(self.options.report_every)]
+        if self.options.checkpoint_store:
+            args += ["--checkpoints", self.options.checkpoint_store]
+        if shard in self.resume_positions:
+            args += ["--resume-position", str(self.resume_positions[shard])]
         trainer = self._spawn(f"trainer{index}", [*args, *self.options.trainer_args, *extra])
         self.trainers.append(trainer)
         return trainer
@@ -214,7 +221,22 @@ class LocalSwarm:
                 raise CheckpointError(f"stage {stage}, checkpoint {snapshot.name}: {error}") from None
             resume_dirs[stage] = directory
         self.resume_dirs = resume_dirs
+        self.resume_positions = self._resume_positions(checkpoints, cache)
         return checkpoints
+
+    def _resume_positions(self, checkpoints: CheckpointSet, cache: Path) -> dict[str, Path]:
+        """Each trainer's record in the set, written where its trainer reads it; the trainer count must match."""
+        counts = {shard.split("/")[1] for shard in checkpoints.trainers}
+        if counts and counts != {str(self.options.trainers)}:
+            raise CheckpointError(f"the set's data positions are for {', '.join(sorted(counts))} trainer(s), this swarm "
+                                  f"starts {self.options.trainers}: resume with --trainers {min(counts)} so that no data repeats")
+        positions = {}
+        for shard, record in checkpoints.trainers.items():
+            path = cache / f"trainer-{shard.replace('/', '-of-')}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(record), encoding="utf-8")
+            positions[shard] = path
+        return positions
 
     def start(self) -> "LocalSwarm":
         self.started_at = time.monotonic()
@@ -334,6 +356,10 @@ def _start_and_watch(swarm: LocalSwarm, stop: threading.Event) -> int:
         checkpoints = swarm.prepare_resume()
         for stage, snapshot in checkpoints.members.items():
             print(f"[SWARM] {stage} resumes from {snapshot.name} (epoch {snapshot.epoch}, {format_time(snapshot.timestamp)})", flush=True)
+        for shard, record in sorted(checkpoints.trainers.items()):
+            print(f"[SWARM] trainer {shard} continues its data from {format_time(record['timestamp'])}", flush=True)
+        if not checkpoints.trainers:
+            print("[SWARM] the set holds no trainer data positions: the trainers start their data from the beginning", flush=True)
     swarm.start()
     print(f"[SWARM] all workers up after {time.monotonic() - swarm.started_at:.1f}s; seeds: {' '.join(swarm.seed_addrs)}", flush=True)
     print("[SWARM] press Ctrl-C to stop", flush=True)

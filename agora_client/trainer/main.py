@@ -8,6 +8,8 @@ Output lines (stdout), parseable by tests and the swarm launcher:
   [RETRY] <stage> <kind> on <uid> failed after <s>s (<error class>[, banned]): <error>; <what happens next>
   [SPOTCHECK] checks=<n> agreed=<n> resolved=<n> unresolved=<n> bans=<n> (totals, with every progress line)
   [SPOTCHECK] banned <uid> (peer <peer id>) of <stage>: ...
+  [EVAL] loss=<held-out loss> sequences=<n> tokens=<n> (every eval.every_s, forward passes only)
+  [DATA] <source, shard, tokenizer, where the data starts>
   [WARNING] ...
 Every [PROGRESS] report is also stored in the DHT (trainer/progress.py): contributors draw the
 swarm's loss from it.
@@ -16,16 +18,16 @@ swarm's loss from it.
 from __future__ import annotations
 
 import argparse
-import json
 import itertools
+import json
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agora_client.auth.ticket_source import SelfIssuedTickets
@@ -37,10 +39,17 @@ from agora_client.monitor.verdicts import Verdict, publish_verdict, trainer_peer
 from agora_client.discovery.dht import NoSeedAnswered, connect_dht
 from agora_client.discovery.roster import WorkerRecord, fetch_roster
 from agora_client.system.lifetime import stop_on_signals
-from agora_client.trainer.balancer import RoundRobinBalancer, Router, StageBalancer, StageStats
-from agora_client.trainer.data import DataError, SequenceStream, Shard
-from agora_client.trainer.pipeline import Pipeline, RequestFailed, StallNotice
+from agora_client.data.heldout import held_out_sample
+from agora_client.data.sources import DataError, Shard
+from agora_client.data.stream import TokenStream
+from agora_client.data.tokenizer import TokenizerError, load_run_tokenizer
+from agora_client.snapshots import SnapshotError, open_store
+from agora_client.trainer.balancer import RoundRobinBalancer, Router, StageBalancer
+from agora_client.trainer.evaluation import HeldOutEvaluation
+from agora_client.trainer.loop import TrainingLoop
+from agora_client.trainer.pipeline import Pipeline, StallNotice
 from agora_client.trainer.progress import ProgressPublisher
+from agora_client.trainer.records import TrainerRecords
 from agora_client.trainer.rpc import StageClient, TrafficCounter
 from agora_client.trainer.spotcheck import Finding, SpotChecker
 
@@ -53,7 +62,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", nargs="+", required=True, help="seed multiaddrs")
     parser.add_argument("--host", default="127.0.0.1", help="address the trainer's DHT peers listen on (default: loopback)")
     parser.add_argument("--preset", default="tiny", help="run config preset name or YAML path")
-    parser.add_argument("--data", default=None, help="local .txt/.jsonl/.parquet file or folder, or a hub dataset name")
+    parser.add_argument("--data", default=None,
+                        help="local .txt/.jsonl/.parquet file or folder, a hub-like folder, or a hub dataset (default: the run config's data.source)")
+    parser.add_argument("--data-subset", default=None, help="the dataset's config name, e.g. sample-10BT (data.subset)")
+    parser.add_argument("--data-split", default=None, help="the split to train on (data.split, default train)")
+    parser.add_argument("--text-field", default=None, help="the field that holds the text (data.text_field, default text)")
+    parser.add_argument("--checkpoints", default=None, metavar="STORE",
+                        help="save this trainer's data position and eval loss here every checkpoint.period_s (a directory or s3://)")
+    parser.add_argument("--resume-position", type=Path, default=None, metavar="JSON",
+                        help="a trainer record from a checkpoint set: continue the data with its next token")
     parser.add_argument("--shard", default="0/1", help="this trainer's shard as INDEX/COUNT (default 0/1)")
     parser.add_argument("--inflight", type=int, default=3, help="microbatches in flight at once")
     parser.add_argument("--report-every", type=float, default=60.0, help="seconds between progress lines")
@@ -131,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     stop = stop_on_signals()
     try:
         inputs = _TrainerInputs.load(args)
-    except (ConfigError, DataError, ValueError) as error:
+    except (ConfigError, DataError, TokenizerError, SnapshotError, ValueError) as error:
         say("ERROR", str(error))
         return 2
     stages = list(inputs.config.model.stage_names)
@@ -146,9 +163,9 @@ def run(args: argparse.Namespace) -> int:
     router = Router(stages, lambda stage: balancer(stage, ban_seconds=args.ban_seconds))
     _wait_for_workers(RosterWatcher(dhts, router, args.roster_every, stop), router, stop)
     pipeline = _pipeline(inputs, stages, clients, router, dhts, stop)
-    progress = ProgressPublisher(dhts[stages[0]], ttl=max(60.0, 3 * args.report_every))
     try:
-        done = _train(pipeline, inputs.batches, args, router, traffic, stop, progress)
+        done = _training_loop(inputs, pipeline, router, traffic, dhts[stages[0]], args).run(
+            args.inflight, args.max_microbatches, args.report_every)
     except DataError as error:  # a bad record further into the data
         say("ERROR", str(error))
         return 2
@@ -164,25 +181,65 @@ def run(args: argparse.Namespace) -> int:
 
 @dataclass
 class _TrainerInputs:
-    """What the trainer reads before joining: the run config, its data and the operator's key, if given."""
+    """What the trainer reads before joining: the run config, its tokenizer and data, and the operator's key, if given."""
 
     config: RunConfig
     auth_key: Ed25519PrivateKey | None  # the auth service's signing key (--ticket-key)
+    stream: TokenStream
     batches: Iterator
+    held_out: torch.Tensor
     tickets: SelfIssuedTickets | None
 
     @classmethod
     def load(cls, args: argparse.Namespace) -> "_TrainerInputs":
-        """Raises ConfigError, DataError or ValueError on a bad preset, shard, data source or key."""
-        overrides = {} if args.spot_check_fraction is None else {"spot_checks": {"fraction": args.spot_check_fraction}}
-        config = load_config(args.preset, overrides)
+        """Raises ConfigError, DataError, TokenizerError or ValueError on a bad preset, tokenizer, shard, data or key."""
+        config = load_config(args.preset, _overrides(args))
         auth_key = load_signing_key(args.ticket_key) if args.ticket_key else None
         shard = _parse_shard(args.shard)
-        stream = SequenceStream(args.data, config.model.seq_len, shard, seed=config.seed + shard.index)
+        tokenizer = load_run_tokenizer(config)
+        position = _resume_position(args.resume_position)
+        stream = TokenStream(config.data, config.eval, tokenizer, config.model.seq_len, shard, seed=config.seed, position=position)
         batches = stream.batches(config.optim.microbatch_size)
         batches = itertools.chain([next(batches)], batches)  # read the source now: bad --data fails before joining
+        say("DATA", f"{config.data.source or 'the standard library'} shard {shard}, tokenizer {tokenizer.source} "
+                    f"({tokenizer.vocab_size:,} tokens), "
+                    + ("from the start" if position is None else f"resumed at pass {position['pass']}, sequence {position['sequences']}"))
+        held_out = held_out_sample(config, tokenizer)
         tickets = SelfIssuedTickets.from_file(args.ticket_key, role="trainer", stage="trainer") if args.ticket_key else None
-        return cls(config, auth_key, batches, tickets)
+        return cls(config, auth_key, stream, batches, held_out, tickets)
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    """Run config overrides from the command line: spot checks and the data source."""
+    overrides: dict = {} if args.spot_check_fraction is None else {"spot_checks": {"fraction": args.spot_check_fraction}}
+    data = {"source": args.data, "subset": args.data_subset, "split": args.data_split, "text_field": args.text_field}
+    data = {key: value for key, value in data.items() if value is not None}
+    if data:
+        overrides["data"] = data
+    return overrides
+
+
+def _resume_position(path: Path | None) -> dict | None:
+    if path is None:
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        return record["position"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise DataError(f"--resume-position {path} is not a trainer record ({type(error).__name__}); "
+                        "take it from a checkpoint store's trainers/ folder") from None
+
+
+def _training_loop(inputs: _TrainerInputs, pipeline: Pipeline, router: Router, traffic: TrafficCounter, dht,
+                   args: argparse.Namespace) -> TrainingLoop:
+    config = inputs.config
+    progress = ProgressPublisher(dht, ttl=max(60.0, 3 * args.report_every))
+    evaluation = HeldOutEvaluation(pipeline, inputs.held_out, config.optim.microbatch_size, config.eval.every_s,
+                                   on_failure=lambda message: say("WARNING", message))
+    records = None
+    if args.checkpoints:
+        records = TrainerRecords(open_store(args.checkpoints), config, inputs.stream, lambda message: say("WARNING", message))
+    return TrainingLoop(pipeline, inputs.batches, router, traffic, progress, evaluation, records, say)
 
 
 def _stage_clients(
@@ -222,54 +279,6 @@ def _pipeline(
     )
 
 
-def _train(
-    pipeline: Pipeline, batches, args, router: Router, traffic: TrafficCounter, stop: threading.Event,
-    progress: ProgressPublisher,
-) -> int:
-    done, losses, tokens = 0, [], 0
-    last_report = time.monotonic()
-    with ThreadPoolExecutor(args.inflight, thread_name_prefix="microbatch") as pool:
-        pending: dict[Future, int] = {}
-        while not stop.is_set():
-            while len(pending) < args.inflight and not (args.max_microbatches and done + len(pending) >= args.max_microbatches):
-                try:
-                    batch = next(batches)
-                except DataError:
-                    stop.set()  # let the microbatches in flight finish, then report the error
-                    raise
-                pending[pool.submit(pipeline.train_microbatch, batch)] = batch[:, :-1].numel()
-            if not pending:
-                break
-            finished, _ = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
-            for future in finished:
-                batch_tokens = pending.pop(future)
-                try:
-                    losses.append(future.result())
-                    tokens += batch_tokens
-                    done += 1
-                except RequestFailed as error:
-                    if not stop.is_set():
-                        say("WARNING", f"microbatch dropped: {error}")
-            if time.monotonic() - last_report >= args.report_every or (losses and not pending):
-                # also while nothing finishes (a stalled or slow stage): the roster and bans are what matter then
-                elapsed = time.monotonic() - last_report
-                roster = "; ".join(_stage_summary(stats) for stats in router.window_stats().values())
-                mean_loss = sum(losses) / len(losses) if losses else None
-                loss = "n/a" if mean_loss is None else f"{mean_loss:.4f}"
-                say("PROGRESS", f"microbatches={done} loss={loss} tokens_per_s={tokens / elapsed:.1f} | {roster}")
-                say("TRAFFIC", json.dumps(traffic.per_token()))  # serialized bytes per token, per stage and kind
-                try:  # contributors draw the swarm's loss from these records
-                    progress.publish(done, mean_loss, tokens / elapsed)
-                except Exception as error:  # a DHT hiccup must not stop training
-                    say("WARNING", f"could not publish the progress record: {error}")
-                if pipeline.spot_checks is not None:
-                    say("SPOTCHECK", " ".join(f"{name}={value}" for name, value in vars(pipeline.spot_checks.stats).items()))
-                losses, tokens, last_report = [], 0, time.monotonic()
-        stop.set()
-    return done
-
-
-
 def _name_liar(finding: Finding, dhts: dict, auth_key) -> None:
     """Say who was banned; with the operator's key, also publish a verdict so the monitor withholds its points."""
     worker = finding.worker
@@ -292,9 +301,3 @@ def _parse_shard(text: str) -> Shard:
     except ValueError:
         raise DataError(f"--shard {text!r} is not INDEX/COUNT; pass e.g. --shard 0/2 for the first of two trainers") from None
     return Shard(index, count)
-
-
-def _stage_summary(stats: StageStats) -> str:
-    """The balancer's summary plus the requests each worker served in the window."""
-    served = " ".join(f"{uid}={count}" for uid, count in sorted(stats.served.items()))
-    return f"{stats.summary()}, served [{served}]"

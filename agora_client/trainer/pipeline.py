@@ -72,6 +72,22 @@ class Pipeline:
 
     def train_microbatch(self, batch: torch.Tensor) -> float:
         """Forward and backward one [B, T+1] token batch; returns its mean loss."""
+        losses, trace = self._forward(batch)
+        # Workers average gradients over the samples they accumulated, so each sample's loss gets weight 1.
+        grad: torch.Tensor = torch.ones_like(losses)
+        units = float(batch[:, :-1].numel())
+        for stage, worker, inputs in reversed(trace):
+            _, grads = self._call(stage, "backward", units, inputs, grad_outputs=(grad,), prefer=worker)
+            grad = grads[0]
+        return float(losses.mean())
+
+    def eval_microbatch(self, batch: torch.Tensor) -> float:
+        """Forward passes only (held-out evaluation: no worker accumulates a gradient); returns the mean loss."""
+        losses, _ = self._forward(batch)
+        return float(losses.mean())
+
+    def _forward(self, batch: torch.Tensor) -> tuple[torch.Tensor, list[tuple[str, WorkerKey, tuple[torch.Tensor, ...]]]]:
+        """The per-sample losses of a [B, T+1] batch, and each stage's (stage, worker, inputs) for the backward."""
         tokens, labels = batch[:, :-1], batch[:, 1:]
         units = float(tokens.numel())
         boundary: torch.Tensor | None = None
@@ -86,16 +102,10 @@ class Pipeline:
             worker, outputs = self._call(stage, "forward", units, inputs)
             trace.append((stage, worker, inputs))
             boundary = outputs[0]
-        losses = boundary
-        if not bool(torch.isfinite(losses).all()):
+        if not bool(torch.isfinite(boundary).all()):
             tail_uid = trace[-1][1][0]
             raise NonFiniteLoss(f"the loss from {tail_uid} is not finite; the microbatch is dropped without a backward pass")
-        # Workers average gradients over the samples they accumulated, so each sample's loss gets weight 1.
-        grad: torch.Tensor = torch.ones_like(losses)
-        for stage, worker, inputs in reversed(trace):
-            _, grads = self._call(stage, "backward", units, inputs, grad_outputs=(grad,), prefer=worker)
-            grad = grads[0]
-        return float(losses.mean())
+        return boundary, trace
 
     def _call(
         self,

@@ -1,8 +1,8 @@
 """Trainers' progress records in the DHT: how the swarm is learning, for every contributor to see.
 
-Each trainer stores ``TrainerProgress`` at key ``agora.trainers`` under its peer id as subkey,
-at every progress report: its newest mean loss, throughput, and a short history of losses so a
-client that just joined can draw the curve at once. Clients read the whole key.
+Each trainer stores ``TrainerProgress`` (agora_client.discovery.progress_records, where the monitor
+reads it too) at every progress report: its newest mean loss, throughput, its newest held-out eval
+loss, and short histories of both so a client that just joined can draw the curves at once.
 """
 
 from __future__ import annotations
@@ -11,68 +11,71 @@ import time
 from collections import deque
 
 from hivemind import DHT
-from hivemind.utils import ValueWithExpiration, get_dht_time
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from hivemind.utils import get_dht_time
 
+from agora_client.discovery.progress_records import (
+    HISTORY_POINTS,
+    PROGRESS_KEY,
+    Point,
+    TrainerProgress,
+    fetch_progress,
+)
 from agora_client.events import SwarmEvent
 
-PROGRESS_KEY = "agora.trainers"
-HISTORY_POINTS = 120
-
-
-class TrainerProgress(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-    peer_id: str
-    microbatches: int = Field(ge=0)
-    loss: float | None = None  # mean loss since the previous report; None if no microbatch finished
-    tokens_per_s: float = Field(ge=0, default=0.0)
-    history: list[tuple[float, float]] = Field(default_factory=list, max_length=HISTORY_POINTS)  # (wall time, loss)
-    ts: float
+__all__ = ["ProgressPublisher", "TrainerProgress", "fetch_progress", "swarm_event"]
 
 
 class ProgressPublisher:
-    """Keeps a trainer's loss history and stores its record at every report."""
+    """Keeps a trainer's loss and eval-loss histories and stores its record at every report."""
 
     def __init__(self, dht: DHT, ttl: float) -> None:
         self.dht, self.ttl = dht, ttl
         self.peer_id = dht.peer_id.to_base58()
-        self.history: deque[tuple[float, float]] = deque(maxlen=HISTORY_POINTS)
+        self.history: deque[Point] = deque(maxlen=HISTORY_POINTS)
+        self.eval_history: deque[Point] = deque(maxlen=HISTORY_POINTS)
 
-    def publish(self, microbatches: int, loss: float | None, tokens_per_s: float) -> bool:
+    def publish(
+        self,
+        microbatches: int,
+        loss: float | None,
+        tokens_per_s: float,
+        eval_loss: float | None = None,
+        eval_at: float | None = None,
+    ) -> bool:
+        """Store this report. ``eval_loss`` is the newest held-out evaluation's loss and ``eval_at`` the wall
+        time (``time.time()``) that evaluation finished: pass both at every report until the next evaluation;
+        the point (eval_at, eval_loss) joins the eval history once, the first time that ``eval_at`` is seen."""
+        if (eval_loss is None) != (eval_at is None):
+            raise ValueError("ProgressPublisher.publish takes eval_loss and eval_at together (the evaluation's loss "
+                             "and the wall time it finished), or neither before the first evaluation")
         now = time.time()
         if loss is not None:
             self.history.append((now, loss))
+        if eval_at is not None and (not self.eval_history or eval_at > self.eval_history[-1][0]):
+            self.eval_history.append((eval_at, eval_loss))
         record = TrainerProgress(
             peer_id=self.peer_id, microbatches=microbatches, loss=loss, tokens_per_s=tokens_per_s,
-            history=list(self.history), ts=now,
+            history=list(self.history), eval_loss=eval_loss, eval_history=list(self.eval_history), ts=now,
         )
         return bool(self.dht.store(PROGRESS_KEY, record.model_dump(), get_dht_time() + self.ttl, subkey=self.peer_id))
 
 
-def fetch_progress(dht: DHT) -> list[TrainerProgress]:
-    """Every live trainer's record; malformed entries are skipped."""
-    found = dht.get(PROGRESS_KEY, latest=True)
-    if not isinstance(found, ValueWithExpiration) or not isinstance(found.value, dict):
-        return []
-    records = []
-    for peer_id, entry in found.value.items():
-        value = entry.value if isinstance(entry, ValueWithExpiration) else None
-        try:
-            record = TrainerProgress.model_validate(value)
-        except ValidationError:
-            continue
-        if record.peer_id == peer_id:
-            records.append(record)
-    return records
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _merged(histories: list[list[Point]]) -> list[Point]:
+    """The trainers' histories as one curve, ordered by time, the newest HISTORY_POINTS kept."""
+    return sorted(point for history in histories for point in history)[-HISTORY_POINTS:]
 
 
 def swarm_event(records: list[TrainerProgress]) -> SwarmEvent:
-    """The swarm's loss now and over time, from all trainers' records (their histories merged by time)."""
-    losses = [record.loss for record in records if record.loss is not None]
-    history = sorted(point for record in records for point in record.history)[-HISTORY_POINTS:]
+    """The swarm's loss and eval loss now (means over the trainers that have one) and over time (merged)."""
     return SwarmEvent(
         trainers=len(records),
-        loss=sum(losses) / len(losses) if losses else None,
-        loss_history=history,
+        loss=_mean([record.loss for record in records if record.loss is not None]),
+        loss_history=_merged([record.history for record in records]),
+        eval_loss=_mean([record.eval_loss for record in records if record.eval_loss is not None]),
+        eval_history=_merged([record.eval_history for record in records]),
         tokens_per_s=round(sum(record.tokens_per_s for record in records), 1),
     )

@@ -28,12 +28,12 @@ Sync 1 (weights catch up, no batches yet), Sync 2 (optimizer warms up on real ba
 **Panels** (charts show the recent history):
 the current join step; **Points** (your local estimate: presence from sync 1, compute from
 sync 2; the monitor's confirmed total and your rank on its leaderboard); **Swarm loss** (the
-loss the trainers report: is the swarm learning?); **Requests served** (forward and backward
-requests per minute, counted as your node answers them); **Bandwidth** (what your node sends
-and receives per second, requests and averaging together); **Share of the stage** (your part
-of the samples your stage processed last epoch, against an even split); **SPARTA averaging**
-(rounds with peers of your stage); identity and stage; GPU (or worker and host memory
-without an NVIDIA driver).
+loss the trainers report, and their loss on held-out data once they evaluate: is the swarm
+learning?); **Requests served** (forward and backward requests per minute, counted as your
+node answers them); **Bandwidth** (what your node sends and receives per second, requests
+and averaging together); **Share of the stage** (your part of the samples your stage
+processed last epoch, against an even split); **SPARTA averaging** (rounds with peers of
+your stage); identity and stage; GPU (or worker and host memory without an NVIDIA driver).
 
 | key | action |
 | --- | --- |

@@ -1,14 +1,12 @@
-"""Tokenizer files for the byte-level tokenizer the trainers use (token id = UTF-8 byte value).
+"""The byte-level tokenizer as a ``tokenizers`` JSON file: token id = UTF-8 byte value.
 
-Written as a ``tokenizers`` BPE model with no merges over the 256 byte symbols, behind the ByteLevel
-pre-tokenizer and decoder: ``AutoTokenizer.from_pretrained`` loads it without custom code and
-encodes any text to exactly its UTF-8 bytes, the ids ``agora_client.trainer.data.encode`` produces.
+A BPE model with no merges over the 256 byte symbols, behind the ByteLevel pre-tokenizer and decoder:
+``tokenizers`` and ``AutoTokenizer.from_pretrained`` encode any text to exactly its UTF-8 bytes.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 BYTES = 256
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
@@ -27,8 +25,8 @@ def byte_symbols() -> list[str]:
     return [symbols[byte] for byte in range(BYTES)]
 
 
-def write_tokenizer(directory: Path, model_max_length: int) -> list[str]:
-    """Write tokenizer.json and tokenizer_config.json into ``directory``; returns the file names."""
+def byte_tokenizer_json() -> bytes:
+    """The tokenizer.json of the byte-level tokenizer (the same bytes every time: its sha256 is stable)."""
     tokenizer = {
         "version": "1.0",
         "truncation": None,
@@ -45,11 +43,4 @@ def write_tokenizer(directory: Path, model_max_length: int) -> list[str]:
             "merges": [],
         },
     }
-    settings = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": model_max_length,
-        "clean_up_tokenization_spaces": False,
-    }
-    (Path(directory) / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False, indent=1), encoding="utf-8")
-    (Path(directory) / "tokenizer_config.json").write_text(json.dumps(settings, indent=2), encoding="utf-8")
-    return ["tokenizer.json", "tokenizer_config.json"]
+    return json.dumps(tokenizer, ensure_ascii=False, indent=1).encode("utf-8")

@@ -1,0 +1,19 @@
+"""Test-wide settings: nothing here reaches a model or dataset hub.
+
+``datasets`` runs offline for every test (child processes inherit it): a hub dataset name fails at once with the
+offline error. Tests that name a hub tokenizer take ``hub_offline``, which does the same for huggingface_hub's
+downloads without retries (not process-wide: the identity tests talk to a local Hugging Face endpoint through it).
+"""
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+@pytest.fixture
+def hub_offline(monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
