@@ -183,7 +183,7 @@ def test_wrong_shapes_dtypes_and_arity(attacker: Attacker) -> None:
     attacker.refused("got more", tensors=(hidden, tokens, tokens))
     attacker.refused("expected 3 tensors, got 2", kind="backward", tensors=(hidden, tokens))
     attacker.refused("share a leading batch", tensors=(hidden, tokens[:4]))
-    attacker.refused("token ids outside 0..255", tensors=(hidden, tokens + 300))
+    attacker.refused("token ids outside 0..2047", tensors=(hidden, tokens + 3000))
 
 
 # values -------------------------------------------------------------------------------------------

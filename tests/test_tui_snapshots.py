@@ -31,10 +31,15 @@ def wait_for(name: str, crashed: bool = False):
                 break
             await asyncio.sleep(0.05)
         log = app.query_one("#log", RichLog)
-        for _ in range(200):  # the log pane scrolls to its last line after a refresh; a busy machine makes it late
+        # the log pane renders its lines and scrolls to the last one after a refresh; a busy machine makes it late,
+        # so wait until it is at the bottom and its lines have stopped changing between two looks
+        previous = None
+        for _ in range(200):
             await pilot.pause(0.05)
-            if log.scroll_y >= log.max_scroll_y:
+            rendered = (len(log.lines), log.max_scroll_y)
+            if log.scroll_y >= log.max_scroll_y and rendered == previous:
                 break
+            previous = rendered
         await pilot.pause(0.2)
 
     return run_before
