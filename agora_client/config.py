@@ -137,6 +137,9 @@ class SpartaConfig(_Strict):
     max_peer_delta: float = Field(
         default=0.5, gt=0, description="bound on one peer's pull: its part of a slice may differ from ours by at most this x our part's norm"
     )
+    assumed_link_mbps: float = Field(
+        default=50.0, gt=0, description="the link (Mbit/s, both ways) a worker assumes until its first round measures it"
+    )
 
     @property
     def num_partitions(self) -> int:

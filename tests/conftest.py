@@ -14,6 +14,6 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 @pytest.fixture
 def hub_offline(monkeypatch):
-    import huggingface_hub
+    import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)

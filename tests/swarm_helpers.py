@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import re
 import time
+from importlib import resources
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
+
+import yaml
 
 from agora_client.events import json_objects
 
@@ -27,3 +30,12 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str, poll: f
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(poll)
+
+
+def tiny_variant(path: Path, changes: dict[str, dict[str, Any]]) -> str:
+    """The tiny preset with some fields of its sections changed, written to ``path``: the --preset to pass."""
+    preset = yaml.safe_load((resources.files("agora_client") / "presets" / "tiny.yaml").read_text())
+    for section, fields in changes.items():
+        preset[section] = {**preset.get(section, {}), **fields}
+    path.write_text(yaml.safe_dump(preset))
+    return str(path)

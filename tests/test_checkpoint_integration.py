@@ -10,16 +10,14 @@ trainer's data continuing from the recorded position.
 from __future__ import annotations
 
 import json
-from importlib import resources
 
 import pytest
-import yaml
 
 from agora_client.checkpoints import select_set
 from agora_client.cli import main
 from agora_client.snapshots import open_store
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
-from tests.swarm_helpers import events, progress, wait_until
+from tests.swarm_helpers import events, progress, tiny_variant, wait_until
 from tests.test_checkpoints import assert_export_matches_stages
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -37,13 +35,10 @@ def _trainer_losses(swarm: LocalSwarm, *, running: bool = True) -> list[float]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("checkpoints")
-    preset = yaml.safe_load((resources.files("agora_client") / "presets" / "tiny.yaml").read_text())
-    preset["checkpoint"] = {"period_s": CHECKPOINT_PERIOD_S}
-    preset["eval"] = {**preset["eval"], "every_s": EVAL_EVERY_S}
-    preset_path = run_dir / "tiny-checkpoints.yaml"
-    preset_path.write_text(yaml.safe_dump(preset))
+    preset_path = tiny_variant(run_dir / "tiny-checkpoints.yaml",
+                               {"checkpoint": {"period_s": CHECKPOINT_PERIOD_S}, "eval": {"every_s": EVAL_EVERY_S}})
     store = str(run_dir / "checkpoints")
-    swarm = LocalSwarm(SwarmOptions(preset=str(preset_path), workers_per_stage=1, run_dir=run_dir / "first",
+    swarm = LocalSwarm(SwarmOptions(preset=preset_path, workers_per_stage=1, run_dir=run_dir / "first",
                                     report_every=3.0, checkpoint_store=store))
     try:
         swarm.start()
@@ -52,7 +47,7 @@ def trained(tmp_path_factory):
     finally:
         swarm.stop()
     losses = _trainer_losses(swarm, running=False)
-    return {"preset": str(preset_path), "store": store, "run_dir": run_dir, "fresh": losses[0], "last": losses[-1]}
+    return {"preset": preset_path, "store": store, "run_dir": run_dir, "fresh": losses[0], "last": losses[-1]}
 
 
 def test_every_stage_checkpointed_by_time_and_the_set_records_the_loss(trained, capsys):

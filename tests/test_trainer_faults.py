@@ -26,7 +26,7 @@ import pytest
 from agora_client.swarm.launcher import WORKER_READY, LocalSwarm, SwarmOptions
 from agora_client.swarm.processes import ManagedProcess
 from tests.faulty_worker import faulty
-from tests.swarm_helpers import wait_until
+from tests.swarm_helpers import tiny_variant, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]  # the first test also pays for starting the swarm
 
@@ -130,8 +130,11 @@ class TrainerView:
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("faults")
+    # one held-out evaluation, at the start: a later one's forwards (with no backward) would pass for training's
+    preset = tiny_variant(run_dir / "tiny-faults.yaml", {"eval": {"every_s": 3600.0}})
     options = SwarmOptions(
-        workers_per_stage=1, trainers=2, run_dir=tmp_path_factory.mktemp("faults"), report_every=1.0, trainer_args=TRAINER_ARGS
+        preset=preset, workers_per_stage=1, trainers=2, run_dir=run_dir, report_every=1.0, trainer_args=TRAINER_ARGS
     )
     local = LocalSwarm(options)
     try:

@@ -2,7 +2,10 @@
 
 Every round, the workers of a stage that are due find each other through hivemind matchmaking
 over the DHT and average one rotating slice of their parameters (see partition.py) with hivemind's
-butterfly all-reduce, in float32, uncompressed. Training keeps stepping while a round is in flight,
+butterfly all-reduce, in float32, uncompressed. A round is timed by its group's slowest link, which every
+worker measures on its own rounds and announces when it joins one (link_timing.py); the same figure sizes
+its share of the parts to reduce, and a worker says once if rounds cannot fit between two rounds at its
+measured link. Training keeps stepping while a round is in flight,
 so the result is applied as a delta: param_slice += averaged - sent. Optimizer moments stay local.
 
 Matchmaking: every round has its own group key, so workers on different rounds never meet. The first
@@ -41,9 +44,11 @@ from hivemind.utils import get_dht_time
 
 from agora_client.averaging.bounds import bounded, bounded_weight
 from agora_client.averaging.group_admission import GroupAdmission
+from agora_client.averaging.link_timing import MIN_RATE, LinkMeter, LinkRates, round_timing
 from agora_client.averaging.partition import StridedPartition, partition_of
 from agora_client.config import SpartaConfig
-from agora_client.engine.averaging import DEFAULT_PART_SIZE_BYTES, RoundAverager, RoundOutcome, found_no_group
+from agora_client.engine.averaging import (DEFAULT_PART_SIZE_BYTES, GroupTimeouts, RoundAverager, RoundOutcome,
+                                           found_no_group)
 from agora_client.events import SpartaEvent
 
 
@@ -62,6 +67,8 @@ class RoundReport:
     ok: bool
     reason: str | None = None
     suspects: tuple[tuple[str, str], ...] = ()  # (peer id, what it sent) for every peer whose numbers were bounded
+    allreduce_s: float = 0.0  # the all-reduce alone, matchmaking excluded
+    notice: str | None = None  # said once: rounds of this size cannot fit between two rounds at the measured link
 
     def to_event(self) -> SpartaEvent:
         return SpartaEvent(
@@ -115,11 +122,12 @@ class _GroupAverager(RoundAverager):
     """The engine's round averager with SPARTA's group rules: tickets (admission), a positive weight, bounds."""
 
     def __init__(
-        self, buffer: torch.Tensor, dht: DHT, *, layout: bytes, max_peer_delta: float,
+        self, buffer: torch.Tensor, dht: DHT, *, layout: bytes, config: SpartaConfig,
         admission: GroupAdmission | None, **kwargs: Any,
     ):
         super().__init__(buffer, dht, layout=layout, **kwargs)
-        self._admission, self._max_peer_delta = admission, max_peer_delta
+        self._admission, self._sparta = admission, config  # not _config: multiprocessing.Process has one
+        self._payload_bytes, self._part_size_bytes = buffer.numel() * buffer.element_size(), kwargs["part_size_bytes"]
 
     def joiner_refusal(self, peer: PeerID, data: Any) -> str | None:
         # as a leader: a peer without a ticket for this stage never gets into our group
@@ -136,7 +144,14 @@ class _GroupAverager(RoundAverager):
         return None
 
     def new_screen(self) -> _BoundingScreen:
-        return _BoundingScreen(self._max_peer_delta)
+        return _BoundingScreen(self._sparta.max_peer_delta)
+
+    def group_timeouts(self, members: Sequence[Any]) -> GroupTimeouts:
+        # timed by the slowest link any member announced (clamped: a peer cannot make its group wait for ever)
+        announced = [LinkRates.announced(member.get("link")) if isinstance(member, dict) else None for member in members]
+        slowest = min((rates.slowest for rates in announced if rates is not None), default=MIN_RATE)
+        timing = round_timing(self._payload_bytes, len(members), slowest, self._part_size_bytes, self._sparta)
+        return GroupTimeouts(timing.allreduce_timeout, timing.sender_timeout, timing.reducer_timeout)
 
 
 @dataclass
@@ -145,6 +160,7 @@ class _Flight:
 
     round_no: int
     gather_window: float  # seconds a leader waits for the whole stage to join
+    interval_s: float | None = None  # seconds since the previous round began (None: the first round)
     future: Future[RoundReport] | None = None
     control: StepControl | None = None  # hivemind's step, once it has been asked for
     stop_reason: str | None = None  # why it was called off (a newer round was due, shutdown) before averaging
@@ -189,24 +205,30 @@ class SpartaAverager:
         self._last_begin: float | None = None  # when the previous round began (time.monotonic)
         self._find_group_timeout = 3 * config.matchmaking_time
         self._group_needs = config.matchmaking_time + self._max_gather_window  # hivemind's minimum, then the gathering
-        self._round_timeout = self._find_group_timeout + config.allreduce_timeout + config.matchmaking_time
         self._buffer = torch.zeros(self.partition.max_slice_size, dtype=torch.float32)
+        self._config, self._part_size_bytes = config, _part_size_bytes(self._buffer)
+        self._link = LinkMeter(LinkRates(config.assumed_link_mbps * 1e6 / 8, config.assumed_link_mbps * 1e6 / 8))
+        self._fit_said = False
+        # the group bounds its all-reduce by its slowest link (group_timeouts); this one only backs that up
+        slowest_round = round_timing(self._buffer.numel() * 4, LARGEST_GROUP, MIN_RATE, self._part_size_bytes,
+                                     config).allreduce_timeout
+        self._round_timeout = self._find_group_timeout + slowest_round + config.matchmaking_time
         self._averager = _GroupAverager(
             self._buffer,
             dht,
             layout=self.partition.fingerprint,
-            max_peer_delta=config.max_peer_delta,
+            config=config,
             admission=admission,
             prefix=prefix,
             min_group_size=2,
             min_matchmaking_time=config.matchmaking_time,
             request_timeout=config.matchmaking_time / 2,
-            allreduce_timeout=config.allreduce_timeout,
+            allreduce_timeout=None,  # set per group, from its members' links (group_timeouts)
             sender_timeout=config.sender_timeout,
             # a reducer first waits up to sender_timeout for its slowest sender, then gets its own reducer_timeout
             reducer_timeout=config.sender_timeout + config.reducer_timeout,
             allow_state_sharing=False,
-            part_size_bytes=_part_size_bytes(self._buffer),
+            part_size_bytes=self._part_size_bytes,
         )
         self._credentials = (lambda: {}) if admission is None else (lambda: admission.credentials(dht.peer_id.to_base58()))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparta-round")
@@ -241,15 +263,15 @@ class SpartaAverager:
             sent = torch.empty(self.partition.slice_size(part), dtype=torch.float32)
             with self._lock:
                 self.partition.gather(self._parameters, part, sent)
-            self._flight = flight = _Flight(round_no, self._gather_window(started))
+            interval = None if self._last_begin is None else started - self._last_begin
+            self._flight = flight = _Flight(round_no, self._gather_window(interval), interval)
+            self._last_begin = started
             flight.future = self._executor.submit(self._run_round, flight, round_no, part, float(weight), sent, started)
             return flight.future
 
-    def _gather_window(self, now: float) -> float:
+    def _gather_window(self, interval: float | None) -> float:
         """How long a leader waits for a full group: never past half the time between two rounds, so that a
         peer that died (still counted in the stage until its record expires) cannot make the round overrun."""
-        interval = None if self._last_begin is None else now - self._last_begin
-        self._last_begin = now
         return self._max_gather_window if interval is None else min(self._max_gather_window, max(0.5, interval / 2))
 
     def _supersede(self, round_no: int) -> bool:
@@ -280,17 +302,19 @@ class SpartaAverager:
             buffer.zero_()
             buffer[: sent.numel()].copy_(sent)
         self._averager.reset_traffic()
-        group_size, fraction, suspects = 0, 0.0, {}
+        group_size, fraction, suspects, allreduce_s = 0, 0.0, {}, 0.0
         try:
             outcome = self._match_and_average(flight, round_no, weight)
         except Exception as error:
             reason = flight.stop_reason if flight.stop_reason is not None else _describe_failure(error, self._find_group_timeout)
         else:
-            group_size, reason = outcome.group_size, outcome.skipped
+            group_size, reason, allreduce_s = outcome.group_size, outcome.skipped, outcome.allreduce_s
             suspects = outcome.screen.suspects if outcome.screen is not None else {}
             if reason is None:
                 fraction, reason = self._apply_average(part, sent, outcome.unshared)
         bytes_sent, bytes_received = self._averager.traffic_bytes()
+        if reason is None:  # a whole round measures the link; a partial one was cut short by someone's failure
+            self._link.record(bytes_sent, bytes_received, allreduce_s)
         return self._publish(RoundReport(
             round=round_no,
             partition=part,
@@ -303,7 +327,24 @@ class SpartaAverager:
             ok=group_size > 0 and fraction > 0,
             reason=reason,
             suspects=tuple(sorted(suspects.items())),
+            allreduce_s=allreduce_s,
+            notice=self._fit_notice(flight.interval_s, group_size),
         ))
+
+    def _fit_notice(self, interval_s: float | None, group_size: int) -> str | None:
+        """Once per run: rounds of this slice take longer, at the measured link, than the time between two rounds."""
+        if self._fit_said or interval_s is None or group_size < 2:
+            return None
+        rates = self._link.rates
+        timing = round_timing(self._buffer.numel() * 4, group_size, rates.slowest, self._part_size_bytes, self._config)
+        if timing.expected_s <= interval_s:
+            return None
+        self._fit_said = True
+        moved = 2 * (group_size - 1) / group_size * self._buffer.numel() * 4
+        return (f"a round moves {moved / 1e6:.0f} MB each way per peer; at this worker's measured link "
+                f"({rates.up * 8 / 1e6:.0f} Mbit/s up, {rates.down * 8 / 1e6:.0f} down) it takes ~{timing.expected_s:.0f}s, "
+                f"but rounds start every {interval_s:.0f}s: rounds will be skipped while one is in flight; "
+                "a faster link, a larger sparta.period or a smaller sparta.fraction makes them fit")
 
     def _match_and_average(self, flight: _Flight, round_no: int, weight: float) -> RoundOutcome:
         if not self._averager.is_alive():
@@ -315,7 +356,9 @@ class SpartaAverager:
         self._averager.set_round(format(round_no, "b"), stage_size if stage_size >= 2 else None).result(
             timeout=self._find_group_timeout
         )
-        return self._run_step(flight, {"weight": weight, **self._credentials()}, weight)
+        rates = self._link.rates
+        self._averager.announce_bandwidth(rates.slowest)  # a slow link gets a smaller share of the parts to reduce
+        return self._run_step(flight, {"weight": weight, "link": rates.to_json(), **self._credentials()}, weight)
 
     def _apply_average(self, part: int, sent: torch.Tensor, unshared: int) -> tuple[float, str | None]:
         """Add (averaged - sent) to the slice; returns the share of it averaged with another peer, and why not all."""
@@ -362,6 +405,9 @@ class SpartaAverager:
         self._executor.shutdown(wait=True)
         if self._averager.is_alive():
             self._averager.shutdown()
+
+
+LARGEST_GROUP = 1000  # for the backstop bound: a butterfly moves at most 2x the slice per peer, whatever the group
 
 
 def _part_size_bytes(buffer: torch.Tensor) -> int:

@@ -1,8 +1,9 @@
 """hivemind's decentralized averager and butterfly all-reduce, with the seams SPARTA needs and upstream lacks.
 
 - RoundAverager: a group key and a target group size set per round, a check of every joiner (as a leader)
-  and of every assembled group, the protobuf bytes of every averaging message counted, and a step whose
-  result says what the round did (RoundOutcome) instead of only the gathered data.
+  and of every assembled group, time bounds and part shares set per group from what its members announce,
+  the protobuf bytes of every averaging message counted, and a step whose result says what the round did
+  (RoundOutcome) instead of only the gathered data.
 - ScreenedAllReduce: every sender's part passes a PartScreen before this peer reduces it, every averaged
   part a remote reducer returns passes it too, and the elements nobody else averaged are counted.
 
@@ -12,10 +13,12 @@ tests/test_engine_contract.py, so an upgrade that moves one fails there, by name
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import multiprocessing as mp
 import signal
+import time
 from concurrent.futures import InvalidStateError
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterator, Optional, Protocol, Sequence
@@ -32,8 +35,8 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import as_aiter, azip
 
 __all__ = [
-    "DEFAULT_PART_SIZE_BYTES", "PartScreen", "RoundAverager", "RoundOutcome", "ScreenedAllReduce", "found_no_group",
-    "parts_by_reducer",
+    "DEFAULT_PART_SIZE_BYTES", "GroupTimeouts", "PartScreen", "RoundAverager", "RoundOutcome", "ScreenedAllReduce",
+    "found_no_group", "parts_by_reducer",
 ]
 
 _SENT, _RECEIVED = 0, 1
@@ -60,6 +63,16 @@ class RoundOutcome:
     skipped: str | None = None  # why this group did not average (then nothing below was done)
     unshared: int = 0  # elements of the slice that no other peer's data reached
     screen: Any = None  # the round's PartScreen, with whatever it recorded
+    allreduce_s: float = 0.0  # how long the all-reduce itself took (matchmaking excluded)
+
+
+@dataclass(frozen=True)
+class GroupTimeouts:
+    """Time bounds for one assembled group's all-reduce (hivemind's allreduce/sender/reducer timeouts)."""
+
+    allreduce_s: float
+    sender_s: float
+    reducer_s: float
 
 
 class _MeteredStub:
@@ -186,6 +199,16 @@ class RoundAverager(DecentralizedAverager):
     def new_screen(self) -> PartScreen:
         raise NotImplementedError
 
+    def group_timeouts(self, members: Sequence[Any]) -> GroupTimeouts | None:
+        """Time bounds for the all-reduce of an assembled group, from what its members gathered (None: the ones
+        given at construction). Every member computes them from the same data, so the group agrees."""
+        return None
+
+    def announce_bandwidth(self, bytes_per_s: float) -> None:
+        """The rate this peer announces with its next step: hivemind's load balancing gives a peer a share of the
+        parts to reduce in proportion to it."""
+        self.bandwidth = bytes_per_s  # upstream reads it in the host process when a step gathers its data
+
     def reset_traffic(self) -> None:
         self.traffic.zero_()
 
@@ -241,7 +264,12 @@ class RoundAverager(DecentralizedAverager):
         refusal = self.group_refusal(group_info.peer_ids, members)
         if refusal is not None:
             return RoundOutcome(group_info.group_size, skipped=refusal)
-        await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        timeouts = self.group_timeouts(members)
+        if timeouts is None:
+            await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        else:  # upstream fixes these at construction; a group's own bounds replace them (its allreduce_timeout is None)
+            kwargs.update(sender_timeout=timeouts.sender_s, reducer_timeout=timeouts.reducer_s)
+            await asyncio.wait_for(super()._aggregate_with_group(group_info, min_vector_size, **kwargs), timeouts.allreduce_s)
         return self._outcome
 
     async def _run_allreduce_inplace_(
@@ -249,6 +277,7 @@ class RoundAverager(DecentralizedAverager):
     ) -> None:
         # upstream builds AllReduceRunner by name here: its copy, for ScreenedAllReduce (no AUX peers, no alpha)
         group_id = group_info.group_id if group_id is None else group_id
+        started = time.monotonic()
         screen = self.new_screen()
         runner = ScreenedAllReduce(
             traffic=self.traffic, screen=screen, p2p=self._p2p, servicer_type=type(self), prefix=self.prefix,
@@ -258,7 +287,8 @@ class RoundAverager(DecentralizedAverager):
         async for tensor, delta in azip(as_aiter(*tensors), runner):
             runner.screen_returned(tensor, delta)
             tensor.add_(delta)  # parts whose reducer failed arrive as zero deltas and keep the local value
-        self._outcome = RoundOutcome(group_info.group_size, unshared=runner.unshared_elements(), screen=screen)
+        self._outcome = RoundOutcome(group_info.group_size, unshared=runner.unshared_elements(), screen=screen,
+                                     allreduce_s=time.monotonic() - started)
 
 
 def found_no_group(error: BaseException) -> bool:

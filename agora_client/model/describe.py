@@ -10,9 +10,11 @@ import argparse
 import json
 import sys
 
+from agora_client.averaging.link_timing import butterfly_bytes, round_timing
 from agora_client.config import ConfigError, ModelConfig, RunConfig, SubspaceConfig, load_config
 from agora_client.data.tokenizer import TokenizerError, TokenizerUnavailable, describe_tokenizer, load_run_tokenizer
 from agora_client.model.memory import gib, largest_microbatch, plan_stage
+from agora_client.engine.averaging import DEFAULT_PART_SIZE_BYTES
 from agora_client.model.stages import boundary_width, param_counts
 
 FLOAT_BYTES = 4  # boundaries travel as float32
@@ -21,6 +23,7 @@ TOKEN_ID_BYTES = 8  # token ids travel as int64 beside every boundary, dense or 
 # (memory and communication: ~1.37B head, ~907M per body, ~2.73B tail).
 DOCUMENTED_8B = {"head": 1.37e9, "body": 907e6, "tail": 2.73e9}
 VRAM_SIZES_GIB = (24, 48, 80)  # cards the plan is shown for
+UPLINKS_MBIT = (50, 100, 200)  # home uplinks a SPARTA round is timed for
 
 
 def describe_model(config: ModelConfig) -> dict:
@@ -79,13 +82,34 @@ def describe_memory(run: RunConfig) -> list[dict]:
     return rows
 
 
+def describe_sparta(run: RunConfig, counts: dict[str, int]) -> list[dict]:
+    """Per stage: what one SPARTA round moves per peer (2 peers, float32) and how long that takes on common uplinks."""
+    rows = []
+    for name, parameters in counts.items():
+        payload = parameters * run.sparta.fraction * FLOAT_BYTES
+        seconds = {f"{mbit}Mbit": round(round_timing(payload, 2, mbit * 1e6 / 8, DEFAULT_PART_SIZE_BYTES, run.sparta).expected_s, 1)
+                   for mbit in UPLINKS_MBIT}
+        rows.append({"stage": name, "bytes_each_way": butterfly_bytes(payload, 2), "seconds": seconds})
+    return rows
+
+
 def describe_run(run: RunConfig) -> dict:
     info = describe_model(run.model)
     for stage in info["stages"]:
         stage["documented"] = documented_count(run.name, stage["name"])
     info["use_mixed_precision"], info["offload_optimizer"] = run.use_mixed_precision, run.offload_optimizer
     info["memory"] = describe_memory(run)
+    info["sparta"] = describe_sparta(run, {stage["name"]: stage["parameters"] for stage in info["stages"]})
     return info
+
+
+def format_sparta(info: dict) -> list[str]:
+    lines = ["SPARTA: one round per peer (2 peers, fp32 slices) and how long it takes on an uplink of",
+             f"{'stage':<8}{'MB each way':>12}" + "".join(f"{f'{mbit} Mbit/s':>12}" for mbit in UPLINKS_MBIT)]
+    for row in info["sparta"]:
+        times = "".join(f"{row['seconds'][f'{mbit}Mbit']:>11.1f}s" for mbit in UPLINKS_MBIT)
+        lines.append(f"{row['stage']:<8}{row['bytes_each_way'] / 1e6:>12,.0f}{times}")
+    return lines
 
 
 def describe_run_tokenizer(run: RunConfig) -> dict:
@@ -153,6 +177,8 @@ def format_description(name: str, info: dict) -> str:
     )
     if "memory" in info:
         lines += format_memory(info)
+    if "sparta" in info:
+        lines += format_sparta(info)
     if "tokenizer" in info:
         lines.append(format_tokenizer(info["tokenizer"]))
     return "\n".join(lines)

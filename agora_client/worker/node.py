@@ -290,6 +290,8 @@ class WorkerNode:
                 tag="SPARTA",
                 level="warning",
             )
+        if report.notice is not None:
+            self.events.log(f"SPARTA: {report.notice}", tag="SPARTA", level="warning")
         for hook in self._round_hooks:
             hook(report)
 
