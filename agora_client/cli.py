@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "auth": ("agora_client.auth.main", "run the auth service"),
     "monitor": ("agora_client.monitor.main", "scrape metrics, keep points, serve the leaderboard"),
     "leaderboard": ("agora_client.monitor.leaderboard_cli", "print the leaderboard as a table"),
-    "describe": ("agora_client.model.describe", "show a preset's stages and parameter counts"),
+    "describe": ("agora_client.describe", "show a preset's stages and parameter counts"),
     "runtime": ("agora_client.runtime", "the worker runtime the app supervises; writes events to stdout"),
     "export-logs": ("agora_client.system.bundle_cli", "write a support bundle (zip) for a ticket"),
     "checkpoints": ("agora_client.checkpoints.list_cli", "list consistent checkpoint sets: per-stage times, loss"),

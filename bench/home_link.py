@@ -44,7 +44,7 @@ from _trainer_progress import ProgressPoint, ProgressRecorder, tokens_per_second
 from sparta_rounds import sparta_events, summarize  # noqa: E402
 
 from agora_client.config import load_config  # noqa: E402
-from agora_client.model.describe import describe_model  # noqa: E402
+from agora_client.describe import describe_model  # noqa: E402
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions  # noqa: E402
 from tests.netns import BridgedHosts, Host, unavailable  # noqa: E402
 

@@ -19,7 +19,8 @@ from agora_client.auth.run_description import TokenizerSummary, describe_run
 from agora_client.config import ConfigError, load_config
 from agora_client.events import EventWriter
 from agora_client.frontend.lines import human_bytes
-from agora_client.model import build_stage, describe, param_counts
+from agora_client import describe
+from agora_client.model import build_stage, param_counts
 from agora_client.model.memory import (
     CUDA_RESERVED_BYTES,
     largest_microbatch,

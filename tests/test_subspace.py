@@ -12,7 +12,7 @@ from hivemind.proto.runtime_pb2 import CompressionType
 
 from agora_client.config import ConfigError, ModelConfig, load_config
 from agora_client.model import StageModule, build_stage, serialized_boundary_bytes
-from agora_client.model import describe
+from agora_client import describe
 from agora_client.model.subspace import SubspaceLinear, fixed_embedding
 
 SEED = 11

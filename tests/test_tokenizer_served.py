@@ -31,7 +31,7 @@ from agora_client.auth.run_description import (
 from agora_client.config import load_config
 from agora_client.data.tokenizer import load_run_tokenizer
 from agora_client.frontend.exit_codes import EXIT_ERROR
-from agora_client.model import describe as describe_command
+from agora_client import describe as describe_command
 from tests.test_join_from_url import SEEDS, describe, service
 
 REPO = Path(__file__).resolve().parent.parent

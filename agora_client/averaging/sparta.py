@@ -213,7 +213,16 @@ class SpartaAverager:
         slowest_round = round_timing(self._buffer.numel() * 4, LARGEST_GROUP, MIN_RATE, self._part_size_bytes,
                                      config).allreduce_timeout
         self._round_timeout = self._find_group_timeout + slowest_round + config.matchmaking_time
-        self._averager = _GroupAverager(
+        self._averager = self._new_averager(dht, prefix, config, admission)
+        self._credentials = (lambda: {}) if admission is None else (lambda: admission.credentials(dht.peer_id.to_base58()))
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparta-round")
+        self._begin_lock = threading.Lock()
+        self._flight = _Flight(-1, 0.0)  # the latest round begun
+        if start:
+            self.start()
+
+    def _new_averager(self, dht: DHT, prefix: str, config: SpartaConfig, admission: GroupAdmission | None) -> _GroupAverager:
+        return _GroupAverager(
             self._buffer,
             dht,
             layout=self.partition.fingerprint,
@@ -230,12 +239,6 @@ class SpartaAverager:
             allow_state_sharing=False,
             part_size_bytes=self._part_size_bytes,
         )
-        self._credentials = (lambda: {}) if admission is None else (lambda: admission.credentials(dht.peer_id.to_base58()))
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparta-round")
-        self._begin_lock = threading.Lock()
-        self._flight = _Flight(-1, 0.0)  # the latest round begun
-        if start:
-            self.start()
 
     def start(self) -> None:
         self._averager.run_in_background(await_ready=True)

@@ -13,8 +13,8 @@ import sys
 from agora_client.averaging.link_timing import butterfly_bytes, round_timing
 from agora_client.config import ConfigError, ModelConfig, RunConfig, SubspaceConfig, load_config
 from agora_client.data.tokenizer import TokenizerError, TokenizerUnavailable, describe_tokenizer, load_run_tokenizer
-from agora_client.model.memory import gib, largest_microbatch, plan_stage
 from agora_client.engine.averaging import DEFAULT_PART_SIZE_BYTES
+from agora_client.model.memory import gib, largest_microbatch, plan_stage
 from agora_client.model.stages import boundary_width, param_counts
 
 FLOAT_BYTES = 4  # boundaries travel as float32
