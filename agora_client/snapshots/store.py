@@ -2,7 +2,8 @@
 
 Both hold the same layout (see ``format.py``): ``<stage>/<epoch>-<UTC time>/{params,optimizer}.safetensors``,
 its ``manifest.json`` written last, and ``<stage>/latest.json``. A snapshot counts as present once its
-manifest is, so a reader never sees half of one. ``location.open_store`` picks the backend from the location.
+manifest is, so a reader never sees half of one. Beside the stages, ``trainers/`` holds small JSON records
+(``put_record``: the trainers' data positions and eval losses, see checkpoints/trainer_records.py). ``location.open_store`` picks the backend from the location.
 """
 
 from __future__ import annotations
