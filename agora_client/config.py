@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -136,6 +136,11 @@ class SpartaConfig(_Strict):
     reducer_timeout: float = Field(default=10.0, gt=0, description="drop a reducer that answers nothing this long")
     max_peer_delta: float = Field(
         default=0.5, gt=0, description="bound on one peer's pull: its part of a slice may differ from ours by at most this x our part's norm"
+    )
+    payload: Literal["fp32", "bf16", "int8"] = Field(
+        default="fp32",
+        description="what a round sends per value: fp32 (4 bytes), bf16 (2 bytes out, float32 answers) or int8 "
+        "(Uniform8BitQuantization both ways); bf16 and int8 keep what compression drops and send it next time",
     )
     assumed_link_mbps: float = Field(
         default=50.0, gt=0, description="the link (Mbit/s, both ways) a worker assumes until its first round measures it"

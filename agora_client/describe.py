@@ -10,6 +10,9 @@ import argparse
 import json
 import sys
 
+import torch
+
+from agora_client.averaging.compression import SlicePayload
 from agora_client.averaging.link_timing import butterfly_bytes, round_timing
 from agora_client.config import ConfigError, ModelConfig, RunConfig, SubspaceConfig, load_config
 from agora_client.data.tokenizer import TokenizerError, TokenizerUnavailable, describe_tokenizer, load_run_tokenizer
@@ -83,13 +86,16 @@ def describe_memory(run: RunConfig) -> list[dict]:
 
 
 def describe_sparta(run: RunConfig, counts: dict[str, int]) -> list[dict]:
-    """Per stage: what one SPARTA round moves per peer (2 peers, float32) and how long that takes on common uplinks."""
+    """Per stage: what one SPARTA round moves per peer (2 peers, the run's payload) and how long that takes on
+    common uplinks."""
+    payload = SlicePayload(run.sparta.payload, torch.empty(1))
     rows = []
     for name, parameters in counts.items():
-        payload = parameters * run.sparta.fraction * FLOAT_BYTES
-        seconds = {f"{mbit}Mbit": round(round_timing(payload, 2, mbit * 1e6 / 8, DEFAULT_PART_SIZE_BYTES, run.sparta).expected_s, 1)
+        moved = parameters * run.sparta.fraction * payload.bytes_per_value
+        seconds = {f"{mbit}Mbit": round(round_timing(moved, 2, mbit * 1e6 / 8, DEFAULT_PART_SIZE_BYTES, run.sparta).expected_s, 1)
                    for mbit in UPLINKS_MBIT}
-        rows.append({"stage": name, "bytes_each_way": butterfly_bytes(payload, 2), "seconds": seconds})
+        rows.append({"stage": name, "payload": run.sparta.payload, "bytes_each_way": butterfly_bytes(moved, 2),
+                     "seconds": seconds})
     return rows
 
 
@@ -104,7 +110,8 @@ def describe_run(run: RunConfig) -> dict:
 
 
 def format_sparta(info: dict) -> list[str]:
-    lines = ["SPARTA: one round per peer (2 peers, fp32 slices) and how long it takes on an uplink of",
+    payload = info["sparta"][0]["payload"] if info["sparta"] else "fp32"
+    lines = [f"SPARTA: one round per peer (2 peers, {payload} payload) and how long it takes on an uplink of",
              f"{'stage':<8}{'MB each way':>12}" + "".join(f"{f'{mbit} Mbit/s':>12}" for mbit in UPLINKS_MBIT)]
     for row in info["sparta"]:
         times = "".join(f"{row['seconds'][f'{mbit}Mbit']:>11.1f}s" for mbit in UPLINKS_MBIT)

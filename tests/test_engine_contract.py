@@ -29,6 +29,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.averaging.partition import AllreduceException, TensorPartContainer, TensorPartReducer
+from hivemind.compression import NoCompression, serialization
 from hivemind.moe.client.expert import get_server_stub
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.moe.server.connection_handler import ConnectionHandler
@@ -48,6 +49,7 @@ from agora_client.engine.averaging import RoundAverager, ScreenedAllReduce, foun
 from agora_client.engine.identity import key_from_der, use_as_process_key
 from agora_client.engine.libp2p_errors import DaemonFailure, daemon_failure, stream_ended_empty
 from agora_client.engine.serving import CheckedConnectionHandler, HostedServer
+from agora_client.engine.uniform8bit import Uniform8Bit
 
 REPO = Path(__file__).resolve().parents[1]
 HIVEMIND = Path(hivemind.__file__).parent
@@ -100,6 +102,8 @@ MEMBERS = (
     Member(RSAPrivateKey, "_process_wide_key"),
     Member(RSAPrivateKey, "_process_wide_key_lock"),
     Member(RSAPrivateKey, "__setstate__", ("self", "state")),
+    # uniform8bit.py puts its NumPy-2.4-safe UNIFORM_8BIT decoder in the table every received part is decoded by
+    Member(serialization, "_BASE_COMPRESSION_TYPES"),
     # expert_calls.py
     Member(control, "DEFAULT_MAX_MSG_SIZE"),
     Member(control, "MAX_UNARY_PAYLOAD_SIZE"),
@@ -205,11 +209,14 @@ def test_the_partial_round_messages_are_still_logged_upstream() -> None:
         assert module.with_suffix(".py").exists() or module.is_dir(), f"no hivemind logger {name}"
 
 
-def test_the_part_layout_decodes() -> None:
-    """parts_by_reducer walks a tensor in the order and sizes upstream's TensorPartContainer cut it."""
+@pytest.mark.parametrize("compression", [NoCompression(), Uniform8Bit()], ids=["fp32", "int8"])
+def test_the_part_layout_decodes(compression: Any) -> None:
+    """parts_by_reducer walks a tensor in the order and sizes upstream's TensorPartContainer cut it (whose
+    part_size_bytes counts bytes after compression)."""
     tensor = torch.arange(10_000, dtype=torch.float32)
     peers = [PeerID(bytes([0, 2, index, index])) for index in range(3)]
-    container = TensorPartContainer([tensor], peer_fractions=(0.5, 0.2, 0.3), part_size_bytes=4 * 700)
+    container = TensorPartContainer([tensor], peer_fractions=(0.5, 0.2, 0.3), part_size_bytes=4 * 700,
+                                    compression=compression)
     decoded = list(parts_by_reducer(container, peers, tensor, tensor * 2))
     for index, peer in enumerate(peers):
         upstream = [part.view(-1) for part in container.get_raw_input_parts(index)]

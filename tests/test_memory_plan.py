@@ -122,6 +122,17 @@ def test_offload_moves_the_moments_to_the_host() -> None:
     assert off.gpu_resident - on.gpu_resident == on.moments == 2 * on.weights
 
 
+@pytest.mark.parametrize("payload", ["bf16", "int8"])
+def test_a_compressed_payload_keeps_its_residuals_on_the_host(payload: str) -> None:
+    fp32 = plan_stage(load_config("8b"), "body1")
+    compressed = plan_stage(load_config("8b", {"sparta": {"payload": payload}}), "body1")
+    slice_bytes = fp32.averaging // 2
+    # one float32 residual per trainable parameter, and three more slices while a round is applied
+    assert compressed.averaging - fp32.averaging == compressed.weights + 3 * slice_bytes
+    assert compressed.host - fp32.host == compressed.averaging - fp32.averaging
+    assert compressed.gpu_peak == fp32.gpu_peak
+
+
 def _card(gib: float, capability: tuple[int, int] = (8, 9), name: str = "test card") -> GpuSpec:
     return GpuSpec(name, int(gib * GIB), capability)
 

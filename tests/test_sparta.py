@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -18,6 +19,7 @@ from agora_client.auth.ticket_source import SelfIssuedTickets
 from agora_client.auth.tickets import generate_signing_key, load_signing_key, public_key_text, save_signing_key
 from agora_client.config import SpartaConfig
 from agora_client.averaging.bounds import FLOOR_RMS
+from agora_client.averaging.compression import SlicePayload
 from agora_client.averaging.group_admission import GroupAdmission
 from agora_client.serving.rejections import RejectionLog
 from agora_client.serving.ticket_gate import TicketGate
@@ -406,5 +408,49 @@ def test_only_ticketed_workers_of_the_stage_average_together(tmp_path: Any, stra
                 assert torch.equal(after, before[index]), "a refused group changes nothing"
         reasons = [results[index][0].reason or "" for index in (0, 1)]
         assert any(reason.startswith(f"refused: peer {swarm.peer_ids[2]}") for reason in reasons), reasons
+    finally:
+        swarm.close()
+
+
+def _uniform_values(seed: int) -> list[torch.Tensor]:
+    # no value beyond 3 standard deviations: each one decodes within half of its 8-bit bucket
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.rand(shape, generator=generator) * 2 - 1) * (seed + 1) for shape in SHAPES]
+
+
+# wire bytes per value (parts out + answers back, each way) relative to fp32's 4 + 4: bf16 parts go out in
+# 2 bytes and come back as float32; int8 parts and answers are 1 byte plus a 1 KiB codebook per message
+WIRE_RATIO = {"bf16": 6 / 8, "int8": 2 / 8}
+CODEBOOK_BYTES = 8 + 256 * 4
+
+
+@pytest.mark.parametrize("payload", ["bf16", "int8"])
+def test_compressed_rounds_move_fewer_bytes_and_reach_the_fp32_average(payload: str) -> None:
+    # a machine loaded by other tests has held a part back past 4 s; a part lost would make the round partial
+    config = CONFIG.model_copy(update={"payload": payload, "sender_timeout": 8.0, "reducer_timeout": 8.0})
+    swarm = Swarm(2, config=config)
+    try:
+        initial = swarm.set_values([_uniform_values(seed) for seed in (0, 1)])
+        total = initial[0].numel()
+        mask, mean = _slice_mask(0, total), torch.stack(initial).mean(0)
+        if payload == "bf16":  # 8 significant bits: half a unit in the last place, relative
+            step = 2.0**-8 * float(torch.stack(initial)[:, mask].abs().max())
+        else:  # 256 buckets over 6 standard deviations of the widest part sent
+            step = 6 * max(float(flat[mask].std()) for flat in initial) / 256
+        slice_size = int(mask.sum())
+        part_values = SlicePayload(payload, torch.zeros(slice_size)).part_values
+        codebooks = 0 if payload == "bf16" else math.ceil(slice_size / part_values) * CODEBOOK_BYTES
+        expected = _expected_traffic(2, slice_size) * WIRE_RATIO[payload]
+        for round_no in (0, PARTITIONS):  # the same slice twice: the second round sends what the first dropped
+            results = swarm.round([0, 1], round_no, [1.0, 1.0])
+            for report, after in results:
+                assert report.ok and report.fraction == 1.0 and report.reason is None, report
+                assert abs(report.bytes_sent - expected) <= 0.1 * expected + codebooks, (report, expected)
+                assert abs(report.bytes_received - expected) <= 0.1 * expected + codebooks, (report, expected)
+        (_, first), (_, second) = results
+        for index, after in enumerate((first, second)):
+            assert torch.equal(after[~mask], initial[index][~mask]), "only the round's slice moves"
+            assert float((after[mask] - mean[mask]).abs().max()) <= step, "within a step of the fp32 average"
+        assert float((first[mask] - second[mask]).abs().max()) <= step, "the peers agree within a step"
     finally:
         swarm.close()

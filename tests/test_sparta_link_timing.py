@@ -56,22 +56,27 @@ def test_the_link_estimate_is_the_best_recent_round_and_starts_from_the_assumed_
 
 
 
-def test_a_group_is_timed_by_the_slowest_link_its_members_announce():
+@pytest.mark.parametrize("payload, bytes_per_value", [("fp32", 4), ("bf16", 3), ("int8", 1)])
+def test_a_group_is_timed_by_the_slowest_link_its_members_announce(payload: str, bytes_per_value: float):
     from hivemind import DHT
 
+    from agora_client.averaging.compression import SlicePayload
     from agora_client.averaging.sparta import _GroupAverager
 
     dht = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     try:
-        buffer = torch.zeros(25_000_000)  # a 100 MB slice
-        averager = _GroupAverager(buffer, dht, layout=b"x", config=CONFIG, admission=None, prefix="timing",
-                                  part_size_bytes=PART)
+        buffer = torch.zeros(25_000_000)  # a 100 MB slice in fp32; bf16 sends 2 bytes and gets 4 back, int8 1 and 1
+        wire = SlicePayload(payload, buffer)
+        averager = _GroupAverager(buffer, dht, layout=b"x", config=CONFIG, admission=None, prefix="timing", payload=wire)
         fast, slow = {"up": 200 * MBIT, "down": 200 * MBIT}, {"up": 20 * MBIT, "down": 200 * MBIT}
         timeouts = averager.group_timeouts([{"weight": 1.0, "link": fast}, {"weight": 1.0, "link": slow}, {"weight": 1.0}])
-        expected = round_timing(100e6, 3, 20 * MBIT, PART, CONFIG)
+        moved = 25e6 * bytes_per_value
+        expected = round_timing(moved, 3, 20 * MBIT, wire.largest_message_bytes, CONFIG)
         assert (timeouts.allreduce_s, timeouts.sender_s, timeouts.reducer_s) == (
             expected.allreduce_timeout, expected.sender_timeout, expected.reducer_timeout)
         liar = averager.group_timeouts([{"link": fast}, {"link": {"up": 1, "down": 1}}])  # clamped to MIN_RATE
-        assert liar.allreduce_s == round_timing(100e6, 2, MIN_RATE, PART, CONFIG).allreduce_timeout
+        assert liar.allreduce_s == round_timing(moved, 2, MIN_RATE, wire.largest_message_bytes, CONFIG).allreduce_timeout
+        if payload == "fp32":
+            assert wire.largest_message_bytes == PART
     finally:
         dht.shutdown()

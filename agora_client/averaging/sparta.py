@@ -2,11 +2,13 @@
 
 Every round, the workers of a stage that are due find each other through hivemind matchmaking
 over the DHT and average one rotating slice of their parameters (see partition.py) with hivemind's
-butterfly all-reduce, in float32, uncompressed. A round is timed by its group's slowest link, which every
-worker measures on its own rounds and announces when it joins one (link_timing.py); the same figure sizes
-its share of the parts to reduce, and a worker says once if rounds cannot fit between two rounds at its
-measured link. Training keeps stepping while a round is in flight,
-so the result is applied as a delta: param_slice += averaged - sent. Optimizer moments stay local.
+butterfly all-reduce, in float32 or compressed (sparta.payload; compression.py, with error feedback). A round
+is timed by its group's slowest link and the bytes its payload puts on the wire; every worker measures its
+link on its own rounds and announces it when it joins one (link_timing.py); the same figure sizes its share
+of the parts to reduce, and a worker says once if rounds cannot fit between two rounds at its measured link.
+Training keeps stepping while a round is in flight, so the result is applied as a delta:
+param_slice += averaged - sent, where a compressed payload's average leaves out what compression dropped
+from this peer's part (the next round over the slice sends it). Optimizer moments stay local.
 
 Matchmaking: every round has its own group key, so workers on different rounds never meet. The first
 worker of the stage to reach a round leads it and waits up to ``2 x matchmaking_time`` for the others
@@ -43,12 +45,12 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from agora_client.averaging.bounds import bounded, bounded_weight
+from agora_client.averaging.compression import SlicePayload
 from agora_client.averaging.group_admission import GroupAdmission
-from agora_client.averaging.link_timing import MIN_RATE, LinkMeter, LinkRates, round_timing
+from agora_client.averaging.link_timing import MIN_RATE, LinkMeter, LinkRates, butterfly_bytes, round_timing
 from agora_client.averaging.partition import StridedPartition, partition_of
 from agora_client.config import SpartaConfig
-from agora_client.engine.averaging import (DEFAULT_PART_SIZE_BYTES, GroupTimeouts, RoundAverager, RoundOutcome,
-                                           found_no_group)
+from agora_client.engine.averaging import GroupTimeouts, RoundAverager, RoundOutcome, found_no_group
 from agora_client.events import SpartaEvent
 
 
@@ -123,11 +125,13 @@ class _GroupAverager(RoundAverager):
 
     def __init__(
         self, buffer: torch.Tensor, dht: DHT, *, layout: bytes, config: SpartaConfig,
-        admission: GroupAdmission | None, **kwargs: Any,
+        admission: GroupAdmission | None, payload: SlicePayload, **kwargs: Any,
     ):
-        super().__init__(buffer, dht, layout=layout, **kwargs)
+        super().__init__(buffer, dht, layout=layout, compression=payload.compression,
+                         part_size_bytes=payload.part_size_bytes, **kwargs)
         self._admission, self._sparta = admission, config  # not _config: multiprocessing.Process has one
-        self._payload_bytes, self._part_size_bytes = buffer.numel() * buffer.element_size(), kwargs["part_size_bytes"]
+        self._payload_bytes = buffer.numel() * payload.bytes_per_value  # what a round moves, each way, per value
+        self._largest_message = payload.largest_message_bytes
 
     def joiner_refusal(self, peer: PeerID, data: Any) -> str | None:
         # as a leader: a peer without a ticket for this stage never gets into our group
@@ -150,7 +154,7 @@ class _GroupAverager(RoundAverager):
         # timed by the slowest link any member announced (clamped: a peer cannot make its group wait for ever)
         announced = [LinkRates.announced(member.get("link")) if isinstance(member, dict) else None for member in members]
         slowest = min((rates.slowest for rates in announced if rates is not None), default=MIN_RATE)
-        timing = round_timing(self._payload_bytes, len(members), slowest, self._part_size_bytes, self._sparta)
+        timing = round_timing(self._payload_bytes, len(members), slowest, self._largest_message, self._sparta)
         return GroupTimeouts(timing.allreduce_timeout, timing.sender_timeout, timing.reducer_timeout)
 
 
@@ -206,11 +210,11 @@ class SpartaAverager:
         self._find_group_timeout = 3 * config.matchmaking_time
         self._group_needs = config.matchmaking_time + self._max_gather_window  # hivemind's minimum, then the gathering
         self._buffer = torch.zeros(self.partition.max_slice_size, dtype=torch.float32)
-        self._config, self._part_size_bytes = config, _part_size_bytes(self._buffer)
+        self._config, self._payload = config, SlicePayload(config.payload, self._buffer)
         self._link = LinkMeter(LinkRates(config.assumed_link_mbps * 1e6 / 8, config.assumed_link_mbps * 1e6 / 8))
         self._fit_said = False
         # the group bounds its all-reduce by its slowest link (group_timeouts); this one only backs that up
-        slowest_round = round_timing(self._buffer.numel() * 4, LARGEST_GROUP, MIN_RATE, self._part_size_bytes,
+        slowest_round = round_timing(self._round_bytes, LARGEST_GROUP, MIN_RATE, self._payload.largest_message_bytes,
                                      config).allreduce_timeout
         self._round_timeout = self._find_group_timeout + slowest_round + config.matchmaking_time
         self._averager = self._new_averager(dht, prefix, config, admission)
@@ -225,9 +229,11 @@ class SpartaAverager:
         return _GroupAverager(
             self._buffer,
             dht,
-            layout=self.partition.fingerprint,
+            # peers on another payload cut the slice into other parts: they must never be grouped with this one
+            layout=self.partition.fingerprint + config.payload.encode(),
             config=config,
             admission=admission,
+            payload=self._payload,
             prefix=prefix,
             min_group_size=2,
             min_matchmaking_time=config.matchmaking_time,
@@ -237,8 +243,17 @@ class SpartaAverager:
             # a reducer first waits up to sender_timeout for its slowest sender, then gets its own reducer_timeout
             reducer_timeout=config.sender_timeout + config.reducer_timeout,
             allow_state_sharing=False,
-            part_size_bytes=self._part_size_bytes,
         )
+
+    @property
+    def _round_bytes(self) -> float:
+        """What one round's slice weighs on the wire, each way (before the butterfly's 2(n-1)/n)."""
+        return self._buffer.numel() * self._payload.bytes_per_value
+
+    def parameters_replaced(self) -> None:
+        """Call after loading the parameters wholesale (a snapshot): what compression dropped from the old values
+        is then forgotten instead of being sent with the new ones. Any thread."""
+        self._payload.parameters_replaced()
 
     def start(self) -> None:
         self._averager.run_in_background(await_ready=True)
@@ -301,9 +316,10 @@ class SpartaAverager:
     def _run_round(
         self, flight: _Flight, round_no: int, part: int, weight: float, sent: torch.Tensor, started: float
     ) -> RoundReport:
+        outgoing = self._payload.outgoing(part, sent)
         with self._averager.get_tensors() as (buffer,):
             buffer.zero_()
-            buffer[: sent.numel()].copy_(sent)
+            buffer[: sent.numel()].copy_(outgoing)
         self._averager.reset_traffic()
         group_size, fraction, suspects, allreduce_s = 0, 0.0, {}, 0.0
         try:
@@ -314,7 +330,7 @@ class SpartaAverager:
             group_size, reason, allreduce_s = outcome.group_size, outcome.skipped, outcome.allreduce_s
             suspects = outcome.screen.suspects if outcome.screen is not None else {}
             if reason is None:
-                fraction, reason = self._apply_average(part, sent, outcome.unshared)
+                fraction, reason = self._apply_average(part, sent, outgoing, outcome)
         bytes_sent, bytes_received = self._averager.traffic_bytes()
         if reason is None:  # a whole round measures the link; a partial one was cut short by someone's failure
             self._link.record(bytes_sent, bytes_received, allreduce_s)
@@ -339,11 +355,12 @@ class SpartaAverager:
         if self._fit_said or interval_s is None or group_size < 2:
             return None
         rates = self._link.rates
-        timing = round_timing(self._buffer.numel() * 4, group_size, rates.slowest, self._part_size_bytes, self._config)
+        timing = round_timing(self._round_bytes, group_size, rates.slowest, self._payload.largest_message_bytes,
+                              self._config)
         if timing.expected_s <= interval_s:
             return None
         self._fit_said = True
-        moved = 2 * (group_size - 1) / group_size * self._buffer.numel() * 4
+        moved = butterfly_bytes(self._round_bytes, group_size)
         return (f"a round moves {moved / 1e6:.0f} MB each way per peer; at this worker's measured link "
                 f"({rates.up * 8 / 1e6:.0f} Mbit/s up, {rates.down * 8 / 1e6:.0f} down) it takes ~{timing.expected_s:.0f}s, "
                 f"but rounds start every {interval_s:.0f}s: rounds will be skipped while one is in flight; "
@@ -363,11 +380,14 @@ class SpartaAverager:
         self._averager.announce_bandwidth(rates.slowest)  # a slow link gets a smaller share of the parts to reduce
         return self._run_step(flight, {"weight": weight, "link": rates.to_json(), **self._credentials()}, weight)
 
-    def _apply_average(self, part: int, sent: torch.Tensor, unshared: int) -> tuple[float, str | None]:
-        """Add (averaged - sent) to the slice; returns the share of it averaged with another peer, and why not all."""
-        size = sent.numel()
+    def _apply_average(
+        self, part: int, sent: torch.Tensor, outgoing: torch.Tensor, outcome: RoundOutcome
+    ) -> tuple[float, str | None]:
+        """Add (averaged - sent) to the slice; returns the share of it averaged with another peer, and why not all.
+        ``outgoing``: what the buffer held, i.e. ``sent`` plus the residual of a lossy payload."""
+        size, unshared = sent.numel(), outcome.unshared
         with self._averager.get_tensors() as (buffer,):
-            delta = buffer[:size] - sent
+            delta = self._payload.averaged(part, outgoing, buffer[:size], outcome.local_parts) - sent
         broken = ~torch.isfinite(delta)  # a part whose only surviving senders had weight 0 divides by zero
         delta[broken] = 0.0
         with self._lock:
@@ -411,12 +431,6 @@ class SpartaAverager:
 
 
 LARGEST_GROUP = 1000  # for the backstop bound: a butterfly moves at most 2x the slice per peer, whatever the group
-
-
-def _part_size_bytes(buffer: torch.Tensor) -> int:
-    # hivemind hands each whole part to one reducer: parts much smaller than a slice spread the load evenly
-    # over the group (a slice in one part means one peer reduces everything); 8 KiB keeps headers under 1%
-    return min(DEFAULT_PART_SIZE_BYTES, max(8 * 1024, buffer.numel() * buffer.element_size() // 64))
 
 
 def _describe_failure(error: BaseException, find_group_timeout: float) -> str:

@@ -64,6 +64,7 @@ class RoundOutcome:
     unshared: int = 0  # elements of the slice that no other peer's data reached
     screen: Any = None  # the round's PartScreen, with whatever it recorded
     allreduce_s: float = 0.0  # how long the all-reduce itself took (matchmaking excluded)
+    local_parts: range = range(0)  # indices of the parts this peer reduced itself (never compressed)
 
 
 @dataclass(frozen=True)
@@ -114,8 +115,10 @@ def parts_by_reducer(
     container: TensorPartContainer, ordered_peer_ids: Sequence[PeerID], local: torch.Tensor, delta: torch.Tensor
 ) -> Iterator[tuple[PeerID, torch.Tensor, torch.Tensor]]:
     """(reducer, part of ``local``, part of ``delta``) for every part of a one-tensor all-reduce, in order."""
-    # upstream's layout, which it does not expose: parts of part_size_bytes, num_parts_by_peer[i] of them for peer i
-    part_values = int(container.part_size_bytes / local.element_size())
+    # upstream's layout, which it does not expose: parts of part_size_bytes after compression, num_parts_by_peer[i]
+    # of them for peer i
+    ratio = container.compression.estimate_compression_ratio(container.tensor_infos[0])
+    part_values = int(container.part_size_bytes / (local.element_size() * ratio))
     parts = iter(zip(local.view(-1).split(part_values), delta.view(-1).split(part_values)))
     for peer, count in zip(ordered_peer_ids, container.num_parts_by_peer):
         for own, change in (next(parts) for _ in range(count)):
@@ -138,6 +141,12 @@ class ScreenedAllReduce(AllReduceRunner):
         for reducer, own, change in parts_by_reducer(self.tensor_part_container, self.ordered_peer_ids, local, delta):
             if reducer != self.peer_id:  # our own reduction screened every sender already
                 self.screen.returned_part(reducer, own, change)
+
+    def local_parts(self) -> range:
+        """Indices of the parts this peer reduces itself: upstream neither compresses nor sends them."""
+        counts = self.tensor_part_container.num_parts_by_peer
+        me = list(self.ordered_peer_ids).index(self.peer_id)
+        return range(sum(counts[:me]), sum(counts[: me + 1]))
 
     def unshared_elements(self) -> int:
         """Elements of this peer's tensor that were not averaged with any other peer.
@@ -288,7 +297,7 @@ class RoundAverager(DecentralizedAverager):
             runner.screen_returned(tensor, delta)
             tensor.add_(delta)  # parts whose reducer failed arrive as zero deltas and keep the local value
         self._outcome = RoundOutcome(group_info.group_size, unshared=runner.unshared_elements(), screen=screen,
-                                     allreduce_s=time.monotonic() - started)
+                                     allreduce_s=time.monotonic() - started, local_parts=runner.local_parts())
 
 
 def found_no_group(error: BaseException) -> bool:

@@ -7,7 +7,9 @@ basis U (E_f is hashed on demand, never stored), and the AdamW moments unless th
 GPU, per microbatch: what autograd saves during the recomputed forward of a backward request
 (counted tensor by tensor below, mirroring agora_client/model/layers.py, stages.py and loss.py),
 then a transient while backward runs (an estimate: the largest gradient buffers alive at once).
-Host: the moments when offloaded, and SPARTA's averaging buffers.
+Host: the moments when offloaded, and SPARTA's averaging buffers; with a compressed payload (sparta.payload
+bf16 or int8) also the residuals of its error feedback, 4 bytes per trainable parameter once every slice has
+been averaged, and three more slices while a round's result is applied.
 """
 
 from __future__ import annotations
@@ -194,8 +196,17 @@ def plan_stage(run: RunConfig, stage: str, microbatch: int | None = None) -> Sta
         moments=2 * shapes.trainable * FP32,
         saved_activations=saved_activation_bytes(config, stage, microbatch, mixed_precision=mixed),
         backward_transient=backward_transient_bytes(config, stage, microbatch, mixed_precision=mixed),
-        averaging=2 * slice_size * FP32,  # SPARTA's shared buffer and the gathered slice
+        averaging=averaging_bytes(shapes.trainable, slice_size, run.sparta.payload),
     )
+
+
+def averaging_bytes(trainable: int, slice_size: int, payload: str) -> int:
+    """SPARTA's host bytes: its shared buffer and the gathered slice. A compressed payload adds what it sent (the
+    slice plus its residual), the buffer as hivemind compressed it and what the reducers decoded of that, and
+    one float32 residual per trainable parameter (averaging/compression.py, SlicePayload)."""
+    if payload == "fp32":
+        return 2 * slice_size * FP32
+    return 5 * slice_size * FP32 + trainable * FP32
 
 
 def usable_bytes(memory_total: int) -> int:

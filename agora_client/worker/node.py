@@ -265,6 +265,7 @@ class WorkerNode:
                 raise SnapshotError("no snapshot of this stage has been published yet")
             with self.epochs.lock:
                 info = load_stage_snapshot(path, self.module, self.optimizer, stage=self.options.stage)
+                self.sparta.parameters_replaced()  # what compression dropped from the old weights is not sent with these
                 self.optimizer.zero_grad(set_to_none=True)
                 if not all_finite(self.parameters):
                     raise SnapshotError(f"the snapshot at {path} holds non-finite weights")
