@@ -153,7 +153,7 @@ def test_dataset_resume_continues_with_the_next_token(tmp_path):
         assert before + [next(after).tolist() for _ in range(150 - stop_at)] == expected, f"stopped after {stop_at}"
 
 
-def test_dataset_a_position_from_another_shard_or_tokenizer_is_refused(tmp_path):
+def test_dataset_a_position_from_another_shard_tokenizer_or_data_is_refused(tmp_path):
     spec = DataConfig(source=str(_write_jsonl(tmp_path / "corpus.jsonl", [_document(n) for n in range(8)])))
     stream = _stream(spec, Shard(0, 2))
     next(stream.sequences())
@@ -161,6 +161,8 @@ def test_dataset_a_position_from_another_shard_or_tokenizer_is_refused(tmp_path)
         _stream(spec, Shard(1, 2), position=stream.position())
     with pytest.raises(DataError, match="another tokenizer"):
         _stream(spec, Shard(0, 2), tokenizer=BPE, position=stream.position())
+    with pytest.raises(DataError, match="in other data"):
+        _stream(spec.model_copy(update={"shuffle_buffer": 7}), Shard(0, 2), position=stream.position())
 
 
 def test_dataset_held_out_documents_never_enter_training(tmp_path):

@@ -55,8 +55,12 @@ class TokenStream:
             "v": POSITION_VERSION, "shard": str(self.shard), "pass": self.pass_index, "sequences": self.sequences_out,
             "source": self.source_state, "buffer": [text for text, _ in self.buffer],
             "pending": [text for text, _ in self.pending], "carry": list(self.carry),
-            "rng": _rng_to_json(self.rng), "tokenizer_sha256": self.tokenizer.sha256,
+            "rng": _rng_to_json(self.rng), "tokenizer_sha256": self.tokenizer.sha256, "data": self._data_identity(),
         }
+
+    def _data_identity(self) -> dict[str, Any]:
+        """What a position is a position in: the source as named, and how documents are drawn from it."""
+        return self.spec.model_dump(mode="json") | {"seed": self.seed}
 
     def _restore(self, position: dict[str, Any]) -> None:
         if position.get("v") != POSITION_VERSION or position.get("shard") != str(self.shard):
@@ -64,6 +68,9 @@ class TokenStream:
                             "resume with as many trainers as the run had")
         if position.get("tokenizer_sha256") != self.tokenizer.sha256:
             raise DataError("the saved data position was cut with another tokenizer than the run's")
+        if position.get("data") != self._data_identity():
+            raise DataError(f"the saved data position is in other data ({position.get('data')}) than this trainer reads "
+                            f"({self._data_identity()}): resume with the data the run had")
         self.pass_index, self.sequences_out = int(position["pass"]), int(position["sequences"])
         self.source_state = position["source"]
         self.buffer = self._tokenized(position["buffer"])
