@@ -62,9 +62,11 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -151,6 +153,8 @@ def parse_args(stages: tuple[str, ...]) -> argparse.Namespace:
     parser.add_argument("--segments", type=int, default=6, help="equal token ranges the ratio is reported for")
     parser.add_argument("--report-every", type=float, default=2.0, help="seconds between the trainer's loss lines")
     parser.add_argument("--run-dir", type=Path, default=None, help="logs go here (default: a temporary folder)")
+    parser.add_argument("--payload", choices=("fp32", "bf16", "int8"), default="fp32",
+                        help="what the swarm's SPARTA rounds send (sparta.payload); the single process does not average")
     args = parser.parse_args()
     if min(args.seconds, args.kill_after, args.segments, args.report_every) <= 0 or args.kill_after >= args.seconds:
         parser.error("durations and --segments must be positive, and --kill-after shorter than --seconds")
@@ -228,11 +232,21 @@ def seconds_to_active(run_dir: Path, worker: str, since_wall: float) -> float | 
     return active[0] - since_wall if active else None
 
 
+def swarm_preset(run_dir: Path, payload: str) -> str:
+    """tiny, with the SPARTA payload asked for, as a preset file the swarm's processes read."""
+    preset = yaml.safe_load((resources.files("agora_client") / "presets" / "tiny.yaml").read_text())
+    preset["sparta"] = {**preset["sparta"], "payload": payload}
+    path = run_dir / f"tiny-{payload}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(preset))
+    return str(path)
+
+
 def train_swarm(name: str, args: argparse.Namespace, run_dir: Path, kill_stage: str | None) -> SwarmRun:
     recorder = ProgressRecorder()
     options = SwarmOptions(
-        workers_per_stage=WORKERS_PER_STAGE, trainers=1, run_dir=run_dir, report_every=args.report_every,
-        publish_snapshots=True,
+        preset=swarm_preset(run_dir, args.payload), workers_per_stage=WORKERS_PER_STAGE, trainers=1, run_dir=run_dir,
+        report_every=args.report_every, publish_snapshots=True,
     )
     replacement = None
     with LocalSwarm(options, on_line=recorder) as swarm:
@@ -387,6 +401,7 @@ def main() -> int:
     result = {
         "bench": "convergence",
         "preset": config.name,
+        "payload": args.payload,
         "workers_per_stage": WORKERS_PER_STAGE,
         "tokens_per_microbatch": tokens_per_microbatch,
         "seconds_per_run": args.seconds,
