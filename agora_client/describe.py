@@ -142,18 +142,19 @@ def format_memory(info: dict) -> list[str]:
     lines = [
         f"memory plan ({precision}, AdamW moments on {moments}; GPU peak = during a recomputing backward):",
         f"{'stage':<8}{'mb':>3}{'weights':>12}{'grads':>12}{'saved act':>12}{'backward':>12}{'GPU peak':>12}"
-        f"{'host':>12}   largest microbatch on {sizes} GiB",
+        f"{'host':>12}{'+ writing':>12}   largest microbatch on {sizes} GiB",
     ]
     for plan in info["memory"]:
         largest = " / ".join(str(count) for count in plan["largest_microbatch"].values())
         lines.append(
             f"{plan['stage']:<8}{plan['microbatch']:>3}{gib(plan['weights']):>12}{gib(plan['gradients']):>12}"
             f"{gib(plan['saved_activations']):>12}{gib(plan['backward_transient']):>12}{gib(plan['gpu_peak']):>12}"
-            f"{gib(plan['host']):>12}   {largest}"
+            f"{gib(plan['host']):>12}{gib(plan['snapshot']):>12}   {largest}"
         )
-    lines.append(
-        "  host = AdamW moments (when offloaded) + SPARTA averaging buffers; a card also keeps 1 GiB for CUDA itself"
-    )
+    lines += [
+        "  host = AdamW moments (when offloaded) + SPARTA averaging buffers; a card also keeps 1 GiB for CUDA itself",
+        "  + writing = the host copy of weights and moments a worker that publishes snapshots or checkpoints keeps",
+    ]
     return lines
 
 

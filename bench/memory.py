@@ -179,7 +179,7 @@ class RssPeak:
 def _export_in_child(store_dir: str, out: str, dtype: str, max_shard_bytes: int, answer) -> None:
     """Runs in a fresh process, so the baseline holds no checkpoint-writing leftovers."""
     from agora_client.checkpoints import select_set
-    from agora_client.checkpoints.export import export_set
+    from agora_client.checkpoints.export import export_set, export_tokenizer, set_run_config
     from agora_client.snapshots import LocalStore
 
     store = LocalStore(store_dir)
@@ -188,6 +188,7 @@ def _export_in_child(store_dir: str, out: str, dtype: str, max_shard_bytes: int,
     # symbolic shapes (sympy, ~480 modules, ~50 MB at any size); the matmul library sets up on its first call
     torch.nn.Linear(1, 1, device="meta").to_empty(device="cpu")
     torch.ones(64, 64) @ torch.ones(64, 64)
+    export_tokenizer(set_run_config(checkpoints))  # and the tokenizers library the export loads the run's tokenizer with
     baseline = psutil.Process().memory_info().rss
     with RssPeak() as meter:
         export_set(store, checkpoints, Path(out), dtype=dtype, max_shard_bytes=max_shard_bytes)
@@ -203,9 +204,11 @@ def measure_export(width: int) -> dict:
     from agora_client.checkpoints import run_record
     from agora_client.snapshots import LocalStore
 
-    run = width_scaled(width)
     results = []
     with tempfile.TemporaryDirectory() as folder:
+        run = width_scaled(width)
+        words = _word_tokenizer(Path(folder) / "tokenizer.json", run.model.vocab_size, run.tokenizer.eos_token)
+        run = run.model_copy(update={"tokenizer": run.tokenizer.model_copy(update={"source": str(words)})})
         store = LocalStore(Path(folder) / "store")
         largest = 0
         for stage in run.model.stage_names:  # one stage in memory at a time here too
@@ -230,6 +233,18 @@ def measure_export(width: int) -> dict:
                   f"ratio {(peak - baseline) / plan:.3f}, {results[-1]['shards']} shards")
     parameters = sum(p.numel() for stage in run.model.stage_names for p in build_stage(run.model, stage, seed=0, device="meta").parameters())
     return {"width": width, "parameters": parameters, "runs": results, "max_ratio": max(r["ratio"] for r in results)}
+
+
+def _word_tokenizer(path: Path, vocab_size: int, eos_token: str | None) -> Path:
+    """A word-level tokenizers file of ``vocab_size`` entries for the export to write: the 8b preset's (Llama 3's,
+    from the hub) cannot be fetched offline, and only its size matters here."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = [f"w{index}" for index in range(vocab_size - 1)] + [eos_token or f"w{vocab_size - 1}"]
+    tokenizer = Tokenizer(models.WordLevel({word: index for index, word in enumerate(words)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path))
+    return path
 
 
 def width_scaled(width: int) -> RunConfig:

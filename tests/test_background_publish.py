@@ -1,5 +1,5 @@
-"""Publishing never stalls serving (issue 24): under the stage lock only a host copy of the state is taken;
-the write runs in the background, one at a time, and a write that fails leaves the previous snapshot in place.
+"""Publishing never stalls serving (issue 24): a host copy of the state that steps wait for and requests do not,
+then the write, in the background, one at a time; a write that fails leaves the previous snapshot in place.
 """
 
 from __future__ import annotations
@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 from hivemind import DHT
@@ -17,10 +19,12 @@ from agora_client.config import load_config
 from agora_client.engine.expert_calls import call_unary, close_replica, replicate_p2p, run_coroutine, server_stub
 from agora_client.events import EventWriter
 from agora_client.model import build_stage
+from agora_client.model.memory import plan_stage
 from agora_client.snapshots import LocalStore, StoredSnapshot, latest_snapshot, load_stage_snapshot
 from agora_client.snapshots.background import BackgroundWriter, HostCopy
 from agora_client.snapshots.format import StageState, live_state
 from agora_client.snapshots.publisher import SnapshotPublisher
+from agora_client.worker.main import _warn_if_host_memory_short
 from agora_client.worker.node import WorkerNode, WorkerOptions
 from agora_client.worker.optimizer import build_optimizer
 
@@ -55,6 +59,19 @@ class HeldStore(LocalStore):
         return super().save_state(stage, state, epoch, **kwargs)
 
 
+class HeldCopy(HostCopy):
+    """Host copies that wait until the test releases them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def take(self, live: StageState) -> StageState:
+        self.entered.set()
+        assert self.release.wait(WAIT_S), "the test never released the copy"
+        return super().take(live)
+
+
 class FailingStore(LocalStore):
     """A store whose next commit fails as a full disk would, after the files were written."""
 
@@ -81,23 +98,32 @@ def forward(node: WorkerNode) -> torch.Tensor:
 
 @pytest.mark.integration
 @pytest.mark.timeout(240)
-def test_a_publication_in_the_background_does_not_block_a_forward(tmp_path) -> None:
+def test_a_publication_in_the_background_does_not_block_a_forward_or_a_backward(tmp_path) -> None:
     sink = Recorder()
     node = WorkerNode(WorkerOptions(load_config("tiny"), "body1", [], index=0, publish_dir=tmp_path, publish_every=1000),
                       EventWriter(sink))
     store = node.snapshots.store = HeldStore(tmp_path)
+    copy = node.state_writer.copy = HeldCopy()
     try:
-        node.start()  # publishes its first snapshot: held in the background from here on
-        assert store.entered.wait(WAIT_S), "the first publication never reached the store"
-        output = forward(node)
-        assert output.shape == (BATCH, SEQ, WIDTH) and node.state_writer.busy and not store.release.is_set()
+        node.start()  # publishes its first snapshot: its host copy is held from here on
+        assert copy.entered.wait(WAIT_S), "the first publication never started its copy"
+        assert forward(node).shape == (BATCH, SEQ, WIDTH)  # served while the copy holds the state lock
+        assert node.epochs.lock.training.acquire(timeout=WAIT_S)  # what a backward takes: free
+        node.epochs.lock.training.release()
+        assert not node.epochs.lock.state.acquire(blocking=False), "a step would wait for the copy"
+        copy.release.set()
+        assert store.entered.wait(WAIT_S), "the copy never reached the store"
+        assert forward(node).shape == (BATCH, SEQ, WIDTH) and node.state_writer.busy and not store.release.is_set()
+        assert node.epochs.lock.state.acquire(timeout=WAIT_S)  # the write itself holds no lock
+        node.epochs.lock.state.release()
         assert not node.snapshots.publish(1) and not node.snapshots.publish(2)  # due while one is in flight
         assert sink.count('"SNAPSHOT"', "skipped the body1 snapshot", '"warning"') == 1  # a run of skips is said once
         store.release.set()
         assert node.state_writer.wait(WAIT_S)
         assert [snapshot.epoch for snapshot in store.list("body1")] == [0]
-        assert sink.count("published the body1 snapshot", "copied under the stage lock") == 1
+        assert sink.count("published the body1 snapshot", "steps wait for the copy, requests do not") == 1
     finally:
+        copy.release.set()
         store.release.set()
         node.shutdown()
 
@@ -107,7 +133,7 @@ def test_a_failed_background_write_keeps_the_previous_snapshot_and_is_reported(t
     module = build_stage(config.model, "body1", seed=1)
     optimizer = build_optimizer(list(module.parameters()), config)
     sink, store = Recorder(), FailingStore(tmp_path)
-    writer = BackgroundWriter(module, optimizer, threading.RLock())
+    writer = BackgroundWriter(module, optimizer, threading.Lock())
     publisher = SnapshotPublisher(store, "body1", writer, keep=3, events=EventWriter(sink))
     assert publisher.publish(3) and writer.wait(WAIT_S)
     published = {name: tensor.clone() for name, tensor in module.state_dict().items()}
@@ -128,40 +154,25 @@ def test_a_failed_background_write_keeps_the_previous_snapshot_and_is_reported(t
     assert [snapshot.epoch for snapshot in store.list("body1")] == [3, 5]
 
 
-class WatchedLock:
-    """The stage lock, saying whether it is held."""
-
-    def __init__(self) -> None:
-        self.inner, self.depth = threading.RLock(), 0
-
-    def __enter__(self) -> None:
-        self.inner.acquire()
-        self.depth += 1
-
-    def __exit__(self, *exc) -> None:
-        self.depth -= 1
-        self.inner.release()
-
-
 class WatchedCopy(HostCopy):
-    def __init__(self, lock: WatchedLock) -> None:
+    def __init__(self, lock: threading.Lock) -> None:
         super().__init__()
         self.lock, self.held_while_copying = lock, []
 
     def take(self, live: StageState) -> StageState:
-        self.held_while_copying.append(self.lock.depth > 0)
+        self.held_while_copying.append(self.lock.locked())
         return super().take(live)
 
 
-def test_the_host_copy_is_taken_under_the_lock_into_reused_buffers() -> None:
+def test_the_host_copy_is_taken_under_the_state_lock_into_reused_buffers() -> None:
     config = load_config("tiny")
     module = build_stage(config.model, "body1", seed=1)
     optimizer = build_optimizer(list(module.parameters()), config)
     for parameter in module.parameters():
         parameter.grad = torch.ones_like(parameter)
     optimizer.step()  # the moments exist from the first step on
-    lock, written = WatchedLock(), []
-    writer = BackgroundWriter(module, optimizer, lock)  # type: ignore[arg-type]
+    lock, written = threading.Lock(), []
+    writer = BackgroundWriter(module, optimizer, lock)
     writer.copy = copy = WatchedCopy(lock)
 
     def failed(what: str, error: Exception) -> None:
@@ -169,7 +180,7 @@ def test_the_host_copy_is_taken_under_the_lock_into_reused_buffers() -> None:
 
     for what in ("first", "second"):
         assert writer.submit(what, written.append, failed) and writer.wait(WAIT_S)
-    assert copy.held_while_copying == [True, True] and lock.depth == 0  # the write itself ran without the lock
+    assert copy.held_while_copying == [True, True] and not lock.locked()  # the write itself ran without the lock
     first, second = written
     live = module.state_dict()
     for key, tensor in first.params.items():
@@ -179,3 +190,16 @@ def test_the_host_copy_is_taken_under_the_lock_into_reused_buffers() -> None:
     assert first.optimizer.keys() == moments.keys() and any(key.endswith("exp_avg_sq") for key in moments)
     for key, tensor in first.optimizer.items():
         assert tensor.data_ptr() != moments[key].data_ptr() and torch.equal(tensor, moments[key])
+    held = sum(tensor.numel() * tensor.element_size() for tensor in [*first.params.values(), *first.optimizer.values()])
+    planned = plan_stage(config, "body1")
+    assert planned.snapshot <= held <= planned.snapshot * 1.01  # the plan's "+ writing" host memory (step counters aside)
+
+
+def test_an_operators_worker_says_when_the_host_lacks_memory_for_its_state_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    options = WorkerOptions(load_config("tiny"), "body1", [], publish_dir="snapshots")
+    plan = plan_stage(options.config, "body1")
+    for available, warned in ((plan.host_need(False, writes_state=True) - 1, 1), (10 * plan.host_need(False, writes_state=True), 0)):
+        sink = Recorder()
+        monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
+        _warn_if_host_memory_short(options, EventWriter(sink))
+        assert sink.count('"warning"', "stage body1 needs", "with the host copy of its state") == warned

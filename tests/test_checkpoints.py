@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -24,6 +25,7 @@ from agora_client.data.tokenizer import load_run_tokenizer
 from agora_client.events import EventWriter
 from agora_client.model import build_stage
 from agora_client.snapshots import LocalStore, StoredSnapshot
+from agora_client.snapshots.store import ABANDONED_STAGING_S
 
 T0 = 1_790_000_000.0  # a fixed wall-clock origin for the tests
 CONFIG = load_config("tiny")
@@ -86,6 +88,21 @@ def test_prune_removes_what_retention_drops_and_never_the_newest(tmp_path):
     assert old[-1] in left and {s.name for s in removed}.isdisjoint(s.name for s in left)
     assert len(left) == len({int(s.timestamp // 3600) for s in old})
     assert all(not store.path(s).exists() for s in removed)
+
+
+def test_prune_removes_staging_a_dead_writer_left_and_spares_one_being_written(tmp_path):
+    store = LocalStore(tmp_path)
+    kept = save(store, "head", T0, epoch=1)
+    abandoned, writing = tmp_path / "head" / ".tmp-dead-1", tmp_path / "head" / ".tmp-live-2"
+    for staging in (abandoned, writing):
+        staging.mkdir()
+        (staging / "params.safetensors").write_bytes(b"half a file")
+    now = (abandoned / "params.safetensors").stat().st_mtime + ABANDONED_STAGING_S + 60
+    for path in (abandoned / "params.safetensors", abandoned):
+        os.utime(path, (now - ABANDONED_STAGING_S - 1, now - ABANDONED_STAGING_S - 1))
+    os.utime(writing / "params.safetensors", (now - 5, now - 5))  # its writer wrote a moment ago
+    store.prune("head", Retention(keep_all_s=10 ** 9, keep_hourly_s=10 ** 9), now=now)
+    assert not abandoned.exists() and writing.exists() and store.list("head") == [kept]
 
 
 # -- selection ---------------------------------------------------------------------------------------------
@@ -186,7 +203,7 @@ def test_export_refuses_an_existing_output(tmp_path):
 def test_writer_checkpoints_every_period_with_run_and_training_stats(tmp_path):
     config = load_config("tiny", {"checkpoint": {"period_s": 1.0}})
     module, optimizer = perturbed_stage("tail", 0)
-    lock = threading.RLock()
+    lock = threading.Lock()
     messages = []
     events = EventWriter()
     events.emit = lambda event: messages.append(event.message)  # type: ignore[method-assign]

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from agora_client.checkpoints import select_set
 from agora_client.checkpoints import export as export_module
 from agora_client.checkpoints.export import export_set, load_set
+from agora_client.checkpoints.olmo2 import olmo2_parameter_count
 from agora_client.checkpoints.shards import INDEX_FILE, parse_size
 from agora_client.cli import main
 from agora_client.snapshots import LocalStore, open_store
@@ -59,6 +60,7 @@ def test_a_sharded_export_loads_in_transformers_with_the_unsharded_logits(store,
     assert set(index["weight_map"]) == set(sharded) == set(whole)
     assert set(index["weight_map"].values()) == set(shards)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in sharded.values())
+    assert index["metadata"]["total_size"] == olmo2_parameter_count(CONFIG.model) * 4  # what decides one file or shards
     for shard in shards:  # within the limit, unless one tensor alone is larger
         held = [sharded[name] for name, file in index["weight_map"].items() if file == shard]
         assert sum(t.numel() * t.element_size() for t in held) <= SHARD_LIMIT or len(held) == 1

@@ -35,6 +35,7 @@ import math
 import threading
 import time
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -167,7 +168,7 @@ class _Flight:
     interval_s: float | None = None  # seconds since the previous round began (None: the first round)
     future: Future[RoundReport] | None = None
     control: StepControl | None = None  # hivemind's step, once it has been asked for
-    stop_reason: str | None = None  # why it was called off (a newer round was due, shutdown) before averaging
+    stop_reason: str | None = None  # why it was called off: a newer round was due before it averaged, or shutdown
     asked_at: float = 0.0  # monotonic time its step was asked for
 
 
@@ -193,7 +194,7 @@ class SpartaAverager:
         parameters: Sequence[torch.nn.Parameter],
         config: SpartaConfig,
         *,
-        lock: threading.Lock,
+        lock: AbstractContextManager,
         on_round: Callable[[RoundReport], None] | None = None,
         stage_size: Callable[[], int] | None = None,
         admission: GroupAdmission | None = None,
@@ -423,11 +424,15 @@ class SpartaAverager:
         return report
 
     def shutdown(self) -> None:
-        """Cancel a round still looking for its group, wait for the round thread, stop hivemind's process."""
-        self._call_off(self._flight, "cancelled: the averager is shutting down")
-        self._executor.shutdown(wait=True)
+        """Leave at once, even mid all-reduce: cancel the round in flight, stop hivemind's process (which aborts
+        its all-reduce: the groupmates finish without this peer's parts), then wait for the round thread."""
+        flight = self._flight
+        flight.stop_reason = "cancelled: the averager is shutting down"
+        if flight.control is not None:  # else the round stops itself as soon as it has its control
+            flight.control.cancel()
         if self._averager.is_alive():
             self._averager.shutdown()
+        self._executor.shutdown(wait=True)
 
 
 LARGEST_GROUP = 1000  # for the backstop bound: a butterfly moves at most 2x the slice per peer, whatever the group

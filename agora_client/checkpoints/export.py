@@ -26,9 +26,9 @@ from agora_client.data.tokenizer import (RunTokenizer, TokenizerError, describe_
 from agora_client.model import StageModule
 from agora_client.snapshots import SnapshotError, SnapshotStore, open_store
 
-from .olmo2 import ExportError, check_layers, olmo2_config, olmo2_stage_tensors
+from .olmo2 import ExportError, check_layers, olmo2_config, olmo2_parameter_count, olmo2_stage_tensors
 from .sets import DEFAULT_STORE, RUN_KEY, CheckpointError, CheckpointSet, format_time, parse_time, select_set
-from .shards import DEFAULT_MAX_SHARD_BYTES, ShardWriter, parse_size
+from .shards import DEFAULT_MAX_SHARD_BYTES, ShardWriter, parse_size, release_freed_memory
 from .stage_weights import load_stage_weights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -82,6 +82,7 @@ def write_weights(store: SnapshotStore, checkpoints: CheckpointSet, config: Mode
     """Each stage in turn: fetch its weights, fold them into OLMo2 tensors in ``dtype``, write them to shards."""
     seed, cache = checkpoints.run()["seed"], directory / "download"
     shards = ShardWriter(directory, max_shard_bytes)
+    one_file = olmo2_parameter_count(config) * dtype.itemsize <= max_shard_bytes
     layers: list[int] = []
     try:
         for stage in config.stage_names:
@@ -90,7 +91,11 @@ def write_weights(store: SnapshotStore, checkpoints: CheckpointSet, config: Mode
             for name, tensor in olmo2_stage_tensors(config, module, dtype):
                 shards.add(name, tensor)
             layers += [int(index) for index in module.layers]
-            del module  # before the next stage loads: only the current shard may still hold some of its tensors
+            del module  # before the next stage loads
+            if one_file:
+                release_freed_memory()  # what the stage held: the one shard keeps only its own tensors
+            else:  # the stage's last shard too (handing its memory back): the next load never meets a held shard
+                shards.flush()
         check_layers(config, layers)
     except ExportError as error:
         raise CheckpointError(str(error)) from None

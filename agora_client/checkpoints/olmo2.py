@@ -59,6 +59,14 @@ def olmo2_config(config: ModelConfig, dtype: torch.dtype = torch.float32, eos_to
     }
 
 
+def olmo2_parameter_count(config: ModelConfig) -> int:
+    """The exported model's elements: everything ``olmo2_stage_tensors`` yields over all the stages."""
+    d, kv, ffn, vocab = config.d_model, config.kv_width, config.ffn_hidden, config.vocab_size
+    attention = 2 * d * d + 2 * d * kv + d + kv  # q, o; k, v; q_norm, k_norm
+    block = attention + 3 * d * ffn + 2 * d  # gate, up, down; the two post-sublayer norms
+    return 2 * vocab * d + config.n_layers * block + d  # embedding and lm_head, the blocks, the final norm
+
+
 EMBEDDING_ROWS_PER_CHUNK = 1024  # E_f rows built at once when folding the embedding: bounds the scratch
 
 Take = Callable[[torch.Tensor], torch.Tensor]

@@ -1,4 +1,5 @@
-"""Tensors written as they come into Hugging Face safetensors shards, at most one shard held in memory.
+"""Tensors written as they come into Hugging Face safetensors shards, at most one shard held in memory (and its
+memory handed back to the system once written).
 
 The layout is the one ``transformers`` writes and reads: ``model-00001-of-00003.safetensors`` ... plus
 ``model.safetensors.index.json`` ({"metadata": {"total_size"}, "weight_map": {name: file}}), or a single
@@ -8,6 +9,7 @@ end, so shards are written under provisional names and renamed by ``finish``.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -29,6 +31,15 @@ def parse_size(text: str) -> int:
     if unit not in _UNITS or float(match.group(1)) <= 0:
         raise ValueError(f"{text!r} is not a size: write bytes or a number with KB, MB, GB, KiB, MiB or GiB, e.g. 5GB")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def release_freed_memory() -> None:
+    """Hand freed memory back to the system: glibc keeps freed blocks under its mmap threshold (up to 32 MiB) in its
+    heap, where tensors of other sizes cannot always reuse them, so a writer's peak would creep up shard by shard."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator decides
+        pass
 
 
 class ShardWriter:
@@ -62,6 +73,7 @@ class ShardWriter:
         self.written.append(list(self.current))
         self.largest_shard_bytes = max(self.largest_shard_bytes, self.current_bytes)
         self.current, self.current_bytes = {}, 0
+        release_freed_memory()
 
     def finish(self) -> list[Path]:
         """Flush, give every shard its final name (and write the index if there are several); returns the files."""

@@ -5,7 +5,8 @@ A checkpoint is a stage snapshot (weights, optimizer state with its step counter
 whose manifest also records the run (seed and model config, to rebuild and check it) and training
 statistics: the clipping bound and last gradient norm, and, on the tail, the loss the trainers'
 batches had since the previous checkpoint. Writing goes through the worker's ``BackgroundWriter``: only
-the copy of the state into host memory holds the stage lock; serialization, hashing and upload do not.
+the copy of the state into host memory holds the stage's state lock (steps wait, requests do not);
+serialization, hashing and upload hold no lock.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 
 __all__ = [
     "DEFAULT_PART_SIZE_BYTES", "GroupTimeouts", "PartScreen", "RoundAverager", "RoundOutcome", "ScreenedAllReduce",
-    "found_no_group", "parts_by_reducer",
+    "found_no_group", "parts_by_reducer", "rebuild_torch_thread_pool",
 ]
 
 _SENT, _RECEIVED = 0, 1
@@ -109,6 +109,14 @@ class _ScreenedPartReducer(TensorPartReducer):
             for index, shape in enumerate(self.part_shapes)
             if sum(index < failed_after for failed_after in self.sender_failed_after) < 2
         )
+
+
+def rebuild_torch_thread_pool() -> None:
+    """Call first thing in a forked child that will run torch ops on several threads. The child inherits torch's
+    thread pool marked corrupt; the first thread to set its thread count rebuilds it, and two threads doing so at
+    once can find none ("Invalid thread pool!": measured in half of such children). Setting the count here rebuilds
+    it while this is the only thread (asking for it would not: a forked thread counts as set up already)."""
+    torch.set_num_threads(torch.get_num_threads())
 
 
 def parts_by_reducer(
@@ -229,6 +237,7 @@ class RoundAverager(DecentralizedAverager):
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host process decides when this one ends
         _quiet_round_logs()
+        rebuild_torch_thread_pool()  # before hivemind's executor threads compress parts
         super().run()
 
     def run_in_background(self, await_ready: bool = True, timeout: Optional[float] = None) -> None:

@@ -11,15 +11,17 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import psutil
 
-from agora_client.auth.client import StageAssignment
 from agora_client.config import RunConfig
 from agora_client.events import EventWriter
 from agora_client.model.memory import CUDA_RESERVED_BYTES, StagePlan, gib, largest_microbatch, plan_stage, usable_bytes
 from agora_client.system.gpu import GpuSpec, probe_cuda_device
+
+if TYPE_CHECKING:  # a type only: auth's client loads hivemind, which the fit check (bench/gpu_check.py) must not
+    from agora_client.auth.client import StageAssignment
 
 MIN_CAPABILITY = (8, 0)
 

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import torch
-from hivemind.compression import serialize_torch_tensor
-from hivemind.proto.runtime_pb2 import CompressionType
 
 from agora_client.config import ConfigError, ModelConfig
 from agora_client.model.stages import StageModule, build_stage
 
 
 def _wire_bytes(tensor: torch.Tensor) -> int:
+    # imported here: the model package loads without hivemind (bench/gpu_check.py runs where it is not installed)
+    from hivemind.compression import serialize_torch_tensor
+    from hivemind.proto.runtime_pb2 import CompressionType
+
     # CompressionType.NONE writes the raw buffer, so the size depends on shape and dtype only:
     # a meta-device run supplies the shape and random values of that shape stand in for the data.
     if tensor.is_meta:

@@ -9,7 +9,8 @@ GPU, per microbatch: what autograd saves during the recomputed forward of a back
 then a transient while backward runs (an estimate: the largest gradient buffers alive at once).
 Host: the moments when offloaded, and SPARTA's averaging buffers; with a compressed payload (sparta.payload
 bf16 or int8) also the residuals of its error feedback, 4 bytes per trainable parameter once every slice has
-been averaged, and three more slices while a round's result is applied.
+been averaged, and three more slices while a round's result is applied. A worker that publishes snapshots or
+writes checkpoints also keeps a host copy of its weights and moments (snapshots/background.py).
 """
 
 from __future__ import annotations
@@ -70,10 +71,12 @@ class StagePlan:
         """A snapshot of the stage: its fp32 weights and AdamW's two moments (the basis U is rebuilt, not stored)."""
         return self.weights + self.moments
 
-    def host_need(self, on_gpu: bool) -> int:
+    def host_need(self, on_gpu: bool, *, writes_state: bool = False) -> int:
         """Host memory a worker of this stage needs: a GPU worker's offloaded moments and averaging buffers
-        (snapshots load tensor by tensor); a CPU worker holds the whole stage there."""
-        return self.host if on_gpu else self.host + self.gpu_peak
+        (snapshots load tensor by tensor); a CPU worker holds the whole stage there. One that publishes snapshots
+        or writes checkpoints (``writes_state``) also keeps their host copy, a snapshot's size."""
+        need = self.host if on_gpu else self.host + self.gpu_peak
+        return need + (self.snapshot if writes_state else 0)
 
     @property
     def disk_need(self) -> int:
@@ -81,7 +84,8 @@ class StagePlan:
         return 2 * self.snapshot
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "gpu_resident": self.gpu_resident, "gpu_peak": self.gpu_peak, "host": self.host}
+        return {**asdict(self), "gpu_resident": self.gpu_resident, "gpu_peak": self.gpu_peak, "host": self.host,
+                "snapshot": self.snapshot}
 
 
 def _layer_shapes(config: ModelConfig, constrained: bool) -> tuple[int, int, int]:

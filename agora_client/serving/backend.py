@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable
+import time
+from typing import Callable, Iterator
 
 import torch
 from hivemind.moe.server.module_backend import ModuleBackend
+
+from agora_client.model.layers import native_bf16
 
 
 class WorkerUnhealthy(RuntimeError):
@@ -27,17 +30,6 @@ class WorkerUnhealthy(RuntimeError):
         "this worker is not ready: its outputs turned non-finite and it is reloading a peer's state; "
         "send the request to another worker of the stage"
     )
-
-
-def native_bf16(device: torch.device) -> bool:
-    """Whether ``device`` runs bf16 matmuls natively; emulated, they are slower than fp32, not faster.
-
-    CUDA: compute capability 8.0 or newer. CPU: oneDNN's bf16 kernels (AVX-512 or AMX); an AVX2-only CPU
-    falls back to a reference gemm, measured 95x slower than fp32 on a 2-core AMD EPYC.
-    """
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def autocast_context(device: torch.device, mixed_precision: bool) -> Callable[[], contextlib.AbstractContextManager]:
@@ -51,7 +43,8 @@ def autocast_context(device: torch.device, mixed_precision: bool) -> Callable[[]
 
 class StageBackend(ModuleBackend):
     """A stage served to trainers: requests run under ``lock`` (held by the training loop while it changes the
-    parameters), and every backward reports its sample count to ``on_samples`` (the stage's epoch counter)."""
+    parameters), and every backward reports its sample count to ``on_samples`` (the stage's epoch counter).
+    ``longest_lock_wait_s`` is the longest any request waited for the lock."""
 
     def __init__(
         self,
@@ -71,9 +64,17 @@ class StageBackend(ModuleBackend):
         self.lock, self._on_samples = lock, on_samples
         self._autocast = autocast_context(device, mixed_precision)
         self._on_forward, self._on_backward, self._on_unhealthy = on_forward, on_backward, on_unhealthy
+        self.longest_lock_wait_s = 0.0
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        asked = time.monotonic()
+        with self.lock:
+            self.longest_lock_wait_s = max(self.longest_lock_wait_s, time.monotonic() - asked)
+            yield
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        with self.lock, self._autocast():
+        with self._locked(), self._autocast():
             outputs = super().forward(*inputs)
         outputs = tuple(out.float() if out.is_floating_point() else out for out in outputs)
         self._require_finite(outputs, "forward outputs")
@@ -81,7 +82,7 @@ class StageBackend(ModuleBackend):
         return outputs
 
     def backward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        with self.lock, self._autocast():
+        with self._locked(), self._autocast():
             grads = super().backward(*inputs)  # re-runs forward, autograd, then calls on_backward
         grads = tuple(grad.float() if grad.is_floating_point() else grad for grad in grads)
         self._require_finite(grads, "input gradients")

@@ -1,5 +1,5 @@
-"""Writing a stage's state without stalling its requests: under the stage lock only a copy into host memory,
-then the write (serialize, fsync, hash, upload) in a background thread, one at a time.
+"""Writing a stage's state without stalling its requests: a copy into host memory that only steps wait for,
+then the write (serialize, fsync, hash, upload), both in a background thread, one at a time.
 
 The host buffers are kept between writes (a stage's state is tens of GB at full size: allocating them
 every time would cost as much as the copy), pinned when the stage lives on a GPU so the device-to-host
@@ -35,7 +35,7 @@ class HostCopy:
         self._buffers: dict[str, torch.Tensor] = {}
 
     def take(self, live: StageState) -> StageState:
-        """Copy ``live`` (caller holds the stage lock) into the buffers; returns the state the buffers hold."""
+        """Copy ``live`` (caller holds the stage's state lock) into the buffers; returns the state they hold."""
         sources = {**_prefixed("params.", live.params), **_prefixed("optimizer.", live.optimizer)}
         cuda = next((tensor.device for tensor in sources.values() if tensor.is_cuda), None)
         self._buffers = {key: self._buffer(key, tensor, pinned=cuda is not None) for key, tensor in sources.items()}
@@ -69,13 +69,14 @@ class HostCopy:
 
 
 class BackgroundWriter:
-    """At most one write of the stage's state in flight: ``submit`` copies the state under ``lock`` (the stage's
-    training lock), then runs the write in a thread of lower CPU priority."""
+    """At most one write of the stage's state in flight. ``submit`` takes ``state_lock`` (held by whatever changes
+    the weights or the optimizer state, never by requests), and a thread of lower CPU priority copies the state
+    into host memory, lets the lock go, then writes the copy."""
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, lock: threading.RLock):
-        self.module, self.optimizer, self.lock = module, optimizer, lock
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, state_lock: threading.Lock):
+        self.module, self.optimizer, self.state_lock = module, optimizer, state_lock
         self.copy = HostCopy()
-        self.last_lock_hold_s: float | None = None  # how long the last copy held the stage lock
+        self.last_lock_hold_s: float | None = None  # how long the last copy held the state lock (a step waits as long)
         self._thread: threading.Thread | None = None
 
     @property
@@ -85,24 +86,26 @@ class BackgroundWriter:
     def submit(
         self, what: str, write: Callable[[StageState], None], on_failure: Callable[[str, Exception], None]
     ) -> bool:
-        """Start ``write(copy)`` in the background, or return False (nothing copied) while a write is in flight.
+        """Start copying and writing the state in the background, or return False while a write is in flight.
 
-        ``on_failure(what, error)`` reports a write that raised; the buffers are free again either way.
+        The copy is of the state as it is now: no step can come between this call and the copy. ``write(copy)``
+        persists it; ``on_failure(what, error)`` reports a write that raised. The buffers are free again either way.
         """
         if self.busy:  # without waiting for the lock
             return False
-        # The stage lock also orders submitters: a second lock taken around it could deadlock with an epoch hook
-        # that runs inside a backward, which holds the stage lock already.
-        with self.lock:
-            if self.busy:
-                return False
-            acquired = time.monotonic()
-            state = self.copy.take(live_state(self.module, self.optimizer))
-            self.last_lock_hold_s = time.monotonic() - acquired
-            self._thread = threading.Thread(
-                target=_run_write, args=(what, write, state, on_failure), name=f"write-{what}", daemon=True
-            )
+        self.state_lock.acquire()  # released by the writer thread once its copy is taken
+        if self.busy:  # another submitter's write started while this one waited
+            self.state_lock.release()
+            return False
+        self._thread = threading.Thread(
+            target=self._copy_and_write, args=(time.monotonic(), what, write, on_failure), name=f"write-{what}",
+            daemon=True,
+        )
+        try:
             self._thread.start()
+        except BaseException:
+            self.state_lock.release()
+            raise
         return True
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -112,15 +115,20 @@ class BackgroundWriter:
             thread.join(timeout)
         return not self.busy
 
-
-def _run_write(
-    what: str, write: Callable[[StageState], None], state: StageState, on_failure: Callable[[str, Exception], None]
-) -> None:
-    _lower_own_priority()
-    try:
-        write(state)
-    except Exception as error:  # a full disk or an unreachable bucket must not stop training; the caller says so
-        on_failure(what, error)
+    def _copy_and_write(
+        self, acquired: float, what: str, write: Callable[[StageState], None],
+        on_failure: Callable[[str, Exception], None],
+    ) -> None:
+        try:
+            try:
+                state = self.copy.take(live_state(self.module, self.optimizer))
+            finally:
+                self.state_lock.release()
+                self.last_lock_hold_s = time.monotonic() - acquired
+            _lower_own_priority()  # only now: a step may be waiting for the copy
+            write(state)
+        except Exception as error:  # a full disk or an unreachable bucket must not stop training; the caller says so
+            on_failure(what, error)
 
 
 def _lower_own_priority() -> None:

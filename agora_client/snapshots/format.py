@@ -86,7 +86,7 @@ class StageState:
 
 
 def live_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> StageState:
-    """The stage's tensors where they live, not copied: read them (or copy them) under the stage lock."""
+    """The stage's tensors where they live, not copied: read them (or copy them) under the stage's state lock."""
     params = {key: value.detach() for key, value in module.state_dict().items()}
     tensors, meta = _flatten_optimizer(module, optimizer)
     return StageState(params, tensors, meta)

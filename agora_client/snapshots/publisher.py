@@ -38,8 +38,8 @@ class SnapshotPublisher:
         written = self.store.save_state(self.stage, state, epoch)
         self.store.prune(self.stage, self.keep)
         self.events.log(
-            f"published the {self.stage} snapshot {written.name} to {self.store.location}: copied under the stage lock "
-            f"in {self.writer.last_lock_hold_s:.3f} s, written in {time.monotonic() - started:.1f} s", tag="SNAPSHOT",
+            f"published the {self.stage} snapshot {written.name} to {self.store.location}: copied in "
+            f"{self.writer.last_lock_hold_s:.3f} s (steps wait for the copy, requests do not), written in {time.monotonic() - started:.1f} s", tag="SNAPSHOT",
         )
 
     def _failed(self, what: str, error: Exception) -> None:

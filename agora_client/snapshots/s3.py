@@ -102,8 +102,8 @@ class S3Store(SnapshotStore):
             if keys:
                 self._call(self.client.delete_objects, Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
 
-    def _staging_dir(self, stage: str, name: str) -> Path:
-        return Path(tempfile.mkdtemp(prefix=f"agora-{stage}-{name}-"))
+    def _staging_place(self, stage: str) -> tuple[Path, str]:
+        return Path(tempfile.gettempdir()), f"agora-{stage}-"  # uploaded from here, file by file
 
     def _commit(self, stage: str, name: str, staging: Path) -> None:
         files = sorted(path.name for path in staging.iterdir() if path.name != MANIFEST_FILE)

@@ -51,6 +51,7 @@ class StoredSnapshot:
 
 
 TRAINERS_DIR = "trainers"  # trainers' records (data positions, eval losses) beside the stages' folders
+ABANDONED_STAGING_S = 3600.0  # a staging directory nothing was written to for this long belongs to a writer that died
 
 # Given a stage's snapshots (oldest first) and the time now, the names to keep.
 KeepPolicy = Callable[[list[StoredSnapshot], float], set[str]]
@@ -95,10 +96,13 @@ class SnapshotStore(ABC):
         snapshots = self.list(stage)
         if not snapshots:
             return []
-        keep = policy(snapshots, time.time() if now is None else now) | {snapshots[-1].name}
+        now = time.time() if now is None else now
+        keep = policy(snapshots, now) | {snapshots[-1].name}
         removed = [snapshot for snapshot in snapshots if snapshot.name not in keep]
         for snapshot in removed:
             self.remove(snapshot)
+        directory, prefix = self._staging_place(stage)
+        remove_abandoned_staging(directory, prefix, now)
         return removed
 
     @abstractmethod
@@ -137,8 +141,14 @@ class SnapshotStore(ABC):
     @abstractmethod
     def remove(self, snapshot: StoredSnapshot) -> None: ...
 
+    def _staging_dir(self, stage: str, name: str) -> Path:
+        directory, prefix = self._staging_place(stage)
+        directory.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f"{prefix}{name}-", dir=directory))
+
     @abstractmethod
-    def _staging_dir(self, stage: str, name: str) -> Path: ...
+    def _staging_place(self, stage: str) -> tuple[Path, str]:
+        """Where a snapshot of ``stage`` is written before its commit: a directory, and its entries' name prefix."""
 
     @abstractmethod
     def _commit(self, stage: str, name: str, staging: Path) -> None:
@@ -202,10 +212,8 @@ class LocalStore(SnapshotStore):
     def remove(self, snapshot: StoredSnapshot) -> None:
         shutil.rmtree(self.path(snapshot), ignore_errors=True)  # another publisher may have pruned it already
 
-    def _staging_dir(self, stage: str, name: str) -> Path:
-        stage_dir = self.root / stage
-        stage_dir.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=stage_dir))  # same file system: rename is atomic
+    def _staging_place(self, stage: str) -> tuple[Path, str]:
+        return self.root / stage, ".tmp-"  # the same file system: the commit's rename is atomic
 
     def _commit(self, stage: str, name: str, staging: Path) -> None:
         stage_dir = self.root / stage
@@ -214,6 +222,21 @@ class LocalStore(SnapshotStore):
         latest = {"stage": stage, "epoch": int(name.split("-", 1)[0]), "timestamp": snapshot_time(name),
                   "manifest": f"{name}/{MANIFEST_FILE}"}
         write_json(stage_dir / LATEST_FILE, latest)
+
+
+def remove_abandoned_staging(directory: Path, prefix: str, now: float) -> list[Path]:
+    """Remove the staging directories in ``directory`` (names starting with ``prefix``) that nothing was written to
+    for ABANDONED_STAGING_S: a writer killed mid-write leaves its staging behind, as large as a snapshot."""
+    removed = []
+    for entry in directory.glob(f"{prefix}*") if directory.is_dir() else ():
+        try:
+            last_write = max([entry.stat().st_mtime, *(path.stat().st_mtime for path in entry.iterdir())])
+        except (FileNotFoundError, NotADirectoryError):  # committed or removed meanwhile, or not a staging directory
+            continue
+        if now - last_write > ABANDONED_STAGING_S:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
 
 
 def save_stage_snapshot(

@@ -4,7 +4,7 @@ There is no gradient all-reduce. Each worker accumulates parameter gradients fro
 passes; a hivemind ProgressTracker sums the samples of all active workers of the stage in the DHT,
 and once the sum crosses ``target_batch_size`` every worker clips and steps locally and the stage
 epoch advances. ``lock`` guards parameters and gradients: backward, the optimizer step and the
-application of a SPARTA result never overlap.
+application of a SPARTA result never overlap (``StageLock``).
 
 A step is taken only on finite gradients (a non-finite one is dropped, the weights stay as they were),
 and weights that turn non-finite anyway are reported, so the worker leaves routing and reloads.
@@ -24,6 +24,29 @@ from agora_client.discovery.roster import progress_prefix
 from agora_client.worker.sync import SyncState
 
 EPOCH_POLL_SECONDS = 0.25  # a worker that gets no batches still follows the stage's epochs
+
+
+class StageLock:
+    """What guards a stage's weights, gradients and optimizer state.
+
+    Requests (forward, backward) hold ``training``: they read the weights and add to the gradients. Whatever
+    changes the weights or the optimizer state (the step, a SPARTA result, a reload) holds the whole lock,
+    ``training`` then ``state``. A host copy of the state for a snapshot or a checkpoint holds ``state`` only:
+    it makes the next step wait, never a request.
+    """
+
+    def __init__(self) -> None:
+        self.training = threading.RLock()  # re-entrant: an epoch step runs inside the backward that completed it
+        self.state = threading.Lock()  # not re-entrant: a copy's writer thread releases it for the copy's submitter
+
+    def __enter__(self) -> StageLock:
+        self.training.acquire()
+        self.state.acquire()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.state.release()
+        self.training.release()
 
 
 class EpochController:
@@ -47,7 +70,7 @@ class EpochController:
         self.sync, self._on_epoch, self._on_error = sync, on_epoch, on_error
         self._on_skipped_step, self._on_corrupt_weights = on_skipped_step, on_corrupt_weights
         self.skipped_steps = 0
-        self.lock = threading.RLock()
+        self.lock = StageLock()
         self.epoch = epoch
         self.local_samples = 0  # samples whose gradients sit in .grad now
         self.reported_samples = 0  # of those, the ones this worker counts toward the stage batch

@@ -74,12 +74,29 @@ def _create_node(args: argparse.Namespace) -> WorkerNode:
     config = _load_config(args)
     events = _event_writer(args)
     options = _worker_options(args, config)
+    _warn_if_host_memory_short(options, events)
     try:
         return WorkerNode(options, events)
     except NoSeedAnswered as error:
         raise _CannotStart(error, 1) from error
     except SnapshotError as error:  # a --snapshot that is damaged or from another run config
         raise _CannotStart(error, 2) from error
+
+
+def _warn_if_host_memory_short(options: WorkerOptions, events: EventWriter) -> None:
+    """Say so when this machine has less host memory available than the stage's plan needs (with the host copy
+    of its state, when it publishes snapshots or writes checkpoints): the worker starts anyway, its operator's call."""
+    import psutil
+
+    from agora_client.model.memory import gib, plan_stage
+
+    writes_state = options.publish_dir is not None or options.checkpoint_store is not None
+    need = plan_stage(options.config, options.stage).host_need(options.device != "cpu", writes_state=writes_state)
+    available = psutil.virtual_memory().available
+    if available < need:
+        copy = ", with the host copy of its state for snapshots and checkpoints" if writes_state else ""
+        events.log(f"stage {options.stage} needs {gib(need)} of host memory{copy}; this machine has {gib(available)} "
+                   "available: it may be killed for memory", tag="WARNING", level="warning")
 
 
 def _load_config(args: argparse.Namespace) -> RunConfig:

@@ -112,7 +112,7 @@ class WorkerNode:
         self.epochs = self._epoch_controller(start_epoch)
         self._last_epoch = start_epoch  # the epoch of the previous epoch hook: rounds crossed by a jump still start
         self._snapshot_due = options.publish_dir is not None  # the first one is written at start()
-        self.state_writer = BackgroundWriter(self.module, self.optimizer, self.epochs.lock)  # buffers on first use
+        self.state_writer = BackgroundWriter(self.module, self.optimizer, self.epochs.lock.state)  # buffers on first use
         self.snapshots = self._snapshot_publisher()
         self.checkpoints = self._checkpoint_writer()
         self.sparta = self._sparta_averager()
@@ -203,7 +203,7 @@ class WorkerNode:
         return StageBackend(
             self.uid,
             self.module,
-            lock=self.epochs.lock,
+            lock=self.epochs.lock.training,
             on_samples=self.epochs.on_samples,
             device=self.device,
             mixed_precision=config.use_mixed_precision,
@@ -373,6 +373,8 @@ class WorkerNode:
             self.server.announcer.join(timeout=5)
         self.sparta.shutdown()  # leaves its averaging group, so peers need not wait for us
         self.epochs.shutdown()
+        self.events.log(f"the longest a request waited for the stage lock: {self.backend.longest_lock_wait_s:.3f} s",
+                        tag="TRAINING")
         if not self.state_writer.wait(WRITE_WAIT_AT_STOP_S):
             self.events.log(f"still writing the stage's state after {WRITE_WAIT_AT_STOP_S:.0f} s: a snapshot is abandoned at "
                             "exit (it never becomes visible in the store), a checkpoint is waited for", tag="SNAPSHOT",
