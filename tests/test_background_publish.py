@@ -25,6 +25,7 @@ from agora_client.snapshots.background import BackgroundWriter, HostCopy
 from agora_client.snapshots.format import StageState, live_state
 from agora_client.snapshots.publisher import SnapshotPublisher
 from agora_client.worker.main import _warn_if_host_memory_short
+from agora_client.worker.epochs import StageLock
 from agora_client.worker.node import WorkerNode, WorkerOptions
 from agora_client.worker.optimizer import build_optimizer
 
@@ -96,6 +97,11 @@ def forward(node: WorkerNode) -> torch.Tensor:
         client.shutdown()
 
 
+def take_and_release(lock: StageLock) -> None:
+    with lock:
+        pass
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_a_publication_in_the_background_does_not_block_a_forward_or_a_backward(tmp_path) -> None:
@@ -107,11 +113,15 @@ def test_a_publication_in_the_background_does_not_block_a_forward_or_a_backward(
     try:
         node.start()  # publishes its first snapshot: its host copy is held from here on
         assert copy.entered.wait(WAIT_S), "the first publication never started its copy"
-        assert forward(node).shape == (BATCH, SEQ, WIDTH)  # served while the copy holds the state lock
+        step = threading.Thread(target=take_and_release, args=(node.epochs.lock,))
+        step.start()  # takes the lock as a step does: it waits for the copy...
+        assert forward(node).shape == (BATCH, SEQ, WIDTH)  # ...and requests are served meanwhile
         assert node.epochs.lock.training.acquire(timeout=WAIT_S)  # what a backward takes: free
         node.epochs.lock.training.release()
-        assert not node.epochs.lock.state.acquire(blocking=False), "a step would wait for the copy"
+        assert step.is_alive(), "the step waits for the copy"
         copy.release.set()
+        step.join(WAIT_S)
+        assert not step.is_alive()
         assert store.entered.wait(WAIT_S), "the copy never reached the store"
         assert forward(node).shape == (BATCH, SEQ, WIDTH) and node.state_writer.busy and not store.release.is_set()
         assert node.epochs.lock.state.acquire(timeout=WAIT_S)  # the write itself holds no lock

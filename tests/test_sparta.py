@@ -276,10 +276,11 @@ def test_rounds_converge_and_cover_every_parameter_once(swarm: Swarm) -> None:
         for report in reports:
             assert report.ok and report.reason is None, report
             assert report.group_size == 3 and report.fraction == 1.0 and report.partition == round_no
-            slice_bytes = partition.slice_size(round_no) * 4
-            expected = _expected_traffic(3, partition.slice_size(round_no))
-            assert abs(report.bytes_sent - expected) <= 0.1 * expected, (report, slice_bytes)
-            assert abs(report.bytes_received - expected) <= 0.1 * expected, report
+        # each peer's bytes follow the share it reduces (its probed uplink, after the first rounds); the group's
+        # total is the butterfly's whatever the shares: n x 2(n-1)/n x slice each way
+        expected = 3 * _expected_traffic(3, partition.slice_size(round_no))
+        for moved in (sum(report.bytes_sent for report in reports), sum(report.bytes_received for report in reports)):
+            assert abs(moved - expected) <= 0.1 * expected, (reports, expected)
         changed = torch.stack([after != before for after, before in zip(current, previous)]).any(0)
         assert torch.equal(changed, _slice_mask(round_no, total)), "a round changed elements outside its slice"
         covered += changed

@@ -42,7 +42,7 @@ def test_a_rate_is_clamped_so_no_peer_can_make_its_group_wait_for_ever():
         assert LinkRates.announced(junk) is None
 
 
-def test_the_link_estimate_is_the_best_recent_round_and_starts_from_the_assumed_rate():
+def test_the_link_estimate_is_the_best_recent_round_and_starts_from_the_assumed_rate_and_a_probe_sets_the_uplink():
     meter = LinkMeter(LinkRates(50 * MBIT, 50 * MBIT))
     assert meter.rates == LinkRates(50 * MBIT, 50 * MBIT)
     meter.record(10_000_000, 20_000_000, 2.0)  # 5 MB/s up, 10 MB/s down
@@ -53,6 +53,9 @@ def test_the_link_estimate_is_the_best_recent_round_and_starts_from_the_assumed_
     for _ in range(5):
         meter.record(2_000_000, 2_000_000, 1.0)  # the link got slower: five rounds later the estimate follows
     assert meter.rates == LinkRates(2e6, 2e6)
+    meter.record_probe(9e6)  # this worker's own uplink, which its rounds cannot show: it replaces theirs
+    meter.record(2_000_000, 2_000_000, 1.0)
+    assert meter.rates == LinkRates(9e6, 2e6)
 
 
 

@@ -1,5 +1,6 @@
 """A SPARTA round among three peers on hosts of their own (network namespaces), one with a 5x slower uplink
-(tc tbf): the round completes with the whole group, and the slow peer reduces a smaller share of the slice.
+(tc tbf): the round completes with the whole group; after the rounds each peer probes its own uplink in turn
+(averaging/uplink.py), and from then on the slow peer reduces a smaller share of the slice.
 
 Each peer is a process of its own (tests/sparta_peer.py) averaging one flat parameter of a few MB. The share
 a peer reduces shows in the bytes it receives: as reducer of a share s of a slice of P bytes in a group of
@@ -10,6 +11,7 @@ its slice they reduced, (1 + s) x P in all. Equal shares give every peer the sam
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -22,8 +24,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.skipif(_SKIP is not None, rea
 FAST_MBIT, SLOW_MBIT = 40.0, 8.0
 SLOW = 2  # not peer 0, the DHT bootstrap: the slow link alone sets it apart
 VALUES = 1_000_000  # 4 MB of float32: ~5 s over the slow uplink
-# the first round runs on the assumed link; the rounds after it on the links measured by the ones before
-ROUNDS = 3
+# the first round runs on the assumed link; after each round one member probes its uplink (a turn that moves
+# with the round number), so the last round runs on every peer's own uplink
+ROUNDS = 4
 ROUND_TIMEOUT = 120.0
 LESS_SHARE = 0.9  # the slow peer's bytes received, at most this x the fast peers' (equal shares: ~1.0)
 
@@ -50,14 +53,20 @@ def test_every_round_completes_with_the_whole_group_despite_the_slow_uplink(repo
         for index, report in enumerate(round_reports):
             assert report["ok"], f"peer {index}, round {report['round']}: {report['reason']}"
             assert report["group_size"] == 3, report
-            assert report["fraction"] == 1.0, report
+            assert report["fraction"] == 1.0, (index, report["round"], report["reason"], report["bytes_sent"], report["allreduce_s"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 26 part 3 not done: every peer announces bytes / all-reduce seconds of its last rounds as its bandwidth, "
-    "and the slow peer paces everyone's all-reduce, so all three announce ~the slow uplink and reduce equal shares; "
-    "remove this mark when a peer's own uplink is what it announces (strict: an unexpected pass fails)"
-))
+def test_each_peer_probes_its_own_uplink_once_in_turn(reports):
+    measured = []
+    for index in range(len(reports[0])):
+        said = [report["uplink"] for report in (round_reports[index] for round_reports in reports[:-1]) if report["uplink"]]
+        match = re.match(r"measured this worker's uplink at ([0-9.]+) Mbit/s", said[0] if len(said) == 1 else "")
+        assert match, f"peer {index}: {said}"
+        measured.append(float(match.group(1)))
+    slow, fast = measured[SLOW], [rate for index, rate in enumerate(measured) if index != SLOW]
+    assert slow <= 1.5 * SLOW_MBIT and min(fast) > 2 * slow, measured  # the shaped links, not the group's pace
+
+
 def test_the_slow_peer_reduces_a_smaller_share(reports):
     last = reports[-1]
     slow = last[SLOW]["bytes_received"]

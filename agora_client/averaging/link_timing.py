@@ -86,12 +86,18 @@ class LinkMeter:
     """This worker's link, from its own rounds: bytes moved over the all-reduce's duration.
 
     A round's rate is a lower bound on the link (the group's slowest peer paces everyone), so the estimate is
-    the best of the last few rounds; before any round long enough to tell, ``assumed`` from the run config."""
+    the best of the last few rounds; before any round long enough to tell, ``assumed`` from the run config.
+    The uplink a probe measured (``record_probe``: this worker's alone, see averaging/uplink.py) replaces the
+    rounds' figure for the uplink."""
 
     def __init__(self, assumed: LinkRates):
         self._up: deque[float] = deque(maxlen=SAMPLES)
         self._down: deque[float] = deque(maxlen=SAMPLES)
         self._assumed = assumed
+        self._probed_up: float | None = None
+
+    def record_probe(self, uplink: float) -> None:
+        self._probed_up = uplink
 
     def record(self, bytes_sent: int, bytes_received: int, allreduce_s: float) -> None:
         if allreduce_s < MIN_SAMPLE_S or bytes_sent + bytes_received == 0:
@@ -101,6 +107,6 @@ class LinkMeter:
 
     @property
     def rates(self) -> LinkRates:
-        if not self._up:
-            return self._assumed
-        return LinkRates(min(MAX_RATE, max(MIN_RATE, max(self._up))), min(MAX_RATE, max(MIN_RATE, max(self._down))))
+        measured = self._assumed if not self._up else LinkRates(max(self._up), max(self._down))
+        up = measured.up if self._probed_up is None else self._probed_up
+        return LinkRates(min(MAX_RATE, max(MIN_RATE, up)), min(MAX_RATE, max(MIN_RATE, measured.down)))

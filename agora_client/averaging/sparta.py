@@ -4,8 +4,9 @@ Every round, the workers of a stage that are due find each other through hivemin
 over the DHT and average one rotating slice of their parameters (see partition.py) with hivemind's
 butterfly all-reduce, in float32 or compressed (sparta.payload; compression.py, with error feedback). A round
 is timed by its group's slowest link and the bytes its payload puts on the wire; every worker measures its
-link on its own rounds and announces it when it joins one (link_timing.py); the same figure sizes its share
-of the parts to reduce, and a worker says once if rounds cannot fit between two rounds at its measured link.
+link on its own rounds and announces it when it joins one (link_timing.py); its uplink, probed now and then by
+sending bytes to a groupmate (uplink.py), sizes its share of the parts to reduce, and a worker says once if
+rounds cannot fit between two rounds at its measured link.
 Training keeps stepping while a round is in flight, so the result is applied as a delta:
 param_slice += averaged - sent, where a compressed payload's average leaves out what compression dropped
 from this peer's part (the next round over the slice sends it). Optimizer moments stay local.
@@ -50,6 +51,7 @@ from agora_client.averaging.compression import SlicePayload
 from agora_client.averaging.group_admission import GroupAdmission
 from agora_client.averaging.link_timing import MIN_RATE, LinkMeter, LinkRates, butterfly_bytes, round_timing
 from agora_client.averaging.partition import StridedPartition, partition_of
+from agora_client.averaging.uplink import UplinkProber
 from agora_client.config import SpartaConfig
 from agora_client.engine.averaging import GroupTimeouts, RoundAverager, RoundOutcome, found_no_group
 from agora_client.events import SpartaEvent
@@ -72,6 +74,7 @@ class RoundReport:
     suspects: tuple[tuple[str, str], ...] = ()  # (peer id, what it sent) for every peer whose numbers were bounded
     allreduce_s: float = 0.0  # the all-reduce alone, matchmaking excluded
     notice: str | None = None  # said once: rounds of this size cannot fit between two rounds at the measured link
+    uplink: str | None = None  # what this worker's uplink probe measured after the round, or why it could not
 
     def to_event(self) -> SpartaEvent:
         return SpartaEvent(
@@ -219,6 +222,7 @@ class SpartaAverager:
                                      config).allreduce_timeout
         self._round_timeout = self._find_group_timeout + slowest_round + config.matchmaking_time
         self._averager = self._new_averager(dht, prefix, config, admission)
+        self._dht, self._uplink = dht, None  # the prober, once started
         self._credentials = (lambda: {}) if admission is None else (lambda: admission.credentials(dht.peer_id.to_base58()))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparta-round")
         self._begin_lock = threading.Lock()
@@ -258,6 +262,7 @@ class SpartaAverager:
 
     def start(self) -> None:
         self._averager.run_in_background(await_ready=True)
+        self._uplink = UplinkProber(self._dht, self._link)
 
     @property
     def in_flight(self) -> bool:
@@ -333,8 +338,10 @@ class SpartaAverager:
             if reason is None:
                 fraction, reason = self._apply_average(part, sent, outgoing, outcome)
         bytes_sent, bytes_received = self._averager.traffic_bytes()
+        probed = None
         if reason is None:  # a whole round measures the link; a partial one was cut short by someone's failure
             self._link.record(bytes_sent, bytes_received, allreduce_s)
+            probed = self._uplink.after_round(round_no, outcome.peers) if self._uplink is not None else None
         return self._publish(RoundReport(
             round=round_no,
             partition=part,
@@ -349,6 +356,7 @@ class SpartaAverager:
             suspects=tuple(sorted(suspects.items())),
             allreduce_s=allreduce_s,
             notice=self._fit_notice(flight.interval_s, group_size),
+            uplink=probed,
         ))
 
     def _fit_notice(self, interval_s: float | None, group_size: int) -> str | None:
@@ -378,7 +386,7 @@ class SpartaAverager:
             timeout=self._find_group_timeout
         )
         rates = self._link.rates
-        self._averager.announce_bandwidth(rates.slowest)  # a slow link gets a smaller share of the parts to reduce
+        self._averager.announce_bandwidth(rates.up)  # a slow uplink gets a smaller share of the parts to reduce
         return self._run_step(flight, {"weight": weight, "link": rates.to_json(), **self._credentials()}, weight)
 
     def _apply_average(
@@ -433,6 +441,8 @@ class SpartaAverager:
         if self._averager.is_alive():
             self._averager.shutdown()
         self._executor.shutdown(wait=True)
+        if self._uplink is not None:
+            self._uplink.close()
 
 
 LARGEST_GROUP = 1000  # for the backstop bound: a butterfly moves at most 2x the slice per peer, whatever the group

@@ -65,6 +65,7 @@ class RoundOutcome:
     screen: Any = None  # the round's PartScreen, with whatever it recorded
     allreduce_s: float = 0.0  # how long the all-reduce itself took (matchmaking excluded)
     local_parts: range = range(0)  # indices of the parts this peer reduced itself (never compressed)
+    peers: tuple[str, ...] = ()  # the group's members (base58 peer ids), this peer included
 
 
 @dataclass(frozen=True)
@@ -306,7 +307,8 @@ class RoundAverager(DecentralizedAverager):
             runner.screen_returned(tensor, delta)
             tensor.add_(delta)  # parts whose reducer failed arrive as zero deltas and keep the local value
         self._outcome = RoundOutcome(group_info.group_size, unshared=runner.unshared_elements(), screen=screen,
-                                     allreduce_s=time.monotonic() - started, local_parts=runner.local_parts())
+                                     allreduce_s=time.monotonic() - started, local_parts=runner.local_parts(),
+                                     peers=tuple(peer.to_base58() for peer in group_info.peer_ids))
 
 
 def found_no_group(error: BaseException) -> bool:

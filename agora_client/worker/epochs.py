@@ -31,22 +31,22 @@ class StageLock:
 
     Requests (forward, backward) hold ``training``: they read the weights and add to the gradients. Whatever
     changes the weights or the optimizer state (the step, a SPARTA result, a reload) holds the whole lock,
-    ``training`` then ``state``. A host copy of the state for a snapshot or a checkpoint holds ``state`` only:
-    it makes the next step wait, never a request.
+    ``state`` then ``training``, from a thread that holds neither. A host copy of the state for a snapshot or a
+    checkpoint holds ``state`` only: the next step waits for it without holding up requests meanwhile.
     """
 
     def __init__(self) -> None:
-        self.training = threading.RLock()  # re-entrant: an epoch step runs inside the backward that completed it
+        self.training = threading.RLock()
         self.state = threading.Lock()  # not re-entrant: a copy's writer thread releases it for the copy's submitter
 
     def __enter__(self) -> StageLock:
-        self.training.acquire()
         self.state.acquire()
+        self.training.acquire()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.state.release()
         self.training.release()
+        self.state.release()
 
 
 class EpochController:
@@ -79,7 +79,7 @@ class EpochController:
         self.tracker = ProgressTracker(dht, progress_prefix(stage), target_batch_size, start=True)
         with self.tracker.pause_updates():
             self.tracker.update_epoch(epoch)
-        self._stop = threading.Event()
+        self._stop, self._step_due = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._follow_stage, name=f"epochs-{stage}", daemon=True)
 
     def start(self) -> None:
@@ -96,7 +96,8 @@ class EpochController:
         if self.sync.counts_samples:
             self.reported_samples += count
         self.tracker.report_local_progress(self.epoch, self.reported_samples)
-        self.maybe_step()
+        if self.tracker.ready_to_update_epoch:  # the epoch thread steps: this one holds only the training lock
+            self._step_due.set()
 
     def maybe_step(self) -> None:
         if not self.tracker.ready_to_update_epoch:
@@ -131,7 +132,9 @@ class EpochController:
             self._on_corrupt_weights(f"its weights turned non-finite in the optimizer step of epoch {self.epoch}")
 
     def _follow_stage(self) -> None:
-        while not self._stop.wait(EPOCH_POLL_SECONDS):
+        while not self._stop.is_set():
+            self._step_due.wait(EPOCH_POLL_SECONDS)  # a worker that gets no batches still follows the stage's epochs
+            self._step_due.clear()
             try:
                 self.maybe_step()
             except Exception as error:  # one failed epoch hook must not stop this worker from following its stage
@@ -139,6 +142,7 @@ class EpochController:
 
     def shutdown(self) -> None:
         self._stop.set()
+        self._step_due.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self.tracker.shutdown(timeout=5)

@@ -293,6 +293,8 @@ class WorkerNode:
             )
         if report.notice is not None:
             self.events.log(f"SPARTA: {report.notice}", tag="SPARTA", level="warning")
+        if report.uplink is not None:
+            self.events.log(f"SPARTA: {report.uplink}", tag="SPARTA")
         for hook in self._round_hooks:
             hook(report)
 
