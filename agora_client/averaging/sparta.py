@@ -440,9 +440,9 @@ class SpartaAverager:
             flight.control.cancel()
         if self._averager.is_alive():
             self._averager.shutdown()
-        self._executor.shutdown(wait=True)
         if self._uplink is not None:
-            self._uplink.close()
+            self._uplink.close()  # a probe in flight ends with its stream
+        self._executor.shutdown(wait=True)
 
 
 LARGEST_GROUP = 1000  # for the backstop bound: a butterfly moves at most 2x the slice per peer, whatever the group

@@ -16,13 +16,13 @@ from hivemind import DHT
 
 from agora_client.averaging.link_timing import MARGIN, MIN_RATE, LinkMeter
 from agora_client.engine.expert_calls import close_replica, replicate_p2p
-from agora_client.engine.uplink_probe import MAX_PROBE_BYTES, ProbeFailed, probe_uplink, serve_uplink_probes
+from agora_client.engine.uplink_probe import MAX_PROBE_BYTES, probe_uplink, serve_uplink_probes
 
 PROBE_EVERY_S = 1800.0  # a home uplink changes with the household's use: probe again every half hour
 FIRST_PROBE_BYTES = 1 << 20
 PROBE_TARGET_S = 1.0  # a probe this long measures the link rather than TCP's slow start
 PROBES = 4  # at most, each sized from the rate the one before measured
-PROBE_SLACK_S = 5.0  # on top of the probe's time at the slowest rate a peer may have, for the stream's setup
+PROBE_SLACK_S = 5.0  # a probe may take MARGIN x its time at the rate measured before it (the first: MIN_RATE), and this
 
 
 class UplinkProber:
@@ -47,7 +47,7 @@ class UplinkProber:
         self._last, peer = time.monotonic(), members[(round_no + 1) % len(members)]
         try:
             uplink, size = self._probe(peer)
-        except ProbeFailed as error:
+        except Exception as error:  # ProbeFailed, or a stream closed under it at shutdown: never the round's failure
             return f"could not measure this worker's uplink: {error}; its share of a round's parts follows its rounds"
         self._meter.record_probe(uplink)
         return (f"measured this worker's uplink at {uplink * 8 / 1e6:.1f} Mbit/s ({size / 1e6:.1f} MB sent to {peer}): "
@@ -56,9 +56,9 @@ class UplinkProber:
     def _probe(self, peer: str) -> tuple[float, int]:
         """(bytes/s, bytes sent) of a probe that lasted PROBE_TARGET_S or was as large as a probe may be: a shorter
         one measures TCP's slow start more than the link, so each next one is sized from the last one's rate."""
-        size = FIRST_PROBE_BYTES
+        size, uplink = FIRST_PROBE_BYTES, MIN_RATE
         for _ in range(PROBES):
-            uplink = probe_uplink(self._p2p, peer, size, _bound(size))
+            uplink = probe_uplink(self._p2p, peer, size, MARGIN * size / uplink + PROBE_SLACK_S)
             if size / uplink >= PROBE_TARGET_S or size == MAX_PROBE_BYTES:
                 break
             size = int(min(MAX_PROBE_BYTES, max(2 * size, 2 * uplink * PROBE_TARGET_S)))
@@ -66,7 +66,3 @@ class UplinkProber:
 
     def close(self) -> None:
         close_replica(self._p2p)
-
-
-def _bound(size: int) -> float:
-    return MARGIN * size / MIN_RATE + PROBE_SLACK_S

@@ -22,6 +22,7 @@ from .expert_calls import run_coroutine
 
 PROBE_HANDLER = "agora.uplink_probe"
 MAX_PROBE_BYTES = 32 << 20
+CONCURRENT_PROBES = 2  # a stage's members probe one at a time; more at once would measure each other
 SINK_TIMEOUT_S = 120.0  # a probe that has not arrived by then is given up (the slowest link a peer may have: 2 Mbit/s)
 _CHUNK = 1 << 16
 _SIZE, _TIMED = struct.Struct(">Q"), struct.Struct(">Qd")
@@ -31,7 +32,7 @@ class ProbeFailed(RuntimeError):
     """The probe could not be sent or timed; the message says why."""
 
 
-async def _receive_probe(_: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _receive_probe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
         (size,) = _SIZE.unpack(await asyncio.wait_for(reader.readexactly(_SIZE.size), SINK_TIMEOUT_S))
         if not 0 < size <= MAX_PROBE_BYTES:
@@ -60,9 +61,18 @@ async def _timed_read(reader: asyncio.StreamReader, size: int) -> tuple[int, flo
 
 
 def serve_uplink_probes(p2p: P2P) -> None:
-    """Let peers measure their uplink by sending probes to this one (several clients of one daemon may serve them:
-    it hands each probe to one of them)."""
-    run_coroutine(p2p.add_binary_stream_handler(PROBE_HANDLER, _receive_probe, balanced=True))
+    """Let peers measure their uplink by sending probes to this one, ``CONCURRENT_PROBES`` at a time (one more is
+    closed unanswered); several clients of one daemon may serve them: it hands each probe to one of them."""
+    receiving = asyncio.Semaphore(CONCURRENT_PROBES)
+
+    async def receive(_: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if receiving.locked():
+            writer.close()
+            return
+        async with receiving:
+            await _receive_probe(reader, writer)
+
+    run_coroutine(p2p.add_binary_stream_handler(PROBE_HANDLER, receive, balanced=True))
 
 
 def probe_uplink(p2p: P2P, peer: str, size: int, timeout: float) -> float:

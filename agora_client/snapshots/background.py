@@ -70,8 +70,8 @@ class HostCopy:
 
 class BackgroundWriter:
     """At most one write of the stage's state in flight. ``submit`` takes ``state_lock`` (held by whatever changes
-    the weights or the optimizer state, never by requests), and a thread of lower CPU priority copies the state
-    into host memory, lets the lock go, then writes the copy."""
+    the weights or the optimizer state, never by requests), and a thread copies the state into host memory, lets
+    the lock go, then writes the copy at a lower CPU priority."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, state_lock: threading.Lock):
         self.module, self.optimizer, self.state_lock = module, optimizer, state_lock

@@ -4,7 +4,9 @@ There is no gradient all-reduce. Each worker accumulates parameter gradients fro
 passes; a hivemind ProgressTracker sums the samples of all active workers of the stage in the DHT,
 and once the sum crosses ``target_batch_size`` every worker clips and steps locally and the stage
 epoch advances. ``lock`` guards parameters and gradients: backward, the optimizer step and the
-application of a SPARTA result never overlap (``StageLock``).
+application of a SPARTA result never overlap (``StageLock``). The step runs in the epoch thread, woken by
+the backward that completes the stage's batch, so a step that waits for a host copy of the state holds no
+request up.
 
 A step is taken only on finite gradients (a non-finite one is dropped, the weights stay as they were),
 and weights that turn non-finite anyway are reported, so the worker leaves routing and reloads.
@@ -91,7 +93,7 @@ class EpochController:
         return self.tracker.global_epoch
 
     def on_samples(self, count: int) -> None:
-        """Called after a backward pass added ``count`` samples' gradients (caller holds ``lock``)."""
+        """Called after a backward pass added ``count`` samples' gradients (caller holds ``lock.training``)."""
         self.local_samples += count
         if self.sync.counts_samples:
             self.reported_samples += count
