@@ -23,7 +23,7 @@ from .expert_calls import run_coroutine
 PROBE_HANDLER = "agora.uplink_probe"
 MAX_PROBE_BYTES = 32 << 20
 CONCURRENT_PROBES = 2  # a stage's members probe one at a time; more at once would measure each other
-SINK_TIMEOUT_S = 120.0  # a probe that has not arrived by then is given up (the slowest link a peer may have: 2 Mbit/s)
+SINK_TIMEOUT_S = 120.0  # a probe that has not arrived by then is given up (probes are sized to last about a second)
 _CHUNK = 1 << 16
 _SIZE, _TIMED = struct.Struct(">Q"), struct.Struct(">Qd")
 
