@@ -3,7 +3,7 @@
 The stage is built in a background thread, as a contributor's StagePreparation builds it while the snapshot
 downloads, and run once on an example as prepare_stage does. Then, at a given microbatch, under the worker's
 autocast (bf16 where the run asks for it and the device runs it natively: agora_client/model/layers.py
-native_bf16): a forward request, a backward request that re-runs the forward with autograd as hivemind's
+autocast_context): a forward request, a backward request that re-runs the forward with autograd as hivemind's
 ModuleBackend.backward does, and the epoch's optimizer step (gradient clipping, then OffloadAdamW, its moments
 in pinned host memory when the run offloads them). Measured: peak device memory against the memory plan, the
 time of a forward plus a backward request, tokens/s, MFU, and the optimizer step on its own.
@@ -13,7 +13,6 @@ Imports nothing that loads hivemind: this runs on a GPU machine that has only to
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 import re
@@ -26,7 +25,7 @@ import torch
 
 from agora_client.config import RunConfig
 from agora_client.model import StageModule, build_stage, trainable_parameter_count
-from agora_client.model.layers import native_bf16
+from agora_client.model.layers import autocast_context, native_bf16
 from agora_client.model.memory import plan_stage
 from agora_client.worker.optimizer import build_optimizer
 
@@ -119,19 +118,12 @@ def stage_inputs(module: StageModule, microbatch: int, device: torch.device) -> 
     return tuple(tensor.to(device) for tensor in inputs)
 
 
-def worker_autocast(device: torch.device, mixed_precision: bool) -> Callable[[], contextlib.AbstractContextManager]:
-    """The worker's choice (agora_client/serving/backend.py autocast_context, which loads hivemind)."""
-    if mixed_precision and native_bf16(device):
-        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext
-
-
 class StageRequests:
     """A worker's forward and backward requests on one microbatch, each asserting the autocast it runs under."""
 
     def __init__(self, module: StageModule, inputs: tuple[torch.Tensor, ...], device: torch.device, mixed_precision: bool):
         self.module, self.inputs, self.device = module, inputs, device
-        self.autocast = worker_autocast(device, mixed_precision)
+        self.autocast = autocast_context(device, mixed_precision)
         # a GPU must run the run's bf16; a CPU without native bf16 computes in fp32, as its worker does
         self.require_bf16 = mixed_precision and (device.type == "cuda" or native_bf16(device))
         self.autocast_dtype: str | None = None

@@ -17,7 +17,7 @@ from agora_client.model import build_stage
 from agora_client.data.sources import Shard
 from agora_client.data.stream import TokenStream
 from agora_client.data.tokenizer import load_run_tokenizer
-from agora_client.serving.backend import autocast_context
+from agora_client.model.layers import autocast_context
 from agora_client.worker.optimizer import build_optimizer
 
 

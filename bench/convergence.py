@@ -62,11 +62,9 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import torch
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -80,6 +78,7 @@ from agora_client.events import json_objects  # noqa: E402
 from agora_client.snapshots import latest_snapshot  # noqa: E402
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions  # noqa: E402
 from agora_client.swarm.processes import ManagedProcess  # noqa: E402
+from tests.swarm_helpers import tiny_variant  # noqa: E402
 
 TARGET_RATIO = 1.05
 WORKERS_PER_STAGE = 2
@@ -234,12 +233,8 @@ def seconds_to_active(run_dir: Path, worker: str, since_wall: float) -> float | 
 
 def swarm_preset(run_dir: Path, payload: str) -> str:
     """tiny, with the SPARTA payload asked for, as a preset file the swarm's processes read."""
-    preset = yaml.safe_load((resources.files("agora_client") / "presets" / "tiny.yaml").read_text())
-    preset["sparta"] = {**preset["sparta"], "payload": payload}
-    path = run_dir / f"tiny-{payload}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(preset))
-    return str(path)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return tiny_variant(run_dir / f"tiny-{payload}.yaml", {"sparta": {"payload": payload}})
 
 
 def train_swarm(name: str, args: argparse.Namespace, run_dir: Path, kill_stage: str | None) -> SwarmRun:

@@ -48,7 +48,7 @@ from torch.profiler import ProfilerActivity, profile
 from agora_client.config import RunConfig, load_config
 from agora_client.model import build_stage
 from agora_client.model.memory import gib, plan_stage, usable_bytes
-from agora_client.serving.backend import autocast_context
+from agora_client.model.layers import autocast_context
 from agora_client.snapshots import load_stage_snapshot, save_stage_snapshot
 from agora_client.worker.optimizer import build_optimizer
 

@@ -11,10 +11,9 @@ import torch.nn.functional as F
 
 from agora_client.config import load_config
 from agora_client.model import build_full_model
-from agora_client.model.layers import RMSNorm
+from agora_client.model import layers
+from agora_client.model.layers import RMSNorm, autocast_context
 from agora_client.model.loss import per_token_loss
-from agora_client.serving import backend
-from agora_client.serving.backend import autocast_context
 from agora_client.worker.optimizer import OffloadAdamW, build_optimizer
 
 
@@ -49,7 +48,7 @@ def test_bf16_autocast_training_tracks_fp32_on_cpu() -> None:
 
 @pytest.mark.parametrize("native", [True, False])
 def test_autocast_context_follows_the_run_config_where_bf16_is_native(monkeypatch, native: bool) -> None:
-    monkeypatch.setattr(backend, "native_bf16", lambda device: native)
+    monkeypatch.setattr(layers, "native_bf16", lambda device: native)
     with autocast_context(torch.device("cpu"), True)():
         assert torch.is_autocast_enabled("cpu") == native
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == (torch.bfloat16 if native else torch.float32)

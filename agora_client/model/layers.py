@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -82,6 +83,15 @@ def native_bf16(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
     return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def autocast_context(device: torch.device, mixed_precision: bool) -> Callable[[], AbstractContextManager]:
+    """bf16 autocast when the run asks for mixed precision and the device runs bf16 natively; parameters and
+    grads stay fp32 either way. Elsewhere it runs fp32 (GPUs without native bf16 are refused at join, see
+    agora_client/model/memory.py)."""
+    if not mixed_precision or not native_bf16(device):
+        return nullcontext
+    return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
 def autocast_off(device: torch.device) -> AbstractContextManager:

@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 import torch
 from hivemind.moe.server.module_backend import ModuleBackend
 
-from agora_client.model.layers import native_bf16
+from agora_client.model.layers import autocast_context
 
 
 class WorkerUnhealthy(RuntimeError):
@@ -30,15 +30,6 @@ class WorkerUnhealthy(RuntimeError):
         "this worker is not ready: its outputs turned non-finite and it is reloading a peer's state; "
         "send the request to another worker of the stage"
     )
-
-
-def autocast_context(device: torch.device, mixed_precision: bool) -> Callable[[], contextlib.AbstractContextManager]:
-    """bf16 autocast when the run asks for mixed precision and the device runs bf16 natively; parameters and
-    grads stay fp32 either way. Elsewhere it runs fp32 (GPUs without native bf16 are refused at join, see
-    agora_client/model/memory.py)."""
-    if not mixed_precision or not native_bf16(device):
-        return contextlib.nullcontext
-    return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
 class StageBackend(ModuleBackend):

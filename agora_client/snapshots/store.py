@@ -224,10 +224,9 @@ class LocalStore(SnapshotStore):
         write_json(stage_dir / LATEST_FILE, latest)
 
 
-def remove_abandoned_staging(directory: Path, prefix: str, now: float) -> list[Path]:
+def remove_abandoned_staging(directory: Path, prefix: str, now: float) -> None:
     """Remove the staging directories in ``directory`` (names starting with ``prefix``) that nothing was written to
     for ABANDONED_STAGING_S: a writer killed mid-write leaves its staging behind, as large as a snapshot."""
-    removed = []
     for entry in directory.glob(f"{prefix}*") if directory.is_dir() else ():
         try:
             last_write = max([entry.stat().st_mtime, *(path.stat().st_mtime for path in entry.iterdir())])
@@ -235,8 +234,6 @@ def remove_abandoned_staging(directory: Path, prefix: str, now: float) -> list[P
             continue
         if now - last_write > ABANDONED_STAGING_S:
             shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-    return removed
 
 
 def save_stage_snapshot(

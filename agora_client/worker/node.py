@@ -20,7 +20,8 @@ from agora_client.snapshots.background import BackgroundWriter
 from agora_client.snapshots.publisher import SnapshotPublisher
 from agora_client.discovery.dht import connect_dht
 from agora_client.discovery.roster import WorkerRecord, fetch_roster, free_index, stage_uid
-from agora_client.serving.backend import StageBackend, native_bf16
+from agora_client.model.layers import native_bf16
+from agora_client.serving.backend import StageBackend
 from agora_client.worker.epochs import EpochController, all_finite
 from agora_client.averaging.group_admission import GroupAdmission
 from agora_client.worker.optimizer import build_optimizer
