@@ -169,8 +169,32 @@ class PreflightEvent(_Event):
     reason: str = ""
 
 
+class NetworkFinding(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    what: str
+    action: str  # the one thing to do about it
+
+
+class NetworkReport(BaseModel):
+    """The client's diagnosis of the network between it and the swarm (empty text: not known)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    local_address: str = ""
+    router_external: str = ""  # the router's own internet side, as it says over UPnP
+    seen_address: str = ""  # where the swarm's auth service saw the join come from
+    mapping: Literal["mapped", "refused", "not offered", "off"] = "off"
+    mapping_detail: str = ""
+    nat: bool = False
+    carrier_grade_nat: bool = False
+    double_nat: bool = False
+    findings: list[NetworkFinding] = Field(default_factory=list)
+
+
 class ReachabilityEvent(_Event):
-    """The auth service's dial-back to the announced address; ``advice`` says what to open when it failed."""
+    """The auth service's dial-back to the announced address; ``advice`` says what to open when it failed.
+
+    ``path`` is how the swarm reaches the worker once it can: directly, through the router's port mapping,
+    or through a relay (``relay`` names it, ``relay_cost`` says what that costs)."""
 
     kind: Literal["reachability"] = "reachability"
     status: Literal["checking", "reachable", "unreachable"]
@@ -180,6 +204,10 @@ class ReachabilityEvent(_Event):
     error: str = ""
     advice: list[str] = Field(default_factory=list)
     retry_in_s: float | None = None
+    path: Literal["", "direct", "mapped", "relayed"] = ""
+    relay: str = ""
+    relay_cost: str = ""
+    network: NetworkReport | None = None
 
 
 class LogEvent(_Event):

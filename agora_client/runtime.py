@@ -44,6 +44,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="TCP port other peers reach the worker on (default: 49200 + the GPU number; 0 = any free)")
     parser.add_argument("--announce-addr", default=None, metavar="HOST:PORT",
                         help="public address to announce when a NAT or cloud maps another port to this machine")
+    parser.add_argument("--no-port-mapping", dest="port_mapping", action="store_false",
+                        help="do not ask the home router to forward the worker's port (UPnP)")
     parser.add_argument("--retry-every", type=float, default=30.0, help="seconds between join attempts while unreachable")
     parser.add_argument("--batch-size-override", type=int, default=None, metavar="N",
                         help="lower the microbatch the GPU's memory plan allows to N")
@@ -120,7 +122,8 @@ def _contributor(args: argparse.Namespace, device: tuple[str, str], description:
         swarm_url=args.swarm, run=description, config_dir=args.config_dir or _default_config_dir(),
         host_port=default_host_port(args.gpu) if args.host_port is None else args.host_port,
         gpu=args.gpu, device=device, device_note=device_note, monitor_url=args.monitor or description.monitor_url,
-        announce_addr=args.announce_addr, retry_every=args.retry_every, batch_size_override=args.batch_size_override,
+        announce_addr=args.announce_addr, port_mapping=args.port_mapping, retry_every=args.retry_every,
+        batch_size_override=args.batch_size_override,
     )
     return Contributor(options, events, stop)
 

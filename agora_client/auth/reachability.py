@@ -11,7 +11,11 @@ import errno
 import socket
 import time
 from dataclasses import asdict, dataclass
+from collections.abc import Sequence
 from typing import Any
+
+from agora_client.events import NetworkFinding
+from agora_client.network.addresses import local_address_towards
 
 DEFAULT_BASE_PORT = 49200
 
@@ -80,17 +84,22 @@ def dial_back(host: str, port: int, timeout_s: float = 5.0) -> DialResult:
     return DialResult(host, port, tested_from, True, "", round(time.monotonic() - started, 2))
 
 
-def advice(result: DialResult, announced: bool) -> list[str]:
-    """What a person can do about a failed dial-back, most likely cause first."""
+def advice(result: DialResult, announced: bool, findings: Sequence[NetworkFinding] = ()) -> list[str]:
+    """What a person can do about a failed dial-back, most likely cause first: the client's diagnosis of its
+    network (``findings``) where it found something, else the usual suspects."""
     port = result.port
     why = {
         "timeout": "the connection attempt got no answer: a firewall or a NAT dropped it",
         "refused": "the address answered but nothing accepts connections on that port",
         "unroutable": "there is no route to that address from the swarm",
     }.get(result.error, f"the connection failed ({result.error})")
+    summary = (f"The swarm could not connect to your worker at {result.address} (TCP port {port}), "
+               f"tested from {result.tested_from}: {why}.")
+    if findings:
+        return [summary, *(f"{finding.what}. {finding.action}" for finding in findings),
+                f"Local firewall: allow inbound TCP on port {port} if it blocks it."]
     lines = [
-        f"The swarm could not connect to your worker at {result.address} (TCP port {port}), "
-        f"tested from {result.tested_from}: {why}.",
+        summary,
         f"Local firewall: allow inbound TCP on port {port} (e.g. `sudo ufw allow {port}/tcp`).",
         f"Home router: forward TCP port {port} to this machine's LAN address.",
         f"Cloud machine: open inbound TCP {port} in the instance's security group / firewall rules.",
@@ -105,12 +114,5 @@ def advice(result: DialResult, announced: bool) -> list[str]:
 
 
 def _source_address(host: str) -> str:
-    """The local address this host dials ``host`` from (a UDP connect sends nothing)."""
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, 9))
-            address = probe.getsockname()[0]
-    except OSError:
-        address = "unknown address"
-    return f"{address} (the swarm's auth service, {socket.gethostname()})"
+    """The local address this host dials ``host`` from."""
+    return f"{local_address_towards(host) or 'unknown address'} (the swarm's auth service, {socket.gethostname()})"

@@ -227,6 +227,7 @@ class SpartaAverager:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparta-round")
         self._begin_lock = threading.Lock()
         self._flight = _Flight(-1, 0.0)  # the latest round begun
+        self._closed = False  # shut down: rounds asked for later are skipped
         if start:
             self.start()
 
@@ -276,14 +277,11 @@ class SpartaAverager:
             raise ValueError(f"SPARTA weight must be a finite number >= 0, got {weight}")
         started, part = time.monotonic(), partition_of(round_no, self.partition.num_partitions)
         with self._begin_lock:
+            if self._closed:
+                return self._skipped(round_no, part, weight, "skipped: the averager is shutting down")
             # a full-parameter round (one slice) cannot wait behind the previous one: that one averages the same slice
             if self.in_flight and not self._supersede(round_no) and self.partition.num_partitions == 1:
-                done: Future[RoundReport] = Future()
-                done.set_result(self._publish(RoundReport(
-                    round_no, part, 0, 0.0, 0, 0, 0.0, float(weight), ok=False,
-                    reason="skipped: the previous round is still averaging",
-                )))
-                return done
+                return self._skipped(round_no, part, weight, "skipped: the previous round is still averaging")
             sent = torch.empty(self.partition.slice_size(part), dtype=torch.float32)
             with self._lock:
                 self.partition.gather(self._parameters, part, sent)
@@ -292,6 +290,11 @@ class SpartaAverager:
             self._last_begin = started
             flight.future = self._executor.submit(self._run_round, flight, round_no, part, float(weight), sent, started)
             return flight.future
+
+    def _skipped(self, round_no: int, part: int, weight: float, reason: str) -> Future[RoundReport]:
+        done: Future[RoundReport] = Future()
+        done.set_result(self._publish(RoundReport(round_no, part, 0, 0.0, 0, 0, 0.0, float(weight), ok=False, reason=reason)))
+        return done
 
     def _gather_window(self, interval: float | None) -> float:
         """How long a leader waits for a full group: never past half the time between two rounds, so that a
@@ -331,7 +334,7 @@ class SpartaAverager:
         try:
             outcome = self._match_and_average(flight, round_no, weight)
         except Exception as error:
-            reason = flight.stop_reason if flight.stop_reason is not None else _describe_failure(error, self._find_group_timeout)
+            reason = self._why_called_off(flight) or _describe_failure(error, self._find_group_timeout)
         else:
             group_size, reason, allreduce_s = outcome.group_size, outcome.skipped, outcome.allreduce_s
             suspects = outcome.screen.suspects if outcome.screen is not None else {}
@@ -378,7 +381,7 @@ class SpartaAverager:
     def _match_and_average(self, flight: _Flight, round_no: int, weight: float) -> RoundOutcome:
         if not self._averager.is_alive():
             raise RuntimeError("hivemind's averager process is not running")
-        if flight.stop_reason is not None:  # called off while it waited behind the previous round
+        if self._why_called_off(flight):  # called off while it waited behind the previous round
             raise CancelledError()
         stage_size = self._stage_size() if self._stage_size is not None else 0
         # one matchmaking key per round: workers on another round never land in this group
@@ -418,13 +421,23 @@ class SpartaAverager:
         )
         flight.asked_at = time.monotonic()  # before control: a reader that sees the control sees its age
         flight.control = control
-        if flight.stop_reason is not None:  # called off before it had a control to cancel
+        if self._why_called_off(flight):  # called off before it had a control to cancel
             control.cancel()
-        try:
-            return control.result(timeout=self._round_timeout)
-        except TimeoutError:
-            control.cancel()
-            raise
+        deadline = time.monotonic() + self._round_timeout
+        while True:  # in slices: a step hivemind's process had begun stays unresolved once that process is stopped
+            try:
+                return control.result(timeout=min(STOP_POLL_S, max(0.0, deadline - time.monotonic())))
+            except TimeoutError:
+                if self._why_called_off(flight):
+                    raise CancelledError() from None
+                if time.monotonic() >= deadline:
+                    control.cancel()
+                    raise
+
+    def _why_called_off(self, flight: _Flight) -> str | None:
+        """Why a round was called off (None while it goes on): it gave way to a later one, or the averager stops
+        (which reaches the rounds still queued behind the latest, too)."""
+        return flight.stop_reason or (SHUTTING_DOWN if self._closed else None)
 
     def _publish(self, report: RoundReport) -> RoundReport:
         if self._on_round is not None:
@@ -434,8 +447,10 @@ class SpartaAverager:
     def shutdown(self) -> None:
         """Leave at once, even mid all-reduce: cancel the round in flight, stop hivemind's process (which aborts
         its all-reduce: the groupmates finish without this peer's parts), then wait for the round thread."""
-        flight = self._flight
-        flight.stop_reason = "cancelled: the averager is shutting down"
+        with self._begin_lock:
+            self._closed = True
+            flight = self._flight
+        flight.stop_reason = SHUTTING_DOWN
         if flight.control is not None:  # else the round stops itself as soon as it has its control
             flight.control.cancel()
         if self._averager.is_alive():
@@ -445,13 +460,15 @@ class SpartaAverager:
         self._executor.shutdown(wait=True)
 
 
+SHUTTING_DOWN = "cancelled: the averager is shutting down"
+STOP_POLL_S = 0.5  # how soon a round waiting for hivemind's step sees that the averager is shutting down
 LARGEST_GROUP = 1000  # for the backstop bound: a butterfly moves at most 2x the slice per peer, whatever the group
 
 
 def _describe_failure(error: BaseException, find_group_timeout: float) -> str:
     text = str(error) or type(error).__name__
     if isinstance(error, CancelledError):
-        return "cancelled: the averager is shutting down"
+        return SHUTTING_DOWN
     if found_no_group(error):
         return f"no other worker of this stage joined the round within {find_group_timeout:.0f}s"
     if isinstance(error, TimeoutError):

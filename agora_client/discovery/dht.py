@@ -20,6 +20,8 @@ def connect_dht(seeds: Sequence[str], *, host: str = "127.0.0.1", port: int = 0,
     """
     host_maddrs = [f"/ip4/{host}/tcp/{port}"]
     kwargs.setdefault("record_validators", record_validators())
+    # libp2p's own UPnP mapping says nothing about whether it worked; a contributor's client maps the port itself
+    kwargs.setdefault("nat_port_map", False)
     try:
         return DHT(initial_peers=list(seeds), host_maddrs=host_maddrs, start=True, **kwargs)
     except Exception as error:  # hivemind raises plain errors when no initial peer is reachable

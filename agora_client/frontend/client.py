@@ -66,6 +66,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config-dir", type=Path, help="client config dir (default: $XDG_CONFIG_HOME/agora)")
     parser.add_argument("--host-port", type=int, help="TCP port peers reach the worker on (default: 49200 + GPU number)")
     parser.add_argument("--announce-addr", metavar="HOST:PORT", help="public address to announce behind a NAT or remapped port")
+    parser.add_argument("--no-port-mapping", dest="port_mapping", action="store_false",
+                        help="do not ask the home router to forward the worker's port (UPnP)")
     parser.add_argument(
         "--retry-every", metavar="SECONDS", type=_positive_seconds, default=DEFAULT_RETRY_EVERY_S,
         help=f"while the swarm cannot reach this worker, ask again this often (default: {DEFAULT_RETRY_EVERY_S:.0f}; r in the app: now)",
@@ -80,7 +82,8 @@ def _command(args: argparse.Namespace, token: str, swarm: str, gpu: int | None, 
         return ChildCommand(tuple(shlex.split(args.runtime_cmd)), {"HF_TOKEN": token, "PYTHONUNBUFFERED": "1"})
     return runtime_command(
         token=token, swarm=swarm, gpu=gpu, cpu=args.cpu, config_dir=config_dir, monitor=args.monitor,
-        host_port=args.host_port, announce_addr=args.announce_addr, retry_every=args.retry_every,
+        host_port=args.host_port, announce_addr=args.announce_addr, port_mapping=args.port_mapping,
+        retry_every=args.retry_every,
     )
 
 

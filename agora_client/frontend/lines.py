@@ -1,11 +1,12 @@
 """Tagged lines from the runtime's stream: what the headless client prints and the app's log pane shows.
 
-Tags: ``[PREFLIGHT] [REACHABILITY] [AUTH] [DOWNLOAD] [QUEUE] [SYNC] [TRAINING] [PROGRESS] [SPARTA] [POINTS] [WARNING] [ERROR]``.
+Tags: ``[PREFLIGHT] [REACHABILITY] [NETWORK] [AUTH] [DOWNLOAD] [QUEUE] [SYNC] [TRAINING] [PROGRESS] [SPARTA] [POINTS] [WARNING] [ERROR]``.
 What each event kind gives:
 
 - preflight: ``[PREFLIGHT] <check>: PASS|WARN|FAIL <value> (<reason>)``; warn and fail at levels warning / error.
-- reachability: ``[REACHABILITY]`` when the dial-back starts and when it succeeds; unreachable: one
-  ``[REACHABILITY]`` line per line of advice (level error), then when the next attempt comes.
+- reachability: ``[REACHABILITY]`` when the dial-back starts and when it succeeds (by which path); unreachable:
+  one ``[REACHABILITY]`` line per line of advice (level error), the network's diagnosis in one line, then when
+  the next attempt comes.
 - auth: ``[AUTH]`` its message (or who / which stage / which slot); rejected or failed: ``[ERROR]``.
 - download: ``[DOWNLOAD]`` start (with resumed-from), progress at most once per second of event
   time, verified, done; retry: ``[WARNING]``; failed: ``[ERROR]``.
@@ -36,6 +37,7 @@ from agora_client.events import (
     Event,
     ExitEvent,
     LogEvent,
+    NetworkReport,
     PointsEvent,
     PreflightEvent,
     QueueEvent,
@@ -148,8 +150,12 @@ class LineFormatter:
             where = event.address or f"port {event.port}"
             return [self._line(event, "REACHABILITY", f"Asking the swarm to connect back to {where}...")]
         if event.status == "reachable":
-            return [self._line(event, "REACHABILITY", f"The swarm reached this worker at {event.address} from {event.tested_from}")]
+            how = PATHS.get(event.path, "")
+            return [self._line(event, "REACHABILITY",
+                               f"The swarm reached this worker at {event.address} from {event.tested_from}{how}")]
         lines = [self._line(event, "REACHABILITY", text, "error") for text in event.advice]
+        if event.network is not None:
+            lines.append(self._line(event, "REACHABILITY", f"Network: {network_summary(event.network)}", "warning"))
         if event.retry_in_s is not None:
             text = f"Not joining while unreachable; trying again in {human_duration(event.retry_in_s)}"
             lines.append(self._line(event, "REACHABILITY", text, "warning"))
@@ -260,3 +266,29 @@ class LineFormatter:
             return []
         reason = f": {event.reason}" if event.reason else ""
         return [self._line(event, "ERROR", f"The runtime exited with code {event.code}{reason}", "error")]
+
+
+MAPPING = {  # the router's answer to the port mapping request, in words
+    "mapped": "your router forwards the port (UPnP)",
+    "refused": "your router refused to forward the port",
+    "not offered": "no router offered port mapping (UPnP)",
+    "off": "port mapping off",
+}
+
+
+PATHS = {"direct": ", directly", "mapped": ", through your router's port mapping"}  # how the swarm reaches the worker
+
+
+def network_summary(network: NetworkReport | None) -> str:
+    """One line: which NAT stands between this machine and the swarm, and what the router said."""
+    if network is None:
+        return "not diagnosed"
+    if network.carrier_grade_nat:
+        nat = "carrier-grade NAT (your provider's)"
+    elif network.double_nat:
+        nat = "double NAT (two routers)"
+    elif network.nat:
+        nat = f"behind NAT: {network.local_address} is seen as {network.seen_address}"
+    else:
+        nat = f"no NAT seen ({network.local_address or 'address unknown'})"
+    return f"{nat} · {MAPPING[network.mapping]}"

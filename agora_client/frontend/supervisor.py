@@ -61,10 +61,11 @@ def runtime_command(
     monitor: str | None = None,
     host_port: int | None = None,
     announce_addr: str | None = None,
+    port_mapping: bool = True,
     retry_every: float | None = None,
 ) -> ChildCommand:
     """The real runtime: ``agora runtime [--swarm URL] [--gpu N | --cpu] [--config-dir D] [--monitor URL] [--host-port P]
-    [--announce-addr HOST:PORT] [--retry-every S]``, token in HF_TOKEN."""
+    [--announce-addr HOST:PORT] [--no-port-mapping] [--retry-every S]``, token in HF_TOKEN."""
     root = str(Path(agora_client.__file__).resolve().parent.parent)
     argv = [sys.executable, "-c", _BOOTSTRAP.format(root=root), "runtime"]
     if swarm:
@@ -81,6 +82,8 @@ def runtime_command(
         argv += ["--host-port", str(host_port)]
     if announce_addr:
         argv += ["--announce-addr", announce_addr]
+    if not port_mapping:
+        argv += ["--no-port-mapping"]
     if retry_every is not None:
         argv += ["--retry-every", repr(float(retry_every))]
     return ChildCommand(tuple(argv), {"HF_TOKEN": token, "PYTHONUNBUFFERED": "1"})

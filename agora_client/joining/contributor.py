@@ -16,6 +16,7 @@ until it is stopped.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -27,7 +28,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from agora_client.auth.client import (
     Authorization, PeerUnreachable, StageAssignment, authorize, leave, renew_ticket, report_active,
 )
-from agora_client.auth.reachability import advice
+from agora_client.auth.reachability import DialResult, advice
 from agora_client.auth.run_description import (
     RunChanged, RunDescription, RunDescriptionError, check_unchanged, fetch_tokenizer,
 )
@@ -40,6 +41,7 @@ from agora_client.discovery.dht import connect_dht
 from agora_client.engine.identity import use_as_process_key
 from agora_client.system.resources import ResourceProbe
 from agora_client.joining.gpu_fit import JoinFit
+from agora_client.joining.network_path import NetworkPath
 from agora_client.worker.metrics import WorkerMetrics
 from agora_client.worker.node import WorkerNode, WorkerOptions
 from agora_client.worker.prepared_stage import PreparedStage
@@ -76,6 +78,7 @@ class ContributorOptions:
     monitor_url: str | None = None
     batch_size_override: int | None = None  # may only lower the microbatch the memory plan allows
     announce_addr: str | None = None  # HOST:PORT other peers should dial, when a NAT or cloud remaps the port
+    port_mapping: bool = True  # ask the home router to forward the port (UPnP)
     retry_every: float = 30.0  # seconds between join attempts while the worker is unreachable
 
     @property
@@ -118,15 +121,16 @@ class Contributor:
         self.node: WorkerNode | None = None
         self.ticket = HeldTicket("")
         self._dht = None
+        self.path: NetworkPath | None = None
 
     def run(self, token: str) -> None:
         """Join and serve until stopped; returns early when stopped before the worker is active."""
         identity = self._load_identity()
         self._preflight()
         self._check_tokenizer()
-        port = self._open_port(identity)
+        self._open_port(identity)
         staging = self._start_staging()
-        auth = self._authorize(token, identity.peer_id, identity.key, port, staging.gpu_memory, staging.prepare)
+        auth = self._authorize(token, identity, staging.gpu_memory, staging.prepare)
         if auth is None:
             return
         self.auth = auth
@@ -152,12 +156,19 @@ class Contributor:
         dht_kwargs = signed_dht_kwargs(path)  # peer id and metrics signatures share one key
         return _PeerIdentity(key=key, peer_id=peer_id_of(path), dht_kwargs=dht_kwargs)
 
-    def _open_port(self, identity: _PeerIdentity) -> int:
-        """Open the worker's port (its DHT) before the join: the auth service dials it back before admitting us."""
+    def _open_port(self, identity: _PeerIdentity) -> None:
+        """Open the worker's port (its DHT) before the join: the auth service dials it back before admitting us.
+        The router is asked to forward it first, so that the DHT announces the forward."""
         options = self.options
-        announce = {"announce_maddrs": [_maddr(options.announce_addr)]} if options.announce_addr else {}
-        self._dht = connect_dht(options.run.seeds, host=LISTEN_HOST, port=options.host_port, **announce, **identity.dht_kwargs)
-        return _listening_port(self._dht)
+        self.path = NetworkPath(options.host_port or _free_port(), options.swarm_url, self.events,
+                                port_mapping=options.port_mapping, announce_addr=options.announce_addr)
+        self.path.open()
+        self._start_dht(identity)
+
+    def _start_dht(self, identity: _PeerIdentity) -> None:
+        announce = self.path.announce_maddrs()
+        self._dht = connect_dht(self.options.run.seeds, host=LISTEN_HOST, port=self.path.port,
+                                **({"announce_maddrs": announce} if announce else {}), **identity.dht_kwargs)
 
     def _start_staging(self) -> _Staging:
         """Check the GPU against the run (unfit ones are refused) and get ready to prepare whichever stage is assigned."""
@@ -249,36 +260,56 @@ class Contributor:
         )
 
     def _authorize(
-        self, token: str, peer_id: str, peer_key: RSAPrivateKey, port: int, gpu_memory: int | None,
-        on_assigned: Callable[[StageAssignment], None],
+        self, token: str, identity: _PeerIdentity, gpu_memory: int | None, on_assigned: Callable[[StageAssignment], None],
     ) -> Authorization | None:
         """Join; while the auth service cannot dial us back, show why and try again (never join unreachable)."""
         options = self.options
         while not self.stop.is_set():
+            port = self.path.join_port
             self.events.emit(ReachabilityEvent(status="checking", address=options.announce_addr or "", port=port))
             try:
                 auth = authorize(
-                    options.swarm_url, token, peer_id, events=self.events, on_assigned=on_assigned, stop=self.stop,
-                    port=port, announce=options.announce_addr, gpu_memory=gpu_memory, peer_key=peer_key,
+                    options.swarm_url, token, identity.peer_id, events=self.events, on_assigned=on_assigned,
+                    stop=self.stop, port=port, announce=options.announce_addr, gpu_memory=gpu_memory,
+                    peer_key=identity.key,
                 )
             except PeerUnreachable as error:
-                self.events.emit(reachability_result(error.dial, port))
-                self.events.emit(ReachabilityEvent(
-                    status="unreachable", address=error.dial.address, port=error.dial.port,
-                    tested_from=error.dial.tested_from, error=error.dial.error,
-                    advice=advice(error.dial, announced=options.announce_addr is not None), retry_in_s=options.retry_every,
-                ))
-                self.retry_now.clear()
-                deadline = time.monotonic() + options.retry_every
-                while not self.stop.is_set() and not self.retry_now.is_set() and time.monotonic() < deadline:
-                    self.stop.wait(0.2)
+                self._say_unreachable(error.dial, port)
+                self._wait_for_retry()
+                if self.path.open():  # the router grants a forward now: the DHT must announce it
+                    self._dht.shutdown()
+                    self._start_dht(identity)
                 continue
             if auth.dial is not None:
-                self.events.emit(ReachabilityEvent(status="reachable", address=auth.dial.address, port=auth.dial.port,
-                                                   tested_from=auth.dial.tested_from))
-            self.events.emit(reachability_result(auth.dial, port))
+                self.events.emit(ReachabilityEvent(
+                    status="reachable", address=auth.dial.address, port=auth.dial.port, tested_from=auth.dial.tested_from,
+                    path=self.path.kind, network=self.path.report(self._seen_address(auth.dial)),
+                ))
+            self.events.emit(reachability_result(auth.dial, port, self.path.describe()))
             return auth
         return None
+
+    def _wait_for_retry(self) -> None:
+        """Until the next join attempt is due, the front end asks for one now, or the runtime stops."""
+        self.retry_now.clear()
+        deadline = time.monotonic() + self.options.retry_every
+        while not self.stop.is_set() and not self.retry_now.is_set() and time.monotonic() < deadline:
+            self.stop.wait(0.2)
+
+    def _say_unreachable(self, dial: DialResult, port: int) -> None:
+        """The failed dial-back with the network's diagnosis and what to do about it."""
+        options = self.options
+        network = self.path.report(self._seen_address(dial))
+        self.events.emit(reachability_result(dial, port))
+        self.events.emit(ReachabilityEvent(
+            status="unreachable", address=dial.address, port=dial.port, tested_from=dial.tested_from, error=dial.error,
+            advice=advice(dial, announced=options.announce_addr is not None, findings=network.findings),
+            retry_in_s=options.retry_every, network=network,
+        ))
+
+    def _seen_address(self, dial: DialResult) -> str:
+        """Where the auth service saw the join come from: the host it dials back, unless the user announced one."""
+        return dial.host if self.options.announce_addr is None else ""
 
     def _serve(self, node: WorkerNode, metrics: WorkerMetrics, validator) -> None:
         probe = ResourceProbe(self.options.gpu)
@@ -355,6 +386,8 @@ class Contributor:
             self.node.shutdown()
         if self._dht is not None:  # stopped before the node took it over
             self._dht.shutdown()
+        if self.path is not None:  # last: the worker no longer listens behind the router's forward
+            self.path.close()
 
     def _free_slot(self) -> None:
         """Give the slot back to the auth service; a failure only warns."""
@@ -366,23 +399,13 @@ class Contributor:
             self.events.log(f"could not release the slot: {error}", tag="WARNING", level="warning")
 
 
-def _maddr(announce_addr: str) -> str:
-    from agora_client.auth.reachability import parse_announce
-
-    host, port = parse_announce(announce_addr)
-    kind = "ip6" if ":" in host else "ip4" if host.replace(".", "").isdigit() else "dns"
-    return f"/{kind}/{host}/tcp/{port}"
+def _free_port() -> int:
+    """A TCP port free now, for a worker asked to take any (its router forward is asked for before it listens)."""
+    with socket.socket() as probe:
+        probe.bind((LISTEN_HOST, 0))
+        return probe.getsockname()[1]
 
 
 def _cuda_index(device: str) -> int | None:
     """N of a "cuda:N" device (CUDA's numbering, already mapped from --gpu); None for the CPU."""
     return int(device.split(":")[1]) if device.startswith("cuda:") else None
-
-
-def _listening_port(dht) -> int:
-    """The TCP port the worker's libp2p host listens on (the one asked for, or the one given for port 0)."""
-    for maddr in dht.get_visible_maddrs():
-        text = str(maddr)
-        if "/tcp/" in text:
-            return int(text.split("/tcp/")[1].split("/")[0])
-    raise RuntimeError("the worker's DHT listens on no TCP port")

@@ -135,12 +135,15 @@ def check_seed_rtt(run: RunDescription, timeout_s: float = 3.0) -> PreflightEven
     return PreflightEvent(check="seed_rtt", status="pass", value=value)
 
 
-def reachability_result(dial: DialResult | None, port: int) -> PreflightEvent:
+def reachability_result(dial: DialResult | None, port: int, how: str = "") -> PreflightEvent:
+    """The reachability check's line; ``how`` says by which path the swarm reached the worker."""
     if dial is None:
         return PreflightEvent(check="reachability", status="warn", value=f"port {port}",
                               reason="the swarm admitted this worker without dialing it back: other peers may not reach it")
     if dial.reachable:
-        return PreflightEvent(check="reachability", status="pass", value=dial.address, reason=f"reached from {dial.tested_from}")
+        how = f", {how}" if how else ""
+        return PreflightEvent(check="reachability", status="pass", value=dial.address,
+                              reason=f"reached from {dial.tested_from}{how}")
     return PreflightEvent(check="reachability", status="fail", value=dial.address,
                           reason=f"not reachable from {dial.tested_from} ({dial.error})")
 

@@ -11,7 +11,7 @@ from textual.markup import escape
 from textual.widgets import Static
 
 from agora_client.events import ReachabilityEvent
-from agora_client.frontend.lines import human_duration
+from agora_client.frontend.lines import human_duration, network_summary
 from tui.state import PreflightState
 
 # The dial-back's error codes (agora_client.auth.reachability.dial_back), in words.
@@ -71,7 +71,8 @@ class ReachabilityPanel(Vertical):
         self.query_one("#reach-port", Static).update(f"[b]{port}[/]{announced}")
         self.query_one("#reach-from", Static).update(escape(diagnosis.tested_from or "unknown"))
         result = RESULTS.get(diagnosis.error, diagnosis.error or "the connection failed")
-        self.query_one("#reach-result", Static).update(f"[$text-error]{escape(result)}[/]")
+        network = f"\n{escape(network_summary(diagnosis.network))}" if diagnosis.network is not None else ""
+        self.query_one("#reach-result", Static).update(f"[$text-error]{escape(result)}[/]{network}")
         advice = list(diagnosis.advice[1:] if len(diagnosis.advice) > 1 else diagnosis.advice)  # [0] restates the rows above
         if advice != self._advice:
             self._advice = advice

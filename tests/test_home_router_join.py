@@ -1,0 +1,157 @@
+"""A contributor behind a home router (tests/netns_router.py: a real miniupnpd and a masquerading nftables
+router in network namespaces) joins a swarm on the internet side, which it knows by its URL alone.
+
+One swarm (preset tiny2: other shapes and stage count than tiny) serves the whole story, in order: with no
+UPnP on the router, the client says what its network does and what to do, and retries without crashing
+(never a silent join); once the router offers UPnP, its own retry maps the port, is dialed back through the
+forward, reaches active and processes batches; killed, it leaves its forward for the lease's end and its
+slot is freed once it has vanished from the DHT; restarted with the same peer id it is admitted again, and
+stopped with Ctrl-C it removes its forward and gives the slot back at once; another account reusing its
+key is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agora_client.events import json_objects
+from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
+from agora_client.swarm.processes import ManagedProcess
+from tests.netns_router import HomeRouter, unavailable
+from tests.swarm_helpers import wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+_SKIP = unavailable()
+RETRY_S = 3.0
+VANISH_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def router_and_swarm(tmp_path_factory):
+    if _SKIP:
+        pytest.skip(_SKIP)
+    run_dir = tmp_path_factory.mktemp("home-router")
+    with HomeRouter(f"agi25-{os.getpid()}") as net:
+        swarm = LocalSwarm(SwarmOptions(preset="tiny2", workers_per_stage=1, run_dir=run_dir, publish_snapshots=True,
+                                        publish_every=1, report_every=3, host=net.internet.address))
+        try:
+            with net.internet.entered():  # every role of the swarm lives on the internet side
+                swarm.start()
+                auth_url, _ = swarm.start_join_services(
+                    pacing=1.0, users=("alice", "bob"),
+                    auth_args=("--presence-every", "5", "--vanish-after", str(VANISH_S)),
+                )
+            yield net, swarm, auth_url
+        finally:
+            swarm.stop()
+
+
+def _runtime(net: HomeRouter, name: str, auth_url: str, token: str, config_dir: Path, log_dir: Path) -> ManagedProcess:
+    with net.home.entered():  # the contributor lives at home, behind the router
+        return ManagedProcess(
+            name,
+            ["runtime", "--cpu", "--swarm", auth_url, "--config-dir", str(config_dir), "--host-port", "0",
+             "--retry-every", str(RETRY_S)],
+            log_dir / f"{name}.log",
+            env={"HF_TOKEN": token},
+        )
+
+
+def _events(process: ManagedProcess, kind: str, **match) -> list[dict]:
+    return [e for e in json_objects(process.lines()) if e["kind"] == kind and all(e.get(k) == v for k, v in match.items())]
+
+
+def _logs(process: ManagedProcess, tag: str) -> list[str]:
+    return [event["message"] for event in _events(process, "log", tag=tag)]
+
+
+def _status(net: HomeRouter, auth_url: str) -> dict:
+    with net.internet.entered():
+        return httpx.get(f"{auth_url}/v1/status", timeout=10).json()
+
+
+def _occupied(net: HomeRouter, auth_url: str) -> int:
+    return int(_status(net, auth_url)["occupied"])
+
+
+def _wait_active(runtime: ManagedProcess) -> None:
+    wait_until(lambda: bool(_events(runtime, "sync", phase="active")) or not runtime.alive, 300,
+               "the contributor to reach active", poll=0.5)
+    assert runtime.alive, f"the runtime exited; see {runtime.log_path}"
+
+
+def test_upnp_contributor_behind_a_home_router_joins_without_a_manual_step(router_and_swarm, tmp_path):
+    net, swarm, auth_url = router_and_swarm
+    config_dir = tmp_path / "alice"
+    runtimes: list[ManagedProcess] = []
+    try:
+        # No UPnP on the router: the swarm cannot dial the worker back; the client says why and what to do.
+        net.switch_upnp("off")
+        first = _runtime(net, "alice-1", auth_url, swarm.tokens["alice"], config_dir, tmp_path)
+        runtimes.append(first)
+        wait_until(lambda: len(_events(first, "reachability", status="unreachable")) >= 2 or not first.alive, 180,
+                   "two failed dial-backs", poll=0.5)
+        assert first.alive and _events(first, "auth", status="authorized") == [] and _occupied(net, auth_url) == 0
+        assert any("no router on this network answered a UPnP search" in line for line in _logs(first, "NETWORK"))
+        diagnosis = _events(first, "reachability", status="unreachable")[0]
+        assert diagnosis["error"] == "timeout" and diagnosis["tested_from"].startswith(net.internet.address)
+        assert f"{net.wan_address}:{diagnosis['port']} (TCP port {diagnosis['port']})" in diagnosis["advice"][0]
+        network = diagnosis["network"]
+        assert (network["local_address"], network["seen_address"]) == (net.home.address, net.wan_address)
+        assert network["nat"] and not network["carrier_grade_nat"] and network["mapping"] == "not offered"
+        assert any("Turn on UPnP" in line for line in diagnosis["advice"]) and diagnosis["retry_in_s"] == RETRY_S
+        checks = {e["check"]: e["status"] for e in _events(first, "preflight")}
+        assert checks["reachability"] == "fail" and checks["seed_rtt"] == "pass"
+
+        # The router offers UPnP now: the runtime's own retry maps the port and joins through the forward.
+        net.switch_upnp("on")
+        _wait_active(first)
+        authorized = _events(first, "auth", status="authorized")[0]
+        stage, peer_id = authorized["stage"], authorized["peer_id"]
+        assert stage in ("head", "body1", "tail")
+        [forward] = net.mappings()
+        reached = _events(first, "reachability", status="reachable")
+        assert reached[0]["path"] == "mapped" and reached[0]["tested_from"].startswith(net.internet.address)
+        assert reached[0]["address"] == f"{net.wan_address}:{forward.external_port}"  # dialed through the forward
+        assert forward.internal_address == net.home.address
+        wait_until(lambda: any(e["backward_total"] > 0 for e in _events(first, "traffic")) or not first.alive, 300,
+                   "the mapped worker to process a batch", poll=1.0)
+
+        # A crash: killed without leaving, its forward stays until the lease ends and its slot is freed once
+        # it has vanished from the stage's roster (the vanish window, not the ticket's expiry).
+        wait_until(lambda: _status(net, auth_url)["stages"][stage]["active"] == 1, 180, "the worker to report active")
+        first.kill_main(signal.SIGKILL)
+        first.stop(grace=5)
+        wait_until(lambda: _occupied(net, auth_url) == 0, 120, "the vanished peer's slot to be freed", poll=2.0)
+        assert net.mappings() == [forward]
+
+        # Restarted, it has the same peer id and is admitted again; Ctrl-C removes its own forward and gives
+        # the slot back at once.
+        second = _runtime(net, "alice-2", auth_url, swarm.tokens["alice"], config_dir, tmp_path)
+        runtimes.append(second)
+        _wait_active(second)
+        assert _events(second, "auth", status="authorized")[0]["peer_id"] == peer_id
+        assert _occupied(net, auth_url) == 1 and len(net.mappings()) == 2
+        second.stop(grace=30)  # SIGINT, as Ctrl-C
+        assert _events(second, "exit")[-1]["code"] == 0, f"see {second.log_path}"
+        assert net.mappings() == [forward] and _occupied(net, auth_url) == 0
+
+        # Bob copies alice's key (while it is not in use, so libp2p lets him start): the auth service refuses him.
+        copied = tmp_path / "bob"
+        shutil.copytree(config_dir / "identity", copied / "identity")
+        third = _runtime(net, "bob", auth_url, swarm.tokens["bob"], copied, tmp_path)
+        runtimes.append(third)
+        wait_until(lambda: not third.alive, 180, "the runtime with a borrowed key to be turned away", poll=0.5)
+        assert third.proc.returncode == 3, f"see {third.log_path}"
+        rejected = _events(third, "auth", status="rejected")
+        assert rejected and "belongs to another Hugging Face account, not to bob" in rejected[0]["message"]
+        assert _occupied(net, auth_url) == 0 and net.mappings() == [forward]  # his own forward went with him
+    finally:
+        for runtime in runtimes:
+            runtime.stop(grace=20)
