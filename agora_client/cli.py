@@ -32,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "checkpoints": ("agora_client.checkpoints.list_cli", "list consistent checkpoint sets: per-stage times, loss"),
     "export": ("agora_client.checkpoints.export", "write a checkpoint set as a Hugging Face OLMo2 model directory"),
     "tokenizer": ("agora_client.data.tokenizer_training", "train a byte-level BPE tokenizer on a data source"),
+    "relay": ("agora_client.relay.main", "run a relay for workers no port mapping can open"),
 }
 # Commands that run hivemind peers: they leave with exit_process once they have stopped in order.
 ENGINE_COMMANDS = frozenset({"demo", "swarm", "seed", "worker", "trainer", "monitor", "runtime"})

@@ -39,6 +39,8 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,6 +178,20 @@ table inet filter {{
             "deny 0-65535 0.0.0.0/0 0-65535",
             "",
         ])
+
+    @contextmanager
+    def blocked(self, address: str, port: int) -> Iterator[None]:
+        """The router turns away what the home sends to ``address:port`` (a firewall between home and one service)."""
+        table = f"agora_block_{port}"
+        self.router.run("nft", "add", "table", "inet", table)
+        try:
+            self.router.run("nft", "add", "chain", "inet", table, "forward",
+                            "{ type filter hook forward priority -10; policy accept; }")
+            self.router.run("nft", "add", "rule", "inet", table, "forward", "ip", "daddr", address, "tcp", "dport", str(port),
+                            "reject", "with", "tcp", "reset")
+            yield
+        finally:
+            self.router.run("nft", "delete", "table", "inet", table, check=False)
 
     def switch_upnp(self, state: str) -> None:
         """Restart the router's UPnP as ``state``: "on" (the LAN maps its ports), "denied" (the config refuses every

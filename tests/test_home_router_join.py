@@ -1,13 +1,14 @@
 """A contributor behind a home router (tests/netns_router.py: a real miniupnpd and a masquerading nftables
 router in network namespaces) joins a swarm on the internet side, which it knows by its URL alone.
 
-One swarm (preset tiny2: other shapes and stage count than tiny) serves the whole story, in order: with no
-UPnP on the router, the client says what its network does and what to do, and retries without crashing
-(never a silent join); once the router offers UPnP, its own retry maps the port, is dialed back through the
-forward, reaches active and processes batches; killed, it leaves its forward for the lease's end and its
-slot is freed once it has vanished from the DHT; restarted with the same peer id it is admitted again, and
-stopped with Ctrl-C it removes its forward and gives the slot back at once; another account reusing its
-key is refused.
+One swarm (preset tiny2: other shapes and stage count than tiny), with the operator's relay on its host,
+serves the whole story, in order: with no UPnP on the router and the relay out of reach, the client says
+what its network does and what to do, and retries without crashing (never a silent join); with the router
+refusing to map by its rules and the relay in reach, its retry serves through the relay, is dialed back
+there and processes batches; stopped with Ctrl-C, the relay's port and the slot are freed at once. With
+UPnP on, restarted with the same peer id, it maps the port, is dialed back through the forward and
+processes batches; killed, it leaves its forward for the lease's end and its slot is freed once it has
+vanished from the DHT; another account reusing its key is refused.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 from pathlib import Path
 
 import httpx
@@ -44,7 +46,7 @@ def router_and_swarm(tmp_path_factory):
             with net.internet.entered():  # every role of the swarm lives on the internet side
                 swarm.start()
                 auth_url, _ = swarm.start_join_services(
-                    pacing=1.0, users=("alice", "bob"),
+                    pacing=1.0, users=("alice", "bob"), relay=True,
                     auth_args=("--presence-every", "5", "--vanish-after", str(VANISH_S)),
                 )
             yield net, swarm, auth_url
@@ -86,72 +88,108 @@ def _wait_active(runtime: ManagedProcess) -> None:
     assert runtime.alive, f"the runtime exited; see {runtime.log_path}"
 
 
-def test_upnp_contributor_behind_a_home_router_joins_without_a_manual_step(router_and_swarm, tmp_path):
+def _relay(net: HomeRouter, auth_url: str) -> str:
+    with net.internet.entered():
+        return httpx.get(f"{auth_url}/v1/run", timeout=10).json()["relays"][0]
+
+
+def _refused(net: HomeRouter, address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    with net.internet.entered():
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except ConnectionRefusedError:
+            return True
+    return False
+
+
+def _wait_batches(runtime: ManagedProcess) -> None:
+    wait_until(lambda: any(e["backward_total"] > 0 for e in _events(runtime, "traffic")) or not runtime.alive, 300,
+               f"{runtime.name} to process a batch", poll=1.0)
+    assert runtime.alive, f"the runtime exited; see {runtime.log_path}"
+
+
+def test_relay_and_upnp_contributor_behind_a_home_router_joins_without_a_manual_step(router_and_swarm, tmp_path):
     net, swarm, auth_url = router_and_swarm
-    config_dir = tmp_path / "alice"
+    relay, config_dir = _relay(net, auth_url), tmp_path / "alice"
     runtimes: list[ManagedProcess] = []
     try:
-        # No UPnP on the router: the swarm cannot dial the worker back; the client says why and what to do.
+        # No UPnP on the router and the relay out of reach: the client says what its network does and retries.
         net.switch_upnp("off")
-        first = _runtime(net, "alice-1", auth_url, swarm.tokens["alice"], config_dir, tmp_path)
-        runtimes.append(first)
-        wait_until(lambda: len(_events(first, "reachability", status="unreachable")) >= 2 or not first.alive, 180,
-                   "two failed dial-backs", poll=0.5)
+        with net.blocked(*relay.split(":")):
+            first = _runtime(net, "alice-1", auth_url, swarm.tokens["alice"], config_dir, tmp_path)
+            runtimes.append(first)
+            wait_until(lambda: len(_events(first, "reachability", status="unreachable")) >= 2 or not first.alive, 180,
+                       "two failed dial-backs", poll=0.5)
         assert first.alive and _events(first, "auth", status="authorized") == [] and _occupied(net, auth_url) == 0
-        assert any("no router on this network answered a UPnP search" in line for line in _logs(first, "NETWORK"))
-        diagnosis = _events(first, "reachability", status="unreachable")[0]
-        assert diagnosis["error"] == "timeout" and diagnosis["tested_from"].startswith(net.internet.address)
-        assert f"{net.wan_address}:{diagnosis['port']} (TCP port {diagnosis['port']})" in diagnosis["advice"][0]
-        network = diagnosis["network"]
-        assert (network["local_address"], network["seen_address"]) == (net.home.address, net.wan_address)
-        assert network["nat"] and not network["carrier_grade_nat"] and network["mapping"] == "not offered"
-        assert any("Turn on UPnP" in line for line in diagnosis["advice"]) and diagnosis["retry_in_s"] == RETRY_S
-        checks = {e["check"]: e["status"] for e in _events(first, "preflight")}
-        assert checks["reachability"] == "fail" and checks["seed_rtt"] == "pass"
+        _check_diagnosis(net, first, relay)
 
-        # The router offers UPnP now: the runtime's own retry maps the port and joins through the forward.
-        net.switch_upnp("on")
+        # The router refuses mapping by its rules, but the relay answers now: the retry serves through it.
+        net.switch_upnp("denied")
         _wait_active(first)
+        reached = _events(first, "reachability", status="reachable")[0]
+        assert (reached["path"], reached["relay"]) == ("relayed", relay) and "ms more per round trip" in reached["relay_cost"]
+        relayed_at = reached["address"]
+        assert relayed_at.startswith(relay.split(":")[0] + ":") and net.mappings() == []
+        assert any("refused to forward" in line for line in _logs(first, "NETWORK"))
+        _wait_batches(first)
         authorized = _events(first, "auth", status="authorized")[0]
         stage, peer_id = authorized["stage"], authorized["peer_id"]
-        assert stage in ("head", "body1", "tail")
-        [forward] = net.mappings()
-        reached = _events(first, "reachability", status="reachable")
-        assert reached[0]["path"] == "mapped" and reached[0]["tested_from"].startswith(net.internet.address)
-        assert reached[0]["address"] == f"{net.wan_address}:{forward.external_port}"  # dialed through the forward
-        assert forward.internal_address == net.home.address
-        wait_until(lambda: any(e["backward_total"] > 0 for e in _events(first, "traffic")) or not first.alive, 300,
-                   "the mapped worker to process a batch", poll=1.0)
 
-        # A crash: killed without leaving, its forward stays until the lease ends and its slot is freed once
-        # it has vanished from the stage's roster (the vanish window, not the ticket's expiry).
-        wait_until(lambda: _status(net, auth_url)["stages"][stage]["active"] == 1, 180, "the worker to report active")
-        first.kill_main(signal.SIGKILL)
-        first.stop(grace=5)
-        wait_until(lambda: _occupied(net, auth_url) == 0, 120, "the vanished peer's slot to be freed", poll=2.0)
-        assert net.mappings() == [forward]
+        # Ctrl-C: the relay frees the port it held and the slot is given back at once.
+        first.stop(grace=30)
+        assert _events(first, "exit")[-1]["code"] == 0, f"see {first.log_path}"
+        assert _occupied(net, auth_url) == 0 and _refused(net, relayed_at)
 
-        # Restarted, it has the same peer id and is admitted again; Ctrl-C removes its own forward and gives
-        # the slot back at once.
+        # UPnP on: restarted with the same peer id, it maps the port and is dialed back through the forward.
+        net.switch_upnp("on")
         second = _runtime(net, "alice-2", auth_url, swarm.tokens["alice"], config_dir, tmp_path)
         runtimes.append(second)
         _wait_active(second)
         assert _events(second, "auth", status="authorized")[0]["peer_id"] == peer_id
-        assert _occupied(net, auth_url) == 1 and len(net.mappings()) == 2
-        second.stop(grace=30)  # SIGINT, as Ctrl-C
-        assert _events(second, "exit")[-1]["code"] == 0, f"see {second.log_path}"
-        assert net.mappings() == [forward] and _occupied(net, auth_url) == 0
+        [forward] = net.mappings()
+        reached = _events(second, "reachability", status="reachable")[0]
+        assert reached["path"] == "mapped" and reached["tested_from"].startswith(net.internet.address)
+        assert reached["address"] == f"{net.wan_address}:{forward.external_port}"  # dialed through the forward
+        assert forward.internal_address == net.home.address
+        _wait_batches(second)
 
-        # Bob copies alice's key (while it is not in use, so libp2p lets him start): the auth service refuses him.
-        copied = tmp_path / "bob"
-        shutil.copytree(config_dir / "identity", copied / "identity")
-        third = _runtime(net, "bob", auth_url, swarm.tokens["bob"], copied, tmp_path)
-        runtimes.append(third)
-        wait_until(lambda: not third.alive, 180, "the runtime with a borrowed key to be turned away", poll=0.5)
-        assert third.proc.returncode == 3, f"see {third.log_path}"
-        rejected = _events(third, "auth", status="rejected")
-        assert rejected and "belongs to another Hugging Face account, not to bob" in rejected[0]["message"]
-        assert _occupied(net, auth_url) == 0 and net.mappings() == [forward]  # his own forward went with him
+        # A crash: killed without leaving, its forward stays until the lease ends and its slot is freed once
+        # it has vanished from the stage's roster (the vanish window, not the ticket's expiry).
+        wait_until(lambda: _status(net, auth_url)["stages"][stage]["active"] == 1, 180, "the worker to report active")
+        second.kill_main(signal.SIGKILL)
+        second.stop(grace=5)
+        wait_until(lambda: _occupied(net, auth_url) == 0, 120, "the vanished peer's slot to be freed", poll=2.0)
+        assert net.mappings() == [forward]
+        _borrowed_key_is_refused(net, swarm, auth_url, config_dir, tmp_path, runtimes)
+        assert net.mappings() == [forward]  # bob's own forward went with him
     finally:
         for runtime in runtimes:
             runtime.stop(grace=20)
+
+
+def _check_diagnosis(net: HomeRouter, runtime: ManagedProcess, relay: str) -> None:
+    assert any("no router on this network answered a UPnP search" in line for line in _logs(runtime, "NETWORK"))
+    assert any(line.startswith(f"Relay {relay}:") for line in _logs(runtime, "NETWORK"))  # out of reach: one line
+    diagnosis = _events(runtime, "reachability", status="unreachable")[0]
+    assert diagnosis["error"] == "timeout" and diagnosis["tested_from"].startswith(net.internet.address)
+    assert f"{net.wan_address}:{diagnosis['port']} (TCP port {diagnosis['port']})" in diagnosis["advice"][0]
+    network = diagnosis["network"]
+    assert (network["local_address"], network["seen_address"]) == (net.home.address, net.wan_address)
+    assert network["nat"] and not network["carrier_grade_nat"] and network["mapping"] == "not offered"
+    assert any("Turn on UPnP" in line for line in diagnosis["advice"]) and diagnosis["retry_in_s"] == RETRY_S
+    checks = {e["check"]: e["status"] for e in _events(runtime, "preflight")}
+    assert checks["reachability"] == "fail" and checks["seed_rtt"] == "pass"
+
+
+def _borrowed_key_is_refused(net, swarm, auth_url, config_dir, tmp_path, runtimes) -> None:
+    """Bob copies alice's key (while it is not in use, so libp2p lets him start): the auth service refuses him."""
+    copied = tmp_path / "bob"
+    shutil.copytree(config_dir / "identity", copied / "identity")
+    bob = _runtime(net, "bob", auth_url, swarm.tokens["bob"], copied, tmp_path)
+    runtimes.append(bob)
+    wait_until(lambda: not bob.alive, 180, "the runtime with a borrowed key to be turned away", poll=0.5)
+    assert bob.proc.returncode == 3, f"see {bob.log_path}"
+    rejected = _events(bob, "auth", status="rejected")
+    assert rejected and "belongs to another Hugging Face account, not to bob" in rejected[0]["message"]
+    assert _occupied(net, auth_url) == 0

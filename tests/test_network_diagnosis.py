@@ -37,7 +37,7 @@ def test_a_shared_address_range_is_carrier_grade_nat_and_no_home_forward_is_advi
     assert report.carrier_grade_nat and not report.double_nat
     [finding] = report.findings  # the refused mapping is no finding of its own: it could not help
     assert "Carrier-grade NAT" in finding.what and "100.72.3.4" in finding.what and ROUTER_PUBLIC in finding.what
-    assert "relays" in finding.action and "public IPv4" in finding.action
+    assert "agora relay" in finding.action and "public IPv4" in finding.action
 
 
 def test_a_router_address_the_swarm_does_not_see_is_carrier_grade_nat():

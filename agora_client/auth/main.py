@@ -15,6 +15,7 @@ from agora_client.system.lifetime import stop_on_signals
 from .admission import AdmissionPolicy
 from .identity import HuggingFaceIdentity, IdentityError, IdentitySource, TokenFileIdentity
 from .presence import DhtRosters, PresenceWatcher
+from .reachability import AnnounceError, parse_announce
 from .run_description import TokenizerSummary, describe_run
 from .server import AuthServer, AuthService, ServiceSettings
 
@@ -44,6 +45,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="snapshot store base URL (<base>/<stage>/latest.json), a template with {stage}, or "
                              "s3://bucket/prefix (joiners get presigned URLs; endpoint and keys from AWS_* variables)")
     parser.add_argument("--seed", action="append", default=[], dest="seeds", help="seed multiaddr for clients (repeatable)")
+    parser.add_argument("--relay", action="append", default=[], dest="relays", metavar="HOST:PORT",
+                        help="a relay (agora relay) for workers no port mapping can open, given to joiners (repeatable)")
     parser.add_argument("--monitor-url", default=None, help="the monitor's base URL, given to joiners in the run description")
     parser.add_argument("--dial-back", action=argparse.BooleanOptionalAction, default=True,
                         help="connect back to each joiner's announced port before admitting it (default: on)")
@@ -91,11 +94,17 @@ def build_settings(args: argparse.Namespace, config: RunConfig) -> ServiceSettin
         integration_timeout_s=args.integration_timeout, ticket_ttl_s=args.ticket_ttl,
     )
     seeds = tuple(args.seeds)
+    for relay in args.relays:
+        try:
+            parse_announce(relay)
+        except AnnounceError:
+            raise ValueError(f"--relay {relay!r} is not HOST:PORT: give the relay's public address and control port") from None
     links = _object_store_links(args.snapshot_url)
     tokenizer = load_run_tokenizer(config)  # joiners check the served file against the description's sha256
     return ServiceSettings(
         policy=policy, snapshot_url=None if links else args.snapshot_url, seeds=seeds, snapshot_links=links,
-        run=describe_run(config, seeds, args.snapshot_url, args.monitor_url, TokenizerSummary.of(tokenizer)),
+        run=describe_run(config, seeds, args.snapshot_url, args.monitor_url, TokenizerSummary.of(tokenizer),
+                         relays=tuple(args.relays)),
         tokenizer_json=tokenizer.content, dial_back=args.dial_back, dial_timeout_s=args.dial_timeout, key_proof=True,
     )
 

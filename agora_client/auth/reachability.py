@@ -18,6 +18,7 @@ from agora_client.events import NetworkFinding
 from agora_client.network.addresses import local_address_towards
 
 DEFAULT_BASE_PORT = 49200
+LIBP2P_HELLO = b"/multistream/1.0.0\n"  # a libp2p host's first words on a new connection
 
 
 class AnnounceError(ValueError):
@@ -67,13 +68,15 @@ def parse_announce(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def dial_back(host: str, port: int, timeout_s: float = 5.0) -> DialResult:
-    """A real TCP connect from this host to ``host:port``; never raises for network failures."""
+def dial_back(host: str, port: int, timeout_s: float = 5.0, through_relay: bool = False) -> DialResult:
+    """A real TCP connect from this host to ``host:port``; never raises for network failures. Through a relay,
+    which accepts connections for the worker, the worker's libp2p host must also answer (it speaks first)."""
     tested_from = _source_address(host)
     started = time.monotonic()
     try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            pass
+        with socket.create_connection((host, port), timeout=timeout_s) as connection:
+            if through_relay and LIBP2P_HELLO not in _first_bytes(connection, started + timeout_s):
+                return DialResult(host, port, tested_from, False, "silent", round(time.monotonic() - started, 2))
     except (socket.timeout, TimeoutError):
         return DialResult(host, port, tested_from, False, "timeout", round(time.monotonic() - started, 2))
     except ConnectionRefusedError:
@@ -84,6 +87,21 @@ def dial_back(host: str, port: int, timeout_s: float = 5.0) -> DialResult:
     return DialResult(host, port, tested_from, True, "", round(time.monotonic() - started, 2))
 
 
+def _first_bytes(connection: socket.socket, deadline: float) -> bytes:
+    """What the other side says first, until it has said the libp2p greeting, closes, or the deadline passes."""
+    received = b""
+    while LIBP2P_HELLO not in received and len(received) < len(LIBP2P_HELLO) + 8:
+        connection.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            chunk = connection.recv(64)
+        except (socket.timeout, TimeoutError):  # connected, but nobody behind the relay spoke
+            break
+        if not chunk:
+            break
+        received += chunk
+    return received
+
+
 def advice(result: DialResult, announced: bool, findings: Sequence[NetworkFinding] = ()) -> list[str]:
     """What a person can do about a failed dial-back, most likely cause first: the client's diagnosis of its
     network (``findings``) where it found something, else the usual suspects."""
@@ -92,6 +110,7 @@ def advice(result: DialResult, announced: bool, findings: Sequence[NetworkFindin
         "timeout": "the connection attempt got no answer: a firewall or a NAT dropped it",
         "refused": "the address answered but nothing accepts connections on that port",
         "unroutable": "there is no route to that address from the swarm",
+        "silent": "the relay took the connection, but the worker behind it did not answer",
     }.get(result.error, f"the connection failed ({result.error})")
     summary = (f"The swarm could not connect to your worker at {result.address} (TCP port {port}), "
                f"tested from {result.tested_from}: {why}.")

@@ -1,7 +1,8 @@
 """The run description: everything a joiner needs to know about a swarm, served by its auth service.
 
 ``GET /v1/run`` answers ``{"v": 1, "config": {...}, "seeds": [...], "snapshot_url": ..., "monitor_url": ...,
-"tokenizer": {"sha256": ..., "vocab_size": ..., "eos_token": ...}, "hash": "sha256:<hex>"}``. ``config`` is the
+"tokenizer": {"sha256": ..., "vocab_size": ..., "eos_token": ...}, "relays": ["host:port", ...], "hash": "sha256:<hex>"}``
+(``relays``: the operator's relays, for workers no port mapping can open; may be empty). ``config`` is the
 full run config (model shapes, stage split, optimizer and batch targets, SPARTA, sync phases); the hash covers
 every other field, so a client can tell that the swarm it joined is still the same run (``watch`` re-reads it
 while the worker runs). ``GET /v1/tokenizer`` serves the tokenizer's JSON file; ``fetch_tokenizer`` checks it
@@ -59,17 +60,20 @@ class RunDescription:
     monitor_url: str | None
     tokenizer: TokenizerSummary
     hash: str
+    relays: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {**_content(self.config, self.seeds, self.snapshot_url, self.monitor_url, self.tokenizer), "hash": self.hash}
+        content = _content(self.config, self.seeds, self.snapshot_url, self.monitor_url, self.tokenizer, self.relays)
+        return {**content, "hash": self.hash}
 
 
 def describe_run(
     config: RunConfig, seeds: tuple[str, ...], snapshot_url: str | None, monitor_url: str | None, tokenizer: TokenizerSummary,
+    relays: tuple[str, ...] = (),
 ) -> RunDescription:
     """The description the auth service serves, with its content hash."""
-    content = _content(config, seeds, snapshot_url, monitor_url, tokenizer)
-    return RunDescription(config, tuple(seeds), snapshot_url, monitor_url, tokenizer, content_hash(content))
+    content = _content(config, seeds, snapshot_url, monitor_url, tokenizer, relays)
+    return RunDescription(config, tuple(seeds), snapshot_url, monitor_url, tokenizer, content_hash(content), tuple(relays))
 
 
 def content_hash(content: dict[str, Any]) -> str:
@@ -95,10 +99,14 @@ def parse_description(data: Any, source: str) -> RunDescription:
     except ConfigError as error:
         raise RunDescriptionError(f"{error}\nthis client cannot run that config; update the client or tell the operator") from None
     tokenizer = _parse_tokenizer(data.get("tokenizer"), config, source)
-    content = _content(config, tuple(seeds), data.get("snapshot_url"), data.get("monitor_url"), tokenizer)
+    relays = data.get("relays", [])
+    if not isinstance(relays, list) or not all(isinstance(relay, str) and relay for relay in relays):
+        raise RunDescriptionError(f"{source}: relays is not a list of HOST:PORT; tell the swarm's operator")
+    content = _content(config, tuple(seeds), data.get("snapshot_url"), data.get("monitor_url"), tokenizer, tuple(relays))
     if data.get("hash") != content_hash(content):
         raise RunDescriptionError(f"{source}: the run description does not match its hash (altered in transit?); try again")
-    return RunDescription(config, tuple(seeds), data.get("snapshot_url"), data.get("monitor_url"), tokenizer, data["hash"])
+    return RunDescription(config, tuple(seeds), data.get("snapshot_url"), data.get("monitor_url"), tokenizer, data["hash"],
+                          tuple(relays))
 
 
 def _parse_tokenizer(data: Any, config: RunConfig, source: str) -> TokenizerSummary:
@@ -189,6 +197,7 @@ def _download_tokenizer(url: str, timeout_s: float) -> bytes:
 
 def _content(
     config: RunConfig, seeds: tuple[str, ...], snapshot_url: str | None, monitor_url: str | None, tokenizer: TokenizerSummary,
+    relays: tuple[str, ...],
 ) -> dict[str, Any]:
     return {
         "v": DESCRIPTION_VERSION,
@@ -197,4 +206,5 @@ def _content(
         "snapshot_url": snapshot_url,
         "monitor_url": monitor_url,
         "tokenizer": tokenizer.to_json(),
+        "relays": list(relays),
     }

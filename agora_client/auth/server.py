@@ -14,7 +14,8 @@ JSON API (every answer is a JSON object with ``status``):
 The token is wrapped in ``Secret`` as soon as it is parsed; the service keeps only its keyed hash.
 A peer id is bound to the identity that first joined with it (``peer_bindings.json``); with
 ``dial_back`` on, a join is admitted only after the service connected to the joiner's port
-(``port`` at the address the request came from, or ``announce`` HOST:PORT when that host is it);
+(``port`` at the address the request came from, or ``announce`` HOST:PORT when that host is it, or a port
+one of the run's relays holds for the joiner: then the joiner's libp2p host must answer through it);
 with ``key_proof`` on, only after the join proved it holds the key of its peer id (``key_proof.py``).
 """
 
@@ -153,7 +154,8 @@ class AuthService:
             return HTTPStatus.FORBIDDEN, {"status": "rejected", "reason": reason}
         dial = None
         if target is not None:
-            dial = dial_back(*target, timeout_s=self.settings.dial_timeout_s)
+            host, port, relayed = target
+            dial = dial_back(host, port, timeout_s=self.settings.dial_timeout_s, through_relay=relayed)
             if not dial.reachable:
                 log.info("peer %s of %s is not reachable at %s (%s)", peer_id, identity, dial.address, dial.error)
                 self._audit("unreachable", token_hash=digest[:16], identity=identity, peer_id=peer_id,
@@ -192,26 +194,33 @@ class AuthService:
             f"(its planned peak plus {gib(CUDA_RESERVED_BYTES)} for CUDA itself); join with a GPU with more memory"
         )
 
-    def _dial_target(self, body: dict[str, Any], source: str) -> tuple[str, int]:
+    def _dial_target(self, body: dict[str, Any], source: str) -> tuple[str, int, bool]:
+        """(host, port, through a relay): the joiner's own address, or a port one of the run's relays holds for it."""
         announce = body.get("announce")
         if announce is None:
             port = body.get("port")
             if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
                 raise RequestError(HTTPStatus.BAD_REQUEST, "the join names no port to dial back: send the port your worker listens on")
-            return source, port
+            return source, port, False
         if not isinstance(announce, str):
             raise RequestError(HTTPStatus.BAD_REQUEST, "announce must be HOST:PORT text")
         try:
             host, port = parse_announce(announce)
         except AnnounceError as error:
             raise RequestError(HTTPStatus.BAD_REQUEST, str(error)) from None
+        if host in self._relay_hosts():
+            return host, port, True
         if source not in _addresses_of(host):
             raise RequestError(
                 HTTPStatus.BAD_REQUEST,
                 f"the announced host {host} is not the address your join came from ({source}); the auth service dials "
                 f"back only that address: announce {source}:{port}, or join from the machine at {host}",
             )
-        return source, port
+        return source, port, False
+
+    def _relay_hosts(self) -> set[str]:
+        relays = self.settings.run.relays if self.settings.run is not None else ()
+        return {parse_announce(relay)[0] for relay in relays}
 
     def poll(self, body: dict[str, Any]) -> tuple[HTTPStatus, dict[str, Any]]:
         queue_id = _field(body, "queue_id", str)

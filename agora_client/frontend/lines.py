@@ -151,6 +151,8 @@ class LineFormatter:
             return [self._line(event, "REACHABILITY", f"Asking the swarm to connect back to {where}...")]
         if event.status == "reachable":
             how = PATHS.get(event.path, "")
+            if event.path == "relayed":
+                how = f", through the relay {event.relay}: {event.relay_cost}"
             return [self._line(event, "REACHABILITY",
                                f"The swarm reached this worker at {event.address} from {event.tested_from}{how}")]
         lines = [self._line(event, "REACHABILITY", text, "error") for text in event.advice]

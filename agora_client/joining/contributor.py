@@ -161,7 +161,8 @@ class Contributor:
         The router is asked to forward it first, so that the DHT announces the forward."""
         options = self.options
         self.path = NetworkPath(options.host_port or _free_port(), options.swarm_url, self.events,
-                                port_mapping=options.port_mapping, announce_addr=options.announce_addr)
+                                port_mapping=options.port_mapping, announce_addr=options.announce_addr,
+                                relays=options.run.relays, peer_id=identity.peer_id)
         self.path.open()
         self._start_dht(identity)
 
@@ -265,25 +266,25 @@ class Contributor:
         """Join; while the auth service cannot dial us back, show why and try again (never join unreachable)."""
         options = self.options
         while not self.stop.is_set():
-            port = self.path.join_port
-            self.events.emit(ReachabilityEvent(status="checking", address=options.announce_addr or "", port=port))
+            port, announce = self.path.join_port, self.path.join_announce
+            self.events.emit(ReachabilityEvent(status="checking", address=announce or "", port=port))
             try:
                 auth = authorize(
                     options.swarm_url, token, identity.peer_id, events=self.events, on_assigned=on_assigned,
-                    stop=self.stop, port=port, announce=options.announce_addr, gpu_memory=gpu_memory,
-                    peer_key=identity.key,
+                    stop=self.stop, port=port, announce=announce, gpu_memory=gpu_memory, peer_key=identity.key,
                 )
             except PeerUnreachable as error:
                 self._say_unreachable(error.dial, port)
                 self._wait_for_retry()
-                if self.path.open():  # the router grants a forward now: the DHT must announce it
+                if self.path.open() or self.path.use_relay():  # a new way in: the DHT must announce it
                     self._dht.shutdown()
                     self._start_dht(identity)
                 continue
             if auth.dial is not None:
                 self.events.emit(ReachabilityEvent(
                     status="reachable", address=auth.dial.address, port=auth.dial.port, tested_from=auth.dial.tested_from,
-                    path=self.path.kind, network=self.path.report(self._seen_address(auth.dial)),
+                    path=self.path.kind, relay=self.path.relay, relay_cost=self.path.relay_cost(),
+                    network=self.path.report(self._seen_address(auth.dial)),
                 ))
             self.events.emit(reachability_result(auth.dial, port, self.path.describe()))
             return auth
@@ -303,13 +304,13 @@ class Contributor:
         self.events.emit(reachability_result(dial, port))
         self.events.emit(ReachabilityEvent(
             status="unreachable", address=dial.address, port=dial.port, tested_from=dial.tested_from, error=dial.error,
-            advice=advice(dial, announced=options.announce_addr is not None, findings=network.findings),
+            advice=advice(dial, announced=self.path.join_announce is not None, findings=network.findings),
             retry_in_s=options.retry_every, network=network,
         ))
 
     def _seen_address(self, dial: DialResult) -> str:
-        """Where the auth service saw the join come from: the host it dials back, unless the user announced one."""
-        return dial.host if self.options.announce_addr is None else ""
+        """Where the auth service saw the join come from: the host it dials back, unless the join named one."""
+        return dial.host if self.path.join_announce is None else ""
 
     def _serve(self, node: WorkerNode, metrics: WorkerMetrics, validator) -> None:
         probe = ResourceProbe(self.options.gpu)

@@ -9,9 +9,11 @@ the diagnosis after a failed dial-back says what that means and what to do.
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 from urllib.parse import urlparse
 
 from agora_client.events import EventWriter, NetworkReport
+from agora_client.relay import RelayReservation, RelayUnavailable
 from agora_client.network import (
     MappingUnavailable, NetworkFacts, PortMapping, diagnose, is_carrier_grade, is_private, local_address_towards,
 )
@@ -20,15 +22,21 @@ from agora_client.network import (
 class NetworkPath:
     """The worker's way in from the swarm, from ``open`` (before its port opens) until ``close``."""
 
-    def __init__(self, port: int, swarm_url: str, events: EventWriter, *, port_mapping: bool, announce_addr: str | None):
+    def __init__(
+        self, port: int, swarm_url: str, events: EventWriter, *, port_mapping: bool, announce_addr: str | None,
+        relays: Sequence[str] = (), peer_id: str = "",
+    ):
         self.port, self.events = port, events
-        self.announce_addr = announce_addr
+        self.announce_addr, self.relays, self.peer_id = announce_addr, tuple(relays), peer_id
+        self._relay: RelayReservation | None = None
+        self.relay, self.relayed_at = "", ""  # the relay in use and the address it holds for this worker
         swarm_host = _host_ip(swarm_url)
         self._off_because = _why_not_map(port_mapping, announce_addr, swarm_host)
         self._mapping: PortMapping | None = None
         self.mapping_state, self.mapping_detail, self.router_external = "off", self._off_because, ""
         self._said_off = False
         self.local_address = local_address_towards(swarm_host)
+        self.seen_address = ""
 
     def open(self) -> bool:
         """Ask the router for a forward of the worker's port (again after a failed dial-back: the user may have
@@ -58,12 +66,39 @@ class NetworkPath:
                         f"(UPnP, {lease}).", tag="NETWORK")
         return True
 
+    def use_relay(self) -> bool:
+        """Serve through the first of the run's relays that holds a port for this worker (after a failed dial-back
+        that no port mapping helped); True when one does. A relay that refuses is one line."""
+        if self._relay is not None:
+            return False
+        for relay in self.relays:
+            reservation = RelayReservation(relay, self.port, on_lost=self._relay_lost, peer_id=self.peer_id)
+            try:
+                self.relayed_at = reservation.open()
+            except RelayUnavailable as error:
+                self.events.log(f"Relay {relay}: {error}", tag="NETWORK", level="warning")
+                continue
+            self._relay, self.relay = reservation, relay
+            self.events.log(f"Serving through the relay {relay}: the swarm reaches this worker at {self.relayed_at}; "
+                            f"{self.relay_cost()}.", tag="NETWORK")
+            return True
+        return False
+
+    def relay_cost(self) -> str:
+        """What serving through the relay costs, in words ("" when not relayed)."""
+        if self._relay is None:
+            return ""
+        return (f"each request and its answer cross the relay, about {self._relay.rtt_s * 1000:.0f} ms more per round "
+                "trip, and the operator's relay carries all of this worker's traffic")
+
     @property
     def kind(self) -> str:
         """How the swarm reaches the worker once it can (ReachabilityEvent.path)."""
-        return "mapped" if self._mapping is not None else "direct"
+        return "relayed" if self._relay is not None else "mapped" if self._mapping is not None else "direct"
 
     def describe(self) -> str:
+        if self._relay is not None:
+            return f"through the relay {self.relay} ({self.relayed_at})"
         if self._mapping is not None:
             return f"through your router's port mapping ({self._mapping.mapped.external})"
         return "directly"
@@ -73,26 +108,42 @@ class NetworkPath:
         """The port the auth service dials back: the router's forward where there is one."""
         return self._mapping.mapped.external_port if self._mapping is not None else self.port
 
+    @property
+    def join_announce(self) -> str | None:
+        """The HOST:PORT the join names for the dial-back: the relay's, the user's own, or none (the port only)."""
+        return self.relayed_at if self._relay is not None else self.announce_addr
+
     def announce_maddrs(self) -> list[str]:
         """The addresses the worker announces to the swarm (none: libp2p announces its own)."""
-        if self.announce_addr is not None:
-            return [_maddr(self.announce_addr)]
-        if self._mapping is not None and not is_private(self.router_external) and not is_carrier_grade(self.router_external):  # a private one helps nobody outside
-            return [_maddr(self._mapping.mapped.external)]
+        if self.join_announce is not None:
+            return [_maddr(self.join_announce)]
+        external = self.router_external
+        if self._mapping is not None and not is_private(external) and not is_carrier_grade(external):
+            return [_maddr(self._mapping.mapped.external)]  # a private or shared one helps nobody outside
         return []
 
     def report(self, seen_address: str = "") -> NetworkReport:
-        """The diagnosis, with the address the swarm saw the join come from once known."""
+        """The diagnosis, with the address the swarm saw the join come from once known (kept: a join through a
+        relay shows the relay's instead)."""
+        self.seen_address = seen_address or self.seen_address
         return diagnose(NetworkFacts(
             local_address=self.local_address, port=self.port, mapping=self.mapping_state,
-            mapping_detail=self.mapping_detail, router_external=self.router_external, seen_address=seen_address,
+            mapping_detail=self.mapping_detail, router_external=self.router_external, seen_address=self.seen_address,
+            relays_listed=bool(self.relays),
         ))
 
     def close(self) -> None:
-        """Remove the router's forward (on every stop: the worker no longer listens there)."""
+        """Remove the router's forward and give the relay's port back (on every stop: the worker no longer listens)."""
         if self._mapping is not None:
             self._mapping.close()
             self._mapping = None
+        if self._relay is not None:
+            self._relay.close()
+            self._relay = None
+
+    def _relay_lost(self, reason: str) -> None:
+        self.events.log(f"The relay {self.relay} dropped this worker's port ({reason}): the swarm cannot reach it "
+                        "until it is restarted.", tag="NETWORK", level="warning")
 
     def _renewal_failed(self, reason: str) -> None:
         self.events.log(f"Port mapping: renewing the forward failed ({reason}); trying again at the next renewal.",

@@ -29,6 +29,7 @@ class NetworkFacts:
     mapping_detail: str = ""  # the router's refusal, or where the forward goes
     router_external: str = ""  # what the router says its internet side is
     seen_address: str = ""  # where the auth service saw the join come from
+    relays_listed: bool = False  # the run lists relays a worker can serve through
 
 
 def diagnose(facts: NetworkFacts) -> NetworkReport:
@@ -64,12 +65,14 @@ def _carrier_grade(facts: NetworkFacts) -> bool:
 
 def _cgnat_finding(facts: NetworkFacts) -> Finding:
     shown = facts.router_external or facts.seen_address
+    relay = ("Nothing at home: the worker serves through one of the swarm's relays." if facts.relays_listed else
+             "Ask the swarm's operator to run a relay (agora relay) for such workers.")
     return Finding(
         what=f"Carrier-grade NAT: your provider shares one internet address among many customers (your router has {shown}"
         + (f", the swarm sees {facts.seen_address})" if facts.seen_address and facts.seen_address != shown else ")")
         + ": no forward on your own router can make this machine reachable",
-        action="The worker serves through one of the swarm's relays; to serve directly, ask your provider for a public IPv4 "
-        "address (often called a 'public IP' or 'IPv4 full stack' option).",
+        action=f"{relay} To serve directly, ask your provider for a public IPv4 address (often called a 'public IP' "
+        "or 'IPv4 full stack' option).",
     )
 
 

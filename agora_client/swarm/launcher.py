@@ -32,6 +32,8 @@ from agora_client.discovery.seed import READY_PREFIX
 
 WORKER_READY = "[WORKER]"
 AUTH_READY = "[AUTH] listening on"
+RELAY_READY = "[RELAY] listening on"
+RELAY_PORTS = (47000, 47099)  # the ports the local swarm's relay holds for workers
 MONITOR_READY = "[MONITOR] leaderboard on"
 START_TIMEOUT = 180.0
 
@@ -94,6 +96,7 @@ class LocalSwarm:
         self.trainers: list[ManagedProcess] = []
         self.seed_addrs: list[str] = []
         self.auth: ManagedProcess | None = None
+        self.relay: ManagedProcess | None = None
         self.monitor: ManagedProcess | None = None
         self.snapshot_server: SnapshotServer | None = None
         self.monitor_url: str | None = None
@@ -114,17 +117,18 @@ class LocalSwarm:
 
     @property
     def processes(self) -> list[ManagedProcess]:
-        services = [process for process in (self.monitor, self.auth) if process is not None]
+        services = [process for process in (self.monitor, self.auth, self.relay) if process is not None]
         return [*self.trainers, *(w for group in self.workers.values() for w in group), *services, *self.seeds]
 
     def start_join_services(
         self, *, pacing: float = 5.0, max_workers_per_stage: int = 4, monitor: bool = False, auth_args: tuple[str, ...] = (),
-        users: tuple[str, ...] = ("demo",),
+        users: tuple[str, ...] = ("demo",), relay: bool = False,
     ) -> tuple[str, str]:
         """The snapshot store (HTTP) and the auth service with local identities; returns (auth URL, first user's token).
 
         Every user in ``users`` gets a token (``self.tokens``). With ``monitor``, the points monitor starts
-        too and its URL is in the run description the auth service serves (``self.monitor_url``).
+        too and its URL is in the run description the auth service serves (``self.monitor_url``). With
+        ``relay``, a relay for workers no port mapping can open starts first and the description lists it.
         """
         self.snapshot_dir.mkdir(parents=True, exist_ok=True)
         self.snapshot_server = serve_directory(self.snapshot_dir, host=self.options.host)
@@ -139,11 +143,21 @@ class LocalSwarm:
             args += ["--monitor-url", f"http://{self.options.host}:{monitor_port}"]
         for seed in self.seed_addrs:
             args += ["--seed", seed]
+        if relay:
+            args += ["--relay", self.start_relay()]
         self.auth = self._spawn("auth", [*args, *auth_args])
         url = self.auth.wait_for(AUTH_READY, START_TIMEOUT).split()[-1]
         if monitor_port is not None:
             self.start_monitor(url, port=monitor_port)
         return url, self.tokens[users[0]]
+
+    def start_relay(self) -> str:
+        """The operator's relay on the swarm's host (ports for workers from RELAY_PORTS up); returns its HOST:PORT."""
+        host, port = self.options.host, _free_port(self.options.host)
+        self.relay = self._spawn("relay", ["relay", "--host", host, "--port", str(port), "--public-host", host,
+                                           "--ports", f"{RELAY_PORTS[0]}-{RELAY_PORTS[1]}"])
+        self.relay.wait_for(RELAY_READY, START_TIMEOUT)
+        return f"{host}:{port}"
 
     def start_monitor(self, auth_url: str, *, interval: float = 5.0, port: int = 0) -> str:
         """The points monitor, scraping the swarm's signed metrics; returns its base URL."""
