@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from agora_client.client_config import ClientConfig, ClientConfigStore
-from agora_client.events import AuthEvent, LogEvent
+from agora_client.events import AuthEvent, LogEvent, ReachabilityEvent
 from agora_client.logs import EventLog
+from agora_client.network import NetworkFacts, diagnose
 from agora_client.system.bundle import build_bundle, system_report
 from agora_client.system.redact import REDACTED, redact_data, redact_line, redact_text
 
@@ -124,3 +125,20 @@ def test_export_logs_finds_the_most_recent_run(tmp_path, monkeypatch, capsys):
     path = next(line for line in out.splitlines() if line.startswith("Support bundle written to ")).removeprefix("Support bundle written to ")
     with zipfile.ZipFile(path) as bundle:
         assert b"the demo just now" in bundle.read("logs/cpu.jsonl")
+
+
+def test_bundle_holds_the_newest_network_diagnosis(planted, tmp_path):
+    network = diagnose(NetworkFacts("192.168.1.20", 49200, "refused", "Action not authorized", "81.2.69.142",
+                                    "81.2.69.142"))
+    older = diagnose(NetworkFacts("192.168.1.20", 49200, "not offered", seen_address="81.2.69.142"))
+    log = EventLog(planted / "logs", "gpu0")
+    log.write_event(ReachabilityEvent(status="unreachable", address="81.2.69.142:49200", network=older))
+    log.write_event(ReachabilityEvent(status="reachable", address="11.77.0.2:47000", path="relayed",
+                                      relay="11.77.0.2:42581", network=network))
+    log.close()
+    path = build_bundle(tmp_path / "out", config_dir=planted, logs_dir=planted / "logs", report={"os": "test"})
+    with zipfile.ZipFile(path) as bundle:
+        shown = json.loads(bundle.read("network.json"))
+    assert (shown["status"], shown["path"], shown["relay"]) == ("reachable", "relayed", "11.77.0.2:42581")
+    assert shown["mapping"] == "refused"
+    assert shown["local_address"] == "192.168.1.20" and shown["mapping_detail"] == "Action not authorized"

@@ -1,9 +1,11 @@
-"""How the swarm reaches this worker: the router's port mapping, the address to announce, and the diagnosis.
+"""How the swarm reaches this worker: the router's port mapping, a relay, the address to announce, the diagnosis.
 
 Before the worker's port opens, the client asks the home router to forward it (UPnP), unless the user
 turned mapping off or announces an address of their own. A forward the router grants is what the worker
 announces and what the auth service dials back; one it refuses, or no router at all, is one line, and
-the diagnosis after a failed dial-back says what that means and what to do.
+the diagnosis after a failed dial-back says what that means and what to do. After a failed dial-back the
+router is asked again, and if that brings no forward either, the worker serves through one of the run's
+relays (the operator's ``agora relay``) from then on.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from collections.abc import Sequence
 from urllib.parse import urlparse
 
 from agora_client.events import EventWriter, NetworkReport
-from agora_client.relay import RelayReservation, RelayUnavailable
 from agora_client.network import (
     MappingUnavailable, NetworkFacts, PortMapping, diagnose, is_carrier_grade, is_private, local_address_towards,
+    tcp_multiaddr,
 )
+from agora_client.relay import RelayReservation, RelayUnavailable
 
 
 class NetworkPath:
@@ -46,7 +49,7 @@ class NetworkPath:
                 self.events.log(f"Port mapping is off ({self._off_because}).", tag="NETWORK")
                 self._said_off = True
             return False
-        if self._mapping is not None:
+        if self._mapping is not None or self._relay is not None:  # a way in is held already
             return False
         mapping = PortMapping(self.port, on_renewal_failed=self._renewal_failed)
         try:
@@ -116,10 +119,10 @@ class NetworkPath:
     def announce_maddrs(self) -> list[str]:
         """The addresses the worker announces to the swarm (none: libp2p announces its own)."""
         if self.join_announce is not None:
-            return [_maddr(self.join_announce)]
+            return [tcp_multiaddr(self.join_announce)]
         external = self.router_external
         if self._mapping is not None and not is_private(external) and not is_carrier_grade(external):
-            return [_maddr(self._mapping.mapped.external)]  # a private or shared one helps nobody outside
+            return [tcp_multiaddr(self._mapping.mapped.external)]  # a private or shared one helps nobody outside
         return []
 
     def report(self, seen_address: str = "") -> NetworkReport:
@@ -167,11 +170,3 @@ def _host_ip(url: str) -> str:
         return socket.getaddrinfo(host, None)[0][4][0]
     except (OSError, IndexError):
         return host
-
-
-def _maddr(address: str) -> str:
-    from agora_client.auth.reachability import parse_announce
-
-    host, port = parse_announce(address)
-    kind = "ip6" if ":" in host else "ip4" if host.replace(".", "").isdigit() else "dns"
-    return f"/{kind}/{host}/tcp/{port}"

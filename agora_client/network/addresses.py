@@ -33,3 +33,11 @@ def is_carrier_grade(address: str) -> bool:
         return ipaddress.ip_address(address) in CARRIER_GRADE_NAT
     except (ValueError, TypeError):
         return False
+
+
+def tcp_multiaddr(address: str) -> str:
+    """A checked ``HOST:PORT`` (``[v6]:PORT`` for IPv6) as the libp2p multiaddr peers dial."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    kind = "ip6" if ":" in host else "ip4" if host.replace(".", "").isdigit() else "dns"
+    return f"/{kind}/{host}/tcp/{int(port)}"

@@ -1,7 +1,8 @@
 """Support bundle: a zip a contributor can attach to a ticket.
 
-It holds the recent event logs, the effective client config and a system report (OS, Python,
-torch, CUDA and driver, GPU, RAM, disk, package versions). Every member is redacted by key and
+It holds the recent event logs, the effective client config, a system report (OS, Python,
+torch, CUDA and driver, GPU, RAM, disk, package versions) and the newest diagnosis of the network
+between this machine and the swarm (``network.json``). Every member is redacted by key and
 by token pattern before it is written, and the known secrets (the saved token, ``HF_TOKEN``,
 the ``hf auth login`` token) are removed literally, so none of them reaches the zip.
 """
@@ -130,6 +131,22 @@ def _tail(path: Path, max_bytes: int) -> list[str]:
     return lines[1:] if size > max_bytes else lines
 
 
+def last_network_report(logs: list[Path], max_bytes: int = DEFAULT_MAX_LOG_BYTES) -> dict[str, Any] | None:
+    """The newest diagnosis of the network (a reachability event's ``network``), newest log first."""
+    for log in logs:
+        for line in reversed(_tail(log, max_bytes)):
+            if '"network":{' not in line:
+                continue
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(event, dict) and event.get("kind") == "reachability" and isinstance(event.get("network"), dict):
+                dial = {name: event.get(name) for name in ("ts", "status", "path", "address", "tested_from", "relay")}
+                return {**dial, **event["network"]}
+    return None
+
+
 def build_bundle(
     output_dir: Path,
     *,
@@ -161,9 +178,13 @@ def build_bundle(
         bundle.writestr("README.txt", f"Agora support bundle\n\n{REVIEW_NOTE}\n")
         bundle.writestr("system.json", as_json(report))
         bundle.writestr("config.json", as_json(effective_config(config_dir)))
-        for log in recent_logs(logs_dir)[:max_log_files]:
+        logs = recent_logs(logs_dir)[:max_log_files]
+        for log in logs:
             lines = (redact_line(line, secrets) for line in _tail(log, max_log_bytes))
             bundle.writestr(f"logs/{log.name}", "".join(f"{line}\n" for line in lines))
+        network = last_network_report(logs, max_log_bytes)
+        if network is not None:  # what the network between this machine and the swarm does, for the ticket
+            bundle.writestr("network.json", as_json(network))
         recent = [redact_line(line, secrets) for line in extra_lines]
         if recent:
             bundle.writestr("recent.txt", "".join(f"{line}\n" for line in recent))

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 import threading
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,7 +16,10 @@ from agora_client.discovery.dht import NoSeedAnswered
 
 if TYPE_CHECKING:
     from agora_client.auth.ticket_source import SelfIssuedTickets
+    from agora_client.relay import RelayReservation
     from agora_client.worker.node import WorkerNode, WorkerOptions
+
+RELAY_LISTEN_HOSTS = ("127.0.0.1", "0.0.0.0")  # the relay's connections reach the worker on 127.0.0.1
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +46,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--recover-from", type=Path, default=None, metavar="DIR",
         help="snapshot store directory to reload this stage from if this worker's weights break",
     )
+    parser.add_argument(
+        "--relay", default=None, metavar="HOST:PORT",
+        help="serve through this relay (agora relay) when no port mapping can open this machine: the worker reserves "
+             "a port there and announces only that one",
+    )
 
 
 class _CannotStart(Exception):
@@ -57,23 +67,59 @@ def run(args: argparse.Namespace) -> int:
 
     stop = stop_on_signals()  # before anything forks: helpers must not inherit the handler
     die_with_parent()  # a killed worker must not leave hivemind's helpers serving requests
-    try:
-        node = _create_node(args)
-    except _CannotStart as failure:
-        print(f"[ERROR] {failure}", file=sys.stderr)
-        return failure.code
-    _serve_until_stopped(node, stop)
+    with ExitStack() as on_exit:  # gives the relay's port back however the worker ends
+        try:
+            relay = on_exit.enter_context(_reserve_relay(args)) if args.relay is not None else None
+            node = _create_node(args, relay)
+        except _CannotStart as failure:
+            print(f"[ERROR] {failure}", file=sys.stderr)
+            return failure.code
+        _serve_until_stopped(node, stop)
     return 0
 
 
-def _create_node(args: argparse.Namespace) -> WorkerNode:
+def _reserve_relay(args: argparse.Namespace) -> RelayReservation:
+    """A port on ``--relay`` whose connections reach this worker's own port on 127.0.0.1, before its DHT starts."""
+    from agora_client.relay import RelayReservation, RelayUnavailable
+
+    if args.host not in RELAY_LISTEN_HOSTS:
+        raise _CannotStart(ValueError(f"--relay with --host {args.host}: the relay's connections arrive on 127.0.0.1; "
+                                      "leave --host out or give --host 127.0.0.1"), 2)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    reservation = RelayReservation(args.relay, port, on_lost=_relay_lost)
+    try:
+        address = reservation.open()
+    except RelayUnavailable as error:
+        raise _CannotStart(error, 1) from error
+    print(f"[NETWORK] serving through the relay {args.relay}: the swarm reaches this worker at {address}, "
+          f"about {reservation.rtt_s * 1000:.0f} ms more per round trip", flush=True)
+    return reservation
+
+
+def _relay_lost(reason: str) -> None:
+    print(f"[WARNING] the relay dropped this worker's port ({reason}): the swarm cannot reach this worker; "
+          "restart it to reserve a port again", file=sys.stderr, flush=True)
+
+
+def _relay_dht_kwargs(relay: RelayReservation | None) -> dict:
+    """Listen on the port the relay reaches and announce only the relay's (none without a relay)."""
+    if relay is None:
+        return {}
+    from agora_client.network import tcp_multiaddr
+
+    return {"port": relay.local_port, "announce_maddrs": [tcp_multiaddr(relay.address)]}
+
+
+def _create_node(args: argparse.Namespace, relay: RelayReservation | None) -> WorkerNode:
     """The worker for ``--stage``, not yet started: config, events, options, then the node (joins the DHT)."""
     from agora_client.snapshots import SnapshotError
     from agora_client.worker.node import WorkerNode
 
     config = _load_config(args)
     events = _event_writer(args)
-    options = _worker_options(args, config)
+    options = _worker_options(args, config, relay)
     _warn_if_host_memory_short(options, events)
     try:
         return WorkerNode(options, events)
@@ -119,8 +165,9 @@ def _event_writer(args: argparse.Namespace) -> EventWriter:
     return events
 
 
-def _worker_options(args: argparse.Namespace, config: RunConfig) -> WorkerOptions:
-    """The worker's options from the command line: device, tickets, snapshots to start from, publish and recover from."""
+def _worker_options(args: argparse.Namespace, config: RunConfig, relay: RelayReservation | None) -> WorkerOptions:
+    """The worker's options from the command line: device, tickets, snapshots to start from, publish and recover from,
+    and its DHT's port and announced address when served through a relay."""
     from agora_client.snapshots import latest_snapshot
     from agora_client.worker.node import WorkerOptions
 
@@ -143,6 +190,7 @@ def _worker_options(args: argparse.Namespace, config: RunConfig) -> WorkerOption
         auth_public_key=public_key,
         tickets=tickets,
         recovery=(lambda: latest_snapshot(recover_from / args.stage)) if recover_from is not None else None,
+        dht_kwargs=_relay_dht_kwargs(relay),
     )
 
 
