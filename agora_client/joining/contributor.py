@@ -276,6 +276,8 @@ class Contributor:
             except PeerUnreachable as error:
                 self._say_unreachable(error.dial, port)
                 self._wait_for_retry()
+                if self.stop.is_set():
+                    break
                 if self.path.open() or self.path.use_relay():  # a new way in: the DHT must announce it
                     self._dht.shutdown()
                     self._start_dht(identity)
