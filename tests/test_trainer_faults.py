@@ -278,8 +278,9 @@ def test_a_slow_worker_gets_fewer_requests_and_a_newcomer_does_not_take_over(swa
     total = sum(counts.values())
     assert counts.get(slow_uid, 0) < counts.get(fast_uid, 0), counts
     assert counts.get(slow_uid, 0) < counts.get(new_uid, 0), counts
-    # Newcomers enter at the back of the heap: the proven fast worker keeps a fair part of the stage's work.
-    assert counts.get(fast_uid, 0) >= 0.25 * total, counts
+    # Newcomers enter at the back of the heap: the proven fast worker keeps a fair part of the stage's work (a fifth
+    # at least: on a loaded 2-core machine the newcomer, just as fast, may earn most of it; taking over leaves ~0).
+    assert counts.get(fast_uid, 0) >= 0.2 * total, counts
     assert counts.get(new_uid, 0) >= 1, counts
 
 
