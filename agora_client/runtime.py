@@ -45,7 +45,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--announce-addr", default=None, metavar="HOST:PORT",
                         help="public address to announce when a NAT or cloud maps another port to this machine")
     parser.add_argument("--no-port-mapping", dest="port_mapping", action="store_false",
-                        help="do not ask the home router to forward the worker's port (UPnP)")
+                        help="do not ask the home router to forward the worker's port (UPnP or NAT-PMP)")
     parser.add_argument("--retry-every", type=float, default=30.0, help="seconds between join attempts while unreachable")
     parser.add_argument("--batch-size-override", type=int, default=None, metavar="N",
                         help="lower the microbatch the GPU's memory plan allows to N")

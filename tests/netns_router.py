@@ -102,6 +102,7 @@ class HomeRouter:
         self._files: Path | None = None
         self._daemon: subprocess.Popen | None = None
         self._allow_lan = True  # the config's rules: the LAN may map its own ports, or nobody may map anything
+        self._upnp = True  # UPnP answers beside NAT-PMP (off: a router that speaks NAT-PMP only)
 
     def __enter__(self) -> "HomeRouter":
         try:
@@ -167,7 +168,7 @@ table inet filter {{
             f"ext_ifname={self.wan_device}",
             f"listening_ip={self.router.device}",
             "http_port=0",  # any free port: the SSDP answer names it
-            "enable_upnp=yes",
+            f"enable_upnp={'yes' if self._upnp else 'no'}",
             "enable_natpmp=yes",
             "ipv6_disable=yes",
             "secure_mode=yes",  # a client maps ports to its own address only, like a home router
@@ -194,12 +195,13 @@ table inet filter {{
             self.router.run("nft", "delete", "table", "inet", table, check=False)
 
     def switch_upnp(self, state: str) -> None:
-        """Restart the router's UPnP as ``state``: "on" (the LAN maps its ports), "denied" (the config refuses every
-        mapping) or "off" (no miniupnpd: nothing answers a search)."""
-        if state not in ("on", "denied", "off"):
-            raise ValueError(f"state={state!r}: use on, denied or off")
+        """Restart the router's port mapping as ``state``: "on" (the LAN maps its ports over UPnP and NAT-PMP),
+        "natpmp" (over NAT-PMP only: UPnP is off), "denied" (the config refuses every mapping) or "off" (no
+        miniupnpd: nothing answers a search)."""
+        if state not in ("on", "natpmp", "denied", "off"):
+            raise ValueError(f"state={state!r}: use on, natpmp, denied or off")
         self._stop_miniupnpd()
-        self._allow_lan = state == "on"
+        self._allow_lan, self._upnp = state in ("on", "natpmp"), state != "natpmp"
         if state != "off":
             self._start_miniupnpd()
 

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from agora_client.relay import RelayReservation, RelayServer, RelaySettings, RelayUnavailable
+from agora_client.relay import KeptReservation, RelayReservation, RelayServer, RelaySettings, RelayUnavailable
 from agora_client.relay.protocol import split_address
 
 REPO = Path(__file__).resolve().parents[1]
@@ -178,6 +178,51 @@ def test_on_lost_is_called_once_when_the_relay_goes_away(echo_port: int):
     assert called.wait(WAIT_S)
     reservation.close()
     assert len(lost) == 1 and "relay" in lost[0]
+
+
+def test_a_released_port_goes_back_only_to_the_worker_that_asks_for_it(relay: RelayServer, echo_port: int):
+    sock, address = raw_reserve(relay, "first")
+    sock.close()
+    wait_until(lambda: relay.reservations() == [], "the release")
+    _, other = raw_reserve(relay, "newcomer")  # the released port is held back from others
+    assert other != address
+    with RelayReservation(control_address(relay), echo_port, on_lost=print) as again:
+        assert again.open(port=int(address.rpartition(":")[2])) == address
+    with RelayReservation(control_address(relay), echo_port, on_lost=print) as taken:
+        assert taken.open(port=int(other.rpartition(":")[2])) not in (other, address)  # held by the newcomer
+
+
+def test_a_kept_reservation_gets_its_port_back_after_the_relay_restarts(echo_port: int):
+    events: list[tuple] = []
+    restored = threading.Event()
+    first = RelayServer(settings()).start()
+    kept = KeptReservation(control_address(first), echo_port, waits=[0.05],
+                           on_lost=lambda reason: events.append(("lost", reason)),
+                           on_restored=lambda address, same: (events.append(("restored", address, same)), restored.set()))
+    try:
+        address = kept.open()
+        first.stop()  # the relay restarts: same control port, same public ports, no memory of the reservation
+        with RelayServer(settings(port=first.port, port_lo=first.settings.port_lo, port_hi=first.settings.port_hi)):
+            assert restored.wait(WAIT_S), events
+            assert [event[0] for event in events] == ["lost", "restored"] and events[1][1:] == (address, True)
+            with connect(address) as peer:
+                peer.sendall(b"back")
+                assert peer.recv(16) == b"back"
+    finally:
+        kept.close()
+
+
+def test_a_kept_reservation_closed_while_the_relay_is_down_stops_trying(echo_port: int):
+    lost = threading.Event()
+    server = RelayServer(settings()).start()
+    kept = KeptReservation(control_address(server), echo_port, waits=[0.05],
+                           on_lost=lambda reason: lost.set(), on_restored=lambda address, same: None)
+    kept.open()
+    server.stop()
+    assert lost.wait(WAIT_S)
+    kept.close()
+    wait_until(lambda: "relay-reserve-again" not in [thread.name for thread in threading.enumerate()],
+               "the retries to end")
 
 
 def test_a_worker_that_answers_pings_stays_and_a_silent_one_is_released(echo_port: int):

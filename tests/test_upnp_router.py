@@ -137,7 +137,8 @@ def test_port_mapping_without_a_router_says_none_answered(router):
     mapping, _ = _mapping(40124)
     with router.internet.entered(), pytest.raises(MappingUnavailable) as absent:  # no UPnP device on that side
         mapping.open()
-    assert not absent.value.offered and str(absent.value) == "no router on this network answered a UPnP search"
+    assert not absent.value.offered
+    assert str(absent.value) == "no router on this network answered a UPnP search or a NAT-PMP request"
 
 
 def test_port_mapping_refused_by_the_routers_config_is_one_clear_refusal(router):
@@ -149,7 +150,36 @@ def test_port_mapping_refused_by_the_routers_config_is_one_clear_refusal(router)
         with router.home.entered(), pytest.raises(MappingUnavailable) as refused:
             mapping.open()
         assert refused.value.offered and mapping.router_external == router.wan_address
-        assert "the router refused to forward TCP port 40125 to this machine" in str(refused.value)
+        # miniupnpd 2.3.1 leaves a NAT-PMP request its rules deny unanswered: UPnP's refusal is the one said
+        assert str(refused.value) == "the router refused to forward TCP port 40125 to this machine (Action not authorized)"
         assert router.mappings() == []
     finally:
         router.switch_upnp("on")
+
+
+def test_port_mapping_over_natpmp_where_the_router_has_upnp_off(router, home_listener):
+    net = router
+    port = home_listener.getsockname()[1]
+    net.switch_upnp("natpmp")
+    try:
+        mapping, failures = _mapping(port, lease_s=SHORT_LEASE_S)
+        with net.home.entered():
+            mapped = mapping.open()
+        try:
+            assert mapping.protocol == "NAT-PMP" and mapped.external_host == net.wan_address
+            assert (mapped.internal_host, mapped.internal_port, mapped.lease_s) == (net.home.address, port, SHORT_LEASE_S)
+            [first] = net.mappings()
+            assert (first.external_port, first.internal_address, first.internal_port) == (
+                mapped.external_port, net.home.address, port)
+            time.sleep(SHORT_LEASE_S * 2)  # two leases: renewed over NAT-PMP, or the router would have dropped it
+            [renewed] = net.mappings()
+            assert renewed.expires_at > first.expires_at and failures == []
+            assert _reach_home(net, home_listener, mapped.external_port) == net.internet.address
+        finally:
+            with net.home.entered():
+                mapping.close()
+        assert net.mappings() == []
+        with pytest.raises(TimeoutError):
+            _reach_home(net, home_listener, mapped.external_port, timeout_s=DROPPED_S)
+    finally:
+        net.switch_upnp("on")

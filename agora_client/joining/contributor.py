@@ -78,7 +78,7 @@ class ContributorOptions:
     monitor_url: str | None = None
     batch_size_override: int | None = None  # may only lower the microbatch the memory plan allows
     announce_addr: str | None = None  # HOST:PORT other peers should dial, when a NAT or cloud remaps the port
-    port_mapping: bool = True  # ask the home router to forward the port (UPnP)
+    port_mapping: bool = True  # ask the home router to forward the port (UPnP or NAT-PMP)
     retry_every: float = 30.0  # seconds between join attempts while the worker is unreachable
 
     @property

@@ -1,6 +1,6 @@
 """How the swarm reaches this worker: the router's port mapping, a relay, the address to announce, the diagnosis.
 
-Before the worker's port opens, the client asks the home router to forward it (UPnP), unless the user
+Before the worker's port opens, the client asks the home router to forward it (UPnP or NAT-PMP), unless the user
 turned mapping off or announces an address of their own. A forward the router grants is what the worker
 announces and what the auth service dials back; one it refuses, or no router at all, is one line, and
 the diagnosis after a failed dial-back says what that means and what to do. After a failed dial-back the
@@ -19,7 +19,7 @@ from agora_client.network import (
     MappingUnavailable, NetworkFacts, PortMapping, diagnose, is_carrier_grade, is_private, local_address_towards,
     tcp_multiaddr,
 )
-from agora_client.relay import RelayReservation, RelayUnavailable
+from agora_client.relay import KeptReservation, RelayUnavailable
 
 
 class NetworkPath:
@@ -31,7 +31,7 @@ class NetworkPath:
     ):
         self.port, self.events = port, events
         self.announce_addr, self.relays, self.peer_id = announce_addr, tuple(relays), peer_id
-        self._relay: RelayReservation | None = None
+        self._relay: KeptReservation | None = None
         self.relay, self.relayed_at = "", ""  # the relay in use and the address it holds for this worker
         swarm_host = _host_ip(swarm_url)
         self._off_because = _why_not_map(port_mapping, announce_addr, swarm_host)
@@ -43,7 +43,7 @@ class NetworkPath:
 
     def open(self) -> bool:
         """Ask the router for a forward of the worker's port (again after a failed dial-back: the user may have
-        turned UPnP on meanwhile); True when a new forward came of it. A changed answer is said in one line."""
+        turned port mapping on meanwhile); True when a new forward came of it. A changed answer is said in one line."""
         if self._off_because:
             if not self._said_off:
                 self.events.log(f"Port mapping is off ({self._off_because}).", tag="NETWORK")
@@ -66,7 +66,7 @@ class NetworkPath:
         self.mapping_detail = f"{mapped.external} -> {mapped.internal_host}:{mapped.internal_port}"
         lease = f"lease {mapped.lease_s // 60} min, renewed at half-time" if mapped.lease_s else "until the worker stops"
         self.events.log(f"Port mapping: your router forwards {mapped.external} to this machine's port {self.port} "
-                        f"(UPnP, {lease}).", tag="NETWORK")
+                        f"({mapping.protocol}, {lease}).", tag="NETWORK")
         return True
 
     def use_relay(self) -> bool:
@@ -75,7 +75,8 @@ class NetworkPath:
         if self._relay is not None:
             return False
         for relay in self.relays:
-            reservation = RelayReservation(relay, self.port, on_lost=self._relay_lost, peer_id=self.peer_id)
+            reservation = KeptReservation(relay, self.port, on_lost=self._relay_lost, on_restored=self._relay_restored,
+                                          peer_id=self.peer_id)
             try:
                 self.relayed_at = reservation.open()
             except RelayUnavailable as error:
@@ -146,7 +147,15 @@ class NetworkPath:
 
     def _relay_lost(self, reason: str) -> None:
         self.events.log(f"The relay {self.relay} dropped this worker's port ({reason}): the swarm cannot reach it "
-                        "until it is restarted.", tag="NETWORK", level="warning")
+                        "until the relay holds it again; reserving it again.", tag="NETWORK", level="warning")
+
+    def _relay_restored(self, address: str, same: bool) -> None:
+        if same:
+            self.events.log(f"The relay {self.relay} holds this worker's port again: the swarm reaches it at {address}.",
+                            tag="NETWORK")
+            return
+        self.events.log(f"The relay {self.relay} holds this worker at a new address, {address}, but the swarm knows "
+                        f"{self.relayed_at}: restart the client to announce the new one.", tag="NETWORK", level="warning")
 
     def _renewal_failed(self, reason: str) -> None:
         self.events.log(f"Port mapping: renewing the forward failed ({reason}); trying again at the next renewal.",

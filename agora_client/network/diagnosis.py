@@ -82,9 +82,9 @@ def _mapping_findings(facts: NetworkFacts) -> list[Finding]:
     forward = f"forward TCP port {facts.port} to {facts.local_address} in your router's settings"
     if facts.mapping == "refused":
         return [Finding(what=f"Your router refused to open the port: {facts.mapping_detail}",
-                        action=f"Allow UPnP port mapping for this machine in your router's settings, or {forward}.")]
+                        action=f"Allow UPnP or NAT-PMP port mapping for this machine in your router's settings, or {forward}.")]
     if facts.mapping == "not offered":
-        return [Finding(what="No router on this network offered automatic port mapping (UPnP)",
-                        action=f"Turn on UPnP in your router's settings (often under 'NAT' or 'Advanced'), or {forward}.")]
+        return [Finding(what="No router on this network offered automatic port mapping (UPnP or NAT-PMP)",
+                        action=f"Turn on UPnP or NAT-PMP in your router's settings (often under 'NAT' or 'Advanced'), or {forward}.")]
     return [Finding(what=f"Automatic port mapping is off ({facts.mapping_detail or '--no-port-mapping'})",
                     action=f"Run without --no-port-mapping, or {forward}.")]

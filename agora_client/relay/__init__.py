@@ -12,10 +12,12 @@ end and encrypts everything, so the relay needs no keys and can read nothing.
 - ``protocol``: the newline-delimited JSON messages and their bounds;
 - ``server``: ``RelayServer`` (asyncio, in a background thread) and its ``RelaySettings``;
 - ``client``: ``RelayReservation``, the worker's side: reserve a public port and serve its connections;
+- ``kept``: ``KeptReservation``, a reservation reserved again (the same port, if free) after a loss;
 - ``main``: the `agora relay` command.
 """
 
 from .client import RelayReservation, RelayUnavailable
+from .kept import KeptReservation
 from .server import RelayServer, RelaySettings, ReservationInfo
 
-__all__ = ["RelayReservation", "RelayServer", "RelaySettings", "RelayUnavailable", "ReservationInfo"]
+__all__ = ["KeptReservation", "RelayReservation", "RelayServer", "RelaySettings", "RelayUnavailable", "ReservationInfo"]

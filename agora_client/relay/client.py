@@ -83,8 +83,9 @@ class RelayReservation:
         with self._lock:
             return self._bytes
 
-    def open(self) -> str:
-        """Reserve a public port and start serving it; returns its "host:port". RelayUnavailable says why not."""
+    def open(self, port: int | None = None) -> str:
+        """Reserve a public port (``port`` again, the one announced before, if the relay still has it free) and start
+        serving it; returns its "host:port". RelayUnavailable says why not."""
         try:
             self._relay_address = split_address(self.relay)
         except ValueError as error:
@@ -97,7 +98,7 @@ class RelayReservation:
                                    "check the address and that the relay is running") from None
         lines = _Lines(control)  # one reader for the whole connection: it may hold the next line already
         try:
-            self.address = self._reserve(control, lines, deadline)
+            self.address = self._reserve(control, lines, deadline, port)
         except BaseException:
             control.close()
             raise
@@ -105,10 +106,11 @@ class RelayReservation:
         self._start_thread(self._read_control, lines, name="relay-control")
         return self.address
 
-    def _reserve(self, control: socket.socket, lines: _Lines, deadline: float) -> str:
+    def _reserve(self, control: socket.socket, lines: _Lines, deadline: float, port: int | None) -> str:
         sent = time.monotonic()
+        request = {"v": VERSION, "op": "reserve", "peer_id": self.peer_id, **({"port": port} if port else {})}
         try:
-            control.sendall(encode({"v": VERSION, "op": "reserve", "peer_id": self.peer_id}))
+            control.sendall(encode(request))
             line = lines.read(deadline)
             self.rtt_s = time.monotonic() - sent
             answer = decode(line) if line is not None else None

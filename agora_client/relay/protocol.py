@@ -1,7 +1,9 @@
 """The relay's wire format: one JSON object per line, each line at most ``MAX_LINE`` bytes.
 
 Requests (worker -> relay) carry ``"v": VERSION``; the relay's messages (``ok``/``error`` answers, ``connect``,
-``ping``) do not. See the package docstring for the conversation.
+``ping``) do not. See the package docstring for the conversation. A ``reserve`` may name the ``port`` it held
+before (its worker announced that address): the relay gives it back if it is free, and keeps a released port
+for a while for the request that names it.
 """
 
 from __future__ import annotations

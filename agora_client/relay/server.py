@@ -33,6 +33,7 @@ class RelaySettings:
     pending_timeout_s: float = 10.0  # how long a public connection waits for the worker's accept
     max_pending: int = 32  # per reservation
     hello_timeout_s: float = 10.0  # how long a new control-port connection may take to send its request
+    hold_released_s: float = 120.0  # a released port goes only to a reserve that asks for it back, for this long
 
     def __post_init__(self) -> None:
         if not 0 < self.port_lo <= self.port_hi < 65536:
@@ -115,6 +116,7 @@ class RelayServer:
         self.port = settings.port
         self._reservations: list[_Reservation] = []
         self._pending: dict[str, _Reservation] = {}  # connection id -> its reservation
+        self._held: dict[int, float] = {}  # released public port -> when: its worker may be reserving it back
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._control: asyncio.Server | None = None
@@ -226,11 +228,17 @@ class RelayServer:
                                   "close one of your other workers' reservations first")
         return peer_id
 
-    def _bind_public_port(self) -> socket.socket:
+    def _bind_public_port(self, wanted: object) -> socket.socket:
+        """The port the request asks back (``port``: the worker announced it before losing its reservation) if it
+        is free, else the first free one that no worker released less than ``hold_released_s`` ago."""
+        now = time.monotonic()
+        self._held = {port: at for port, at in self._held.items() if now - at < self.settings.hold_released_s}
         taken = {reservation.port for reservation in self._reservations}
-        for port in range(self.settings.port_lo, self.settings.port_hi + 1):
-            if port in taken:
-                continue
+        candidates = [port for port in range(self.settings.port_lo, self.settings.port_hi + 1)
+                      if port not in taken and port not in self._held]
+        if isinstance(wanted, int) and wanted not in taken and self.settings.port_lo <= wanted <= self.settings.port_hi:
+            candidates.insert(0, wanted)
+        for port in candidates:
             try:
                 return socket.create_server((self.settings.host, port))
             except OSError:  # in use by another program: try the next
@@ -240,7 +248,7 @@ class RelayServer:
     async def _serve_reservation(self, request: dict, source: str, reader: asyncio.StreamReader,
                                  writer: asyncio.StreamWriter) -> None:
         peer_id = self._check_room(request.get("peer_id"), source)
-        sock = self._bind_public_port()  # no await between the checks, the bind and the registration
+        sock = self._bind_public_port(request.get("port"))  # no await between the checks, the bind and the registration
         reservation = _Reservation(peer_id, source, sock.getsockname()[1], writer)
         reservation.address = join_address(self.settings.public_host, reservation.port)
         self._reservations.append(reservation)
@@ -283,6 +291,7 @@ class RelayServer:
             return
         reservation.released = True
         self._reservations.remove(reservation)
+        self._held[reservation.port] = time.monotonic()
         if reservation.listener is not None:
             reservation.listener.close()
         for connection_id, matched in reservation.pending.items():

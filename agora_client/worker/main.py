@@ -16,7 +16,7 @@ from agora_client.discovery.dht import NoSeedAnswered
 
 if TYPE_CHECKING:
     from agora_client.auth.ticket_source import SelfIssuedTickets
-    from agora_client.relay import RelayReservation
+    from agora_client.relay import KeptReservation
     from agora_client.worker.node import WorkerNode, WorkerOptions
 
 RELAY_LISTEN_HOSTS = ("127.0.0.1", "0.0.0.0")  # the relay's connections reach the worker on 127.0.0.1
@@ -78,9 +78,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _reserve_relay(args: argparse.Namespace) -> RelayReservation:
-    """A port on ``--relay`` whose connections reach this worker's own port on 127.0.0.1, before its DHT starts."""
-    from agora_client.relay import RelayReservation, RelayUnavailable
+def _reserve_relay(args: argparse.Namespace) -> KeptReservation:
+    """A port on ``--relay`` whose connections reach this worker's own port on 127.0.0.1, before its DHT starts
+    (reserved again after a loss)."""
+    from agora_client.relay import KeptReservation, RelayUnavailable
 
     if args.host not in RELAY_LISTEN_HOSTS:
         raise _CannotStart(ValueError(f"--relay with --host {args.host}: the relay's connections arrive on 127.0.0.1; "
@@ -88,7 +89,7 @@ def _reserve_relay(args: argparse.Namespace) -> RelayReservation:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    reservation = RelayReservation(args.relay, port, on_lost=_relay_lost)
+    reservation = KeptReservation(args.relay, port, on_lost=_relay_lost, on_restored=_relay_restored)
     try:
         address = reservation.open()
     except RelayUnavailable as error:
@@ -99,11 +100,19 @@ def _reserve_relay(args: argparse.Namespace) -> RelayReservation:
 
 
 def _relay_lost(reason: str) -> None:
-    print(f"[WARNING] the relay dropped this worker's port ({reason}): the swarm cannot reach this worker; "
-          "restart it to reserve a port again", file=sys.stderr, flush=True)
+    print(f"[WARNING] the relay dropped this worker's port ({reason}): the swarm cannot reach this worker until "
+          "the relay holds it again; reserving it again", file=sys.stderr, flush=True)
 
 
-def _relay_dht_kwargs(relay: RelayReservation | None) -> dict:
+def _relay_restored(address: str, same: bool) -> None:
+    if same:
+        print(f"[NETWORK] the relay holds this worker's port again: the swarm reaches it at {address}", flush=True)
+    else:
+        print(f"[WARNING] the relay holds this worker at a new address, {address}, which the swarm does not know: "
+              "restart the worker to announce it", file=sys.stderr, flush=True)
+
+
+def _relay_dht_kwargs(relay: KeptReservation | None) -> dict:
     """Listen on the port the relay reaches and announce only the relay's (none without a relay)."""
     if relay is None:
         return {}
@@ -112,7 +121,7 @@ def _relay_dht_kwargs(relay: RelayReservation | None) -> dict:
     return {"port": relay.local_port, "announce_maddrs": [tcp_multiaddr(relay.address)]}
 
 
-def _create_node(args: argparse.Namespace, relay: RelayReservation | None) -> WorkerNode:
+def _create_node(args: argparse.Namespace, relay: KeptReservation | None) -> WorkerNode:
     """The worker for ``--stage``, not yet started: config, events, options, then the node (joins the DHT)."""
     from agora_client.snapshots import SnapshotError
     from agora_client.worker.node import WorkerNode
@@ -165,7 +174,7 @@ def _event_writer(args: argparse.Namespace) -> EventWriter:
     return events
 
 
-def _worker_options(args: argparse.Namespace, config: RunConfig, relay: RelayReservation | None) -> WorkerOptions:
+def _worker_options(args: argparse.Namespace, config: RunConfig, relay: KeptReservation | None) -> WorkerOptions:
     """The worker's options from the command line: device, tickets, snapshots to start from, publish and recover from,
     and its DHT's port and announced address when served through a relay."""
     from agora_client.snapshots import latest_snapshot
