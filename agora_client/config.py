@@ -162,12 +162,33 @@ class CheckpointConfig(_Strict):
     keep_all_s: float = Field(default=86400.0, ge=0, description="keep every checkpoint younger than this")
     keep_hourly_s: float = Field(default=7 * 86400.0, ge=0, description="then one per hour up to this age; older: one per day")
 class SpotCheckConfig(_Strict):
+    """How trainers check workers against each other (agora_client/trainer/spotcheck.py, calibration.py)."""
+
     fraction: float = Field(default=0.02, ge=0, le=1, description="share of stage requests a trainer also sends to a second worker")
-    tolerance: float = Field(
-        default=1.0, gt=0, description="relative L2 distance two replicas' outputs may have (random ones are ~1.41 apart)"
+    quantile: float = Field(
+        default=0.99, gt=0, le=1, description="a stage's tolerance is this quantile of its recent honest distances, plus margin"
+    )
+    margin: float = Field(
+        default=0.1, gt=0, lt=0.7, description="added to that quantile; a stage whose tolerance comes within it of random "
+        "answers' distance (sqrt 2 ~ 1.41) is unverifiable: its disagreements strike no one"
+    )
+    window: int = Field(default=200, ge=10, description="recent honest distances kept per stage and kind of request")
+    min_samples: int = Field(
+        default=30, ge=3, description="honest distances a stage and kind of request needs before its disagreements strike anyone"
+    )
+    calibration_share: float = Field(
+        default=0.1, ge=0, le=1, description="share of checks on a calibrated stage that also ask a third worker, "
+        "to keep measuring how far honest replicas drift"
     )
     strikes: int = Field(default=3, ge=1, description="disagreements with its stage's majority that get a worker banned")
     ban_seconds: float = Field(default=86400.0, gt=0, description="how long a trainer keeps a caught worker out")
+
+    @model_validator(mode="after")
+    def _check_window(self) -> "SpotCheckConfig":
+        if self.min_samples > self.window:
+            raise ValueError(f"spot_checks.min_samples ({self.min_samples}) must not exceed spot_checks.window "
+                             f"({self.window}): a stage would never be calibrated")
+        return self
 
 
 class TokenizerConfig(_Strict):

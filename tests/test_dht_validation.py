@@ -19,7 +19,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from agora_client.auth.tickets import generate_signing_key, issue_ticket, public_key_text
 from agora_client.config import load_config
-from agora_client.discovery.signed_records import VERDICTS_KEY, MetricsRecord, Verdict, metrics_key
+from agora_client.discovery.signed_records import RECEIPTS_KEY, VERDICTS_KEY, MetricsRecord, Receipt, ServedCounts, Verdict, metrics_key
+from agora_client.monitor.receipts import fetch_receipts
 from agora_client.monitor.records import create_signed_dht, metrics_subkey, publish_metrics
 from agora_client.monitor.signatures import owner_subkey
 from agora_client.monitor.verdicts import fetch_verdicts, publish_verdict, trainer_peer_id, trainer_ticket
@@ -27,6 +28,7 @@ from agora_client.swarm.processes import ManagedProcess
 from agora_client.discovery.roster import WorkerRecord, announce, fetch_roster, roster_key
 from agora_client.discovery.seed import READY_PREFIX
 from agora_client.discovery.validators import record_validators
+from agora_client.trainer.receipts import publish_receipt
 from agora_client.worker.metrics import WorkerMetrics
 
 pytestmark = pytest.mark.integration
@@ -68,6 +70,9 @@ def forgeries(victim: DHT, victim_validator: RSASignatureValidator, seeds: list[
         trainer = RSASignatureValidator(RSAPrivateKey())
         verdict = Verdict(trainer=trainer_peer_id(trainer), ticket=trainer_ticket(auth_key, trainer), peer_id=victim_id,
                           uid="body1.0.0", stage="body1", checks=5, disagreements=5, ts=get_dht_time())
+        receipt = Receipt(trainer=trainer_peer_id(trainer), ticket=trainer_ticket(auth_key, trainer), run_id="r1",
+                          served={victim_id: ServedCounts(stage="body1", forwards=1, backwards=1, flops=1e21)},
+                          ts=get_dht_time())
         return {
             "metrics signed by another key": forger.store(
                 metrics_key("body1"), inflated, later(), subkey=metrics_subkey(victim_id, victim_validator)),
@@ -82,6 +87,8 @@ def forgeries(victim: DHT, victim_validator: RSASignatureValidator, seeds: list[
                                           subkey=verdict.subkey_name.encode()),
             "verdict signed by a key it does not name": forger.store(
                 VERDICTS_KEY, verdict.model_dump(mode="json"), later(), subkey=owner_subkey(verdict.subkey_name, trainer)),
+            "receipt signed by a key it does not name": forger.store(
+                RECEIPTS_KEY, receipt.model_dump(mode="json"), later(), subkey=owner_subkey(receipt.subkey_name, trainer)),
             "unsigned stage progress": raw.store(
                 "agora.progress.body1_progress",
                 {"peer_id": victim.peer_id.to_bytes(), "epoch": 1000, "samples_accumulated": 10**9,
@@ -166,6 +173,31 @@ def test_the_monitor_keeps_only_verdicts_of_ticketed_trainers(seed):
         assert [(v.trainer, v.peer_id) for v in found] == [(trainer_peer_id(honest), worker_id)]
         assert any("/ stage body1, not" in reason for reason in rejected), rejected  # a worker's ticket
         assert any("invalid ticket in verdict" in reason for reason in rejected), rejected
+    finally:
+        monitor.shutdown()
+        for node in nodes:
+            node.shutdown()
+
+
+def test_the_monitor_keeps_only_receipts_of_ticketed_trainers(seed):
+    auth_key = generate_signing_key()
+
+    def receipt_of(validator: RSASignatureValidator, ticket: str) -> Receipt:
+        served = {"12D3KooWworker": ServedCounts(stage="body1", forwards=2, backwards=1, flops=3e12)}
+        return Receipt(trainer=trainer_peer_id(validator), ticket=ticket, run_id="r1", served=served, ts=get_dht_time())
+
+    honest = RSASignatureValidator(RSAPrivateKey())
+    worker = RSASignatureValidator(RSAPrivateKey())  # a worker vouching for itself with its own (worker) ticket
+    worker_ticket = issue_ticket(auth_key, identity="bob", peer_id=trainer_peer_id(worker), stage="body1", slot=0, ttl_s=60)
+    nodes = [client(seed, record_validators=record_validators(key._private_key)) for key in (honest, worker)]
+    monitor = client(seed, record_validators=record_validators())
+    try:
+        assert publish_receipt(nodes[0], receipt_of(honest, trainer_ticket(auth_key, honest)), honest, TTL)
+        assert publish_receipt(nodes[1], receipt_of(worker, worker_ticket), worker, TTL)  # signed: the DHT keeps it
+        rejected: list[str] = []
+        found = fetch_receipts(monitor, public_key_text(auth_key), on_reject=rejected.append)
+        assert [(r.trainer, r.served["12D3KooWworker"].flops) for r in found] == [(trainer_peer_id(honest), 3e12)]
+        assert any("receipt" in reason and "/ stage body1, not" in reason for reason in rejected), rejected
     finally:
         monitor.shutdown()
         for node in nodes:

@@ -1,7 +1,7 @@
 """Signed metrics on real hivemind DHT nodes (127.0.0.1) and the monitor service as a real process.
 
 Forged records sit in the same DHT key as the real ones the whole time; the monitor's totals must
-equal exactly what the honest workers' counters say. Validating nodes refuse unsigned and badly signed
+equal exactly what the honest workers' counters say (a ticketed trainer's receipts vouch for that work). Validating nodes refuse unsigned and badly signed
 entries at write time, so those reach a reader only through a permissive node near the key.
 The monitor's scraper also keeps the trainers' (unsigned) loss and eval-loss points, each once.
 """
@@ -26,7 +26,10 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from agora_client.auth.tickets import generate_signing_key, issue_ticket, public_key_text
 from agora_client.config import load_config
+from agora_client.discovery.signed_records import Receipt, ServedCounts
 from agora_client.monitor.points import PFLOP
+from agora_client.monitor.verdicts import trainer_peer_id, trainer_ticket
+from agora_client.trainer.receipts import publish_receipt
 from agora_client.monitor.records import (
     MetricsRecord,
     check_entry,
@@ -72,6 +75,7 @@ class Swarm:
         self.alice_body, self.alice_body_validator = self._signed(tmp / "alice-body.id")
         self.alice_head, self.alice_head_validator = self._signed(tmp / "alice-head.id")
         self.mallory, self.mallory_validator = self._signed(tmp / "mallory.id")
+        self.trainer, self.trainer_validator = self._signed(tmp / "trainer.id")  # receipts vouch for the work
         self.unsigned = self._keep(DHT(start=True, initial_peers=self.initial_peers, host_maddrs=LOOPBACK))
         self.forger = self._keep(DHT(start=True, initial_peers=self.initial_peers, host_maddrs=LOOPBACK,
                                      record_validators=[ForgingValidator(RSAPrivateKey())]))
@@ -226,6 +230,11 @@ def test_monitor_killed_mid_run_keeps_every_total_and_never_counts_forgeries(swa
             head.on_backward((8, 128))
         assert publish_metrics(swarm.alice_body, body.snapshot(), swarm.alice_body_validator, TTL)
         assert publish_metrics(swarm.alice_head, head.snapshot(), swarm.alice_head_validator, TTL)
+        served = {metrics.peer_id: ServedCounts(stage=metrics.stage, forwards=0, backwards=metrics.batches,
+                                                flops=metrics.flops_total) for metrics in (body, head)}
+        receipt = Receipt(trainer=trainer_peer_id(swarm.trainer_validator), run_id="trainer-run-1", served=served,
+                          ticket=trainer_ticket(swarm.auth_key, swarm.trainer_validator), ts=time.time())
+        assert publish_receipt(swarm.trainer, receipt, swarm.trainer_validator)
 
     work_and_publish(3)
     plant_forgeries(swarm, body.snapshot(), swarm.alice_body_validator)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from agora_client.monitor.points import (
@@ -23,14 +25,17 @@ def obs(peer: str, t: float, *, identity: str = "alice", phase: str = "active", 
 
 
 class Ledger:
-    """Feeds scrapes through apply_observations the way the store does, keeping the state in memory."""
+    """Feeds scrapes through apply_observations the way the store does, keeping the state in memory. Trainers'
+    receipts vouch for every claim here, so verified compute is the claim the rules accept (receipts that vouch
+    for less: test_receipts.py)."""
 
     def __init__(self, policy: PointsPolicy = POLICY) -> None:
         self.policy = policy
         self.peers: dict[str, PeerState] = {}
 
     def scrape(self, now: float, *observations: Observation) -> None:
-        self.peers.update(apply_observations(self.peers, observations, now, self.policy))
+        updated = apply_observations(self.peers, observations, now, self.policy)
+        self.peers.update({peer_id: replace(peer, receipted_flops=peer.compute_flops) for peer_id, peer in updated.items()})
 
     def score(self, identity: str) -> float:
         return sum(p.score for p in self.peers.values() if p.identity == identity)

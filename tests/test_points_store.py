@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from agora_client.discovery.progress_records import TrainerProgress
+from agora_client.discovery.signed_records import Receipt, ServedCounts
 from agora_client.monitor.estimate import fetch_confirmed
 from agora_client.monitor.http_api import LeaderboardServer
 from agora_client.monitor.learning import LearningPoint, learning_points
@@ -28,9 +29,16 @@ def obs(peer: str, t: float, active: float, flops: float, identity: str = "alice
                        active_seconds=active, compute_flops=flops, seen_at=t)
 
 
+def vouch(store: PointsStore, **flops_by_peer: float) -> None:
+    """A ticketed trainer's receipts for these peers (the monitor checked its signature and ticket)."""
+    served = {peer: ServedCounts(stage="head", forwards=1, backwards=1, flops=flops) for peer, flops in flops_by_peer.items()}
+    store.record_receipts([Receipt(trainer="QmTrainer", ticket="t", run_id="r1", served=served, ts=0.0)])
+
+
 def test_a_reopened_store_keeps_every_total_and_does_not_recredit(tmp_path):
     db = tmp_path / "points.sqlite"
     store = PointsStore(db, POLICY)
+    vouch(store, p1=5 * PFLOP, p2=PFLOP)
     store.record_scrape([obs("p1", 0, 0, 0), obs("p2", 0, 0, 0)], {}, now=0)
     store.record_scrape([obs("p1", 60, 60, 2 * PFLOP), obs("p2", 60, 60, PFLOP)], {"p1": '{"x": 1}'}, now=60)
     before = store.peers()
@@ -53,6 +61,7 @@ def test_a_reopened_store_keeps_every_total_and_does_not_recredit(tmp_path):
 
 def test_a_failed_scrape_writes_nothing(tmp_path):
     store = PointsStore(tmp_path / "points.sqlite", POLICY)
+    vouch(store, p1=PFLOP)
     store.record_scrape([obs("p1", 0, 0, PFLOP)], {}, now=0)
     with pytest.raises(sqlite3.ProgrammingError):  # p1 is written first, then p2 fails: all rolled back
         store.record_scrape([obs("p1", 10, 10, 2 * PFLOP), obs("p2", 10, 0, 0)], {"p2": object()}, now=10)
@@ -64,6 +73,7 @@ def test_a_failed_scrape_writes_nothing(tmp_path):
 def test_leaderboard_endpoint_survives_a_restart_and_the_cli_prints_a_table(tmp_path):
     db = tmp_path / "points.sqlite"
     store = PointsStore(db, POLICY)
+    vouch(store, a1=3 * PFLOP, b1=PFLOP)
     store.record_scrape([obs("a1", 0, 0, 0), obs("b1", 0, 0, 0, identity="bob")], {}, now=0)
     store.record_scrape([obs("a1", 60, 60, 3 * PFLOP), obs("b1", 60, 60, PFLOP, identity="bob")], {}, now=60)
     server = LeaderboardServer(store, "127.0.0.1", 0, clock=lambda: 100.0).start()

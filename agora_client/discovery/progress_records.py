@@ -9,12 +9,34 @@ from __future__ import annotations
 
 from hivemind import DHT
 from hivemind.utils import ValueWithExpiration
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 PROGRESS_KEY = "agora.trainers"
 HISTORY_POINTS = 120
 
 Point = tuple[float, float]  # (wall time, loss)
+
+
+class CheckStanding(BaseModel):
+    """Whether a trainer's spot checks judge one stage's requests of one kind (agora_client/trainer/calibration.py)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    state: Literal["calibrating", "verifiable", "unverifiable"]
+    tolerance: float | None = None  # the calibrated tolerance; None while calibrating
+    samples: int = Field(ge=0)  # honest distances it was calibrated from
+
+
+class StageSpotChecks(BaseModel):
+    """A trainer's spot checks on one stage: how many, what they cost its workers, and where they stand."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    checks: int = Field(ge=0)
+    strikes: int = Field(ge=0)
+    bans: int = Field(ge=0)
+    forward: CheckStanding
+    backward: CheckStanding
 
 
 class TrainerProgress(BaseModel):
@@ -29,6 +51,7 @@ class TrainerProgress(BaseModel):
     history: list[Point] = Field(default_factory=list, max_length=HISTORY_POINTS)
     eval_loss: float | None = None  # the newest held-out evaluation's loss; None before the first one
     eval_history: list[Point] = Field(default_factory=list, max_length=HISTORY_POINTS)  # (time of the eval, its loss)
+    spot_checks: dict[str, StageSpotChecks] = Field(default_factory=dict)  # per stage; empty without spot checks
     ts: float
 
 

@@ -1,8 +1,9 @@
-"""The DHT keys and record schemas of what workers and trainers sign: metrics and verdicts.
+"""The DHT keys and record schemas of what workers and trainers sign: metrics, verdicts and receipts.
 
 A worker stores its ``MetricsRecord`` under ``agora.metrics.<stage>``, a trainer its ``Verdict`` under
-``agora.verdicts``, each under an owner subkey only its key can write. The record validators every node
-runs check these schemas; the monitor (agora_client.monitor) checks signer, ticket and claims.
+``agora.verdicts`` and its ``Receipt`` under ``agora.receipts``, each under an owner subkey only its key can
+write. The record validators every node runs check these schemas; the monitor (agora_client.monitor) checks
+signer, ticket and claims.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from agora_client.events import SyncPhase
 
 METRICS_KEY_PREFIX = "agora.metrics."
 VERDICTS_KEY = "agora.verdicts"
+RECEIPTS_KEY = "agora.receipts"
+MAX_RECEIPT_WORKERS = 4096  # workers one trainer's receipt may name: bounds what a node stores for it
 
 
 class MetricsRecord(BaseModel):
@@ -62,3 +65,29 @@ class Verdict(BaseModel):
     @property
     def subkey_name(self) -> str:
         return f"{self.peer_id}/{self.trainer}"
+
+
+class ServedCounts(BaseModel):
+    """What one worker served one trainer: requests and the FLOPs they cost (the worker's own formula)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    stage: str
+    forwards: int = Field(ge=0)
+    backwards: int = Field(ge=0)
+    flops: float = Field(ge=0)
+
+
+class Receipt(BaseModel):
+    """A trainer's account of the work each worker served it. Counters are monotonic within one ``run_id``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    v: Literal[1] = 1
+    trainer: str = Field(description="peer id of the trainer's RSA key, which signs the record")
+    ticket: str = Field(description="the trainer's ticket (role trainer)")
+    run_id: str = Field(description="random per trainer process; a new one starts its counters from zero")
+    served: dict[str, ServedCounts] = Field(max_length=MAX_RECEIPT_WORKERS, description="worker peer id -> its counts")
+    ts: float
+
+    @property
+    def subkey_name(self) -> str:
+        return self.trainer

@@ -5,8 +5,8 @@ node reads it in a lookup answer, so a record refused here is refused by every n
 
 - ``RSASignatureValidator``: a record whose key or subkey names an owner key (``[owner:ssh-rsa ...]``)
   must be signed by that key; hivemind's process-wide key signs this node's own records.
-- ``SwarmSchemaValidator``: the swarm's own keys (roster, metrics, verdicts) hold only well-formed
-  records under the subkey their record names; metrics and verdicts only under an owner subkey.
+- ``SwarmSchemaValidator``: the swarm's own keys (roster, metrics, verdicts, receipts) hold only well-formed
+  records under the subkey their record names; metrics, verdicts and receipts only under an owner subkey.
 - hivemind's ``SchemaValidator`` for the stages' ProgressTracker keys (the one a tracker adds to its
   own DHT, installed here on every node).
 
@@ -30,7 +30,9 @@ from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import BaseModel, ValidationError
 
 from agora_client.discovery.roster import WorkerRecord, progress_prefix, roster_key
-from agora_client.discovery.signed_records import VERDICTS_KEY, MetricsRecord, Verdict, metrics_key
+from agora_client.discovery.signed_records import (
+    RECEIPTS_KEY, VERDICTS_KEY, MetricsRecord, Receipt, Verdict, metrics_key,
+)
 
 MAX_BODIES = 254
 _OWNER = b"[owner:"
@@ -93,7 +95,10 @@ def _subkey_is_well_formed(subkey: object, signed: bool) -> bool:
 
 def swarm_key_schemas(stages: Iterable[str]) -> dict[str, KeySchema]:
     by_peer = attrgetter("peer_id")
-    schemas = {VERDICTS_KEY: KeySchema(Verdict, attrgetter("subkey_name"), signed=True)}
+    schemas = {
+        VERDICTS_KEY: KeySchema(Verdict, attrgetter("subkey_name"), signed=True),
+        RECEIPTS_KEY: KeySchema(Receipt, attrgetter("subkey_name"), signed=True),
+    }
     for stage in stages:
         schemas[roster_key(stage)] = KeySchema(WorkerRecord, by_peer, signed=False, withdrawable=True)
         schemas[metrics_key(stage)] = KeySchema(MetricsRecord, by_peer, signed=True)

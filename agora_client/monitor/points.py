@@ -1,7 +1,9 @@
 """Points from observed worker metrics: pure logic, no I/O.
 
 Presence: 1 PFLOP for every hour a peer is registered and visible, from sync phase 1 on.
-Compute: the PFLOPs a peer processed, from sync phase 2 on.
+Compute: the PFLOPs a peer processed, from sync phase 2 on, as far as trainers' receipts vouch for them:
+the lesser of what the peer claims (the rules below) and what ticketed trainers receipted it
+(``monitor/receipts.py``). A claim more than ``claim_margin`` over its receipts is flagged.
 
 The monitor observes each peer's monotonic counters (``active_seconds``: seconds since the
 worker entered sync phase 1; ``compute_flops``: FLOPs processed from phase 2 on) and credits the
@@ -36,6 +38,9 @@ class PointsPolicy:
     online_window_s: float = 90.0  # a peer not observed for this long is offline
     # A run's presence may exceed the time the monitor has watched it by this much (its time before the first sighting).
     presence_grace_s: float = 120.0
+    # A claim this far over its receipts is flagged; receipts trail claims by a publishing period, hence the slack.
+    claim_margin: float = 0.25
+    claim_slack_flops: float = 1e13
 
 
 @dataclass(frozen=True)
@@ -68,16 +73,25 @@ class PeerState:
     run_first_seen: float  # when the monitor first saw this run
     run_presence_seconds: float = 0.0  # presence this run claimed and was accepted, cap or not
     presence_seconds: float = 0.0  # credited
-    compute_flops: float = 0.0  # credited
+    compute_flops: float = 0.0  # claimed and accepted by the rules (phases, restarts, the identity cap)
     withheld: bool = False  # a trainer's spot checks caught it returning wrong outputs: its compute earns nothing
+    receipted_flops: float = 0.0  # what ticketed trainers' receipts say it served them
 
     @property
     def presence_points(self) -> float:
         return self.presence_seconds / SECONDS_PER_HOUR
 
     @property
+    def claimed_points(self) -> float:
+        return self.compute_flops / PFLOP
+
+    @property
     def compute_points(self) -> float:
-        return 0.0 if self.withheld else self.compute_flops / PFLOP
+        """Verified compute: the claim as far as receipts vouch for it (none for a withheld peer)."""
+        return 0.0 if self.withheld else min(self.compute_flops, self.receipted_flops) / PFLOP
+
+    def over_claimed(self, policy: PointsPolicy) -> bool:
+        return self.compute_flops > self.receipted_flops * (1 + policy.claim_margin) + policy.claim_slack_flops
 
     @property
     def score(self) -> float:
@@ -95,6 +109,7 @@ class LeaderboardRow:
     joined: str
     score: float
     online: bool
+    flagged: bool = False  # one of its peers claims more compute than trainers receipted it
 
 
 def _is_new_run(previous: PeerState, observation: Observation) -> bool:
@@ -212,7 +227,7 @@ def _new_peer(obs: Observation) -> PeerState:
 
 
 def leaderboard(peers: Iterable[PeerState], now: float, policy: PointsPolicy) -> list[LeaderboardRow]:
-    """One row per identity: score is presence + compute points summed over its peers."""
+    """One row per identity: score is presence + verified compute points summed over its peers."""
     by_identity: dict[str, list[PeerState]] = defaultdict(list)
     for peer in peers:
         by_identity[peer.identity].append(peer)
@@ -225,6 +240,7 @@ def leaderboard(peers: Iterable[PeerState], now: float, policy: PointsPolicy) ->
                 identity,
                 sum(peer.presence_seconds for peer in group) / SECONDS_PER_HOUR,
                 any(peer.online(now, policy) for peer in group),
+                any(peer.over_claimed(policy) for peer in group),
             )
         )
     summaries.sort(key=lambda item: (-item[0], item[1], item[2]))
@@ -236,6 +252,7 @@ def leaderboard(peers: Iterable[PeerState], now: float, policy: PointsPolicy) ->
             joined=datetime.fromtimestamp(joined, tz=timezone.utc).isoformat(timespec="seconds"),
             score=round(score, 6),
             online=online,
+            flagged=flagged,
         )
-        for rank, (score, joined, identity, hours, online) in enumerate(summaries, start=1)
+        for rank, (score, joined, identity, hours, online, flagged) in enumerate(summaries, start=1)
     ]

@@ -1,6 +1,7 @@
-"""One scrape: read the stages' metrics records from the DHT, keep the verified ones, credit them;
-withhold the compute points of workers that a ticketed trainer's verdict names; keep the points of the
-trainers' loss and eval-loss curves from their progress records."""
+"""One scrape: read the stages' metrics records from the DHT, keep the verified ones, credit them as far as
+ticketed trainers' receipts vouch for them (a claim far over its receipts is logged once); withhold the
+compute points of workers that a ticketed trainer's verdict names; keep the points of the trainers' loss and
+eval-loss curves from their progress records."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hivemind import DHT
 from agora_client.discovery.progress_records import fetch_progress
 from agora_client.monitor.learning import learning_points
 from agora_client.monitor.points import Observation, PeerState
+from agora_client.monitor.receipts import fetch_receipts
 from agora_client.monitor.records import VerifiedRecord, fetch_metrics
 from agora_client.monitor.store import PointsStore
 from agora_client.monitor.verdicts import fetch_verdicts
@@ -51,6 +53,7 @@ class Scraper:
         self.auth_public_key = auth_public_key
         self.clock = clock
         self._reported: set[str] = set()  # reject reasons already logged, so a replayed forgery logs once
+        self._flagged: set[str] = set()  # peers whose over-claim was logged
 
     def _reject(self, reason: str) -> None:
         if reason not in self._reported:
@@ -64,9 +67,19 @@ class Scraper:
                       f"{verdict.disagreements} times in {verdict.checks} spot checks")
             if self.store.withhold(verdict.peer_id, reason, now):
                 log.warning("withholding the compute points of peer %s (%s)", verdict.peer_id, reason)
+        self.store.record_receipts(fetch_receipts(self.dht, self.auth_public_key, now=now, on_reject=self._reject))
         verified = fetch_metrics(self.dht, self.stages, self.auth_public_key, now=now, on_reject=self._reject)
         observations = [observation_of(item, now) for item in verified]
         records = {item.record.peer_id: item.record.model_dump_json(exclude={"ticket"}) for item in verified}
         updated = self.store.record_scrape(observations, records, now)
         self.store.record_learning(learning_points(fetch_progress(self.dht)))
+        self._flag_over_claims()
         return updated
+
+    def _flag_over_claims(self) -> None:
+        for peer in self.store.peers().values():
+            if peer.over_claimed(self.store.policy) and peer.peer_id not in self._flagged:
+                self._flagged.add(peer.peer_id)
+                log.warning("peer %s (%s) claims %.3g FLOPs of compute, but trainers receipted %.3g: it is credited "
+                            "the receipted compute only", peer.peer_id, peer.identity, peer.compute_flops,
+                            peer.receipted_flops)

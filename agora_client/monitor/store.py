@@ -1,5 +1,6 @@
-"""Durable points: SQLite (WAL) holding identities, peers, each peer's last observation and its totals;
-and the swarm's learning curve (the trainers' loss and held-out eval-loss points, see monitor/learning.py).
+"""Durable points: SQLite (WAL) holding identities, peers, each peer's last observation and its totals, the
+trainers' receipts (the highest count per trainer process and worker, see monitor/receipts.py); and the
+swarm's learning curve (the trainers' loss and held-out eval-loss points, see monitor/learning.py).
 
 Every scrape is applied in one transaction that writes the new totals together with the
 counters they were computed from, so a monitor restarted at any moment neither loses a
@@ -13,6 +14,7 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+from agora_client.discovery.signed_records import Receipt
 from agora_client.monitor.learning import SERIES, LearningPoint
 from agora_client.monitor.points import (
     LeaderboardRow,
@@ -55,6 +57,13 @@ CREATE TABLE IF NOT EXISTS withheld (
     since REAL NOT NULL,
     reason TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS receipts (
+    trainer TEXT NOT NULL,
+    run_id TEXT NOT NULL,
+    peer_id TEXT NOT NULL,
+    flops REAL NOT NULL,
+    PRIMARY KEY (trainer, run_id, peer_id)
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS learning (
     trainer TEXT NOT NULL,
     series TEXT NOT NULL,
@@ -67,8 +76,9 @@ CREATE TABLE IF NOT EXISTS learning (
 _LOAD = """
 SELECT p.peer_id, p.identity, p.stage, p.first_seen, p.last_seen, p.sync_phase,
        o.run_id, o.active_seconds, o.compute_flops, t.presence_seconds, t.compute_flops,
-       o.run_first_seen, o.run_presence_seconds, w.peer_id IS NOT NULL
+       o.run_first_seen, o.run_presence_seconds, w.peer_id IS NOT NULL, COALESCE(r.flops, 0)
 FROM peers p JOIN observations o USING (peer_id) JOIN totals t USING (peer_id) LEFT JOIN withheld w USING (peer_id)
+LEFT JOIN (SELECT peer_id, SUM(flops) AS flops FROM receipts GROUP BY peer_id) r USING (peer_id)
 """
 
 
@@ -119,6 +129,21 @@ class PointsStore:
             )
             return cursor.rowcount == 1
 
+    def record_receipts(self, receipts: Iterable[Receipt]) -> None:
+        """Keep each trainer process's highest count per worker (its counters only grow; one transaction)."""
+        rows = [(receipt.trainer, receipt.run_id, peer_id, counts.flops)
+                for receipt in receipts for peer_id, counts in receipt.served.items()]
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.executemany(
+                    "INSERT INTO receipts (trainer, run_id, peer_id, flops) VALUES (?, ?, ?, ?) "
+                    "ON CONFLICT(trainer, run_id, peer_id) DO UPDATE SET flops = MAX(flops, excluded.flops)", rows)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
     def record_learning(self, points: Iterable[LearningPoint]) -> int:
         """Keep the points not stored yet (one transaction); how many were new."""
         rows = [(point.trainer, point.series, point.ts, point.value) for point in points]
@@ -162,6 +187,7 @@ class PointsStore:
                 run_first_seen=row[11],
                 run_presence_seconds=row[12],
                 withheld=bool(row[13]),
+                receipted_flops=row[14],
             )
         return peers
 

@@ -94,14 +94,17 @@ class TrainingLoop:
         loss = "n/a" if mean_loss is None else f"{mean_loss:.4f}"
         self.say("PROGRESS", f"microbatches={self.done} loss={loss} tokens_per_s={self.tokens / elapsed:.1f} | {roster}")
         self.say("TRAFFIC", json.dumps(self.traffic.per_token()))  # serialized bytes per token, per stage and kind
+        spot_checks = self.pipeline.spot_checks
+        stages = {} if spot_checks is None else spot_checks.report()
         try:  # contributors draw the swarm's loss from these records
             latest = self.evaluation.latest
             evaluated = {} if latest is None else {"eval_loss": latest.loss, "eval_at": latest.ts}
-            self.progress.publish(self.done, mean_loss, self.tokens / elapsed, **evaluated)
+            self.progress.publish(self.done, mean_loss, self.tokens / elapsed, **evaluated, spot_checks=stages)
         except Exception as error:  # a DHT hiccup must not stop training
             self.say("WARNING", f"could not publish the progress record: {error}")
-        if self.pipeline.spot_checks is not None:
-            self.say("SPOTCHECK", " ".join(f"{name}={value}" for name, value in vars(self.pipeline.spot_checks.stats).items()))
+        if spot_checks is not None:
+            self.say("SPOTCHECK", " ".join(f"{name}={value}" for name, value in vars(spot_checks.stats).items()))
+            self.say("SPOTCHECK", "stages " + json.dumps({stage: report.model_dump() for stage, report in stages.items()}))
         self.losses, self.tokens, self.last_report = [], 0, time.monotonic()
 
 

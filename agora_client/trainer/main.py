@@ -9,6 +9,7 @@ Output lines (stdout), parseable by tests and the swarm launcher:
   [SPOTCHECK] checks=<n> agreed=<n> resolved=<n> unresolved=<n> bans=<n> (totals, with every progress line)
   [SPOTCHECK] banned <uid> (peer <peer id>) of <stage>: ...
   [EVAL] loss=<held-out loss> sequences=<n> tokens=<n> (every eval.every_s, forward passes only)
+  [RECEIPTS] <what each worker served this trainer is published for the monitor> (once, at the start)
   [DATA] <source, shard, tokenizer, where the data starts>
   [WARNING] ...
 Every [PROGRESS] report is also stored in the DHT (trainer/progress.py): contributors draw the
@@ -45,9 +46,11 @@ from agora_client.data.stream import TokenStream
 from agora_client.data.tokenizer import TokenizerError, load_run_tokenizer
 from agora_client.snapshots import SnapshotError, open_store
 from agora_client.trainer.balancer import RoundRobinBalancer, Router, StageBalancer
+from agora_client.trainer.calibration import describe
 from agora_client.trainer.evaluation import HeldOutEvaluation
 from agora_client.trainer.loop import TrainingLoop
 from agora_client.trainer.pipeline import Pipeline, StallNotice
+from agora_client.trainer.receipts import ReceiptBook, publish_every, publish_receipt
 from agora_client.trainer.progress import ProgressPublisher
 from agora_client.trainer.records import TrainerRecords
 from agora_client.trainer.rpc import StageClient, TrafficCounter
@@ -55,6 +58,8 @@ from agora_client.trainer.spotcheck import Finding, SpotChecker
 
 
 VERDICT_TTL = 1800.0  # the monitor keeps what it saw; this only bounds how long a monitor may be away
+RECEIPT_PERIOD_S = 15.0  # workers' claims run ahead of their receipts by about this much
+LAST_RECEIPT_S = 10.0  # how long a stopping trainer waits for its last receipt to be stored
 BALANCERS = {"least-loaded": StageBalancer, "round-robin": RoundRobinBalancer}
 
 
@@ -162,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
     balancer = BALANCERS[args.routing]
     router = Router(stages, lambda stage: balancer(stage, ban_seconds=args.ban_seconds))
     _wait_for_workers(RosterWatcher(dhts, router, args.roster_every, stop), router, stop)
-    pipeline = _pipeline(inputs, stages, clients, router, dhts, stop)
+    receipts, receipts_thread = _start_receipts(inputs, dhts[stages[0]], stop)
+    pipeline = _pipeline(inputs, stages, clients, router, dhts, stop, receipts)
     try:
         done = _training_loop(inputs, pipeline, router, traffic, dhts[stages[0]], args).run(
             args.inflight, args.max_microbatches, args.report_every)
@@ -171,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     finally:
         stop.set()
+        if receipts_thread is not None:
+            receipts_thread.join(LAST_RECEIPT_S)
         for client in clients.values():
             client.close()
         for dht in dhts.values():
@@ -263,11 +271,14 @@ def _wait_for_workers(watcher: RosterWatcher, router: Router, stop: threading.Ev
 
 def _pipeline(
     inputs: _TrainerInputs, stages: list[str], clients: dict[str, StageClient], router: Router, dhts: dict,
-    stop: threading.Event,
+    stop: threading.Event, receipts: ReceiptBook | None,
 ) -> Pipeline:
     """The pipeline over the stage clients, with spot checks if the run config asks for any."""
     config = inputs.config
-    spot_checks = SpotChecker(config.spot_checks, router, clients, on_ban=lambda finding: _name_liar(finding, dhts, inputs.auth_key))
+    margin = config.spot_checks.margin
+    spot_checks = SpotChecker(config.spot_checks, router, clients, on_ban=lambda finding: _name_liar(finding, dhts, inputs.auth_key),
+                              on_standing=lambda stage, kind, standing: say("SPOTCHECK", describe(stage, kind, standing, margin)),
+                              receipts=receipts)
     return Pipeline(
         stages,
         clients,
@@ -276,7 +287,29 @@ def _pipeline(
         stop=stop,
         on_failure=lambda message: say("RETRY", message),
         spot_checks=spot_checks if config.spot_checks.fraction > 0 else None,
+        receipts=receipts,
     )
+
+
+def _start_receipts(
+    inputs: _TrainerInputs, dht, stop: threading.Event,
+) -> tuple[ReceiptBook | None, threading.Thread | None]:
+    """Count what each worker serves and publish it every RECEIPT_PERIOD_S, signed, for the monitor; a receipt
+    carries the trainer's ticket, so it needs --ticket-key."""
+    if inputs.auth_key is None:
+        say("WARNING", "no --ticket-key: this trainer publishes no receipts, and the monitor credits no compute "
+                       "for the work its workers serve it")
+        return None, None
+    book = ReceiptBook(inputs.config.model)
+    validator = RSASignatureValidator()  # hivemind's process-wide key: the one the trainer's DHTs sign with
+    trainer = trainer_peer_id(validator)
+
+    def publish() -> None:
+        if not publish_receipt(dht, book.receipt(trainer, trainer_ticket(inputs.auth_key, validator)), validator):
+            say("WARNING", "no DHT node accepted this trainer's receipts; the monitor keeps the last ones it saw")
+
+    say("RECEIPTS", f"what each worker serves this trainer is published for the monitor every {RECEIPT_PERIOD_S:g} s")
+    return book, publish_every(RECEIPT_PERIOD_S, publish, stop)
 
 
 def _name_liar(finding: Finding, dhts: dict, auth_key) -> None:

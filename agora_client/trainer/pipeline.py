@@ -18,6 +18,7 @@ import torch
 
 from agora_client.trainer.balancer import FailureVerdict, Kind, Router, WorkerKey
 from agora_client.trainer.errors import ErrorClass, RetryPolicy
+from agora_client.trainer.receipts import ReceiptBook
 from agora_client.trainer.rpc import StageClient
 from agora_client.trainer.spotcheck import SpotChecker
 
@@ -63,12 +64,14 @@ class Pipeline:
         stop: threading.Event | None = None,
         on_failure: Callable[[str], None] = lambda message: None,
         spot_checks: SpotChecker | None = None,
+        receipts: ReceiptBook | None = None,
     ):
         self.stages, self.clients, self.router, self.stall = list(stages), clients, router, stall
         self.policy = policy
         self.stop = stop or threading.Event()
         self.on_failure = on_failure  # one line per failed request: which worker, which kind, what happens next
         self.spot_checks = spot_checks
+        self.receipts = receipts  # counts what each worker served, for the monitor to check claims against
 
     def train_microbatch(self, batch: torch.Tensor) -> float:
         """Forward and backward one [B, T+1] token batch; returns its mean loss."""
@@ -151,6 +154,8 @@ class Pipeline:
                 continue
             balancer.report_success(lease)
             self.stall.resumed(stage)  # only a request that succeeded proves the stage is back
+            if self.receipts is not None:
+                self.receipts.count(stage, kind, lease.worker.peer_id, inputs)
             if self.spot_checks is not None:
                 outputs = self.spot_checks.review(stage, kind, units, lease.worker, inputs, grad_outputs, outputs)
             return lease.key, outputs

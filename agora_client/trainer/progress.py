@@ -2,7 +2,9 @@
 
 Each trainer stores ``TrainerProgress`` (agora_client.discovery.progress_records, where the monitor
 reads it too) at every progress report: its newest mean loss, throughput, its newest held-out eval
-loss, and short histories of both so a client that just joined can draw the curves at once.
+loss, and short histories of both so a client that just joined can draw the curves at once; with spot
+checks on, per stage, how many it made, the strikes and bans they gave, and whether each stage is
+calibrating, verifiable (with its tolerance) or unverifiable.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from agora_client.discovery.progress_records import (
     HISTORY_POINTS,
     PROGRESS_KEY,
     Point,
+    StageSpotChecks,
     TrainerProgress,
     fetch_progress,
 )
@@ -41,10 +44,12 @@ class ProgressPublisher:
         tokens_per_s: float,
         eval_loss: float | None = None,
         eval_at: float | None = None,
+        spot_checks: dict[str, StageSpotChecks] | None = None,
     ) -> bool:
         """Store this report. ``eval_loss`` is the newest held-out evaluation's loss and ``eval_at`` the wall
         time (``time.time()``) that evaluation finished: pass both at every report until the next evaluation;
-        the point (eval_at, eval_loss) joins the eval history once, the first time that ``eval_at`` is seen."""
+        the point (eval_at, eval_loss) joins the eval history once, the first time that ``eval_at`` is seen.
+        ``spot_checks``: per stage, this trainer's spot checks and whether they can judge it (SpotChecker.report)."""
         if (eval_loss is None) != (eval_at is None):
             raise ValueError("ProgressPublisher.publish takes eval_loss and eval_at together (the evaluation's loss "
                              "and the wall time it finished), or neither before the first evaluation")
@@ -55,7 +60,8 @@ class ProgressPublisher:
             self.eval_history.append((eval_at, eval_loss))
         record = TrainerProgress(
             peer_id=self.peer_id, microbatches=microbatches, loss=loss, tokens_per_s=tokens_per_s,
-            history=list(self.history), eval_loss=eval_loss, eval_history=list(self.eval_history), ts=now,
+            history=list(self.history), eval_loss=eval_loss, eval_history=list(self.eval_history),
+            spot_checks=spot_checks or {}, ts=now,
         )
         return bool(self.dht.store(PROGRESS_KEY, record.model_dump(), get_dht_time() + self.ttl, subkey=self.peer_id))
 

@@ -2,26 +2,29 @@
 
 A worker could answer with random tensors of the right shape, cheaper than computing them. For a
 ``fraction`` of requests (forward and backward alike) the trainer sends the same request to another
-worker of the stage and compares the two answers by relative L2 distance, allowing ``tolerance`` for
-the drift between replicas that SPARTA keeps close but not equal. When they disagree a third worker
-referees: if it agrees with exactly one of the two, the other takes a strike, and the microbatch goes
-on with the referee's answer if the first one was struck. ``strikes`` strikes ban a worker from this
-trainer's routing and name it through ``on_ban`` (the trainer publishes a verdict so the monitor
-withholds its compute points). Without a third worker, or when the referee agrees with neither, a
-disagreement stays unresolved: it is counted, and nobody is struck.
+worker of the stage and compares the two answers by relative L2 distance (``relative_distance``).
+Honest replicas are not equal (SPARTA keeps them close), so each stage and kind of request has its own
+tolerance, calibrated from the distances between answers known to be honest (agora_client/trainer/
+calibration.py says how): while a stage has too few of them, and on a ``calibration_share`` of later
+checks, the trainer also asks a third worker and learns from the three answers.
 
-Random outputs of the right scale are sqrt(2) ~ 1.41 away from the truth. Honest replicas of the tiny
-preset, trained from one init on different batches of the default data (no SPARTA), measured after
-1 / 10 / 30 stage epochs: head 0.93 / 1.10 / 1.22, body1 0.24 / 0.71 / 0.46, body2 0.16 / 0.53 / 0.38,
-tail 0.04 / 0.05 / 0.26. So the default tolerance (1.0) judges bodies and tail; a head's answers drift
-apart after one step and its disagreements stay unresolved rather than striking honest workers.
+Only a ``verifiable`` stage and kind is judged. There, two answers within the tolerance agree. When they
+disagree, a third worker (the calibration's, or a referee asked now) settles it: if its answer agrees
+with exactly one of the two, the other worker takes a strike, and the microbatch goes on with the
+referee's answer if the first one was struck. ``strikes`` strikes ban a worker from this trainer's
+routing and name it through ``on_ban`` (the trainer publishes a verdict so the monitor withholds its
+compute points). Without a third worker, or when the referee agrees with neither, a disagreement stays
+unresolved: it is counted, and nobody is struck. A stage and kind still ``calibrating``, or
+``unverifiable`` (honest replicas drift about as far apart as random answers, as the tiny preset's head
+does after a few steps), is checked and calibrated but strikes no one.
 
-A backward sent twice adds that microbatch's gradient to a second replica as well: a small bias,
-paid only on the checked fraction.
+A backward sent twice (or three times) adds that microbatch's gradient to the other replicas as well: a
+small bias, paid only on the checked fraction.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import threading
@@ -31,13 +34,22 @@ from dataclasses import dataclass
 import torch
 
 from agora_client.config import SpotCheckConfig
+from agora_client.discovery.progress_records import CheckStanding, StageSpotChecks
 from agora_client.discovery.roster import WorkerRecord
 from agora_client.trainer.balancer import Kind, Router, WorkerKey
+from agora_client.trainer.calibration import Calibration, confirmed_distances
+from agora_client.trainer.receipts import ReceiptBook
 from agora_client.trainer.rpc import StageClient
+
+KINDS: tuple[Kind, Kind] = ("forward", "backward")
+Answer = tuple[WorkerRecord, list[torch.Tensor]]
 
 
 def relative_distance(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> float:
-    """Largest ||a - b|| / max(||a||, ||b||) over the outputs; inf when shapes differ or a value is not finite."""
+    """Largest ||a - b|| / min(||a||, ||b||) over the outputs; inf when shapes differ or a value is not finite.
+
+    The smaller norm, not the larger: an answer independent of the truth is then at least sqrt(2) away
+    whatever its scale (zeros or small noise would be 1.0 away from anything with the larger norm)."""
     if len(first) != len(second):
         return math.inf
     worst = 0.0
@@ -47,9 +59,9 @@ def relative_distance(first: Sequence[torch.Tensor], second: Sequence[torch.Tens
         a, b = a.detach().double(), b.detach().double()
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             return math.inf
-        scale = max(float(a.norm()), float(b.norm()))
-        if scale > 0:
-            worst = max(worst, float((a - b).norm()) / scale)
+        difference, scale = float((a - b).norm()), min(float(a.norm()), float(b.norm()))
+        if difference > 0:
+            worst = max(worst, difference / scale if scale > 0 else math.inf)
     return worst
 
 
@@ -66,9 +78,19 @@ class Finding:
 @dataclass
 class SpotCheckStats:
     checks: int = 0  # requests re-run on a second worker
+    calibrations: int = 0  # checks that also asked a third worker, to measure how far honest replicas drift
+    unjudged: int = 0  # checks on a stage and kind still calibrating, or unverifiable: nobody is judged
     agreed: int = 0
     resolved: int = 0  # disagreements a referee settled
-    unresolved: int = 0  # disagreements without a third worker to settle them
+    unresolved: int = 0  # disagreements without a third worker, or whose referee agreed with neither
+    strikes: int = 0
+    bans: int = 0  # last: scripts read the log line's end
+
+
+@dataclass
+class _StageCounts:
+    checks: int = 0
+    strikes: int = 0
     bans: int = 0
 
 
@@ -82,15 +104,28 @@ class SpotChecker:
         clients: dict[str, StageClient],
         *,
         on_ban: Callable[[Finding], None] = lambda finding: None,
+        on_standing: Callable[[str, Kind, CheckStanding], None] = lambda stage, kind, standing: None,
+        receipts: ReceiptBook | None = None,
         rng: random.Random | None = None,
     ):
-        self.config, self.router, self.clients, self.on_ban = config, router, clients, on_ban
+        self.config, self.router, self.clients, self.on_ban, self.on_standing = config, router, clients, on_ban, on_standing
+        self.receipts = receipts  # a re-run costs the worker as much as any request: it is receipted too
         self._rng = rng or random.Random()
         self._lock = threading.Lock()
         self._checks: dict[WorkerKey, int] = {}
         self._strikes: dict[WorkerKey, int] = {}
         self._banned: set[WorkerKey] = set()
+        self._calibrations = {(stage, kind): Calibration(config) for stage in clients for kind in KINDS}
+        self._standings = {key: calibration.standing() for key, calibration in self._calibrations.items()}
+        self._stages = {stage: _StageCounts() for stage in clients}
         self.stats = SpotCheckStats()
+
+    def report(self) -> dict[str, StageSpotChecks]:
+        """Per stage: its checks, strikes and bans, and where its forward and backward checks stand."""
+        with self._lock:
+            return {stage: StageSpotChecks(checks=counts.checks, strikes=counts.strikes, bans=counts.bans,
+                                           **{kind: self._standings[stage, kind] for kind in KINDS})
+                    for stage, counts in self._stages.items()}
 
     def review(
         self,
@@ -105,26 +140,57 @@ class SpotChecker:
         """The answer the microbatch should go on with: ``outputs``, or the referee's if ``worker`` was caught."""
         with self._lock:
             sampled = self._rng.random() < self.config.fraction
+            calibrating = sampled and self._calibrations[stage, kind].wants_third_answer(self._rng)
         if not sampled:
             return outputs
-        second = self._rerun(stage, kind, units, inputs, grad_outputs, exclude={worker.key})
+        rerun = functools.partial(self._rerun, stage, kind, units, inputs, grad_outputs)
+        second = rerun({worker.key})
         if second is None:
             return outputs  # no other worker free, or it failed: nothing to compare against
-        if relative_distance(outputs, second[1]) <= self.config.tolerance:
-            self._count(agreed=True, workers=(worker, second[0]))
-            return outputs
-        referee = self._rerun(stage, kind, units, inputs, grad_outputs, exclude={worker.key, second[0].key})
-        if referee is None:
-            self._count(agreed=False, workers=(worker, second[0]))
-            return outputs
-        agrees = [relative_distance(answer, referee[1]) <= self.config.tolerance for answer in (outputs, second[1])]
-        if agrees.count(True) != 1:  # nobody agrees with anybody: the stage has drifted too far to judge
-            self._count(agreed=False, workers=(worker, second[0]))
-            return outputs
-        self._count(agreed=False, workers=(worker, second[0], referee[0]))
-        liar = second[0] if agrees[0] else worker
-        self._strike(stage, liar)
-        return outputs if agrees[0] else referee[1]
+        first: Answer = (worker, outputs)
+        third = rerun({worker.key, second[0].key}) if calibrating or self._disagree(stage, kind, first, second) else None
+        if third is not None:
+            self._calibrate(stage, kind, (first, second, third))
+        return self._judge(stage, kind, first, second, third, calibrated=calibrating and third is not None)
+
+    def _disagree(self, stage: str, kind: Kind, first: Answer, second: Answer) -> bool:
+        """Whether two answers disagree on a stage and kind that is judged: a referee is then asked."""
+        with self._lock:
+            standing = self._standings[stage, kind]
+        return standing.state == "verifiable" and relative_distance(first[1], second[1]) > standing.tolerance
+
+    def _judge(
+        self, stage: str, kind: Kind, first: Answer, second: Answer, third: Answer | None, calibrated: bool
+    ) -> list[torch.Tensor]:
+        with self._lock:
+            standing = self._standings[stage, kind]
+        compared = (first[0], second[0]) if third is None else (first[0], second[0], third[0])
+        if standing.state != "verifiable":
+            self._count(stage, "unjudged", compared, calibrated)
+            return first[1]
+        if relative_distance(first[1], second[1]) <= standing.tolerance:
+            self._count(stage, "agreed", compared, calibrated)
+            return first[1]
+        agrees = [] if third is None else [relative_distance(a[1], third[1]) <= standing.tolerance for a in (first, second)]
+        if agrees.count(True) != 1:  # no referee, or it agrees with both or neither: nobody can be blamed
+            self._count(stage, "unresolved", compared, calibrated)
+            return first[1]
+        self._count(stage, "resolved", compared, calibrated)
+        self._strike(stage, second[0] if agrees[0] else first[0])
+        return first[1] if agrees[0] else third[1]
+
+    def _calibrate(self, stage: str, kind: Kind, answers: tuple[Answer, Answer, Answer]) -> None:
+        """Learn the honest distances among three answers to one request; say so if the stage's standing changed."""
+        a, b, c = (answer for _, answer in answers)
+        honest = confirmed_distances([relative_distance(a, b), relative_distance(a, c), relative_distance(b, c)],
+                                     self.config.margin)
+        with self._lock:
+            calibration = self._calibrations[stage, kind]
+            calibration.add(honest)
+            before, after = self._standings[stage, kind], calibration.standing()
+            self._standings[stage, kind] = after
+        if after.state != before.state:
+            self.on_standing(stage, kind, after)
 
     def _rerun(
         self,
@@ -134,7 +200,7 @@ class SpotChecker:
         inputs: tuple[torch.Tensor, ...],
         grad_outputs: tuple[torch.Tensor, ...],
         exclude: set[WorkerKey],
-    ) -> tuple[WorkerRecord, list[torch.Tensor]] | None:
+    ) -> Answer | None:
         balancer, client = self.router[stage], self.clients[stage]
         lease = balancer.choose(kind, units, exclude=exclude)
         if lease is None:
@@ -148,27 +214,29 @@ class SpotChecker:
             balancer.report_failure(lease, error)
             return None
         balancer.report_success(lease)
+        if self.receipts is not None:
+            self.receipts.count(stage, kind, lease.worker.peer_id, inputs)
         return lease.worker, answer
 
-    def _count(self, *, agreed: bool, workers: Sequence[WorkerRecord]) -> None:
+    def _count(self, stage: str, outcome: str, workers: Sequence[WorkerRecord], calibrated: bool) -> None:
         with self._lock:
             self.stats.checks += 1
-            if agreed:
-                self.stats.agreed += 1
-            elif len(workers) > 2:
-                self.stats.resolved += 1
-            else:
-                self.stats.unresolved += 1
+            self.stats.calibrations += calibrated
+            setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+            self._stages[stage].checks += 1
             for record in workers:
                 self._checks[record.key] = self._checks.get(record.key, 0) + 1
 
     def _strike(self, stage: str, worker: WorkerRecord) -> None:
         with self._lock:
+            self.stats.strikes += 1
+            self._stages[stage].strikes += 1
             strikes = self._strikes[worker.key] = self._strikes.get(worker.key, 0) + 1
             if strikes < self.config.strikes or worker.key in self._banned:
                 return
             self._banned.add(worker.key)
             self.stats.bans += 1
+            self._stages[stage].bans += 1
             finding = Finding(stage, worker, self._checks[worker.key], strikes)
         self.router[stage].ban(worker.key, self.config.ban_seconds)
         self.on_ban(finding)
