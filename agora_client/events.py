@@ -84,15 +84,17 @@ class StepEvent(_Event):
 class SpartaEvent(_Event):
     kind: Literal["sparta"] = "sparta"
     round: int
-    partition: int
+    partition: int  # which slice of the stage's parameters the round averaged, numbered from 0
     group_size: int = 0
-    fraction: float = 0.0
+    fraction: float = 0.0  # share of that slice that came back averaged with at least one other peer (0..1)
     bytes_sent: int = 0
     bytes_received: int = 0
     duration_s: float = 0.0
     weight: float = 1.0
     ok: bool = True
     reason: str | None = None
+    partitions: int = 0  # slices the stage's parameters are cut into (0: not said, a runtime from before this field)
+    stage_share: float | None = None  # the slice's share of the stage's parameters (0..1); None: not said
 
 
 class TrafficEvent(_Event):

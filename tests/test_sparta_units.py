@@ -73,10 +73,11 @@ def test_non_contiguous_parameters_are_refused() -> None:
 
 def test_round_report_becomes_a_sparta_event() -> None:
     report = RoundReport(3, 3, 2, 0.5, 100, 90, 1.5, 0.0, ok=True, reason="50 of 100 elements kept their local values")
-    event = report.to_event()
+    event = report.to_event(StridedPartition([60, 40], 20))  # a stage of 100 parameters in 20 slices of 5
     assert isinstance(event, SpartaEvent)
     assert parse_event(dump_event(event)).model_dump(exclude={"ts"}) == event.model_dump(exclude={"ts"})
     assert (event.round, event.fraction, event.bytes_received, event.weight, event.reason) == (3, 0.5, 90, 0.0, report.reason)
+    assert (event.partition, event.partitions, event.stage_share) == (3, 20, 0.05)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +125,7 @@ def test_a_lone_worker_reports_a_failed_round_and_keeps_its_weights(dht: object)
         assert seen == [superseded, report], "one report, hence one event, per failed round"
         assert all(torch.equal(parameter, old) for parameter, old in zip(parameters, before))
         for failed in seen:  # what the app and headless show of each: one warning line with its reason
-            (line,) = LineFormatter().format(parse_event(dump_event(failed.to_event())))
+            (line,) = LineFormatter().format(parse_event(dump_event(failed.to_event(sparta.partition))))
             assert (line.tag, line.level) == ("SPARTA", "warning") and failed.reason in line.text, line
             assert "Traceback" not in line.text
     finally:

@@ -4,7 +4,9 @@ The app never imports worker internals: it starts ``command`` (any argv + env: t
 or a recorded-stream replayer in tests), reads one JSON event per stdout line and updates its
 panels. Before authorization the preflight view (each check, and the diagnosis while the swarm
 cannot reach the worker) takes the dashboard's place. If the child dies, the app says why and
-offers a restart; quitting, Ctrl-C, SIGINT and SIGTERM stop it gracefully.
+offers a restart (with --restart on-failure it starts a crashed one again by itself, see
+agora_client.frontend.restart); quitting, Ctrl-C, SIGINT and SIGTERM stop it gracefully and never restart.
+--notify-cmd: agora_client.frontend.notify.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from datetime import tzinfo
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from textual import events, work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Grid, VerticalScroll
 from textual.screen import Screen
+from textual.timer import Timer
 from textual.widgets import Footer
 
 from agora_client.events import (
@@ -54,6 +57,8 @@ from agora_client.frontend import (
     client_exit_code,
     read_runtime,
 )
+from agora_client.frontend.notify import Notifier
+from agora_client.frontend.restart import RestartDecision, RestartPolicy, describe_end, next_step
 from agora_client.frontend.supervisor import INTERRUPT_TIMEOUT_S, TERMINATE_TIMEOUT_S
 from agora_client.logs import EventLog
 from agora_client.system.bundle import REVIEW_NOTE, build_bundle
@@ -115,6 +120,9 @@ class AgoraApp(App[int]):
         interrupt_timeout_s: float = INTERRUPT_TIMEOUT_S,
         terminate_timeout_s: float = TERMINATE_TIMEOUT_S,
         clock: Callable[[], float] = time.time,
+        restart: RestartPolicy | None = None,
+        notify_cmd: Sequence[str] = (),
+        secrets: Sequence[str] = (),
     ) -> None:
         super().__init__()
         self.command = command
@@ -140,6 +148,9 @@ class AgoraApp(App[int]):
         self._was_in_preflight = False
         self._binding_state: tuple[bool, bool] = (False, False)  # (preflight seen, unreachable): the keys offered
         self._signals: list[int] = []  # stop signals this app handles (SIGINT, SIGTERM) while it runs
+        self.restart_policy = restart or RestartPolicy()  # --restart: what follows a crash
+        self.restart_timer: Timer | None = None  # set while a crashed runtime waits to start again
+        self.notifier = Notifier(notify_cmd, report=self._warn, secrets=secrets)
 
     # -- layout -----------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -198,6 +209,7 @@ class AgoraApp(App[int]):
         self.process = process
         self.lines_read = 0
         self.formatter = LineFormatter()  # throttling starts afresh with each run
+        self.notifier.alerts.new_run()
         try:
             await process.start()
         except OSError as error:
@@ -228,6 +240,7 @@ class AgoraApp(App[int]):
         self._signals.clear()
         if self.process is not None:  # whatever way the app ends, it leaves no process behind
             await self.process.aclose()
+        await self.notifier.aclose()
 
     def on_runtime_started(self, message: RuntimeStarted) -> None:
         self._log(TaggedLine(self.clock(), "INFO", "info", "Worker runtime started"))
@@ -235,6 +248,7 @@ class AgoraApp(App[int]):
 
     def on_runtime_event(self, message: RuntimeEvent) -> None:
         event = message.event
+        self.notifier.event(event)
         if self.tracker.apply(event):
             self._show_step()
         if isinstance(event, (PreflightEvent, ReachabilityEvent)):
@@ -295,12 +309,32 @@ class AgoraApp(App[int]):
             reason = self.last_exit.reason
         elif not reason and self.stderr_tail:
             reason = self.stderr_tail[-1]
-        self.tracker.child_exited(message.code, reason or f"exit code {message.code}", hint)
+        self.tracker.child_exited(message.code, reason or describe_end(message.code), hint)
         self._show_step()
+        ended = f"{describe_end(message.code)}: {reason}" if reason else describe_end(message.code)
+        decision = self.restart_policy.after_end(message.code, ended)
+        self.notifier.runtime_ended(message.code, ended, next_step(decision))
+        if decision is not None:
+            self._after_crash(decision)
+            if not decision.gives_up:
+                return
         detail = message.detail or (f"last output: {self.stderr_tail[-1]}" if self.stderr_tail else "")
         self.query_one(RuntimeStatus).show_stopped(message.code, detail)
-        code = "could not start" if message.code is None else f"exit code {message.code}"
+        code = describe_end(message.code)
         self._log(TaggedLine(self.clock(), "ERROR", "error", f"The worker runtime stopped ({code}); press r to restart"))
+
+    def _after_crash(self, decision: RestartDecision) -> None:
+        """--restart on-failure: say why and start the runtime again after the delay, or say that it gave up."""
+        if decision.gives_up:
+            self._log(TaggedLine(self.clock(), "ERROR", "error", decision.text))
+            return
+        self._log(TaggedLine(self.clock(), "RESTART", "warning", decision.text))
+        self.query_one(RuntimeStatus).show_restarting(decision.text)  # the stepper keeps the failure and its advice
+        assert decision.delay_s is not None
+        self.restart_timer = self.set_timer(decision.delay_s, self.action_restart)
+
+    def _warn(self, text: str) -> None:
+        self._log(TaggedLine(self.clock(), "WARNING", "warning", text))
 
     # -- view helpers -----------------------------------------------------------------------
     def _show_step(self) -> None:
@@ -354,6 +388,7 @@ class AgoraApp(App[int]):
                 self.process.hurry()
             return
         self.quitting = True
+        self._cancel_restart()
         self.tracker.status = "Stopping: finishing the current request and leaving the averaging group..."
         self._show_step()
         runtime_code = EXIT_OK if self.runtime_running or self.ended_code is None else self.ended_code
@@ -379,6 +414,7 @@ class AgoraApp(App[int]):
         self._show_preflight()
 
     def action_restart(self) -> None:
+        self._cancel_restart()  # r during a restart's wait starts it now
         if self.runtime_running or self.quitting:
             return
         self.tracker.restarted()
@@ -389,6 +425,11 @@ class AgoraApp(App[int]):
         self.query_one(RuntimeStatus).hide()
         self._show_step()
         self.supervise()
+
+    def _cancel_restart(self) -> None:
+        if self.restart_timer is not None:
+            self.restart_timer.stop()
+            self.restart_timer = None
 
     def action_toggle_logs(self) -> None:
         pane = self.query_one(LogPane)
@@ -431,3 +472,4 @@ class AgoraApp(App[int]):
             yield SystemCommand("Retry the join now", "Ask the swarm to connect back to this worker now", self.action_retry)
         if self.check_action("restart", ()):
             yield SystemCommand("Restart worker", "Start the stopped worker runtime again", self.action_restart)
+

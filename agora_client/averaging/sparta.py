@@ -76,7 +76,8 @@ class RoundReport:
     notice: str | None = None  # said once: rounds of this size cannot fit between two rounds at the measured link
     uplink: str | None = None  # what this worker's uplink probe measured after the round, or why it could not
 
-    def to_event(self) -> SpartaEvent:
+    def to_event(self, layout: StridedPartition) -> SpartaEvent:
+        """The round as an event; ``layout`` (the averager's ``partition``) says what share of the stage its slice is."""
         return SpartaEvent(
             round=self.round,
             partition=self.partition,
@@ -88,6 +89,8 @@ class RoundReport:
             weight=self.weight,
             ok=self.ok,
             reason=self.reason,
+            partitions=layout.num_partitions,
+            stage_share=layout.slice_size(self.partition) / layout.total if layout.total else None,
         )
 
 

@@ -1,5 +1,6 @@
 """What every front end shares, with no Textual in it: the runtime supervisor, the one reader of
-the runtime's stream, the exit-code table, tagged lines and the headless printer.
+the runtime's stream, the exit-code table, tagged lines, the headless printer, the restart policy
+(``--restart``, restart.py) and notifications (``--notify-cmd``, notify.py).
 
 The app (tui/) and the headless client both run on this; agora_cli.py chooses between them.
 """

@@ -17,6 +17,8 @@ from typing import Callable
 
 from agora_client.client_config import ClientConfigError, Prompts, default_config_dir, resolve_client
 from agora_client.frontend.exit_codes import EXIT_INTERRUPTED, EXIT_USAGE
+from agora_client.frontend.notify import NOTIFY_TIMEOUT_S
+from agora_client.frontend.restart import RESTART_MODES, RestartMode, RestartPolicy, restart_help
 from agora_client.frontend.supervisor import ChildCommand, runtime_command
 from agora_client.logs import EventLog, log_name, logs_dir
 
@@ -31,6 +33,8 @@ class ClientSession:
     headless: bool = False
     log_format: str = "text"
     secrets: tuple[str, ...] = field(default=(), repr=False)
+    restart: RestartMode = "never"
+    notify_cmd: tuple[str, ...] = ()  # the notify command's argv (the message comes last)
 
     @property
     def logs_dir(self) -> Path:
@@ -38,6 +42,9 @@ class ClientSession:
 
     def event_log(self) -> EventLog:
         return EventLog(self.logs_dir, log_name(self.gpu), secrets=self.secrets)
+
+    def restart_policy(self) -> RestartPolicy:
+        return RestartPolicy(self.restart)
 
 
 FrontEnd = Callable[[ClientSession], int]
@@ -52,6 +59,27 @@ def _positive_seconds(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
     return value
+
+
+def _command_line(text: str) -> str:
+    try:
+        words = shlex.split(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a command line ({error}); quote it as a shell would") from None
+    if not words:
+        raise argparse.ArgumentTypeError("the notify command is empty: give a program, e.g. \"curl -s https://ntfy.sh/TOPIC -d\"")
+    return text
+
+
+def configure_supervision(parser: argparse.ArgumentParser) -> None:
+    """--restart and --notify-cmd: what the front end does when the runtime crashes or something worth hearing happens."""
+    parser.add_argument("--restart", choices=RESTART_MODES, default="never", help=restart_help())
+    parser.add_argument(
+        "--notify-cmd", metavar="CMD", type=_command_line,
+        help="run CMD (split as a shell would, run without one) with a short message as its last argument, also in "
+             "$AGORA_NOTIFY_MESSAGE (kind in $AGORA_NOTIFY_KIND), when the runtime drops out, is refused or banned, "
+             f"runs out of memory, or leaves the queue for Active; never with the token; killed after {NOTIFY_TIMEOUT_S:.0f}s",
+    )
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +100,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--retry-every", metavar="SECONDS", type=_positive_seconds, default=DEFAULT_RETRY_EVERY_S,
         help=f"while the swarm cannot reach this worker, ask again this often (default: {DEFAULT_RETRY_EVERY_S:.0f}; r in the app: now)",
     )
+    configure_supervision(parser)
     parser.add_argument(
         "--runtime-cmd", metavar="CMD", help="run CMD instead of the built-in worker runtime (replays, testing)"
     )
@@ -109,6 +138,8 @@ def prepare(args: argparse.Namespace) -> ClientSession | int:
         headless=args.headless,
         log_format=args.log_format,
         secrets=(client.token,),
+        restart=args.restart,
+        notify_cmd=tuple(shlex.split(args.notify_cmd or "")),
     )
 
 

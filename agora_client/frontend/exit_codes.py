@@ -3,7 +3,7 @@
 | code | meaning |
 | --- | --- |
 | 0 | clean stop (``q`` in the app, SIGTERM from a service manager, or the runtime stopped on request) |
-| 1 | runtime error (the runtime crashed or could not reach the swarm) |
+| 1 | runtime error (the runtime crashed or could not reach the swarm; with ``--restart on-failure``, too many crashes) |
 | 2 | bad usage or config (bad flag, no token or swarm in a non-interactive start, unknown GPU) |
 | 3 | rejected by the swarm (token refused, swarm full, or this identity's cap reached) |
 | 130 | interrupted (Ctrl-C; the runtime was stopped gracefully first) |

@@ -1,6 +1,7 @@
 """Tagged lines from the runtime's stream: what the headless client prints and the app's log pane shows.
 
-Tags: ``[PREFLIGHT] [REACHABILITY] [NETWORK] [AUTH] [DOWNLOAD] [QUEUE] [SYNC] [TRAINING] [PROGRESS] [SPARTA] [POINTS] [WARNING] [ERROR]``.
+Tags: ``[PREFLIGHT] [REACHABILITY] [NETWORK] [AUTH] [DOWNLOAD] [QUEUE] [SYNC] [TRAINING] [PROGRESS] [SPARTA] [POINTS] [RESTART] [WARNING] [ERROR]``
+(``[RESTART]``: the front end's own line before it starts a crashed runtime again, see frontend/restart.py).
 What each event kind gives:
 
 - preflight: ``[PREFLIGHT] <check>: PASS|WARN|FAIL <value> (<reason>)``; warn and fail at levels warning / error.
@@ -14,7 +15,8 @@ What each event kind gives:
 - sync: ``[SYNC] <line>`` for each line of the event's message, exactly as the runtime wrote it.
 - step: ``[TRAINING]`` when the local epoch changes; ``[PROGRESS]`` requests per minute, at most
   once per 60 s of event time.
-- sparta: ``[SPARTA]`` each round (failed rounds at level warning); points: ``[POINTS]`` at most
+- sparta: ``[SPARTA]`` each round: which partition of how many (numbered from 0) and its share of the stage's
+  parameters, e.g. ``partition 10 of 20 (5% of the stage)`` (failed rounds at level warning); points: ``[POINTS]`` at most
   once per 60 s; stage: ``[TRAINING]`` when the stage, peer or occupancy changes.
 - log: ``[<its tag>]``, or ``[WARNING]`` / ``[ERROR]`` by level; debug is not printed.
 - error: ``[ERROR]`` message, then ``[ERROR] What to do: <hint>``; exit: ``[ERROR]`` when nonzero
@@ -49,7 +51,10 @@ from agora_client.events import (
 )
 from agora_client.system.redact import redact_text
 
-TAGS = ("PREFLIGHT", "REACHABILITY", "AUTH", "DOWNLOAD", "QUEUE", "SYNC", "TRAINING", "PROGRESS", "SPARTA", "POINTS", "WARNING", "ERROR")
+TAGS = (
+    "PREFLIGHT", "REACHABILITY", "AUTH", "DOWNLOAD", "QUEUE", "SYNC", "TRAINING", "PROGRESS", "SPARTA", "POINTS",
+    "RESTART", "WARNING", "ERROR",
+)
 _TAG_CHARS = re.compile(r"[^A-Z0-9_]")
 _RAW_PREVIEW = 120
 
@@ -72,6 +77,22 @@ def human_duration(seconds: float | None) -> str:
         return f"{minutes}m" if rest == 0 else f"{minutes}m {rest:02d}s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h {minutes:02d}m"
+
+
+def percent(share: float) -> str:
+    """A share (0..1) as a percentage of three significant digits at most: 5%, 1.56%, 12.5%, 100%."""
+    return f"{share * 100:.3g}%"
+
+
+def averaged_text(event: SpartaEvent) -> str:
+    """What a SPARTA round averaged, as a share of the stage: "partition 10 of 20 (5% of the stage)"; a round whose
+    slice came back only in part says how much of it: "80% of partition 10 of 20 (4% of the stage)"."""
+    what = f"partition {event.partition}" + (f" of {event.partitions}" if event.partitions else "")
+    if event.fraction < 1:
+        what = f"{percent(event.fraction)} of {what}"
+    if event.stage_share is None:  # a runtime from before the event said it
+        return what
+    return f"{what} ({percent(event.fraction * event.stage_share)} of the stage)"
 
 
 def short_peer_id(peer_id: str) -> str:
@@ -118,6 +139,10 @@ class LineFormatter:
         self._last_epoch_line: float | None = None
         self._stage: tuple[str, str, tuple] | None = None
         self._said_error = False  # an exit code needs no line of its own once an error said why
+
+    def fresh(self) -> "LineFormatter":
+        """A formatter with the same intervals and nothing seen yet, for the next run of the runtime."""
+        return LineFormatter(self.progress_interval_s, self.summary_interval_s, self.epoch_interval_s)
 
     def _line(self, event: Event, tag: str, text: str, level: str = "info") -> TaggedLine:
         return TaggedLine(event.ts, tag, level, text, event)
@@ -224,10 +249,7 @@ class LineFormatter:
     def _sparta(self, event: SpartaEvent) -> list[TaggedLine]:
         if not event.ok:
             return [self._line(event, "SPARTA", f"Round {event.round} failed: {event.reason or 'no reason given'}", "warning")]
-        text = (
-            f"Round {event.round}: averaged {event.fraction:.1%} of the parameters (partition {event.partition}) "
-            f"in a group of {event.group_size} in {event.duration_s:.1f}s"
-        )
+        text = f"Round {event.round}: averaged {averaged_text(event)} in a group of {event.group_size} in {event.duration_s:.1f}s"
         return [self._line(event, "SPARTA", text)]
 
     def _points(self, event: PointsEvent) -> list[TaggedLine]:

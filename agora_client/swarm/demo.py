@@ -15,7 +15,7 @@ import shutil
 import time
 from pathlib import Path
 
-from agora_client.frontend.client import configure as configure_client, run as run_client
+from agora_client.frontend.client import configure as configure_client, configure_supervision, run as run_client
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
 
 RUN_NAME = "%Y%m%d-%H%M%S"
@@ -26,6 +26,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", type=Path, default=Path("runs/demo"), help="logs, snapshots and state go here")
     parser.add_argument("--workers-per-stage", type=int, default=1)
     parser.add_argument("--keep-runs", type=int, default=3, help="run directories to keep, this one included (default 3)")
+    configure_supervision(parser)  # --restart, --notify-cmd: passed to the client as they are
 
 
 def prune_runs(run_dir: Path, keep: int) -> list[Path]:
@@ -45,11 +46,14 @@ def _is_run_name(name: str) -> bool:
     return True
 
 
-def client_arguments(headless: bool, swarm_url: str, monitor_url: str, config_dir: Path) -> argparse.Namespace:
-    """The client's own options for joining the demo swarm (its parser fills in every other default)."""
+def client_arguments(
+    headless: bool, swarm_url: str, monitor_url: str, config_dir: Path, supervision: tuple[str, ...] = ()
+) -> argparse.Namespace:
+    """The client's own options for joining the demo swarm (its parser fills in every other default);
+    ``supervision``: the demo's --restart and --notify-cmd as client arguments."""
     parser = argparse.ArgumentParser(prog="agora")
     configure_client(parser)
-    argv = ["--swarm", swarm_url, "--monitor", monitor_url, "--config-dir", str(config_dir)]
+    argv = ["--swarm", swarm_url, "--monitor", monitor_url, "--config-dir", str(config_dir), *supervision]
     argv += ["--host-port", "0"]  # any free port: the demo must not collide with a contributor already on 49200
     argv += ["--cpu"]  # the demo's tiny swarm runs on the CPU, the contributor's worker too
     return parser.parse_args([*argv, *(["--headless"] if headless else [])])
@@ -66,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"[DEMO] swarm up; auth service at {auth_url}; leaderboard at {monitor_url}/leaderboard", flush=True)
         print("[DEMO] joining as the demo user", flush=True)
         os.environ["HF_TOKEN"] = token  # the demo identity's token, from the swarm's own token file
-        code = run_client(client_arguments(args.headless, auth_url, monitor_url, run_dir / "client"), args.front_end)
+        supervision = ("--restart", args.restart, *(("--notify-cmd", args.notify_cmd) if args.notify_cmd else ()))
+        client = client_arguments(args.headless, auth_url, monitor_url, run_dir / "client", supervision)
+        code = run_client(client, args.front_end)
         print("[DEMO] stopping the swarm...", flush=True)
     print(f"[DEMO] logs of this run: {run_dir / 'logs'} (swarm) and {run_dir / 'client' / 'logs'} (your client)", flush=True)
     return code

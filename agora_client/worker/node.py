@@ -285,7 +285,7 @@ class WorkerNode:
 
     def _on_round(self, report: RoundReport) -> None:
         self.meter.on_transfer(report.bytes_sent, report.bytes_received)
-        self.events.emit(report.to_event())
+        self.events.emit(report.to_event(self.sparta.partition))
         for peer, problem in report.suspects:
             self.events.log(
                 f"SPARTA round {report.round}: peer {peer} {problem}; its pull on our weights was bounded",

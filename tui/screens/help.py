@@ -33,14 +33,14 @@ learning?); **Requests served** (forward and backward requests per minute, count
 node answers them); **Bandwidth** (what your node sends and receives per second, requests
 and averaging together); **Share of the stage** (your part of the samples your stage
 processed last epoch, against an even split); **SPARTA averaging** (rounds with peers of
-your stage); identity and stage; GPU (or worker and host memory without an NVIDIA driver).
+your stage: which slice of its parameters each round averaged and its share of the stage); identity and stage; GPU (or worker and host memory without an NVIDIA driver).
 
 | key | action |
 | --- | --- |
 | `q` / `Ctrl+C` | stop the worker gracefully and quit |
 | `e` | export a support bundle (zip, secrets redacted) |
 | `l` | show or hide the log pane |
-| `r` | restart the worker after it stopped; while the swarm cannot reach it, retry now |
+| `r` | restart the worker after it stopped (`--restart on-failure` restarts a crashed one by itself); while the swarm cannot reach it, retry now |
 | `p` | show or hide the preflight checks |
 | `?` | this help |
 | `Ctrl+P` | command palette (theme, export, logs...) |

@@ -1,4 +1,4 @@
-"""Shown when the runtime has stopped: its exit code, its last output and a restart button."""
+"""Shown when the runtime has stopped: its exit code and last output, or when it starts again; a restart button."""
 
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ class RuntimeStatus(Horizontal):
         how = "could not start" if code is None else f"exited with code {code}"
         more = f" [$text-muted]· {escape(detail)}[/]" if detail else ""
         self.query_one("#runtime-status-detail", Static).update(f"[$text-error b]The worker runtime {how}[/]{more}")
+        self.display = True
+
+    def show_restarting(self, text: str) -> None:
+        """--restart on-failure: the runtime crashed and starts again by itself (r: now)."""
+        self.query_one("#runtime-status-detail", Static).update(f"[$text-warning b]{escape(text)}[/]")
         self.display = True
 
     def hide(self) -> None:
