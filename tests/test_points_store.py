@@ -90,7 +90,8 @@ def test_leaderboard_endpoint_survives_a_restart_and_the_cli_prints_a_table(tmp_
     assert rows[0]["score"] == pytest.approx(3 + 60 / 3600, rel=1e-6)
     assert rows[0]["active_hours"] == pytest.approx(60 / 3600, abs=1e-4)
     assert rows[0]["joined"] == "1970-01-01T00:00:00+00:00"
-    assert peer["identity"] == "alice" and peer["compute"] == pytest.approx(3.0)
+    assert peer["identity"] == "alice" and peer["compute"] == pytest.approx(3.0) == peer["claimed_compute"]
+    assert peer["flagged"] is False and rows[0]["flagged"] is False
     assert missing.status_code == 404 and "no verified metrics" in missing.json()["error"]
     assert confirmed == (pytest.approx(peer["score"]), None)
     assert fetch_confirmed(server.url, "a1", timeout=1) is None  # the monitor is down now
@@ -110,7 +111,7 @@ def test_leaderboard_endpoint_survives_a_restart_and_the_cli_prints_a_table(tmp_
     assert not any(r["online"] for r in again)  # nobody seen for 940 s
     assert printed.returncode == 0, printed.stderr
     lines = printed.stdout.strip().splitlines()
-    assert lines[0].split() == ["Rank", "User", "Score", "(PFLOP)", "Active", "h", "Joined", "Status"]
+    assert lines[0].split() == ["Rank", "User", "Score", "(PFLOP)", "Active", "h", "Joined", "Status", "Check"]
     assert lines[2].split()[:3] == ["1", "alice", "3.017"] and lines[2].split()[-1] == "offline"
     assert lines[3].split()[:3] == ["2", "bob", "1.017"]
 

@@ -10,6 +10,8 @@ JSON API (every answer is a JSON object with ``status``):
   POST /v1/renew   {ticket}                   -> 200 {ticket, expires_at}; 404 if the slot is gone
   POST /v1/leave   {ticket}                   -> 200 {freed: bool}
   GET  /v1/status                             -> occupancy per stage, capacity, queue length, public key, seeds
+Each client address may POST /v1/join and /v1/join/poll only so often (429 with Retry-After beyond that);
+a body over MAX_BODY_BYTES gets 413 (``AuthServer``, on the guarded front of ``agora_client.http_service``).
 
 The token is wrapped in ``Secret`` as soon as it is parsed; the service keeps only its keyed hash.
 A peer id is bound to the identity that first joined with it (``peer_bindings.json``); with
@@ -31,11 +33,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
 
 from agora_client.data.tokenizer import sha256_of
+from agora_client.http_service import HttpService, RateLimit, Reply, Request, ServiceLimits, json_reply
 
 from .admission import AdmissionPolicy, Decision, Queued, Rejected, SlotBook, UnknownQueueEntry
 from .bindings import PeerBindings
@@ -343,29 +345,41 @@ class AuthService:
             audit.write(line + "\n")
 
 
-class AuthServer:
-    """``AuthService`` on a ThreadingHTTPServer in a background thread; ``url`` once started."""
+AUTH_LIMITS = ServiceLimits(max_body_bytes=MAX_BODY_BYTES)
+JOIN_RATE = RateLimit(per_minute=10, burst=5)
+"""Joins per client address: a client joins once and retries a failed dial-back after a while."""
+POLL_RATE = RateLimit(per_minute=120, burst=30)
+"""Queue polls per client address: one queued client polls every ``poll_every_s`` (5 s); a shared NAT holds several."""
 
-    def __init__(self, service: AuthService, host: str = "127.0.0.1", port: int = 0):
-        handler = type("BoundAuthHandler", (_AuthHandler,), {"service": service})
+
+class AuthServer:
+    """``AuthService`` on the guarded HTTP front (``agora_client.http_service``); ``url`` once constructed.
+
+    Every client address gets ``join_rate`` on POST /v1/join and ``poll_rate`` on POST /v1/join/poll (429 with
+    Retry-After beyond them); ``limits`` sets the timeouts, connection caps and body size limit.
+    """
+
+    def __init__(
+        self, service: AuthService, host: str = "127.0.0.1", port: int = 0, *,
+        limits: ServiceLimits = AUTH_LIMITS, join_rate: RateLimit = JOIN_RATE, poll_rate: RateLimit = POLL_RATE,
+    ):
         self.service = service
-        self._httpd = ThreadingHTTPServer((host, port), handler)
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,), name="auth-http", daemon=True)
+        self._http = HttpService(
+            self._answer, host, port, name="auth-http", limits=limits,
+            rate_limits={("POST", "/v1/join"): join_rate, ("POST", "/v1/join/poll"): poll_rate},
+            quick_routes=[("GET", "/v1/status"), ("GET", "/v1/run"), ("GET", "/v1/tokenizer")],
+        )
 
     @property
     def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return self._http.url
 
     def start(self) -> "AuthServer":
-        self._thread.start()
+        self._http.start()
         return self
 
     def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
+        self._http.close()
 
     def __enter__(self) -> "AuthServer":
         return self.start()
@@ -373,78 +387,56 @@ class AuthServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-class _AuthHandler(BaseHTTPRequestHandler):
-    service: AuthService
-    server_version = "agora-auth/1"
-    protocol_version = "HTTP/1.1"
-    _POSTS = {"/v1/join": "join", "/v1/join/poll": "poll", "/v1/active": "active", "/v1/renew": "renew", "/v1/leave": "leave"}
-
-    def do_GET(self) -> None:
-        path = self.path.split("?")[0]
-        if path == "/v1/status":
-            self._reply(HTTPStatus.OK, self.service.status())
-        elif path == "/v1/run":
-            try:
-                self._reply(HTTPStatus.OK, self.service.run_description())
-            except RequestError as error:
-                self._reply(error.status, {"status": "error", "error": str(error)})
-        elif path == "/v1/tokenizer":
-            try:
-                self._send(HTTPStatus.OK, self.service.tokenizer_json())  # the file as it is: its sha256 is checked
-            except RequestError as error:
-                self._reply(error.status, {"status": "error", "error": str(error)})
-        else:
-            self._reply(HTTPStatus.NOT_FOUND, {"status": "error", "error": f"no such endpoint: GET {self.path.split('?')[0]}"})
-
-    def do_POST(self) -> None:
-        path = self.path.split("?")[0]
+    def _answer(self, request: Request) -> Reply:
+        """Runs in a handler thread: the service's calls may block (dial-back, identity lookups)."""
         try:
-            method = self._POSTS.get(path)
-            if method is None:
-                raise RequestError(HTTPStatus.NOT_FOUND, f"no such endpoint: POST {path}")
-            if method == "join":  # the dial-back goes to the address the join came from
-                status, payload = self.service.join(self._json_body(), source=self.client_address[0])
+            if request.method == "GET":
+                reply = self._get(request.path)
+            elif request.method == "POST":
+                reply = self._post(request)
             else:
-                status, payload = getattr(self.service, method)(self._json_body())
+                raise RequestError(HTTPStatus.NOT_FOUND, f"no such endpoint: {request.method} {request.path}")
         except RequestError as error:
-            status, payload = error.status, {"status": "error", "error": str(error)}
+            reply = json_reply(error.status, {"status": "error", "error": str(error)})
         except Exception:  # the service keeps running; the client gets one line, the log the traceback
-            log.exception("internal error answering POST %s", path)
-            status, payload = HTTPStatus.INTERNAL_SERVER_ERROR, {"status": "error", "error": "internal error in the auth service; try again later"}
-        self._reply(status, payload)
+            log.exception("internal error answering %s %s", request.method, request.path)
+            reply = json_reply(HTTPStatus.INTERNAL_SERVER_ERROR,
+                               {"status": "error", "error": "internal error in the auth service; try again later"})
+        reply.headers["Cache-Control"] = "no-store"
+        return reply
 
-    def _json_body(self) -> dict[str, Any]:
-        try:
-            length = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            raise RequestError(HTTPStatus.BAD_REQUEST, "Content-Length is not a number") from None
-        if length > MAX_BODY_BYTES:
-            self.close_connection = True  # the unread body would be taken for the next request
-            raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"request body over {MAX_BODY_BYTES} bytes")
-        raw = self.rfile.read(length)
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise RequestError(HTTPStatus.BAD_REQUEST, "the request body is not JSON; send a JSON object") from None
-        if not isinstance(body, dict):
-            raise RequestError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
-        return body
+    def _get(self, path: str) -> Reply:
+        if path == "/v1/status":
+            return json_reply(HTTPStatus.OK, self.service.status())
+        if path == "/v1/run":
+            return json_reply(HTTPStatus.OK, self.service.run_description())
+        if path == "/v1/tokenizer":  # the file as it is: its sha256 is checked
+            return Reply(HTTPStatus.OK, self.service.tokenizer_json(), {"Content-Type": "application/json"})
+        raise RequestError(HTTPStatus.NOT_FOUND, f"no such endpoint: GET {path}")
 
-    def _reply(self, status: HTTPStatus, payload: dict[str, Any]) -> None:
-        self._send(status, json.dumps(payload).encode("utf-8"))
+    def _post(self, request: Request) -> Reply:
+        method = _POSTS.get(request.path)
+        if method is None:
+            raise RequestError(HTTPStatus.NOT_FOUND, f"no such endpoint: POST {request.path}")
+        if method == "join":  # the dial-back goes to the address the join came from
+            status, payload = self.service.join(_json_body(request.body), source=request.source)
+        else:
+            status, payload = getattr(self.service, method)(_json_body(request.body))
+        return json_reply(status, payload)
 
-    def _send(self, status: HTTPStatus, data: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.send_header("Cache-Control", "no-store")
-        self.end_headers()
-        self.wfile.write(data)
 
-    def log_message(self, format: str, *args: Any) -> None:
-        # Request lines only (method, path, status): bodies, where the token travels, are never logged.
-        log.debug("%s %s", self.address_string(), format % args)
+_POSTS = {"/v1/join": "join", "/v1/join/poll": "poll", "/v1/active": "active", "/v1/renew": "renew", "/v1/leave": "leave"}
+
+
+def _json_body(raw: bytes) -> dict[str, Any]:
+    """The request's JSON object (the HTTP front already refused bodies over MAX_BODY_BYTES)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise RequestError(HTTPStatus.BAD_REQUEST, "the request body is not JSON; send a JSON object") from None
+    if not isinstance(body, dict):
+        raise RequestError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
+    return body
 
 
 def _field(body: dict[str, Any], name: str, kind: type) -> Any:

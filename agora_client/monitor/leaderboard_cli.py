@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 
 COLUMNS = (("Rank", "rank"), ("User", "username"), ("Score (PFLOP)", "score"), ("Active h", "active_hours"),
-           ("Joined", "joined"), ("Status", "online"))
+           ("Joined", "joined"), ("Status", "online"), ("Check", "flagged"))
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +44,8 @@ def fetch_rows(url: str, timeout: float = 10.0) -> list[dict[str, Any]]:
 def _cell(key: str, value: Any) -> str:
     if key == "online":
         return "online" if value else "offline"
+    if key == "flagged":
+        return "claims more than trainers receipted" if value else ""
     if key == "score":
         return f"{float(value):,.3f}"
     if key == "active_hours":

@@ -1,0 +1,227 @@
+"""``HttpService``: a synchronous handler served by aiohttp from an event loop in a background thread.
+
+The handler runs in a bounded thread pool (the auth service's handlers block: a dial-back waits seconds, an
+identity lookup makes an HTTP call), so the event loop only moves bytes and keeps answering. Per request the
+loop applies the rate limit of its route, the body size limit and the body read timeout before the handler
+sees anything; per connection the guards of ``guard.py`` apply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from http import HTTPStatus
+
+from aiohttp import web
+
+from .guard import ConnectionGuard, ConnectionTable
+from .limits import RateLimit, RateLimiter, ServiceLimits, connection_cap, raise_open_file_limit, retry_after_header
+from .messages import Reply, Request, json_reply
+
+log = logging.getLogger(__name__)
+
+LISTEN_BACKLOG = 1024
+SERVER_HEADER = {"Server": "agora"}  # not aiohttp's default, which names library and Python versions
+SHUTDOWN_GRACE_S = 0.5
+QUICK_THREADS = 4
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class HttpService:
+    """Serves ``handler`` on ``host``:``port`` (0: any free port); bound on construction, serving after ``start()``.
+
+    ``rate_limits`` maps (method, path) to the ``RateLimit`` each client address gets on that route.
+    ``quick_routes`` (method, path) never block: they get handler threads of their own, so that handlers blocked
+    elsewhere (a dial-back, a write to disk) never hold them up.
+    """
+
+    def __init__(
+        self, handler: Callable[[Request], Reply], host: str, port: int, *, name: str,
+        limits: ServiceLimits = ServiceLimits(), rate_limits: Mapping[tuple[str, str], RateLimit] | None = None,
+        quick_routes: Collection[tuple[str, str]] = (),
+    ):
+        self.handler, self.name, self.limits = handler, name, limits
+        self._table = ConnectionTable(connection_cap(limits, raise_open_file_limit()), limits.max_connections_per_address)
+        self._limiters = {route: RateLimiter(limit) for route, limit in (rate_limits or {}).items()}
+        self._socket = _listening_socket(host, port)
+        self.address: tuple[str, int] = self._socket.getsockname()[:2]
+        self._quick_routes = frozenset(quick_routes)
+        self._pools = {
+            quick: _HandlerPool(threads, limits.max_pending_requests, f"{name}-{'quick' if quick else 'handler'}")
+            for quick, threads in ((False, limits.handler_threads), (True, QUICK_THREADS))
+        }
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._serving = threading.Event()
+        self._thread = threading.Thread(target=asyncio.run, args=(self._serve(),), name=name, daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self.address
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    @property
+    def open_connections(self) -> int:
+        return self._table.total
+
+    def start(self) -> "HttpService":
+        self._thread.start()
+        if not self._serving.wait(timeout=10):
+            raise RuntimeError(f"the {self.name} HTTP service did not start within 10 s")
+        return self
+
+    def close(self) -> None:
+        """Stop serving and close every connection; handlers still running in threads are left to finish."""
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(timeout=5)
+        for pool in self._pools.values():
+            pool.executor.shutdown(wait=False, cancel_futures=True)
+        self._socket.close()
+
+    async def _serve(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        protocol = web.Server(
+            self._handle, access_log=None, keepalive_timeout=self.limits.keepalive_timeout_s,
+            lingering_time=self.limits.body_timeout_s,
+        )
+        server = await self._loop.create_server(
+            lambda: ConnectionGuard(protocol, self._table, self.limits.header_timeout_s),
+            sock=self._socket, backlog=LISTEN_BACKLOG,
+        )
+        self._serving.set()
+        await self._stop.wait()
+        server.close()
+        protocol.pre_shutdown()
+        await protocol.shutdown(SHUTDOWN_GRACE_S)
+
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        guard = request.transport.get_protocol() if request.transport is not None else None
+        if isinstance(guard, ConnectionGuard):
+            guard.head_received()
+        try:
+            response = await self._answer(request)
+        finally:
+            if isinstance(guard, ConnectionGuard):
+                guard.request_done()
+        # Method, path and status only: bodies (where tokens travel) and query strings (signatures) are never logged.
+        log.debug("%s: %s %s %s -> %d", self.name, request.remote, request.method, request.path, response.status)
+        return response
+
+    async def _answer(self, request: web.BaseRequest) -> web.StreamResponse:
+        source = request.remote or "unknown"
+        limiter = self._limiters.get((request.method, request.path))
+        wait_s = limiter.wait_s(source) if limiter is not None else 0.0
+        if wait_s > 0:
+            return _refusal(HTTPStatus.TOO_MANY_REQUESTS, "too many requests from your address on this endpoint; "
+                            f"wait {retry_after_header(wait_s)} s (Retry-After) and try again", retry_after_s=wait_s)
+        pool = self._pools[(request.method, request.path) in self._quick_routes]
+        if pool.pending >= pool.max_pending:
+            return _refusal(HTTPStatus.SERVICE_UNAVAILABLE, "the service is busy; try again in a moment", retry_after_s=1)
+        try:
+            body = await asyncio.wait_for(_read_body(request, self.limits.max_body_bytes), self.limits.body_timeout_s)
+        except _BodyTooLarge:
+            return _refusal(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"request body over {self.limits.max_body_bytes} bytes", close=True)
+        except asyncio.TimeoutError:
+            return _refusal(HTTPStatus.REQUEST_TIMEOUT, f"the request body did not arrive within {self.limits.body_timeout_s:g} s",
+                            close=True)
+        message = Request(request.method, request.path, request.raw_path, request.headers, body, source)
+        pool.pending += 1
+        try:
+            return await self._respond(request, await self._run(pool, message), pool)
+        finally:
+            pool.pending -= 1
+
+    async def _run(self, pool: "_HandlerPool", message: Request) -> Reply:
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool.executor, self.handler, message)
+        except Exception:  # the service keeps running; the client gets one line, the log the traceback
+            log.exception("internal error in %s answering %s %s", self.name, message.method, message.path)
+            return json_reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"status": "error", "error": "internal error; try again later"})
+
+    async def _respond(self, request: web.BaseRequest, reply: Reply, pool: "_HandlerPool") -> web.StreamResponse:
+        headers = {**SERVER_HEADER, **reply.headers}
+        if "Content-Length" not in headers:
+            return web.Response(status=reply.status, body=reply.body, headers=headers)
+        # A length given up front: a HEAD answer, or a body the handler streams.
+        response = web.StreamResponse(status=reply.status, headers=headers)
+        await response.prepare(request)
+        if reply.stream is not None and request.method != "HEAD":
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.run_in_executor(pool.executor, reply.stream, _LoopWriter(loop, response, self.limits.write_timeout_s))
+            except Exception:  # a client gone mid-transfer is routine for a download server, not a crash
+                log.debug("%s: transfer of %s to %s ended early", self.name, request.path, request.remote, exc_info=True)
+                if request.transport is not None:
+                    request.transport.abort()
+                return response
+        await response.write_eof()
+        return response
+
+
+class _HandlerPool:
+    """Handler threads and the requests waiting for or running in them (counted from the event loop only)."""
+
+    def __init__(self, threads: int, max_pending: int, name: str):
+        self.executor = ThreadPoolExecutor(threads, thread_name_prefix=name)
+        self.max_pending, self.pending = max_pending, 0
+
+
+class _LoopWriter:
+    """A blocking file-like ``write`` for a handler thread, onto a response the event loop sends."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, response: web.StreamResponse, timeout_s: float):
+        self._loop, self._response, self._timeout_s = loop, response, timeout_s
+
+    def write(self, data: bytes) -> int:
+        sent = asyncio.run_coroutine_threadsafe(asyncio.wait_for(self._response.write(data), self._timeout_s), self._loop)
+        sent.result(timeout=self._timeout_s + 5)  # bounded even if the loop stops before running the write
+        return len(data)
+
+    def flush(self) -> None:
+        """Every write is handed to the connection before it returns."""
+
+
+async def _read_body(request: web.BaseRequest, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise _BodyTooLarge()
+    chunks, size = [], 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:  # a chunked body announces no length
+            raise _BodyTooLarge()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _refusal(status: HTTPStatus, message: str, *, retry_after_s: float | None = None, close: bool = False) -> web.Response:
+    """An answer the service gives without the handler: JSON with ``error`` (what Agora's clients read) and ``message``."""
+    headers = {**SERVER_HEADER, "Cache-Control": "no-store"}
+    if retry_after_s is not None:
+        headers["Retry-After"] = retry_after_header(retry_after_s)
+    reply = json_reply(status, {"status": "error", "error": message, "message": message}, headers)
+    response = web.Response(status=reply.status, body=reply.body, headers=reply.headers)
+    if close:  # an unread or half-read body must not be taken for the next request
+        response.force_close()
+    return response
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(LISTEN_BACKLOG)
+        listener.setblocking(False)
+    except OSError:
+        listener.close()
+        raise
+    return listener
