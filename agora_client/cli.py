@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("agora_client.worker.main", "host one pipeline stage"),
     "trainer": ("agora_client.trainer.main", "route microbatches through the pipeline (CPU only)"),
     "auth": ("agora_client.auth.main", "run the auth service"),
+    "trainer-credential": ("agora_client.auth.credential_cli", "add, revoke or list trainer credentials (auth host)"),
     "monitor": ("agora_client.monitor.main", "scrape metrics, keep points, serve the leaderboard"),
     "leaderboard": ("agora_client.monitor.leaderboard_cli", "print the leaderboard as a table"),
     "describe": ("agora_client.describe", "show a preset's stages and parameter counts"),

@@ -95,6 +95,10 @@ class SpartaEvent(_Event):
     reason: str | None = None
     partitions: int = 0  # slices the stage's parameters are cut into (0: not said, a runtime from before this field)
     stage_share: float | None = None  # the slice's share of the stage's parameters (0..1); None: not said
+    # relative L2 of this worker's slice from the group's average before / right after the update
+    # (agora_client/averaging/drift.py); None: the round averaged nothing, or a runtime from before these fields
+    drift_before: float | None = None
+    drift_after: float | None = None
 
 
 class TrafficEvent(_Event):
@@ -113,8 +117,34 @@ class TrafficEvent(_Event):
     window_s: float = 0.0
 
 
+class SpotCheckStatus(BaseModel):
+    """The trainers' spot checks of one stage's workers, summed over the trainers that check it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    checks: int = 0
+    strikes: int = 0
+    bans: int = 0
+    # where the less assured kind of request stands (forward, backward); a kind is judged if any trainer judges it
+    state: Literal["calibrating", "verifiable", "unverifiable"] = "calibrating"
+
+
+class StageSwarm(BaseModel):
+    """One stage as a contributor can see it: its workers by phase (the DHT roster), its join queue and
+    capacity (the auth service's public /v1/status) and the trainers' spot checks on it (their progress records)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    stage: str
+    active: int = 0  # healthy workers in sync (serving and averaging)
+    syncing: int = 0  # healthy workers in sync phase 1 or 2
+    unhealthy: int = 0  # workers whose outputs turned non-finite: they serve nothing until they have reloaded
+    queued: int | None = None  # joiners waiting for the stage; None: the auth service did not answer
+    capacity: int | None = None  # workers the stage takes; None: the auth service did not answer
+    spot_checks: SpotCheckStatus | None = None  # None: no trainer spot-checks this stage
+
+
 class SwarmEvent(_Event):
-    """How the whole swarm is learning, from the trainers' progress records in the DHT."""
+    """How the whole swarm is learning, from the trainers' progress records in the DHT, and how each stage
+    stands. Events recorded before the per-stage view parse with ``stage`` empty and no ``stages``."""
 
     kind: Literal["swarm"] = "swarm"
     trainers: int = 0
@@ -123,6 +153,8 @@ class SwarmEvent(_Event):
     tokens_per_s: float = 0.0  # all trainers together
     eval_loss: float | None = None  # newest held-out eval loss (mean over the trainers that have evaluated)
     eval_history: list[tuple[float, float]] = Field(default_factory=list)  # (time of the eval, its loss), oldest first
+    stage: str = ""  # this worker's stage
+    stages: list[StageSwarm] = Field(default_factory=list)  # every stage of the run, in the run's order
 
 
 class GpuInfo(BaseModel):
@@ -152,6 +184,7 @@ class PointsEvent(_Event):
     confirmed: float | None = None
     rank: int | None = None  # place on the monitor's leaderboard (1 = first)
     ranked: int | None = None  # contributors on the leaderboard
+    page_url: str | None = None  # this contributor's public page on the monitor
 
 
 class StageEvent(_Event):

@@ -5,7 +5,9 @@ snapshot and monitor URLs; no preset is assumed), runs the preflight checks, ope
 authorizes (token from ``HF_TOKEN``; the service dials the port back, and while it cannot, the
 runtime shows the diagnosis and retries every ``--retry-every`` seconds or at once on SIGUSR1), downloads the assigned
 stage's snapshot and builds the stage (both already while queued), waits in the join queue, then runs
-a worker that passes through sync phases 1 and 2 to active. Everything it has to say goes to stdout as events, one JSON
+a worker that passes through sync phases 1 and 2 to active. Plain http:// to a swarm, monitor or snapshot store
+that is neither on this machine nor on a private network is refused unless ``--insecure``; ``--ca-cert`` trusts
+a swarm's own certificate authority besides the usual ones. Everything it has to say goes to stdout as events, one JSON
 object per line (agora_client/events.py). SIGINT or SIGTERM stop it gracefully.
 
 Exit codes: agora_client.frontend.exit_codes (0 stopped on request, 1 runtime error, 2 bad usage
@@ -49,6 +51,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retry-every", type=float, default=30.0, help="seconds between join attempts while unreachable")
     parser.add_argument("--batch-size-override", type=int, default=None, metavar="N",
                         help="lower the microbatch the GPU's memory plan allows to N")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow plain http:// to a swarm outside this machine and the private networks "
+                             "(your token then crosses the internet in clear text)")
+    parser.add_argument("--ca-cert", type=Path, default=None, metavar="PEM",
+                        help="also trust this CA certificate for the swarm's https:// services (a swarm's own CA; "
+                             "SSL_CERT_FILE works too, in place of the usual CAs)")
 
 
 class _CannotStart(Exception):
@@ -69,12 +77,44 @@ def run(args: argparse.Namespace) -> int:
         return _exit(events, EXIT_USAGE, "no token: set HF_TOKEN (the app does this for you)")
     try:
         device = _device(args)
+        _secure_transport(args)
         description = _run_description(args)
+        _refuse_plain_http_services(args, description)
     except _CannotStart as failure:
         return _exit(events, failure.code, str(failure), hint=failure.hint)
     contributor = _contributor(args, device, description, events, stop)
     signal.signal(signal.SIGUSR1, lambda *_: contributor.retry_now.set())  # the app's "retry now" key
     return _contribute(contributor, token, events)
+
+
+def _secure_transport(args: argparse.Namespace) -> None:
+    """Refuse a plain http:// swarm on the internet before anything is sent to it, and trust ``--ca-cert`` from now on."""
+    from agora_client.auth.transport import (
+        TOKEN_IN_CLEAR, CaCertificateError, PlainHttpRefused, refuse_plain_http, trust_ca_certificate,
+    )
+
+    try:
+        refuse_plain_http(args.swarm, insecure=args.insecure, what="the swarm's auth service", why=TOKEN_IN_CLEAR)
+        if args.ca_cert is not None:
+            trust_ca_certificate(args.ca_cert, (args.config_dir or _default_config_dir()) / "trusted-cas.pem")
+    except (PlainHttpRefused, CaCertificateError) as error:
+        raise _CannotStart(EXIT_USAGE, str(error)) from error
+    except OSError as error:
+        raise _CannotStart(EXIT_ERROR, f"cannot write the bundle of trusted CA certificates: {error}") from error
+
+
+def _refuse_plain_http_services(args: argparse.Namespace, description: RunDescription) -> None:
+    """The monitor and the snapshot store the run description names, held to the same rule as the swarm's URL."""
+    from agora_client.auth.transport import POINTS_IN_CLEAR, WEIGHTS_IN_CLEAR, PlainHttpRefused, refuse_plain_http
+
+    services = ((args.monitor or description.monitor_url, "the swarm's monitor", POINTS_IN_CLEAR),
+                (description.snapshot_url, "the snapshot store", WEIGHTS_IN_CLEAR))
+    try:
+        for url, what, why in services:
+            if url:
+                refuse_plain_http(url, insecure=args.insecure, what=what, why=why)
+    except PlainHttpRefused as error:
+        raise _CannotStart(EXIT_USAGE, str(error)) from error
 
 
 def _run_description(args: argparse.Namespace) -> RunDescription:
@@ -123,7 +163,7 @@ def _contributor(args: argparse.Namespace, device: tuple[str, str], description:
         host_port=default_host_port(args.gpu) if args.host_port is None else args.host_port,
         gpu=args.gpu, device=device, device_note=device_note, monitor_url=args.monitor or description.monitor_url,
         announce_addr=args.announce_addr, port_mapping=args.port_mapping, retry_every=args.retry_every,
-        batch_size_override=args.batch_size_override,
+        batch_size_override=args.batch_size_override, insecure=args.insecure,
     )
     return Contributor(options, events, stop)
 

@@ -46,8 +46,23 @@ What the swarm cannot do identically, which is what the ratio measures:
 - kill run: the gradients the killed worker had accumulated are lost, and its replacement starts from a
   snapshot up to publish_every epochs old.
 
+Replica drift: every SPARTA round that averaged reports how far the worker's slice was from its group's
+average before the update and right after it (relative L2, agora_client/averaging/drift.py); the workers'
+events carry it. Reported per stage and segment (the rounds whose events fall in the segment's time): the mean
+and largest drift before, the mean after; and each stage's rounds and the bytes each worker sent for them.
+The trend: the least-squares slope of the ratio (each trainer progress line's swarm loss over the single
+process's on the same microbatches) against tokens, over the lines ending in the second half of the run's
+microbatches, per million tokens, with its standard error: a slope within about two standard errors of 0
+is flat.
+
+Arms: --sparta-fraction and --sparta-period replace the preset's (tiny: 5% every 4 stage epochs) in both
+swarm runs; the JSON says the share of the stage each arm moves per stage epoch (fraction / period), so arms
+can be compared at equal bytes (e.g. 1.25% every epoch against 5% every 4), and the bytes each worker sent.
+
     python bench/convergence.py                    # ~8 min on a quiet 2-core machine
     python bench/convergence.py --seconds 300 --kill-after 100 --kill-stage tail
+    python bench/convergence.py --long             # 20 min per run, 12 segments: ~50 min
+    python bench/convergence.py --long --sparta-fraction 0.0125 --sparta-period 1
 
 Prints progress, then a table; the last line is one JSON object.
 """
@@ -56,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -68,6 +84,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _replica_drift import RoundSeen, drift_between, rounds_by_stage, sparta_tally  # noqa: E402
 from _single_process import InProcessPipeline, trainer_batches  # noqa: E402
 from _trainer_progress import EvalPoint, ProgressPoint, ProgressRecorder  # noqa: E402
 
@@ -85,6 +102,10 @@ WORKERS_PER_STAGE = 2
 PRINT_EVERY_S = 30.0
 PRINT_EVERY_MICROBATCHES = 100
 FIRST_MICROBATCH_TIMEOUT_S = 300.0
+# --seconds, --kill-after and --segments when not given: the default bench, and --long (at least LONG_SECONDS a run)
+SHORT_DEFAULTS = {"seconds": 150.0, "kill_after": 50.0, "segments": 6}
+LONG_DEFAULTS = {"seconds": 1200.0, "kill_after": 400.0, "segments": 12}
+LONG_SECONDS = LONG_DEFAULTS["seconds"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +115,8 @@ class LossWindow:
     start: int
     end: int
     loss: float
+    began_at: float  # time.monotonic() of the previous progress line (-inf for the first)
+    ended_at: float  # time.monotonic() of this one
 
 
 @dataclass(frozen=True)
@@ -104,6 +127,8 @@ class Segment:
     end: int
     swarm_loss: float
     single_loss: float
+    began_at: float  # time.monotonic(): the stretch of the run its progress lines cover
+    ended_at: float
 
     @property
     def ratio(self) -> float:
@@ -142,31 +167,49 @@ class SwarmRun:
     dropped: int  # microbatches the trainer gave up on
     load: float  # 1-minute load average at the end of the run
     replacement: Replacement | None
+    rounds: dict[str, list[RoundSeen]]  # stage -> its workers' SPARTA events
+    clock_offset: float  # time.time() - time.monotonic() in this process: events' wall times -> progress times
 
 
-def parse_args(stages: tuple[str, ...]) -> argparse.Namespace:
+def parse_args(stages: tuple[str, ...], argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=150.0, help="training seconds of each swarm run")
-    parser.add_argument("--kill-after", type=float, default=50.0, help="training seconds of the kill run before the worker dies")
+    parser.add_argument("--long", action="store_true",
+                        help=f"the long bench: at least {LONG_SECONDS:.0f} training seconds per run; defaults {LONG_DEFAULTS}")
+    parser.add_argument("--seconds", type=float, help=f"training seconds of each swarm run (default {SHORT_DEFAULTS['seconds']:.0f})")
+    parser.add_argument("--kill-after", type=float,
+                        help=f"training seconds of the kill run before the worker dies (default {SHORT_DEFAULTS['kill_after']:.0f})")
     parser.add_argument("--kill-stage", choices=stages, default="body1", help="stage whose worker 1 is killed")
-    parser.add_argument("--segments", type=int, default=6, help="equal token ranges the ratio is reported for")
+    parser.add_argument("--segments", type=int, help=f"equal token ranges the ratio is reported for (default {SHORT_DEFAULTS['segments']})")
+    parser.add_argument("--sparta-fraction", type=float, default=None,
+                        help="share of a stage averaged per SPARTA round in the swarm runs (default: the preset's)")
+    parser.add_argument("--sparta-period", type=int, default=None,
+                        help="stage epochs between SPARTA rounds in the swarm runs (default: the preset's)")
     parser.add_argument("--report-every", type=float, default=2.0, help="seconds between the trainer's loss lines")
     parser.add_argument("--run-dir", type=Path, default=None, help="logs go here (default: a temporary folder)")
     parser.add_argument("--payload", choices=("fp32", "bf16", "int8"), default="fp32",
                         help="what the swarm's SPARTA rounds send (sparta.payload); the single process does not average")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    for name, default in (LONG_DEFAULTS if args.long else SHORT_DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.long and args.seconds < LONG_SECONDS:
+        parser.error(f"--long trains at least {LONG_SECONDS:.0f}s per run; leave --seconds out or raise it")
     if min(args.seconds, args.kill_after, args.segments, args.report_every) <= 0 or args.kill_after >= args.seconds:
         parser.error("durations and --segments must be positive, and --kill-after shorter than --seconds")
+    if args.sparta_fraction is not None and not 0 < args.sparta_fraction <= 1:
+        parser.error("--sparta-fraction is a share of the stage: more than 0, at most 1")
+    if args.sparta_period is not None and args.sparta_period < 1:
+        parser.error("--sparta-period counts stage epochs: at least 1")
     return args
 
 
 def loss_windows(points: list[ProgressPoint]) -> list[LossWindow]:
     """The microbatch range and mean loss of every progress line that saw a microbatch finish."""
-    windows, done = [], 0
+    windows, done, previous_at = [], 0, -math.inf
     for point in points:
         if point.loss is not None and point.microbatches > done:
-            windows.append(LossWindow(done, point.microbatches, point.loss))
-        done = point.microbatches
+            windows.append(LossWindow(done, point.microbatches, point.loss, previous_at, point.at))
+        done, previous_at = point.microbatches, point.at
     return windows
 
 
@@ -231,16 +274,22 @@ def seconds_to_active(run_dir: Path, worker: str, since_wall: float) -> float | 
     return active[0] - since_wall if active else None
 
 
-def swarm_preset(run_dir: Path, payload: str) -> str:
-    """tiny, with the SPARTA payload asked for, as a preset file the swarm's processes read."""
+def sparta_arm(args: argparse.Namespace) -> dict:
+    """The SPARTA settings the swarm runs change in the preset: the payload, and the fraction and period if given."""
+    arm = {"payload": args.payload, "fraction": args.sparta_fraction, "period": args.sparta_period}
+    return {name: value for name, value in arm.items() if value is not None}
+
+
+def swarm_preset(run_dir: Path, args: argparse.Namespace) -> str:
+    """tiny, with the SPARTA arm asked for, as a preset file the swarm's processes read."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    return tiny_variant(run_dir / f"tiny-{payload}.yaml", {"sparta": {"payload": payload}})
+    return tiny_variant(run_dir / "tiny-arm.yaml", {"sparta": sparta_arm(args)})
 
 
 def train_swarm(name: str, args: argparse.Namespace, run_dir: Path, kill_stage: str | None) -> SwarmRun:
     recorder = ProgressRecorder()
     options = SwarmOptions(
-        preset=swarm_preset(run_dir, args.payload), workers_per_stage=WORKERS_PER_STAGE, trainers=1, run_dir=run_dir,
+        preset=swarm_preset(run_dir, args), workers_per_stage=WORKERS_PER_STAGE, trainers=1, run_dir=run_dir,
         report_every=args.report_every, publish_snapshots=True,
     )
     replacement = None
@@ -262,7 +311,9 @@ def train_swarm(name: str, args: argparse.Namespace, run_dir: Path, kill_stage: 
         raise RuntimeError(f"the {name} swarm finished no microbatch; see {run_dir / 'logs'}")
     if replacement is not None:
         replacement.active_after_s = seconds_to_active(run_dir, replacement.joiner, replacement.killed_at_wall)
-    return SwarmRun(name, windows, evaluations, dropped, os.getloadavg()[0], replacement)
+    rounds = rounds_by_stage(run_dir / "events")
+    return SwarmRun(name, windows, evaluations, dropped, os.getloadavg()[0], replacement, rounds,
+                    time.time() - time.monotonic())
 
 
 @dataclass
@@ -302,8 +353,35 @@ def segments(windows: list[LossWindow], single_losses: list[float], count: int) 
             continue
         start, end = members[0].start, members[-1].end
         swarm_loss = sum(window.loss * (window.end - window.start) for window in members) / (end - start)
-        found.append(Segment(start, end, swarm_loss, sum(single_losses[start:end]) / (end - start)))
+        found.append(Segment(start, end, swarm_loss, sum(single_losses[start:end]) / (end - start),
+                             members[0].began_at, members[-1].ended_at))
     return found
+
+
+def ratio_slope(windows: list[LossWindow], single_losses: list[float], tokens_per_microbatch: int) -> dict:
+    """Least-squares slope of the ratio against tokens (per million) over the progress lines ending in the second
+    half of the run's microbatches, and its standard error; None where fewer than 3 lines."""
+    half = windows[-1].end / 2
+    points = [((window.start + window.end) / 2 * tokens_per_microbatch / 1e6,
+               window.loss / (sum(single_losses[window.start:window.end]) / (window.end - window.start)))
+              for window in windows if window.end > half]
+    if len(points) < 3:
+        return {"per_million_tokens": None, "stderr": None, "lines": len(points)}
+    mean_x, mean_y = sum(x for x, _ in points) / len(points), sum(y for _, y in points) / len(points)
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
+    residual = sum((y - mean_y - slope * (x - mean_x)) ** 2 for x, y in points) / (len(points) - 2)
+    return {"per_million_tokens": round(slope, 5), "stderr": round(math.sqrt(residual / spread), 5), "lines": len(points)}
+
+
+def drift_by_segment(run: SwarmRun, found: list[Segment], tokens_per_microbatch: int) -> dict[str, list[dict]]:
+    """Each stage's replica drift in each segment: the SPARTA rounds whose events fall in the segment's stretch."""
+    return {
+        stage: [{"tokens_from": segment.start * tokens_per_microbatch, "tokens_to": segment.end * tokens_per_microbatch,
+                 **drift_between(rounds, segment.began_at + run.clock_offset, segment.ended_at + run.clock_offset)}
+                for segment in found]
+        for stage, rounds in sorted(run.rounds.items())
+    }
 
 
 def events_in(segment: Segment, replacement: Replacement | None) -> str:
@@ -336,6 +414,25 @@ def print_eval_table(runs: list[SwarmRun], compared: dict[str, list[EvalComparis
             print(f"{run.name:<6} no [EVAL] line from the trainer")
 
 
+def print_drift_table(runs: list[tuple[SwarmRun, list[Segment]]], single: SingleProcessRun,
+                      tokens_per_microbatch: int) -> None:
+    """Replica drift per stage and segment (mean before a round -> mean right after it), and the ratio's trend."""
+    for run, found in runs:
+        drift = drift_by_segment(run, found, tokens_per_microbatch)
+        print(f"\n{run.name}: replica drift from the group's average (mean before -> after a SPARTA round)")
+        print(f"{'tokens':>17} " + " ".join(f"{stage:>18}" for stage in drift))
+        for index, segment in enumerate(found):
+            tokens = f"{segment.start * tokens_per_microbatch // 1000}k-{segment.end * tokens_per_microbatch // 1000}k"
+            cells = [drift[stage][index] for stage in drift]
+            print(f"{tokens:>17} " + " ".join(
+                f"{cell['before_mean']:>8.4f} -> {cell['after_mean']:<6.4f}" if cell["rounds"] else f"{'no rounds':>18}"
+                for cell in cells))
+        slope = ratio_slope(run.windows, single.losses, tokens_per_microbatch)
+        if slope["per_million_tokens"] is not None:
+            print(f"{run.name}: ratio slope over the second half {slope['per_million_tokens']:+.4f} "
+                  f"+- {slope['stderr']:.4f} per million tokens ({slope['lines']} progress lines)")
+
+
 def eval_figures(compared: list[EvalComparison], tokens_per_microbatch: int) -> dict:
     return {
         "eval_ratio_at_end": round(compared[-1].ratio, 4) if compared else None,
@@ -348,12 +445,13 @@ def eval_figures(compared: list[EvalComparison], tokens_per_microbatch: int) -> 
     }
 
 
-def run_figures(run: SwarmRun, found: list[Segment], tokens_per_microbatch: int) -> dict:
+def run_figures(run: SwarmRun, found: list[Segment], single: SingleProcessRun, tokens_per_microbatch: int) -> dict:
     figures = {
         "tokens": run.windows[-1].end * tokens_per_microbatch,
         "ratio_at_end": round(found[-1].ratio, 4),
         "max_ratio": round(max(segment.ratio for segment in found), 4),
         "meets_target": found[-1].ratio <= TARGET_RATIO,
+        "ratio_slope_second_half": ratio_slope(run.windows, single.losses, tokens_per_microbatch),
         "microbatches_dropped": run.dropped,
         "load_avg_1m": round(run.load, 2),
         "segments": [
@@ -362,6 +460,8 @@ def run_figures(run: SwarmRun, found: list[Segment], tokens_per_microbatch: int)
              "ratio": round(segment.ratio, 4)}
             for segment in found
         ],
+        "drift": drift_by_segment(run, found, tokens_per_microbatch),
+        "sparta_rounds": {stage: sparta_tally(rounds) for stage, rounds in sorted(run.rounds.items())},
     }
     if run.replacement is not None:
         replacement = run.replacement
@@ -374,6 +474,13 @@ def run_figures(run: SwarmRun, found: list[Segment], tokens_per_microbatch: int)
             "replacement_active_after_s": None if replacement.active_after_s is None else round(replacement.active_after_s, 1),
         })
     return figures
+
+
+def sparta_figures(config: RunConfig, args: argparse.Namespace) -> dict:
+    """The swarm runs' SPARTA arm, and the share of a stage it moves per stage epoch (equal shares: equal bytes)."""
+    fraction = args.sparta_fraction if args.sparta_fraction is not None else config.sparta.fraction
+    period = args.sparta_period if args.sparta_period is not None else config.sparta.period
+    return {"fraction": fraction, "period": period, "share_per_epoch": round(fraction / period, 6)}
 
 
 def main() -> int:
@@ -393,10 +500,13 @@ def main() -> int:
     compared = {run.name: eval_comparisons(run, single) for run in runs}
     print_table(measured, tokens_per_microbatch)
     print_eval_table(runs, compared, tokens_per_microbatch)
+    print_drift_table(measured, single, tokens_per_microbatch)
     result = {
         "bench": "convergence",
         "preset": config.name,
         "payload": args.payload,
+        "long": args.long,
+        "sparta": sparta_figures(config, args),
         "workers_per_stage": WORKERS_PER_STAGE,
         "tokens_per_microbatch": tokens_per_microbatch,
         "seconds_per_run": args.seconds,
@@ -404,7 +514,7 @@ def main() -> int:
         "held_out_sequences": config.eval.sequences,
         "eval_every_s": config.eval.every_s,
         "target_ratio": TARGET_RATIO,
-        **{run.name: run_figures(run, found, tokens_per_microbatch) | eval_figures(compared[run.name], tokens_per_microbatch)
+        **{run.name: run_figures(run, found, single, tokens_per_microbatch) | eval_figures(compared[run.name], tokens_per_microbatch)
            for run, found in measured},
         "single_process_microbatches": len(single.losses),
         "single_process_optimizer_steps": single.steps,

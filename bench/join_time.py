@@ -19,7 +19,13 @@ depend on the swarm's speed either way.
 downlink on a home line: the snapshot download then takes time, and the stage's build, which runs
 beside the download, should leave the worker's start after it.
 
-Usage: python bench/join_time.py [--loopback] [--swarm-cpus 1.0] [--link-mbit R]   (--swarm-cpus 0: no quotas)
+``--behind-router`` puts the contributor behind a home router instead (tests/netns_router.py: a real
+miniupnpd and a masquerading nftables NAT): the client maps its port over UPnP before the dial-back, so
+"open_port_s" holds the router search and mapping. Compare its figures with a run without it (the same
+machine, one after the other): the phases after the dial-back do not depend on the path.
+
+Usage: python bench/join_time.py [--loopback | --behind-router] [--swarm-cpus 1.0] [--link-mbit R]
+(--swarm-cpus 0: no quotas)
 The last line is one JSON object with the figures.
 """
 
@@ -45,6 +51,8 @@ from agora_client.swarm.launcher import LocalSwarm, SwarmOptions  # noqa: E402
 from agora_client.swarm.processes import ManagedProcess  # noqa: E402
 from tests import cpu_quota  # noqa: E402
 from tests.netns import TwoHosts, unavailable  # noqa: E402
+from tests.netns_router import HomeRouter  # noqa: E402
+from tests.netns_router import unavailable as router_unavailable  # noqa: E402
 
 FIRST_BATCH_TIMEOUT = 600.0
 
@@ -91,9 +99,24 @@ def _inside(*places):
         yield
 
 
+class _BehindRouter(HomeRouter):
+    """A home router seen as two hosts: ``a`` the swarm's (on the internet side), ``b`` the contributor's (at home)."""
+
+    def __enter__(self) -> "_BehindRouter":
+        super().__enter__()
+        self.a, self.b = self.internet, self.home
+        return self
+
+
+def _two_hosts(behind_router: bool):
+    return _BehindRouter(f"agi25b-{os.getpid()}") if behind_router else TwoHosts(f"agi11b-{os.getpid()}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loopback", action="store_true", help="swarm and contributor both on 127.0.0.1")
+    parser.add_argument("--behind-router", action="store_true",
+                        help="the contributor behind a home router that maps its port over UPnP (needs miniupnpd)")
     parser.add_argument("--swarm-cpus", type=float, default=1.0,
                         help="cores the swarm may use; the contributor gets the rest (default 1; 0: no quotas)")
     parser.add_argument("--link-mbit", type=float, default=None,
@@ -102,14 +125,16 @@ def main() -> None:
     missing = unavailable(shaping=args.link_mbit is not None)
     if not args.loopback and missing:
         raise SystemExit(f"two hosts need network namespaces: {missing}; or pass --loopback")
-    if args.loopback and args.link_mbit is not None:
-        raise SystemExit("--link-mbit shapes the link between two hosts: it does not go with --loopback")
+    if args.loopback and (args.link_mbit is not None or args.behind_router):
+        raise SystemExit("--link-mbit and --behind-router need two hosts: they do not go with --loopback")
+    if args.behind_router and router_unavailable():
+        raise SystemExit(f"--behind-router: {router_unavailable()}")
     contributor_cpus = (os.cpu_count() or 1) - args.swarm_cpus
     if args.swarm_cpus and (cpu_quota.unavailable() or contributor_cpus <= 0):
         raise SystemExit(f"--swarm-cpus {args.swarm_cpus:g} needs CPU quotas and a core left for the contributor "
                          f"({cpu_quota.unavailable() or f'{os.cpu_count()} cores here'}); or pass --swarm-cpus 0")
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
-        hosts = None if args.loopback else stack.enter_context(TwoHosts(f"agi11b-{os.getpid()}"))
+        hosts = None if args.loopback else stack.enter_context(_two_hosts(args.behind_router))
         quotas = stack.enter_context(cpu_quota.CpuQuotas(f"agora-join-{os.getpid()}")) if args.swarm_cpus else None
         swarm_cpu = quotas.group("swarm", args.swarm_cpus) if quotas else None
         client_cpu = quotas.group("contributor", contributor_cpus) if quotas else None
@@ -154,7 +179,8 @@ def main() -> None:
     sync1, sync2, batch = first(events, "sync", phase="sync1"), first(events, "sync", phase="sync2"), first_batch(events)
     worker_up = next(e for e in events if e["kind"] == "log" and e["tag"] == "JOIN" and e["message"].startswith("Worker up"))
     figures = {
-        "topology": "loopback" if args.loopback else "two network namespaces over a veth pair",
+        "topology": "loopback" if args.loopback else "behind a home router (UPnP)" if args.behind_router
+        else "two network namespaces over a veth pair",
         "link_mbit": args.link_mbit,
         "swarm_cpus": args.swarm_cpus or None,
         "contributor_cpus": contributor_cpus if args.swarm_cpus else None,

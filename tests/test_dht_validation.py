@@ -23,7 +23,8 @@ from agora_client.discovery.signed_records import RECEIPTS_KEY, VERDICTS_KEY, Me
 from agora_client.monitor.receipts import fetch_receipts
 from agora_client.monitor.records import create_signed_dht, metrics_subkey, publish_metrics
 from agora_client.monitor.signatures import owner_subkey
-from agora_client.monitor.verdicts import fetch_verdicts, publish_verdict, trainer_peer_id, trainer_ticket
+from tests.ticket_helpers import trainer_ticket
+from agora_client.monitor.verdicts import fetch_verdicts, publish_verdict, trainer_peer_id
 from agora_client.swarm.processes import ManagedProcess
 from agora_client.discovery.roster import WorkerRecord, announce, fetch_roster, roster_key
 from agora_client.discovery.seed import READY_PREFIX

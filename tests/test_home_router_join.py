@@ -59,7 +59,7 @@ def _runtime(net: HomeRouter, name: str, auth_url: str, token: str, config_dir: 
         return ManagedProcess(
             name,
             ["runtime", "--cpu", "--swarm", auth_url, "--config-dir", str(config_dir), "--host-port", "0",
-             "--retry-every", str(RETRY_S)],
+             "--retry-every", str(RETRY_S), "--insecure"],  # the swarm's plain http:// is on the internet side (11.77.0.x)
             log_dir / f"{name}.log",
             env={"HF_TOKEN": token},
         )

@@ -178,7 +178,7 @@ def test_a_key_belongs_to_the_account_that_first_used_it_across_service_restarts
         with pytest.raises(AuthRejected, match="belongs to another Hugging Face account"):
             authorize(server.url, tokens["bob"], "PeerAlice", events=EventWriter(), poll_every=0.05)
         assert authorize(server.url, tokens["bob"], "PeerBob", events=EventWriter(), poll_every=0.05).identity == "bob"
-    assert stat.S_IMODE((tmp_path / "state" / "peer_bindings.json").stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "state" / "auth_state.sqlite3").stat().st_mode) == 0o600
 
 
 def test_a_join_must_be_signed_by_the_key_of_its_peer_id(tmp_path):

@@ -28,7 +28,8 @@ from agora_client.auth.tickets import generate_signing_key, issue_ticket, public
 from agora_client.config import load_config
 from agora_client.discovery.signed_records import Receipt, ServedCounts
 from agora_client.monitor.points import PFLOP
-from agora_client.monitor.verdicts import trainer_peer_id, trainer_ticket
+from tests.ticket_helpers import trainer_ticket
+from agora_client.monitor.verdicts import trainer_peer_id
 from agora_client.trainer.receipts import publish_receipt
 from agora_client.monitor.records import (
     MetricsRecord,

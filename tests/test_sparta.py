@@ -326,6 +326,31 @@ def test_delta_keeps_training_movement_during_the_round(swarm: Swarm) -> None:
         torch.testing.assert_close(flat[~mask], initial[index][~mask] + moves[index])
 
 
+def _relative_l2(values: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((values.double() - reference.double()).norm() / reference.double().norm())
+
+
+def test_drift_is_the_distance_of_each_workers_slice_from_the_groups_average(swarm: Swarm) -> None:
+    """Workers 0 and 1 average (weights 1, 1); worker 2 only receives (weight 0); worker 1 trains mid-round."""
+    initial = swarm.set_values([_initial_values(seed + 40) for seed in range(3)])
+    moves = [0.0, 0.25, 0.0]
+    results = swarm.round([0, 1, 2], 2, [1.0, 1.0, 0.0], moves)
+    mask = _slice_mask(2, initial[0].numel())
+    first, second = initial[0][mask], initial[1][mask]
+    average = (first + second) / 2
+    # the figure read from the two workers' stage tensors directly: ||x1 - x2|| / ||x1 + x2||
+    two_workers = float((first - second).double().norm() / (first + second).double().norm())
+    assert results[0][0].drift_before == pytest.approx(two_workers, rel=1e-5)
+    assert results[1][0].drift_before == pytest.approx(two_workers, rel=1e-5)
+    for index, (report, flat) in enumerate(results):
+        assert report.ok and report.fraction == 1.0, report
+        assert report.drift_before == pytest.approx(_relative_l2(initial[index][mask], average), rel=1e-5)
+        assert report.drift_after == pytest.approx(_relative_l2(flat[mask], average), rel=1e-4, abs=1e-6)
+    assert results[1][0].drift_after == pytest.approx(0.25 * math.sqrt(mask.sum()) / float(average.norm()), rel=1e-4)
+    assert results[0][0].drift_after < 1e-6 and results[2][0].drift_after < 1e-6
+    assert results[2][0].drift_before > results[0][0].drift_before  # worker 2 (seed 42, 3x the scale) is the outlier
+
+
 def test_peer_killed_mid_round_is_dropped_and_the_next_round_works() -> None:
     swarm = Swarm(3, freeze=(2,), spawn=(1,))  # peer 1 runs in a spawned host, where hivemind's averager must still fork
     try:

@@ -12,7 +12,10 @@ from textual.content import Content
 from agora_client.events import ExitEvent, dump_event
 from tui.app import AgoraApp, BundleTarget
 from tui.state import JoinStep
-from tui.widgets import GpuPanel, IdentityPanel, JoinPanel, LogPane, PointsPanel, RuntimeStatus, Stepper, TrainingPanel
+from tui.widgets import (
+    GpuPanel, IdentityPanel, JoinPanel, LogPane, LossPanel, NetworkPanel, PointsPanel, RuntimeStatus, SpartaPanel, Stepper,
+    TrainingPanel,
+)
 from tests.replays import FIXTURES, SIZE, T0, line_count, make_app, until
 
 pytestmark = pytest.mark.timeout(120)
@@ -53,22 +56,23 @@ async def test_every_panel_follows_an_active_stream_and_q_stops_the_child():
         assert app.query_one(PointsPanel).points.confirmed == 224.0
         assert app.query_one(GpuPanel).resources.gpu.name == "NVIDIA GeForce RTX 4090"
         sparta = shown(app.query_one("#sparta .detail"))
-        assert "round 18" in sparta and "15/18 recent rounds ok (83%)" in sparta
-        chart = app.query_one("#sparta .chart").data
-        assert len(chart) == 18 and chart.count(0) == 3  # three failed rounds show as gaps
+        assert "round 18" in sparta and "15/18 rounds ok (83%)" in sparta
+        groups = [size for _, size in app.query_one(SpartaPanel).chart.series["group"]]
+        assert len(groups) == 18 and groups.count(0) == 3  # three failed rounds drop to 0
         # the swarm's loss over time, from the trainers' records
-        last_swarm = [json.loads(line) for line in (FIXTURES / "active.jsonl").read_text().splitlines() if '"kind":"swarm"' in line][-1]
-        swarm_chart = app.query_one("#swarm .chart")
-        assert swarm_chart.data == [loss for _, loss in last_swarm["loss_history"]]
-        assert swarm_chart.display and swarm_chart.data[-1] < swarm_chart.data[0]
-        swarm_detail = shown(app.query_one("#swarm .detail"))
-        assert "2 trainer(s)" in swarm_detail
+        swarm_events = [json.loads(line) for line in (FIXTURES / "active.jsonl").read_text().splitlines() if '"kind":"swarm"' in line]
+        last_swarm = swarm_events[-1]
+        loss_chart = app.query_one(LossPanel).chart
+        assert list(loss_chart.series["loss"]) == [tuple(point) for point in last_swarm["loss_history"]]
+        assert loss_chart.display and loss_chart.series["loss"][-1][1] < loss_chart.series["loss"][0][1]
+        swarm_detail = shown(app.query_one("#loss .detail"))
         # the held-out eval loss beside it, with its trend over the evaluations
-        assert f"loss {last_swarm['loss']:.4f} · eval {last_swarm['eval_loss']:.4f} ↓ 0.484 over 3 evals" in swarm_detail
+        assert f"loss {last_swarm['loss']:.3f} · ━ eval {last_swarm['eval_loss']:.3f}" in swarm_detail
+        assert "↓ 0.484 over 3 evals · 2 trainer(s)" in swarm_detail
         # requests per minute and bandwidth, one chart point per traffic sample
         traffic = [line for line in (FIXTURES / "active.jsonl").read_text().splitlines() if '"kind":"traffic"' in line]
-        assert len(app.query_one("#training .chart-backward").data) == len(traffic)
-        assert len(app.query_one("#network .chart-up").data) == len(traffic)
+        assert len(app.query_one(TrainingPanel).chart.series["backward"]) == len(traffic)
+        assert len(app.query_one(NetworkPanel).chart.series["up"]) == len(traffic)
         assert "↑" in shown(app.query_one("#network .detail")) and "/min" in shown(app.query_one("#training .detail"))
         # share of the stage, points with rank
         assert "of body1's samples (last 10 epochs)" in shown(app.query_one("#share .detail"))

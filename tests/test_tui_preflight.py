@@ -84,7 +84,7 @@ async def test_unreachable_shows_the_diagnosis_r_retries_and_the_dashboard_follo
         assert shown == advice[1:]  # advice[0] says what the port / tested-from / result rows say
         assert any("Turn on UPnP" in line and "forward TCP port 49200 to 192.168.1.20" in line for line in shown)
         assert plain(panel.query_one("#reach-result")).endswith(
-            "\nbehind NAT: 192.168.1.20 is seen as 203.0.113.7 · no router offered port mapping (UPnP)"
+            "\nbehind NAT: 192.168.1.20 is seen as 203.0.113.7 · no router offered port mapping (UPnP or NAT-PMP)"
         )
         assert plain(panel.query_one("#reach-retry")) == (
             "Not joining while unreachable · next attempt in 30s · press r to retry now"

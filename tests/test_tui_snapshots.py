@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from textual.geometry import Region
 from textual.widgets import RichLog
 
-from tui.widgets import LogPane, RuntimeStatus
+from tui.widgets import LogPane, RuntimeStatus, StagesPanel
+from tui.widgets.status_band import FigureCell
 from tests.replays import line_count, make_app
 
 
@@ -46,12 +48,63 @@ def wait_for(name: str, crashed: bool = False):
 
 
 SIZES = {"80x24": (80, 24), "160x50": (160, 50)}  # the smallest usual terminal, and a large one
+# What the status band must show of each state, at both sizes (the long forms at 160 columns hold the short ones' figures).
+FIGURES = {
+    "authorizing": {"Auth": "asking"},
+    "downloading": {"Auth": "✔ alice", "Download": "46%"},
+    "queued": {"Download": "✔ 480", "Queue": "#2", "GPU": "3.1/25.8 GB"},
+    "sync1": {"Queue": "✔ admitted", "Sync": "1 ", "SPARTA": "2/2", "Points": "0.6"},
+    "sync2": {"Sync": "2 ", "Points": "+"},
+    "active": {"Sync": "✔ active", "GPU": "18.2/25.8 GB", "SPARTA": "15/18", "Points": "309 +55/h", "Loss": "4.647"},
+    "no_gpu": {"GPU": "RAM 2.3 GB"},
+}
+
+
+def visible_text(widget) -> str:
+    """What ``widget`` draws on the screen, as text."""
+    return "\n".join(strip.text for strip in widget.render_lines(Region(0, 0, *widget.outer_size)))
+
+
+def assert_band_shows(app, figures: dict[str, str]) -> None:
+    """Every figure is drawn in the band, whole, inside the terminal (nothing to scroll to)."""
+    for cell in app.query(FigureCell):
+        assert app.screen.region.contains_region(cell.region), f"{cell.label} is outside the screen"
+        if cell.label in figures:
+            assert figures[cell.label] in visible_text(cell), f"{cell.label}: {visible_text(cell)!r}"
 
 
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("name", ["authorizing", "downloading", "queued", "sync1", "sync2", "active", "no_gpu"])
 def test_running_states(snap_compare, name, size):
-    assert snap_compare(make_app(name, "--hold"), terminal_size=SIZES[size], run_before=wait_for(name))
+    async def run_before(pilot) -> None:
+        await wait_for(name)(pilot)
+        assert_band_shows(pilot.app, FIGURES[name])
+
+    assert snap_compare(make_app(name, "--hold"), terminal_size=SIZES[size], run_before=run_before)
+
+
+# The swarm view: every stage's workers and queue, the throughput, this worker's share, SPARTA health and spot checks.
+SWARM_VIEW = [
+    "› body1         3       1      2    8  ● calibrating 420",
+    "  tail          1       0      0    8  none +1 unhealthy",
+    "swarm 19,605 tokens/s · 2 trainer(s)",
+    "your share of body1: 27% (fair share 25% of 4)",
+    "body1 SPARTA: ✔ healthy · 15/18 rounds ok (83%) · last group 3 of 3 active",
+    "body1 spot checks: 420 checks · 1 strike · 0 bans · ● calibrating",
+]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_swarm_tab(snap_compare, size):
+    async def run_before(pilot) -> None:
+        await wait_for("active")(pilot)
+        await pilot.press("2")
+        await pilot.pause(0.3)
+        stages = pilot.app.query_one(StagesPanel)
+        assert pilot.app.screen.region.contains_region(stages.region)  # no scrolling to see it
+        assert all(line in visible_text(stages) for line in SWARM_VIEW), visible_text(stages)
+
+    assert snap_compare(make_app("active", "--hold"), terminal_size=SIZES[size], run_before=run_before)
 
 
 @pytest.mark.parametrize("size", SIZES)

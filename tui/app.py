@@ -23,28 +23,12 @@ from typing import Callable, Iterable, Sequence
 from textual import events, work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
-from textual.containers import Grid, VerticalScroll
+from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.timer import Timer
-from textual.widgets import Footer
+from textual.widgets import Footer, TabbedContent
 
-from agora_client.events import (
-    AuthEvent,
-    DownloadEvent,
-    ErrorEvent,
-    ExitEvent,
-    PointsEvent,
-    PreflightEvent,
-    QueueEvent,
-    ReachabilityEvent,
-    ResourcesEvent,
-    SpartaEvent,
-    StageEvent,
-    StepEvent,
-    SwarmEvent,
-    SyncEvent,
-    TrafficEvent,
-)
+from agora_client.events import AuthEvent, ErrorEvent, ExitEvent
 from agora_client.frontend import (
     EXIT_OK,
     ChildCommand,
@@ -65,25 +49,11 @@ from agora_client.system.bundle import REVIEW_NOTE, build_bundle
 from tui.messages import RuntimeEvent, RuntimeExited, RuntimeMalformed, RuntimeStarted, RuntimeStderr
 from tui.screens.help import HelpScreen
 from tui.state import JoinTracker
-from tui.widgets import (
-    GpuPanel,
-    IdentityPanel,
-    JoinPanel,
-    LogPane,
-    NetworkPanel,
-    PointsPanel,
-    PreflightPanel,
-    ReachabilityPanel,
-    RuntimeStatus,
-    SharePanel,
-    SpartaPanel,
-    Stepper,
-    SwarmPanel,
-    TrainingPanel,
-)
+from tui.widgets import Dashboard, JoinPanel, LogPane, PreflightPanel, ReachabilityPanel, RuntimeStatus, StatusBand, Stepper
+from tui.widgets.dashboard import LOG_TAB, TABS
 
 STDERR_TAIL = 20
-WIDE, NARROW, TALL, SHORT = 150, 70, 45, 30  # terminal sizes where the layout changes
+WIDE, NARROW, SHORT = 150, 70, 30  # terminal sizes where the layout changes
 
 
 @dataclass(frozen=True)
@@ -108,6 +78,7 @@ class AgoraApp(App[int]):
         Binding("r", "retry", "Retry now", id="retry", tooltip="Ask the swarm to connect back to this worker now"),
         Binding("r", "restart", "Restart", id="restart", tooltip="Start the worker runtime again"),
         Binding("question_mark", "help", "Help", key_display="?", id="help", tooltip="What the panels mean"),
+        *(Binding(str(number), f"show_tab('{tab}')", title, show=False, id=tab) for number, (tab, title) in enumerate(TABS.items(), 1)),
     ]
 
     def __init__(
@@ -145,6 +116,8 @@ class AgoraApp(App[int]):
         self.runtime_stopped = False  # the current runtime has ended (nothing pending in the preflight will come)
         self.last_bundle: Path | None = None
         self.preflight_choice: bool | None = None  # p pressed: show (or hide) the preflight view whatever the step
+        self.log_choice: bool | None = None  # l pressed: show (or hide) the log pane under the tabs whatever the size
+        self.tab_before_log = "tab-contribution"  # where l goes back to from the Log tab
         self._was_in_preflight = False
         self._binding_state: tuple[bool, bool] = (False, False)  # (preflight seen, unreachable): the keys offered
         self._signals: list[int] = []  # stop signals this app handles (SIGINT, SIGTERM) while it runs
@@ -156,22 +129,12 @@ class AgoraApp(App[int]):
     def compose(self) -> ComposeResult:
         yield Stepper(id="stepper")
         yield RuntimeStatus(id="runtime-status")
+        yield StatusBand(id="band")  # every mission figure, whatever the tab
         # Before authorization: the preflight checks, and what to open while the swarm cannot reach us.
         with VerticalScroll(id="preflight-view"):
             yield ReachabilityPanel(self.clock, id="reachability", classes="panel")
             yield PreflightPanel(id="preflight", classes="panel")
-        with VerticalScroll(id="dashboard"):
-            # Most wanted first: at 80x24 the first two rows are what shows without scrolling.
-            with Grid(id="panels"):
-                yield JoinPanel(id="join", classes="panel")
-                yield PointsPanel(id="points", classes="panel")
-                yield SwarmPanel(id="swarm", classes="panel")
-                yield TrainingPanel(id="training", classes="panel")
-                yield NetworkPanel(id="network", classes="panel")
-                yield SharePanel(id="share", classes="panel")
-                yield SpartaPanel(id="sparta", classes="panel")
-                yield IdentityPanel(id="identity", classes="panel")
-                yield GpuPanel(id="gpu", classes="panel")
+        yield Dashboard(tz=self.tz, id="dashboard")
         yield LogPane(tz=self.tz, id="log-pane", classes="panel")
         yield Footer()
 
@@ -197,8 +160,8 @@ class AgoraApp(App[int]):
         width, height = event.size  # self.size may still hold the size before this resize
         self.set_class(width >= WIDE, "-wide")
         self.set_class(width < NARROW, "-narrow")
-        self.set_class(height >= TALL, "-tall")
         self.set_class(height < SHORT, "-short")
+        self._place_log()
 
     # -- the runtime child ------------------------------------------------------------------
     @work(exclusive=True, group="runtime", exit_on_error=False)
@@ -251,35 +214,10 @@ class AgoraApp(App[int]):
         self.notifier.event(event)
         if self.tracker.apply(event):
             self._show_step()
-        if isinstance(event, (PreflightEvent, ReachabilityEvent)):
-            pass  # the tracker holds them; _show_step draws the preflight view
-        elif isinstance(event, AuthEvent):
+        self.query_one(StatusBand).show(event)
+        self.query_one(Dashboard).show(event)
+        if isinstance(event, AuthEvent):
             self.rejected = self.rejected or event.status == "rejected"
-            self.query_one(IdentityPanel).show_auth(event)
-        elif isinstance(event, StageEvent):
-            self.query_one(IdentityPanel).show_stage(event)
-            self.query_one(SharePanel).show_stage(event)
-        elif isinstance(event, DownloadEvent):
-            self.query_one("#download").show(event)
-        elif isinstance(event, QueueEvent):
-            self.query_one("#queue").show(event)
-        elif isinstance(event, SyncEvent):
-            self.query_one("#sync").show(event)
-        elif isinstance(event, StepEvent):
-            self.query_one(TrainingPanel).show(event)
-            self.query_one(SharePanel).show(event)
-            self.query_one("#sync").follow(event)
-        elif isinstance(event, TrafficEvent):
-            self.query_one(TrainingPanel).show_traffic(event)
-            self.query_one(NetworkPanel).show(event)
-        elif isinstance(event, SwarmEvent):
-            self.query_one(SwarmPanel).show(event)
-        elif isinstance(event, SpartaEvent):
-            self.query_one(SpartaPanel).show(event)
-        elif isinstance(event, ResourcesEvent):
-            self.query_one(GpuPanel).show(event)
-        elif isinstance(event, PointsEvent):
-            self.query_one(PointsPanel).show(event)
         elif isinstance(event, ErrorEvent):
             self.last_error = event
         elif isinstance(event, ExitEvent):
@@ -354,6 +292,7 @@ class AgoraApp(App[int]):
         self.set_class(state.unreachable, "-unreachable")
         self.query_one(PreflightPanel).show(state, stopped=self.runtime_stopped)
         self.query_one(ReachabilityPanel).show(state)
+        self._place_log()
         binding_state = (state.seen, state.unreachable)
         if binding_state != self._binding_state:
             self._binding_state = binding_state
@@ -432,8 +371,40 @@ class AgoraApp(App[int]):
             self.restart_timer = None
 
     def action_toggle_logs(self) -> None:
-        pane = self.query_one(LogPane)
-        pane.display = not pane.display
+        """Below 30 rows (and from the Log tab) the Log tab opens or closes; otherwise the pane under the tabs."""
+        dashboard = self.query_one(Dashboard)
+        if dashboard.active == LOG_TAB:
+            dashboard.active = self.tab_before_log
+        elif self.has_class("-short") and not self.has_class("-preflight"):
+            self.tab_before_log, dashboard.active = dashboard.active, LOG_TAB
+        else:
+            self.log_choice = not self.query_one(LogPane).display
+        self._place_log()
+
+    def action_show_tab(self, tab: str) -> None:
+        if tab == LOG_TAB and self.query_one(Dashboard).active != LOG_TAB:
+            self.tab_before_log = self.query_one(Dashboard).active
+        self.query_one(Dashboard).active = tab
+
+    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        self._place_log()
+
+    def _place_log(self) -> None:
+        """The log fills the Log tab; elsewhere it shows under the tabs from 30 rows, and under the preflight checks
+        unless the diagnosis needs the rows of a short terminal; `l` overrides that choice."""
+        if not self.is_mounted:
+            return
+        in_tab = self.query_one(Dashboard).active == LOG_TAB and not self.has_class("-preflight")
+        self.set_class(in_tab, "-log-tab")
+        if in_tab:
+            shown = True
+        elif self.log_choice is not None:
+            shown = self.log_choice
+        elif self.has_class("-preflight"):
+            shown = not (self.has_class("-short") and self.has_class("-unreachable"))
+        else:
+            shown = not self.has_class("-short")
+        self.query_one(LogPane).display = shown
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):

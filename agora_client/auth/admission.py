@@ -13,7 +13,8 @@ Rules (issue 5, section 1):
   DHT for a few minutes (``observe``); a peer that re-joins while its slot is held (a restart after a
   crash) gets that same slot back at once.
 
-Pure bookkeeping: no I/O, the caller passes ``now`` and holds no lock (this class has its own).
+Pure bookkeeping: no I/O, the caller passes ``now`` and holds no lock (this class has its own). A book
+starts from a saved ``BookState`` and hands ``record`` a new one after every decision (state_store.py keeps it).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from __future__ import annotations
 import secrets
 import threading
 from collections import deque
-from collections.abc import Collection
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,18 @@ class Rejected:
 Decision = Admitted | Queued | Rejected
 
 
+@dataclass(frozen=True)
+class BookState:
+    """A copy of everything a book decides from: what a store saves, and what a restarted book starts from."""
+
+    slots: tuple[Slot, ...] = ()
+    queue: tuple[QueueEntry, ...] = ()
+    """Every waiting place; the places of one stage in their queue order."""
+    last_admissions: dict[str, float] = field(default_factory=dict)
+
+
 class UnknownQueueEntry(LookupError):
-    """A poll for a queue place that does not exist (stale, already admitted, or the service restarted)."""
+    """A poll for a queue place that does not exist (stale, or already admitted)."""
 
 
 @dataclass
@@ -103,51 +114,29 @@ class _Stage:
 
 
 class SlotBook:
-    def __init__(self, policy: AdmissionPolicy):
+    """``saved``: the state to start from (slots and places of stages the policy lacks are left out).
+    ``record``: called, under the book's lock, with the state after every decision that may change it; the caller
+    gets a decision only once ``record`` returned, so a store that commits there loses no answer given.
+    """
+
+    def __init__(
+        self, policy: AdmissionPolicy, saved: BookState | None = None, record: Callable[[BookState], None] | None = None,
+    ):
         self.policy = policy
         self._stages = {name: _Stage() for name in policy.stages}
         self._lock = threading.Lock()
+        self._record = record
+        if saved is not None:
+            self._load(saved)
 
     # -- joining -------------------------------------------------------------------------------------
 
     def join(self, identity: str, peer_id: str, now: float, stages: Collection[str] | None = None) -> Decision:
         """``stages``: the only stages a new slot may be on (those the joiner's GPU holds); None for any."""
         with self._lock:
-            self._expire(now)
-            queued = self._find_entry(lambda entry: entry.peer_id == peer_id)
-            if queued is not None:
-                if queued.identity != identity:
-                    return Rejected(f"peer id {peer_id} is already waiting under another identity; start with a new peer id")
-                return self._poll_entry(queued, now)  # a re-join keeps its place
-            held = self._find_slot(lambda slot: slot.peer_id == peer_id)
-            if held is not None:
-                if held.identity != identity:
-                    return Rejected(f"peer id {peer_id} already holds a slot under another identity; start with a new peer id")
-                # The peer restarted (a crash leaves its slot held): it gets the same slot back at once,
-                # without pacing, and syncs in again like any joiner.
-                held.admitted_at = held.last_seen = now
-                held.expires_at = now + self.policy.ticket_ttl_s
-                held.active = False
-                return Admitted(held)
-            taken = self._count_identity(identity)
-            if taken >= self.policy.per_identity_cap:
-                return Rejected(
-                    f"{identity} already runs {taken} peers, the most one contributor may run at once "
-                    f"({self.policy.per_identity_cap}); stop one of them, or wait until its slot expires"
-                )
-            stage = self._neediest_stage(stages)
-            if stage is None and stages is not None and len(stages) < len(self._stages):
-                return Rejected(
-                    f"every stage your GPU can hold ({', '.join(stages)}) is full; try again later"
-                )
-            if stage is None:
-                total = self.policy.max_workers_per_stage * len(self._stages)
-                return Rejected(f"the swarm is at capacity (all {total} worker slots are taken); try again later")
-            if not self._stages[stage].queue and self._can_admit(stage, now):
-                return Admitted(self._admit(identity, peer_id, stage, now))
-            entry = QueueEntry(secrets.token_urlsafe(16), identity, peer_id, stage, now, now)
-            self._stages[stage].queue.append(entry)
-            return self._queued(entry, now)
+            decision = self._join(identity, peer_id, now, stages)
+            self._recorded()
+            return decision
 
     def poll(self, queue_id: str, peer_id: str, now: float) -> Decision:
         with self._lock:
@@ -155,7 +144,9 @@ class SlotBook:
             entry = self._find_entry(lambda item: item.queue_id == queue_id)
             if entry is None or entry.peer_id != peer_id:
                 raise UnknownQueueEntry(queue_id)
-            return self._poll_entry(entry, now)
+            decision = self._poll_entry(entry, now)
+            self._recorded()
+            return decision
 
     # -- holding a slot ------------------------------------------------------------------------------
 
@@ -163,10 +154,10 @@ class SlotBook:
         with self._lock:
             self._expire(now)
             slot = self._slot(stage, index, peer_id)
-            if slot is None:
-                return False
-            del self._stages[stage].slots[index]
-            return True
+            if slot is not None:
+                del self._stages[stage].slots[index]
+            self._recorded()
+            return slot is not None
 
     def mark_active(self, stage: str, index: int, peer_id: str, now: float) -> bool:
         with self._lock:
@@ -174,6 +165,7 @@ class SlotBook:
             slot = self._slot(stage, index, peer_id)
             if slot is not None:
                 slot.active = True
+            self._recorded()
             return slot is not None
 
     def renew(self, stage: str, index: int, peer_id: str, now: float) -> Slot | None:
@@ -182,6 +174,7 @@ class SlotBook:
             slot = self._slot(stage, index, peer_id)
             if slot is not None:
                 slot.expires_at = now + self.policy.ticket_ttl_s
+            self._recorded()
             return slot
 
     def observe(self, present: dict[str, set[str]], now: float, vanish_s: float) -> list[Slot]:
@@ -201,6 +194,7 @@ class SlotBook:
                     elif not self._is_pending(slot, now) and now - slot.last_seen >= vanish_s:
                         del stage.slots[index]
                         freed.append(slot)
+            self._recorded()
         return freed
 
     def occupancy(self, now: float) -> dict[str, dict[str, int]]:
@@ -217,6 +211,67 @@ class SlotBook:
             }
 
     # -- internals (lock held) -----------------------------------------------------------------------
+
+    def _load(self, saved: BookState) -> None:
+        for slot in saved.slots:
+            if slot.stage in self._stages:
+                self._stages[slot.stage].slots[slot.index] = replace(slot)
+        for entry in saved.queue:
+            if entry.stage in self._stages:
+                self._stages[entry.stage].queue.append(replace(entry))
+        for name, at in saved.last_admissions.items():
+            if name in self._stages:
+                self._stages[name].last_admission = at
+
+    def _state(self) -> BookState:
+        stages = self._stages.values()
+        return BookState(
+            slots=tuple(replace(slot) for stage in stages for slot in stage.slots.values()),
+            queue=tuple(replace(entry) for stage in stages for entry in stage.queue),
+            last_admissions={name: stage.last_admission for name, stage in self._stages.items()
+                             if stage.last_admission is not None},
+        )
+
+    def _recorded(self) -> None:
+        if self._record is not None:
+            self._record(self._state())
+
+    def _join(self, identity: str, peer_id: str, now: float, stages: Collection[str] | None) -> Decision:
+        self._expire(now)
+        queued = self._find_entry(lambda entry: entry.peer_id == peer_id)
+        if queued is not None:
+            if queued.identity != identity:
+                return Rejected(f"peer id {peer_id} is already waiting under another identity; start with a new peer id")
+            return self._poll_entry(queued, now)  # a re-join keeps its place
+        held = self._find_slot(lambda slot: slot.peer_id == peer_id)
+        if held is not None:
+            if held.identity != identity:
+                return Rejected(f"peer id {peer_id} already holds a slot under another identity; start with a new peer id")
+            # The peer restarted (a crash leaves its slot held): it gets the same slot back at once,
+            # without pacing, and syncs in again like any joiner.
+            held.admitted_at = held.last_seen = now
+            held.expires_at = now + self.policy.ticket_ttl_s
+            held.active = False
+            return Admitted(held)
+        taken = self._count_identity(identity)
+        if taken >= self.policy.per_identity_cap:
+            return Rejected(
+                f"{identity} already runs {taken} peers, the most one contributor may run at once "
+                f"({self.policy.per_identity_cap}); stop one of them, or wait until its slot expires"
+            )
+        stage = self._neediest_stage(stages)
+        if stage is None and stages is not None and len(stages) < len(self._stages):
+            return Rejected(
+                f"every stage your GPU can hold ({', '.join(stages)}) is full; try again later"
+            )
+        if stage is None:
+            total = self.policy.max_workers_per_stage * len(self._stages)
+            return Rejected(f"the swarm is at capacity (all {total} worker slots are taken); try again later")
+        if not self._stages[stage].queue and self._can_admit(stage, now):
+            return Admitted(self._admit(identity, peer_id, stage, now))
+        entry = QueueEntry(secrets.token_urlsafe(16), identity, peer_id, stage, now, now)
+        self._stages[stage].queue.append(entry)
+        return self._queued(entry, now)
 
     def _poll_entry(self, entry: QueueEntry, now: float) -> Decision:
         entry.last_seen = now

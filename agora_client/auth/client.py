@@ -1,7 +1,8 @@
 """Client side of the auth service: exchange a token for a slot, wait in the join queue, keep the slot.
 
 The token travels only in the body of ``POST /v1/join``; it is held in a ``Secret`` and never put
-into an event, a log line, an exception message or a repr.
+into an event, a log line, an exception message or a repr. It never goes over plain http:// to a host on the
+internet, nor does a snapshot come from one, unless the contributor passed ``--insecure`` (``transport.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from agora_client.events import AuthEvent, EventWriter, QueueEvent
 from .key_proof import sign_join
 from .reachability import DialResult
 from .secret import Secret
+from .transport import TOKEN_IN_CLEAR, WEIGHTS_IN_CLEAR, PlainHttpRefused, connection_failure, refuse_plain_http
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,7 @@ def authorize(
     announce: str | None = None,
     gpu_memory: int | None = None,
     peer_key: RSAPrivateKey | None = None,
+    insecure: bool = False,
 ) -> Authorization:
     """Join the swarm at ``swarm_url`` (the auth service); wait in its queue if it paces joins.
 
@@ -97,17 +100,22 @@ def authorize(
     admission and raises PeerUnreachable (no event: the caller diagnoses and retries) if it cannot connect.
     ``gpu_memory`` (bytes) lets the service assign only a stage that GPU can hold.
     ``peer_key``, the key ``peer_id`` is derived from, signs each join (the service may require that proof).
+    Plain http:// outside loopback and the private networks (the service, its snapshots) fails unless ``insecure``.
     Raises AuthRejected or AuthFailed (after emitting the matching event).
     """
     secret = Secret(token)
     base = swarm_url.rstrip("/")
     events.emit(AuthEvent(status="authorizing", peer_id=peer_id, message=f"Authorizing with {base}"))
+    try:
+        refuse_plain_http(base, insecure=insecure, what="the swarm's auth service", why=TOKEN_IN_CLEAR)
+    except PlainHttpRefused as error:
+        raise _fail(events, peer_id, str(error)) from None
     http = client or httpx.Client(timeout=timeout_s)
     try:
         attempt = _JoinAttempt(
             http=http, base=base, secret=secret, peer_id=peer_id, peer_key=peer_key, events=events,
             where=_listening_fields(port, announce, gpu_memory), poll_every=poll_every,
-            queue_log_every=queue_log_every, on_assigned=on_assigned, waiter=stop or threading.Event(),
+            queue_log_every=queue_log_every, on_assigned=on_assigned, waiter=stop or threading.Event(), insecure=insecure,
         )
         authorization = attempt.run()
     finally:
@@ -140,6 +148,7 @@ class _JoinAttempt:
     queue_log_every: float
     on_assigned: Callable[[StageAssignment], None] | None
     waiter: threading.Event
+    insecure: bool
     queued_since: float | None = None
     assigned: bool = False  # on_assigned was called
     last_queue_log: float = -float("inf")
@@ -150,6 +159,7 @@ class _JoinAttempt:
         reply = self._send_join()
         dial = reply.get("dial")  # only the join's reply carries it; polls come later
         reply = self._wait_in_queue(reply)
+        self._snapshot_url(reply)
         authorization = self._read_authorization(reply, dial)
         if self._stage_unannounced():
             self._announce_stage(StageAssignment(authorization.stage, authorization.snapshot_url))
@@ -164,11 +174,21 @@ class _JoinAttempt:
         while reply["status"] == "queued":
             self.queued_since = self.queued_since or time.monotonic()
             if self._stage_unannounced():
-                self._announce_stage(StageAssignment(reply["stage"], reply.get("snapshot_url")))
+                self._announce_stage(StageAssignment(reply["stage"], self._snapshot_url(reply)))
             self._log_queue_place(reply)
             self._sleep_until_next_poll(reply)
             reply = self._poll(reply)
         return reply
+
+    def _snapshot_url(self, reply: dict[str, Any]) -> Any:
+        """The snapshot URL the service handed out; plain http:// to the internet fails the join unless ``insecure``."""
+        url = reply.get("snapshot_url")
+        try:
+            if isinstance(url, str):
+                refuse_plain_http(url, insecure=self.insecure, what="the snapshot store", why=WEIGHTS_IN_CLEAR)
+        except PlainHttpRefused as error:
+            raise _fail(self.events, self.peer_id, str(error)) from None
+        return url
 
     def _stage_unannounced(self) -> bool:
         return self.on_assigned is not None and not self.assigned
@@ -238,6 +258,11 @@ def renew_ticket(swarm_url: str, ticket: str, *, client: httpx.Client | None = N
 def leave(swarm_url: str, ticket: str, *, client: httpx.Client | None = None, timeout_s: float = 30.0) -> bool:
     """Free the slot; True if the service still held it. ``timeout_s`` bounds the call when no client is given."""
     return bool(_call(swarm_url, "/v1/leave", {"ticket": ticket}, client, timeout_s).get("freed"))
+
+
+def call_service(swarm_url: str, path: str, body: dict[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
+    """POST ``body`` to one of the auth service's endpoints; its JSON answer, or AuthFailed saying why not."""
+    return _call(swarm_url, path, body, None, timeout_s)
 
 
 def swarm_status(swarm_url: str, *, client: httpx.Client | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
@@ -326,8 +351,7 @@ def _fail(events: EventWriter, peer_id: str, message: str) -> AuthFailed:
 
 
 def _unreachable_message(url: str, error: httpx.HTTPError) -> str:
-    # Only the error's class: its text may quote the request, and the request carries the token.
-    return f"could not reach the auth service at {url} ({type(error).__name__}); check the address and your network, then try again"
+    return f"could not reach the auth service at {url} ({connection_failure(error)}); check the address and your network, then try again"
 
 
 def _authorization(reply: dict[str, Any], base: str, waited_s: float, dial: Any) -> Authorization:

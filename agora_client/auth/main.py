@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Callable
 
 from agora_client.config import ConfigError, RunConfig, load_config
 from agora_client.data.tokenizer import TokenizerError, load_run_tokenizer
+from agora_client.http_service import Exposure, add_exposure_arguments, exposure_from_arguments
 from agora_client.system.lifetime import stop_on_signals
 
 from .admission import AdmissionPolicy
@@ -54,6 +56,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vanish-after", type=float, default=120.0,
                         help="free the slot of a peer absent from its stage's DHT roster this many seconds")
     parser.add_argument("--presence-every", type=float, default=30.0, help="seconds between two reads of the rosters")
+    add_exposure_arguments(parser)
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -109,17 +112,33 @@ def build_settings(args: argparse.Namespace, config: RunConfig) -> ServiceSettin
     )
 
 
+def _warn_if_tokens_travel_in_clear(host: str, exposure: Exposure) -> None:
+    if exposure.tls is None and not exposure.trusted_proxies and not _is_loopback(host):
+        print(f"[AUTH] warning: plain HTTP on {host}: contributors' Hugging Face tokens cross the network in clear text; "
+              "give --tls-cert and --tls-key, or serve behind a TLS proxy named with --trusted-proxy",
+              file=sys.stderr, flush=True)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def run(args: argparse.Namespace) -> int:
     stop = stop_on_signals()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config)
         settings = build_settings(args, config)
+        exposure = exposure_from_arguments(args)
         service = AuthService(settings, build_identity_source(args), args.state_dir)
-        server = AuthServer(service, args.host, args.port)
+        server = AuthServer(service, args.host, args.port, exposure=exposure)
     except (ConfigError, TokenizerError, IdentityError, ValueError, OSError) as error:
         print(f"[ERROR] cannot start the auth service: {error}", file=sys.stderr)
         return 2
+    _warn_if_tokens_travel_in_clear(args.host, exposure)
     stages, seeds, policy = config.model.stage_names, settings.seeds, settings.policy
     if len(seeds) < 2:
         print(f"[AUTH] warning: {len(seeds)} seed(s) given; give two or more (--seed) so joiners survive a seed going down",

@@ -22,6 +22,8 @@ import httpx
 from agora_client.config import ConfigError, RunConfig, parse_config
 from agora_client.data.tokenizer import MAX_TOKENIZER_BYTES, RunTokenizer, TokenizerError, from_served
 
+from .transport import connection_failure
+
 DESCRIPTION_VERSION = 1
 RUN_PATH = "/v1/run"
 TOKENIZER_PATH = "/v1/tokenizer"
@@ -137,7 +139,7 @@ def fetch_description(swarm_url: str, *, client: httpx.Client | None = None, tim
         response = http.get(url)
     except httpx.HTTPError as error:
         raise RunDescriptionError(
-            f"could not read the run description at {url} ({type(error).__name__}); check the swarm URL and your network"
+            f"could not read the run description at {url} ({connection_failure(error)}); check the swarm URL and your network"
         ) from None
     finally:
         if client is None:

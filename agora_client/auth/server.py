@@ -9,12 +9,15 @@ JSON API (every answer is a JSON object with ``status``):
   POST /v1/active  {ticket}                   -> 200 ok: the peer is up in the swarm (ends join pacing for it)
   POST /v1/renew   {ticket}                   -> 200 {ticket, expires_at}; 404 if the slot is gone
   POST /v1/leave   {ticket}                   -> 200 {freed: bool}
+  POST /v1/trainer/ticket {credential, peer_id} -> 200 {ticket, expires_at}: a trainer ticket for a live trainer
+                                              credential (trainer_credentials.py); 403 unknown or revoked
   GET  /v1/status                             -> occupancy per stage, capacity, queue length, public key, seeds
 Each client address may POST /v1/join and /v1/join/poll only so often (429 with Retry-After beyond that);
 a body over MAX_BODY_BYTES gets 413 (``AuthServer``, on the guarded front of ``agora_client.http_service``).
 
 The token is wrapped in ``Secret`` as soon as it is parsed; the service keeps only its keyed hash.
-A peer id is bound to the identity that first joined with it (``peer_bindings.json``); with
+Slots, queue places and peer bindings live in ``auth_state.sqlite3`` (state_store.py), committed per decision,
+so a restarted service carries on where it stopped. A peer id is bound to the identity that first joined with it; with
 ``dial_back`` on, a join is admitted only after the service connected to the joiner's port
 (``port`` at the address the request came from, or ``announce`` HOST:PORT when that host is it, or a port
 one of the run's relays holds for the joiner: then the joiner's libp2p host must answer through it);
@@ -37,16 +40,21 @@ from pathlib import Path
 from typing import Any, Callable
 
 from agora_client.data.tokenizer import sha256_of
-from agora_client.http_service import HttpService, RateLimit, Reply, Request, ServiceLimits, json_reply
+from agora_client.http_service import Exposure, HttpService, RateLimit, Reply, Request, ServiceLimits, json_reply
 
-from .admission import AdmissionPolicy, Decision, Queued, Rejected, SlotBook, UnknownQueueEntry
+from .admission import AdmissionPolicy, Decision, Queued, Rejected, UnknownQueueEntry
 from .bindings import PeerBindings
 from .key_proof import KeyProofError, check_join_proof
 from .reachability import AnnounceError, dial_back, parse_announce
 from .run_description import RunDescription
 from .identity import IdentitySource, IdentityUnavailable, InvalidToken
 from .secret import Secret, token_digest
-from .tickets import InvalidTicket, TicketClaims, issue_ticket, load_or_create_signing_key, public_key_text, verify_ticket
+from .state_store import AuthStateStore, open_book
+from .tickets import (
+    TRAINER, TRAINER_TICKET_TTL_S, InvalidTicket, TicketClaims, issue_ticket, load_or_create_signing_key, public_key_text,
+    verify_ticket,
+)
+from .trainer_credentials import CredentialRefused, TrainerCredentials
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +101,7 @@ class RequestError(Exception):
 class AuthService:
     """The service's state and logic; ``AuthServer`` puts it on HTTP.
 
-    ``state_dir`` holds the signing key, the secret that salts token hashes (both mode 0600)
+    ``state_dir`` holds the signing key, the secret that salts token hashes, the state database (all mode 0600)
     and ``joins.jsonl``, an audit line per join decision.
     """
 
@@ -106,8 +114,10 @@ class AuthService:
         self.key = load_or_create_signing_key(self.state_dir / "signing_key.pem")
         self.public_key = public_key_text(self.key)
         self._hash_key = _load_or_create_secret(self.state_dir / "token_hash.key")
-        self.book = SlotBook(settings.policy)
-        self.bindings = PeerBindings(self.state_dir / "peer_bindings.json")
+        self.store = AuthStateStore(self.state_dir / "auth_state.sqlite3")
+        self.book = open_book(self.store, settings.policy, time.time())
+        self.bindings = PeerBindings(self.store, legacy_file=self.state_dir / "peer_bindings.json")
+        self.trainer_credentials = TrainerCredentials(self.state_dir)
         self._identity_cache: dict[str, tuple[str, float]] = {}
         self._audit_lock = threading.Lock()
 
@@ -232,7 +242,7 @@ class AuthService:
             decision = self.book.poll(queue_id, peer_id, now)
         except UnknownQueueEntry:
             raise RequestError(
-                HTTPStatus.NOT_FOUND, "this place in the join queue is gone (not polled in time, or the service restarted); join again"
+                HTTPStatus.NOT_FOUND, "this place in the join queue is gone (not polled in time, or already admitted); join again"
             ) from None
         return self._answer(decision, now, None)
 
@@ -263,6 +273,22 @@ class AuthService:
         if freed:
             log.info("peer %s of %s left stage %s slot %d", claims.peer_id, claims.identity, claims.stage, claims.slot)
         return HTTPStatus.OK, {"status": "ok", "freed": freed}
+
+    def trainer_ticket(self, body: dict[str, Any]) -> tuple[HTTPStatus, dict[str, Any]]:
+        """A trainer ticket for ``peer_id`` in exchange for a live trainer credential (held by the operator's
+        trainers on other hosts, which then need no signing key)."""
+        credential, peer_id = Secret(_field(body, "credential", str)), _peer_id(body)
+        del body["credential"]
+        try:
+            name = self.trainer_credentials.holder(credential)
+        except CredentialRefused as error:
+            self._audit("trainer_refused", peer_id=peer_id)
+            raise RequestError(HTTPStatus.FORBIDDEN, str(error)) from None
+        now = time.time()
+        ticket = issue_ticket(self.key, identity=f"trainer:{name}", peer_id=peer_id, stage=TRAINER, slot=0,
+                              ttl_s=TRAINER_TICKET_TTL_S, now=now, role=TRAINER)
+        self._audit("trainer_ticket", credential=name, peer_id=peer_id)
+        return HTTPStatus.OK, {"status": "ok", "ticket": ticket, "expires_at": now + TRAINER_TICKET_TTL_S}
 
     def status(self) -> dict[str, Any]:
         stages = self.book.occupancy(time.time())
@@ -356,18 +382,22 @@ class AuthServer:
     """``AuthService`` on the guarded HTTP front (``agora_client.http_service``); ``url`` once constructed.
 
     Every client address gets ``join_rate`` on POST /v1/join and ``poll_rate`` on POST /v1/join/poll (429 with
-    Retry-After beyond them); ``limits`` sets the timeouts, connection caps and body size limit.
+    Retry-After beyond them); ``limits`` sets the timeouts, connection caps and body size limit. ``exposure``: TLS,
+    and the reverse proxies whose X-Forwarded-For names the client (rate limits, the dial-back target and the
+    audit log take that address).
     """
 
     def __init__(
         self, service: AuthService, host: str = "127.0.0.1", port: int = 0, *,
         limits: ServiceLimits = AUTH_LIMITS, join_rate: RateLimit = JOIN_RATE, poll_rate: RateLimit = POLL_RATE,
+        exposure: Exposure = Exposure(),
     ):
         self.service = service
         self._http = HttpService(
             self._answer, host, port, name="auth-http", limits=limits,
             rate_limits={("POST", "/v1/join"): join_rate, ("POST", "/v1/join/poll"): poll_rate},
             quick_routes=[("GET", "/v1/status"), ("GET", "/v1/run"), ("GET", "/v1/tokenizer")],
+            exposure=exposure,
         )
 
     @property
@@ -418,14 +448,15 @@ class AuthServer:
         method = _POSTS.get(request.path)
         if method is None:
             raise RequestError(HTTPStatus.NOT_FOUND, f"no such endpoint: POST {request.path}")
-        if method == "join":  # the dial-back goes to the address the join came from
+        if method == "join":  # the dial-back goes to the address the join came from (behind a trusted proxy: its client)
             status, payload = self.service.join(_json_body(request.body), source=request.source)
         else:
             status, payload = getattr(self.service, method)(_json_body(request.body))
         return json_reply(status, payload)
 
 
-_POSTS = {"/v1/join": "join", "/v1/join/poll": "poll", "/v1/active": "active", "/v1/renew": "renew", "/v1/leave": "leave"}
+_POSTS = {"/v1/join": "join", "/v1/join/poll": "poll", "/v1/active": "active", "/v1/renew": "renew", "/v1/leave": "leave",
+          "/v1/trainer/ticket": "trainer_ticket"}
 
 
 def _json_body(raw: bytes) -> dict[str, Any]:

@@ -22,6 +22,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 TICKET_VERSION = 1
 _MAX_TICKET_CHARS = 4096
 ROLES = ("worker", "trainer")  # a worker serves one stage; a trainer (operator) calls forward / backward
+TRAINER = "trainer"  # a trainer's ticket names this role, and this stage where a worker's names its stage
+TRAINER_TICKET_TTL_S = 3600.0
 
 
 class InvalidTicket(ValueError):

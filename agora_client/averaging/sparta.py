@@ -10,6 +10,8 @@ rounds cannot fit between two rounds at its measured link.
 Training keeps stepping while a round is in flight, so the result is applied as a delta:
 param_slice += averaged - sent, where a compressed payload's average leaves out what compression dropped
 from this peer's part (the next round over the slice sends it). Optimizer moments stay local.
+Every round that averaged reports its drift: how far this worker's slice was from the group's average
+before the update, and is right after it (drift.py).
 
 Matchmaking: every round has its own group key, so workers on different rounds never meet. The first
 worker of the stage to reach a round leads it and waits up to ``2 x matchmaking_time`` for the others
@@ -48,6 +50,7 @@ from hivemind.utils import get_dht_time
 
 from agora_client.averaging.bounds import bounded, bounded_weight
 from agora_client.averaging.compression import SlicePayload
+from agora_client.averaging.drift import SliceDrift, relative_l2
 from agora_client.averaging.group_admission import GroupAdmission
 from agora_client.averaging.link_timing import MIN_RATE, LinkMeter, LinkRates, butterfly_bytes, round_timing
 from agora_client.averaging.partition import StridedPartition, partition_of
@@ -75,6 +78,10 @@ class RoundReport:
     allreduce_s: float = 0.0  # the all-reduce alone, matchmaking excluded
     notice: str | None = None  # said once: rounds of this size cannot fit between two rounds at the measured link
     uplink: str | None = None  # what this worker's uplink probe measured after the round, or why it could not
+    # relative L2 of this worker's slice from the group's average, before and after the update (drift.py); None:
+    # no average came back, or it was not a number
+    drift_before: float | None = None
+    drift_after: float | None = None
 
     def to_event(self, layout: StridedPartition) -> SpartaEvent:
         """The round as an event; ``layout`` (the averager's ``partition``) says what share of the stage its slice is."""
@@ -91,6 +98,8 @@ class RoundReport:
             reason=self.reason,
             partitions=layout.num_partitions,
             stage_share=layout.slice_size(self.partition) / layout.total if layout.total else None,
+            drift_before=self.drift_before,
+            drift_after=self.drift_after,
         )
 
 
@@ -333,7 +342,7 @@ class SpartaAverager:
             buffer.zero_()
             buffer[: sent.numel()].copy_(outgoing)
         self._averager.reset_traffic()
-        group_size, fraction, suspects, allreduce_s = 0, 0.0, {}, 0.0
+        group_size, fraction, suspects, allreduce_s, drift = 0, 0.0, {}, 0.0, SliceDrift(None, None)
         try:
             outcome = self._match_and_average(flight, round_no, weight)
         except Exception as error:
@@ -342,7 +351,7 @@ class SpartaAverager:
             group_size, reason, allreduce_s = outcome.group_size, outcome.skipped, outcome.allreduce_s
             suspects = outcome.screen.suspects if outcome.screen is not None else {}
             if reason is None:
-                fraction, reason = self._apply_average(part, sent, outgoing, outcome)
+                fraction, reason, drift = self._apply_average(part, sent, outgoing, outcome)
         bytes_sent, bytes_received = self._averager.traffic_bytes()
         probed = None
         if reason is None:  # a whole round measures the link; a partial one was cut short by someone's failure
@@ -363,6 +372,8 @@ class SpartaAverager:
             allreduce_s=allreduce_s,
             notice=self._fit_notice(flight.interval_s, group_size),
             uplink=probed,
+            drift_before=drift.before,
+            drift_after=drift.after,
         ))
 
     def _fit_notice(self, interval_s: float | None, group_size: int) -> str | None:
@@ -397,20 +408,24 @@ class SpartaAverager:
 
     def _apply_average(
         self, part: int, sent: torch.Tensor, outgoing: torch.Tensor, outcome: RoundOutcome
-    ) -> tuple[float, str | None]:
-        """Add (averaged - sent) to the slice; returns the share of it averaged with another peer, and why not all.
-        ``outgoing``: what the buffer held, i.e. ``sent`` plus the residual of a lossy payload."""
+    ) -> tuple[float, str | None, SliceDrift]:
+        """Add (averaged - sent) to the slice; returns the share of it averaged with another peer, why not all, and
+        the slice's drift from the group's average. ``outgoing``: ``sent`` plus the residual of a lossy payload."""
         size, unshared = sent.numel(), outcome.unshared
         with self._averager.get_tensors() as (buffer,):
             delta = self._payload.averaged(part, outgoing, buffer[:size], outcome.local_parts) - sent
         broken = ~torch.isfinite(delta)  # a part whose only surviving senders had weight 0 divides by zero
         delta[broken] = 0.0
+        average, applied = sent + delta, torch.empty_like(sent)
         with self._lock:
             self.partition.add_(self._parameters, part, delta)
+            self.partition.gather(self._parameters, part, applied)
+        drift = SliceDrift(relative_l2(sent, average), relative_l2(applied, average))
         averaged = size - min(size, unshared + int(broken.sum()))
         if averaged < size:
-            return averaged / size, f"{size - averaged} of {size} elements kept their local values: a peer dropped out"
-        return 1.0, None
+            kept = f"{size - averaged} of {size} elements kept their local values: a peer dropped out"
+            return averaged / size, kept, drift
+        return 1.0, None, drift
 
     def _run_step(self, flight: _Flight, gather: dict, weight: float) -> RoundOutcome:
         """Matchmaking and all-reduce in hivemind's process."""

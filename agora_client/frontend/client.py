@@ -95,7 +95,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-port", type=int, help="TCP port peers reach the worker on (default: 49200 + GPU number)")
     parser.add_argument("--announce-addr", metavar="HOST:PORT", help="public address to announce behind a NAT or remapped port")
     parser.add_argument("--no-port-mapping", dest="port_mapping", action="store_false",
-                        help="do not ask the home router to forward the worker's port (UPnP)")
+                        help="do not ask the home router to forward the worker's port (UPnP or NAT-PMP)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow plain http:// to a swarm outside this machine and the private networks "
+                             "(your token then crosses the internet in clear text)")
+    parser.add_argument("--ca-cert", type=Path, metavar="PEM",
+                        help="also trust this CA certificate for the swarm's https:// services (a swarm's own CA; "
+                             "SSL_CERT_FILE works too, in place of the usual CAs)")
     parser.add_argument(
         "--retry-every", metavar="SECONDS", type=_positive_seconds, default=DEFAULT_RETRY_EVERY_S,
         help=f"while the swarm cannot reach this worker, ask again this often (default: {DEFAULT_RETRY_EVERY_S:.0f}; r in the app: now)",
@@ -112,7 +118,7 @@ def _command(args: argparse.Namespace, token: str, swarm: str, gpu: int | None, 
     return runtime_command(
         token=token, swarm=swarm, gpu=gpu, cpu=args.cpu, config_dir=config_dir, monitor=args.monitor,
         host_port=args.host_port, announce_addr=args.announce_addr, port_mapping=args.port_mapping,
-        retry_every=args.retry_every,
+        retry_every=args.retry_every, insecure=args.insecure, ca_cert=args.ca_cert,
     )
 
 

@@ -86,13 +86,20 @@ def percent(share: float) -> str:
 
 def averaged_text(event: SpartaEvent) -> str:
     """What a SPARTA round averaged, as a share of the stage: "partition 10 of 20 (5% of the stage)"; a round whose
-    slice came back only in part says how much of it: "80% of partition 10 of 20 (4% of the stage)"."""
+    slice came back only in part says how much of it: "80% of partition 10 of 20 (4% of the stage)"; a round that
+    measured its drift from the group's average says it before and after the update: "(5% of the stage; drift
+    3.12% -> 0.02%)"."""
     what = f"partition {event.partition}" + (f" of {event.partitions}" if event.partitions else "")
     if event.fraction < 1:
         what = f"{percent(event.fraction)} of {what}"
-    if event.stage_share is None:  # a runtime from before the event said it
-        return what
-    return f"{what} ({percent(event.fraction * event.stage_share)} of the stage)"
+    notes = [] if event.stage_share is None else [f"{percent(event.fraction * event.stage_share)} of the stage"]
+    if event.drift_before is not None and event.drift_after is not None:  # None: a runtime from before drift
+        notes.append(f"drift {_drift_percent(event.drift_before)} -> {_drift_percent(event.drift_after)}")
+    return f"{what} ({'; '.join(notes)})" if notes else what
+
+
+def _drift_percent(drift: float) -> str:
+    return "<0.01%" if 0 < drift < 1e-4 else percent(drift)
 
 
 def short_peer_id(peer_id: str) -> str:
@@ -293,9 +300,9 @@ class LineFormatter:
 
 
 MAPPING = {  # the router's answer to the port mapping request, in words
-    "mapped": "your router forwards the port (UPnP)",
+    "mapped": "your router forwards the port",
     "refused": "your router refused to forward the port",
-    "not offered": "no router offered port mapping (UPnP)",
+    "not offered": "no router offered port mapping (UPnP or NAT-PMP)",
     "off": "port mapping off",
 }
 

@@ -63,9 +63,11 @@ def runtime_command(
     announce_addr: str | None = None,
     port_mapping: bool = True,
     retry_every: float | None = None,
+    insecure: bool = False,
+    ca_cert: Path | None = None,
 ) -> ChildCommand:
     """The real runtime: ``agora runtime [--swarm URL] [--gpu N | --cpu] [--config-dir D] [--monitor URL] [--host-port P]
-    [--announce-addr HOST:PORT] [--no-port-mapping] [--retry-every S]``, token in HF_TOKEN."""
+    [--announce-addr HOST:PORT] [--no-port-mapping] [--retry-every S] [--insecure] [--ca-cert PEM]``, token in HF_TOKEN."""
     root = str(Path(agora_client.__file__).resolve().parent.parent)
     argv = [sys.executable, "-c", _BOOTSTRAP.format(root=root), "runtime"]
     if swarm:
@@ -86,6 +88,10 @@ def runtime_command(
         argv += ["--no-port-mapping"]
     if retry_every is not None:
         argv += ["--retry-every", repr(float(retry_every))]
+    if insecure:
+        argv += ["--insecure"]
+    if ca_cert is not None:
+        argv += ["--ca-cert", str(ca_cert)]
     return ChildCommand(tuple(argv), {"HF_TOKEN": token, "PYTHONUNBUFFERED": "1"})
 
 

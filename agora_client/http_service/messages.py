@@ -19,7 +19,7 @@ class Request:
     """Case-insensitive."""
     body: bytes
     source: str
-    """The client's address (what the auth service dials back)."""
+    """The client's address (what the auth service dials back): behind a trusted proxy, the one it forwarded for."""
 
 
 @dataclass

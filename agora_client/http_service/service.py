@@ -3,7 +3,9 @@
 The handler runs in a bounded thread pool (the auth service's handlers block: a dial-back waits seconds, an
 identity lookup makes an HTTP call), so the event loop only moves bytes and keeps answering. Per request the
 loop applies the rate limit of its route, the body size limit and the body read timeout before the handler
-sees anything; per connection the guards of ``guard.py`` apply.
+sees anything; per connection the guards of ``guard.py`` apply. ``exposure`` adds TLS (the guard runs the
+handshake) and the trusted proxies through which a request's source address is resolved (``forwarded.py``):
+rate limits, the handler's ``Request.source`` and the log all see the client, not its proxy.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from http import HTTPStatus
 
 from aiohttp import web
 
+from .exposure import Exposure
 from .guard import ConnectionGuard, ConnectionTable
 from .limits import RateLimit, RateLimiter, ServiceLimits, connection_cap, raise_open_file_limit, retry_after_header
 from .messages import Reply, Request, json_reply
@@ -39,16 +42,18 @@ class HttpService:
 
     ``rate_limits`` maps (method, path) to the ``RateLimit`` each client address gets on that route.
     ``quick_routes`` (method, path) never block: they get handler threads of their own, so that handlers blocked
-    elsewhere (a dial-back, a write to disk) never hold them up.
+    elsewhere (a dial-back, a write to disk) never hold them up. ``exposure``: TLS and trusted reverse proxies.
     """
 
     def __init__(
         self, handler: Callable[[Request], Reply], host: str, port: int, *, name: str,
         limits: ServiceLimits = ServiceLimits(), rate_limits: Mapping[tuple[str, str], RateLimit] | None = None,
-        quick_routes: Collection[tuple[str, str]] = (),
+        quick_routes: Collection[tuple[str, str]] = (), exposure: Exposure = Exposure(),
     ):
-        self.handler, self.name, self.limits = handler, name, limits
-        self._table = ConnectionTable(connection_cap(limits, raise_open_file_limit()), limits.max_connections_per_address)
+        self.handler, self.name, self.limits, self.exposure = handler, name, limits, exposure
+        self._table = ConnectionTable(
+            connection_cap(limits, raise_open_file_limit()), limits.max_connections_per_address, exposure.trusted_proxies,
+        )
         self._limiters = {route: RateLimiter(limit) for route, limit in (rate_limits or {}).items()}
         self._socket = _listening_socket(host, port)
         self.address: tuple[str, int] = self._socket.getsockname()[:2]
@@ -65,7 +70,7 @@ class HttpService:
     @property
     def url(self) -> str:
         host, port = self.address
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        return f"{self.exposure.scheme}://[{host}]:{port}" if ":" in host else f"{self.exposure.scheme}://{host}:{port}"
 
     @property
     def open_connections(self) -> int:
@@ -93,7 +98,7 @@ class HttpService:
             lingering_time=self.limits.body_timeout_s,
         )
         server = await self._loop.create_server(
-            lambda: ConnectionGuard(protocol, self._table, self.limits.header_timeout_s),
+            lambda: ConnectionGuard(protocol, self._table, self.limits.header_timeout_s, self.exposure.tls),
             sock=self._socket, backlog=LISTEN_BACKLOG,
         )
         self._serving.set()
@@ -106,17 +111,20 @@ class HttpService:
         guard = request.transport.get_protocol() if request.transport is not None else None
         if isinstance(guard, ConnectionGuard):
             guard.head_received()
+        source = self.exposure.trusted_proxies.client_address(
+            request.remote or "unknown", request.headers.getall("X-Forwarded-For", ()),
+        )
         try:
-            response = await self._answer(request)
+            response = await self._answer(request, source)
         finally:
             if isinstance(guard, ConnectionGuard):
                 guard.request_done()
         # Method, path and status only: bodies (where tokens travel) and query strings (signatures) are never logged.
-        log.debug("%s: %s %s %s -> %d", self.name, request.remote, request.method, request.path, response.status)
+        log.debug("%s: %s %s %s -> %d", self.name, source, request.method, request.path, response.status)
         return response
 
-    async def _answer(self, request: web.BaseRequest) -> web.StreamResponse:
-        source = request.remote or "unknown"
+    async def _answer(self, request: web.BaseRequest, source: str) -> web.StreamResponse:
+        """The handler's answer, or the front's refusal; ``source`` is the client's address (through trusted proxies)."""
         limiter = self._limiters.get((request.method, request.path))
         wait_s = limiter.wait_s(source) if limiter is not None else 0.0
         if wait_s > 0:

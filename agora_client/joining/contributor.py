@@ -35,6 +35,7 @@ from agora_client.auth.run_description import (
 from agora_client.auth.ticket_source import HeldTicket
 from agora_client.events import EventWriter, QueueEvent, ReachabilityEvent
 from agora_client.monitor.estimate import estimate_points, fetch_confirmed, fetch_rank
+from agora_client.monitor.leaderboard_cli import contributor_url
 from agora_client.monitor.records import MetricsRecord, publish_metrics, signed_dht_kwargs
 from agora_client.snapshots import download_snapshot
 from agora_client.discovery.dht import connect_dht
@@ -49,6 +50,7 @@ from agora_client.trainer.progress import fetch_progress, swarm_event
 from agora_client.joining.peer_key import key_path, load_or_create_peer_key, peer_id_of
 from agora_client.joining.preflight import machine_checks, reachability_result
 from agora_client.joining.preparation import StagePreparation
+from agora_client.joining.swarm_view import StageWatch
 from agora_client.worker.sync import NAMES
 from agora_client.serving.traffic import TrafficWindow
 
@@ -80,6 +82,7 @@ class ContributorOptions:
     announce_addr: str | None = None  # HOST:PORT other peers should dial, when a NAT or cloud remaps the port
     port_mapping: bool = True  # ask the home router to forward the port (UPnP or NAT-PMP)
     retry_every: float = 30.0  # seconds between join attempts while the worker is unreachable
+    insecure: bool = False  # allow plain http:// to the swarm and its snapshots outside loopback and private networks
 
     @property
     def device_name(self) -> str:
@@ -122,6 +125,7 @@ class Contributor:
         self.ticket = HeldTicket("")
         self._dht = None
         self.path: NetworkPath | None = None
+        self.stage_watch = StageWatch(options.swarm_url, options.run.config.model.stage_names)  # the app's swarm view
 
     def run(self, token: str) -> None:
         """Join and serve until stopped; returns early when stopped before the worker is active."""
@@ -231,7 +235,8 @@ class Contributor:
             metrics.on_forward(tokens) if kind == "forward" else metrics.on_backward(tokens)
 
         node.add_request_hook(count)
-        node.add_round_hook(lambda report: metrics.on_sparta_round(report.ok, report.fraction))
+        node.add_round_hook(lambda report: metrics.on_sparta_round(
+            report.ok, report.fraction, report.drift_before, report.drift_after))
         return metrics
 
     def _start_node(self, node: WorkerNode) -> None:
@@ -272,6 +277,7 @@ class Contributor:
                 auth = authorize(
                     options.swarm_url, token, identity.peer_id, events=self.events, on_assigned=on_assigned,
                     stop=self.stop, port=port, announce=announce, gpu_memory=gpu_memory, peer_key=identity.key,
+                    insecure=options.insecure,
                 )
             except PeerUnreachable as error:
                 self._say_unreachable(error.dial, port)
@@ -353,19 +359,22 @@ class Contributor:
             self.events.log(f"could not re-read the run description: {error}", tag="WARNING", level="warning")
 
     def _report_swarm(self, node: WorkerNode) -> None:
+        """The swarm's learning (trainers' records) and each stage's workers, queue and spot checks."""
         try:
             records = fetch_progress(node.dht)
+            stages = self.stage_watch.read(node.dht, records)
         except Exception as error:  # a DHT hiccup: the next read retries
             self.events.log(f"could not read the trainers' progress: {error}", level="debug")
             return
-        self.events.emit(swarm_event(records))
+        self.events.emit(swarm_event(records).model_copy(update={"stage": node.options.stage, "stages": stages}))
 
     def _standing(self, node: WorkerNode) -> dict:
         """The monitor's confirmed points and leaderboard place of this peer (nothing without a monitor)."""
         monitor_url = self.options.monitor_url
         if not monitor_url or self.auth is None:
             return {}
-        return {"confirmed": fetch_confirmed(monitor_url, node.peer_id), "rank": fetch_rank(monitor_url, self.auth.identity)}
+        return {"confirmed": fetch_confirmed(monitor_url, node.peer_id), "rank": fetch_rank(monitor_url, self.auth.identity),
+                "page_url": contributor_url(monitor_url, self.auth.identity)}
 
     def _renew_ticket(self, metrics: WorkerMetrics) -> None:
         auth = self.auth

@@ -17,6 +17,7 @@ def estimate_points(
     *,
     confirmed: float | None = None,
     rank: tuple[int, int] | None = None,
+    page_url: str | None = None,
 ) -> PointsEvent:
     """Presence and compute points of this peer alone (PFLOPs), as the monitor would credit them.
 
@@ -35,7 +36,8 @@ def estimate_points(
         rate = max(0.0, gained / hours)
     place, ranked = rank if rank is not None else (None, None)
     return PointsEvent(
-        presence=presence, compute=compute, rate_per_hour=rate, confirmed=confirmed, rank=place, ranked=ranked
+        presence=presence, compute=compute, rate_per_hour=rate, confirmed=confirmed, rank=place, ranked=ranked,
+        page_url=page_url,
     )
 
 

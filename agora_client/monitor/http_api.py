@@ -11,6 +11,11 @@
                             curve, every point the trainers' progress records carried since the monitor's first
                             scrape, all trainers merged, oldest first (eval_loss: the held-out evaluations)
   GET /health            -> {"status": "ok", "peers": n}
+  GET /swarm             -> the run's name and model, contributors (online), and the latest scrape's summary: tokens/s,
+                            tokens seen, per stage workers active / syncing / queued, SPARTA success, spot checks
+  GET /identities/<name> -> one contributor: standing, peers, withheld compute and why, points over time; 404 if unknown
+The public page (agora_client/monitor/page): GET / (the swarm), GET /contributors/<name> (one contributor), and its
+files under GET /static/; it polls the JSON above.
 Scores are in PFLOPs.
 """
 
@@ -24,7 +29,8 @@ from http import HTTPStatus
 from typing import Any
 from urllib.parse import unquote
 
-from agora_client.http_service import HttpService, Reply, Request, ServiceLimits, json_reply
+from agora_client.http_service import Exposure, HttpService, Reply, Request, ServiceLimits, json_reply
+from agora_client.monitor.page import PageFiles, RunInfo, contributor_name, contributor_view, swarm_view
 from agora_client.monitor.points import PFLOP, PeerState
 from agora_client.monitor.store import PointsStore
 
@@ -54,14 +60,15 @@ def peer_points(peer: PeerState, now: float, store: PointsStore) -> dict[str, An
 
 class LeaderboardServer:
     """Serves the store's leaderboard on the guarded HTTP front (``agora_client.http_service``); ``url`` is its base
-    address. Bound on construction, serving after ``start()``."""
+    address. Bound on construction, serving after ``start()``; ``exposure``: TLS and trusted reverse proxies."""
 
     def __init__(
         self, store: PointsStore, host: str = "127.0.0.1", port: int = 0, *, clock: Callable[[], float] = time.time,
-        limits: ServiceLimits = MONITOR_LIMITS,
+        limits: ServiceLimits = MONITOR_LIMITS, run: RunInfo | None = None, exposure: Exposure = Exposure(),
     ):
-        self.store, self.clock = store, clock
-        self._http = HttpService(self._answer, host, port, name="leaderboard-http", limits=limits)
+        self.store, self.clock, self.run = store, clock, run
+        self._page = PageFiles()
+        self._http = HttpService(self._answer, host, port, name="leaderboard-http", limits=limits, exposure=exposure)
 
     @property
     def url(self) -> str:
@@ -97,7 +104,28 @@ class LeaderboardServer:
                 return json_reply(HTTPStatus.OK, store.learning())
             if path == "/health":
                 return json_reply(HTTPStatus.OK, {"status": "ok", "peers": len(store.peers())})
+            page = self._page_reply(request, path, now)
+            if page is not None:
+                return page
             return json_reply(HTTPStatus.NOT_FOUND, {"error": f"no such endpoint: GET {path}; try /leaderboard"})
         except Exception:  # the service keeps running; the client gets one line, the log the traceback
             log.exception("internal error answering GET %s", path)
             return json_reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": "internal error in the monitor; try again later"})
+
+    def _page_reply(self, request: Request, path: str, now: float) -> Reply | None:
+        """The public page's files and JSON views; None for a path that is none of them."""
+        if path == "/":
+            return self._page.html("index.html")
+        if path == "/swarm":
+            return json_reply(HTTPStatus.OK, swarm_view(self.store, self.run, now))
+        if path.startswith("/static/"):
+            return self._page.static(path)
+        if (name := contributor_name(request.target, "/contributors/")) is not None:
+            known = any(row.username == name for row in self.store.leaderboard(now))
+            return self._page.html("contributor.html", HTTPStatus.OK if known else HTTPStatus.NOT_FOUND)
+        if (name := contributor_name(request.target, "/identities/")) is not None:
+            view = contributor_view(self.store, name, now)
+            if view is None:
+                return json_reply(HTTPStatus.NOT_FOUND, {"error": f"no verified metrics from a peer of {name} yet"})
+            return json_reply(HTTPStatus.OK, view)
+        return None

@@ -1,4 +1,5 @@
-"""`agora leaderboard`: print the monitor's leaderboard as a table."""
+"""`agora leaderboard`: print the monitor's leaderboard as a table, with the address of the swarm's public page and of
+each contributor's page (``contributor_url``; with ``--json`` every row carries its ``url``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import json
 import sys
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -20,9 +22,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the monitor")
 
 
+def monitor_base_url(url: str) -> str:
+    return url.rstrip("/").removesuffix("/leaderboard")
+
+
 def leaderboard_url(url: str) -> str:
-    url = url.rstrip("/")
-    return url if url.endswith("/leaderboard") else f"{url}/leaderboard"
+    return f"{monitor_base_url(url)}/leaderboard"
+
+
+def contributor_url(url: str, username: str) -> str:
+    """The public page of one contributor on the monitor at ``url`` (its base or /leaderboard URL)."""
+    return f"{monitor_base_url(url)}/contributors/{quote(username, safe='')}"
 
 
 def fetch_rows(url: str, timeout: float = 10.0) -> list[dict[str, Any]]:
@@ -79,5 +89,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"[LEADERBOARD] {error}", file=sys.stderr)
         return 1
-    print(json.dumps(rows, indent=2) if args.json else format_table(rows))
+    if args.json:
+        print(json.dumps([{**row, "url": contributor_url(args.url, str(row.get("username", "")))} for row in rows], indent=2))
+        return 0
+    print(format_table(rows))
+    if rows:
+        base, first = monitor_base_url(args.url), str(rows[0].get("username", ""))
+        print(f"\nThe swarm's page: {base}/\nEach contributor's page: {base}/contributors/<user>, "
+              f"e.g. {contributor_url(args.url, first)}")
     return 0

@@ -12,7 +12,9 @@ import httpx
 
 from agora_client.auth.tickets import load_public_key
 from agora_client.config import ConfigError, load_config
+from agora_client.http_service import Exposure, add_exposure_arguments, exposure_from_arguments
 from agora_client.monitor.http_api import LeaderboardServer
+from agora_client.monitor.page import run_info
 from agora_client.monitor.points import PointsPolicy
 from agora_client.monitor.scraper import Scraper
 from agora_client.monitor.store import PointsStore
@@ -39,6 +41,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--identity-cap", type=int, default=2, help="peers of one identity that earn at a time")
     parser.add_argument("--online-window", type=float, default=None,
                         help="seconds without a record after which a peer is offline (default: max(90, 3 x interval))")
+    add_exposure_arguments(parser)
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -62,21 +65,23 @@ def auth_public_key(args: argparse.Namespace) -> str:
     return text
 
 
-def _check(args: argparse.Namespace) -> None:
+def _check(args: argparse.Namespace) -> Exposure:
+    """The TLS and trusted proxies the flags ask for, once they are checked (ValueError says what to fix)."""
     if not args.initial_peers:
         raise ValueError("give --initial-peers MULTIADDR [...]: the monitor reads the metrics from the swarm's DHT")
     if args.interval <= 0:
         raise ValueError(f"--interval must be positive, got {args.interval}")
     if args.identity_cap < 1:
         raise ValueError(f"--identity-cap must be at least 1, got {args.identity_cap}")
+    return exposure_from_arguments(args)
 
 
 def run(args: argparse.Namespace) -> int:
     stop = stop_on_signals()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        _check(args)
-        stages = load_config(args.config).model.stage_names
+        exposure = _check(args)
+        stages = (config := load_config(args.config)).model.stage_names
         if args.stages:
             wanted = tuple(name.strip() for name in args.stages.split(",") if name.strip())
             unknown = [name for name in wanted if name not in stages]
@@ -90,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[MONITOR] cannot start the monitor: {error}", file=sys.stderr)
         return 2
     try:
-        server = LeaderboardServer(store, args.host, args.port)
+        server = LeaderboardServer(store, args.host, args.port, run=run_info(config), exposure=exposure)
     except OSError as error:
         print(f"[MONITOR] cannot listen on {args.host}:{args.port}: {error}; pick another --port", file=sys.stderr)
         store.close()
@@ -104,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         store.close()
         return 2
 
-    scraper = Scraper(dht, stages, store, public_key)
+    scraper = Scraper(dht, stages, store, public_key, auth_url=args.auth_url)
     server.start()
     print(f"{READY_PREFIX}{server.url}/leaderboard", flush=True)
     print(f"[MONITOR] scraping {', '.join(stages)} every {args.interval:g}s into {args.db}", flush=True)

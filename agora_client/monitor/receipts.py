@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from agora_client.discovery.signed_records import RECEIPTS_KEY, Receipt
 from agora_client.monitor.signatures import check_signed
-from agora_client.monitor.verdicts import TRAINER_ROLE
+from agora_client.auth.tickets import TRAINER as TRAINER_ROLE
 
 
 def check_receipt(subkey: object, value: object, auth_public_key: str, *, now: float | None = None) -> Receipt:

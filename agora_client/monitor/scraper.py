@@ -1,7 +1,8 @@
 """One scrape: read the stages' metrics records from the DHT, keep the verified ones, credit them as far as
 ticketed trainers' receipts vouch for them (a claim far over its receipts is logged once); withhold the
 compute points of workers that a ticketed trainer's verdict names; keep the points of the trainers' loss and
-eval-loss curves from their progress records."""
+eval-loss curves from their progress records; and the swarm's summary for the public page (monitor/swarm_summary.py),
+with the auth service's queue lengths when the monitor knows its URL."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from agora_client.monitor.points import Observation, PeerState
 from agora_client.monitor.receipts import fetch_receipts
 from agora_client.monitor.records import VerifiedRecord, fetch_metrics
 from agora_client.monitor.store import PointsStore
+from agora_client.monitor.swarm_summary import TokenTally, fetch_queued, summarize
 from agora_client.monitor.verdicts import fetch_verdicts
 
 log = logging.getLogger(__name__)
@@ -48,10 +50,13 @@ class Scraper:
         auth_public_key: str,
         *,
         clock: Callable[[], float] = time.time,
+        auth_url: str | None = None,
     ) -> None:
         self.dht, self.stages, self.store = dht, tuple(stages), store
         self.auth_public_key = auth_public_key
         self.clock = clock
+        self.auth_url = auth_url
+        self._tokens = TokenTally()
         self._reported: set[str] = set()  # reject reasons already logged, so a replayed forgery logs once
         self._flagged: set[str] = set()  # peers whose over-claim was logged
 
@@ -72,7 +77,10 @@ class Scraper:
         observations = [observation_of(item, now) for item in verified]
         records = {item.record.peer_id: item.record.model_dump_json(exclude={"ticket"}) for item in verified}
         updated = self.store.record_scrape(observations, records, now)
-        self.store.record_learning(learning_points(fetch_progress(self.dht)))
+        progress = fetch_progress(self.dht)
+        self.store.record_learning(learning_points(progress))
+        queued = fetch_queued(self.auth_url) if self.auth_url else None
+        self.store.set_summary(summarize(self.stages, [item.record for item in verified], progress, queued, self._tokens, now))
         self._flag_over_claims()
         return updated
 

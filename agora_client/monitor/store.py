@@ -1,6 +1,8 @@
 """Durable points: SQLite (WAL) holding identities, peers, each peer's last observation and its totals, the
-trainers' receipts (the highest count per trainer process and worker, see monitor/receipts.py); and the
-swarm's learning curve (the trainers' loss and held-out eval-loss points, see monitor/learning.py).
+trainers' receipts (the highest count per trainer process and worker, see monitor/receipts.py); the
+swarm's learning curve (the trainers' loss and held-out eval-loss points, see monitor/learning.py); and each
+identity's points over time (monitor/history.py). The latest scrape's swarm summary (monitor/swarm_summary.py)
+is kept in memory only: the next scrape rebuilds it.
 
 Every scrape is applied in one transaction that writes the new totals together with the
 counters they were computed from, so a monitor restarted at any moment neither loses a
@@ -15,6 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from agora_client.discovery.signed_records import Receipt
+from agora_client.monitor.history import HistoryPoint, bucket_of, identity_totals, oldest_bucket_kept
 from agora_client.monitor.learning import SERIES, LearningPoint
 from agora_client.monitor.points import (
     LeaderboardRow,
@@ -24,6 +27,7 @@ from agora_client.monitor.points import (
     apply_observations,
     leaderboard,
 )
+from agora_client.monitor.swarm_summary import SwarmSummary
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS identities (
@@ -71,6 +75,14 @@ CREATE TABLE IF NOT EXISTS learning (
     value REAL NOT NULL,
     PRIMARY KEY (trainer, series, ts)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS history (
+    identity TEXT NOT NULL,
+    bucket INTEGER NOT NULL,
+    ts REAL NOT NULL,
+    presence REAL NOT NULL,
+    compute REAL NOT NULL,
+    PRIMARY KEY (identity, bucket)
+) WITHOUT ROWID;
 """
 
 _LOAD = """
@@ -95,6 +107,7 @@ class PointsStore:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(_SCHEMA)
+        self._summary: SwarmSummary | None = None
 
     def close(self) -> None:
         with self._lock:
@@ -110,11 +123,13 @@ class PointsStore:
     def record_scrape(self, observations: Iterable[Observation], records_json: dict[str, str], now: float) -> dict[str, PeerState]:
         """Credit one scrape and persist it atomically; ``records_json`` maps peer id -> the raw record kept as last observation."""
         with self._lock:
-            updated = apply_observations(self._load(), observations, now, self.policy)
+            before = self._load()
+            updated = apply_observations(before, observations, now, self.policy)
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 for peer in updated.values():
                     self._write(peer, records_json.get(peer.peer_id, "{}"))
+                self._write_history({**before, **updated}.values(), {peer.identity for peer in updated.values()}, now)
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -166,6 +181,25 @@ class PointsStore:
                 curves[series].append((ts, value))
         return curves
 
+    def withheld_reasons(self) -> dict[str, str]:
+        """Peer id -> why its compute points are withheld."""
+        with self._lock:
+            return dict(self._db.execute("SELECT peer_id, reason FROM withheld"))
+
+    def history(self, identity: str) -> list[HistoryPoint]:
+        """The identity's points over time, oldest first (the newest figures of each bucket of time)."""
+        with self._lock:
+            rows = self._db.execute("SELECT ts, presence, compute FROM history WHERE identity = ? ORDER BY bucket",
+                                    (identity,)).fetchall()
+        return [HistoryPoint(*row) for row in rows]
+
+    def set_summary(self, summary: SwarmSummary) -> None:
+        self._summary = summary
+
+    def summary(self) -> SwarmSummary | None:
+        """The latest scrape's view of the swarm; None before the first scrape of this process."""
+        return self._summary
+
     def leaderboard(self, now: float) -> list[LeaderboardRow]:
         return leaderboard(self.peers().values(), now, self.policy)
 
@@ -190,6 +224,14 @@ class PointsStore:
                 receipted_flops=row[14],
             )
         return peers
+
+    def _write_history(self, peers: Iterable[PeerState], identities: set[str], now: float) -> None:
+        totals = identity_totals((peer for peer in peers if peer.identity in identities), now)
+        self._db.executemany(
+            "INSERT OR REPLACE INTO history (identity, bucket, ts, presence, compute) VALUES (?, ?, ?, ?, ?)",
+            [(identity, bucket_of(now), now, point.presence, point.compute) for identity, point in totals.items()])
+        self._db.executemany("DELETE FROM history WHERE identity = ? AND bucket < ?",
+                             [(identity, oldest_bucket_kept(now)) for identity in totals])
 
     def _write(self, peer: PeerState, record_json: str) -> None:
         db = self._db

@@ -8,8 +8,8 @@ verdict only if
 - the verdict's ticket verifies with the auth service's public key, is a trainer's ticket
   (``stage == TRAINER_ROLE``) and names that same trainer.
 
-So only a trainer holding the operator's ticket can cost a worker its points. The trainer issues its
-own ticket with the auth service's signing key (``trainer_ticket``): trainers run on the operator's host.
+So only a trainer holding the operator's ticket can cost a worker its points: one that signs its own with the
+auth service's key on the auth host, or one the service issued for a trainer credential.
 The record's schema and key are in agora_client.discovery.signed_records, the signature checks in
 ``signatures``.
 """
@@ -18,31 +18,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from pydantic import ValidationError
 
 from agora_client.auth.key_proof import peer_id_of_public_key
-from agora_client.auth.tickets import issue_ticket
+from agora_client.auth.tickets import TRAINER as TRAINER_ROLE
 from agora_client.discovery.signed_records import VERDICTS_KEY, Verdict
 from agora_client.monitor.signatures import check_signed, owner_subkey
 
-TRAINER_ROLE = "trainer"  # a trainer's ticket names this role where a worker's names its stage
-TRAINER_TICKET_TTL = 3600.0
 
 
 def trainer_peer_id(validator: RSASignatureValidator) -> str:
     """The peer id of the key this validator signs with (the ``[owner:...]`` wrapper removed)."""
     return peer_id_of_public_key(validator.local_public_key.removeprefix(b"[owner:").removesuffix(b"]"))
-
-
-def trainer_ticket(auth_key: Ed25519PrivateKey, validator: RSASignatureValidator) -> str:
-    return issue_ticket(
-        auth_key, identity=TRAINER_ROLE, peer_id=trainer_peer_id(validator), stage=TRAINER_ROLE, slot=0,
-        ttl_s=TRAINER_TICKET_TTL,
-    )
 
 
 def publish_verdict(dht: DHT, verdict: Verdict, validator: RSASignatureValidator, ttl: float) -> bool:

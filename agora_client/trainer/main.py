@@ -29,14 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from agora_client.auth.ticket_source import SelfIssuedTickets
+from agora_client.auth.client import AuthFailed
+from agora_client.auth.secret import Secret
+from agora_client.auth.ticket_source import SelfIssuedTickets, TicketSource
+from agora_client.auth.trainer_tickets import IssuedTrainerTickets
 from hivemind.dht.crypto import RSASignatureValidator
 
-from agora_client.auth.tickets import load_signing_key
 from agora_client.config import ConfigError, RunConfig, load_config
-from agora_client.monitor.verdicts import Verdict, publish_verdict, trainer_peer_id, trainer_ticket
+from agora_client.monitor.verdicts import Verdict, publish_verdict, trainer_peer_id
 from agora_client.discovery.dht import NoSeedAnswered, connect_dht
 from agora_client.discovery.roster import WorkerRecord, fetch_roster
 from agora_client.system.lifetime import stop_on_signals
@@ -87,8 +88,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="share of requests also sent to a second worker (default: the run config's spot_checks.fraction)")
     parser.add_argument(
         "--ticket-key", type=Path, default=None, metavar="PEM",
-        help="the auth service's signing key (operator host): signs this trainer's tickets for the workers and its verdicts on caught workers for the monitor",
+        help="the auth service's signing key, on the auth service's own host only: the trainer signs its own tickets "
+             "(for the workers, its verdicts on caught workers and its receipts); elsewhere use --credential-file",
     )
+    parser.add_argument("--auth-url", default=None, help="the auth service that issues this trainer's tickets "
+                                                         "(with --credential-file)")
+    parser.add_argument("--credential-file", type=Path, default=None, metavar="FILE",
+                        help="the trainer credential `agora trainer-credential add` printed on the auth host (mode 0600)")
     parser.add_argument(
         "--routing",
         choices=sorted(BALANCERS),
@@ -192,17 +198,15 @@ class _TrainerInputs:
     """What the trainer reads before joining: the run config, its tokenizer and data, and the operator's key, if given."""
 
     config: RunConfig
-    auth_key: Ed25519PrivateKey | None  # the auth service's signing key (--ticket-key)
     stream: TokenStream
     batches: Iterator
     held_out: torch.Tensor
-    tickets: SelfIssuedTickets | None
+    tickets: TicketSource | None  # self-signed (--ticket-key) or the auth service's (--credential-file)
 
     @classmethod
     def load(cls, args: argparse.Namespace) -> "_TrainerInputs":
         """Raises ConfigError, DataError, TokenizerError or ValueError on a bad preset, tokenizer, shard, data or key."""
         config = load_config(args.preset, _overrides(args))
-        auth_key = load_signing_key(args.ticket_key) if args.ticket_key else None
         shard = _parse_shard(args.shard)
         tokenizer = load_run_tokenizer(config)
         position = _resume_position(args.resume_position)
@@ -213,8 +217,7 @@ class _TrainerInputs:
                     f"({tokenizer.vocab_size:,} tokens), "
                     + ("from the start" if position is None else f"resumed at pass {position['pass']}, sequence {position['sequences']}"))
         held_out = held_out_sample(config, tokenizer)
-        tickets = SelfIssuedTickets.from_file(args.ticket_key, role="trainer", stage="trainer") if args.ticket_key else None
-        return cls(config, auth_key, stream, batches, held_out, tickets)
+        return cls(config, stream, batches, held_out, _ticket_source(args))
 
 
 def _overrides(args: argparse.Namespace) -> dict:
@@ -251,11 +254,12 @@ def _training_loop(inputs: _TrainerInputs, pipeline: Pipeline, router: Router, t
 
 
 def _stage_clients(
-    args: argparse.Namespace, stages: list[str], dhts: dict, traffic: TrafficCounter, tickets: SelfIssuedTickets | None,
+    args: argparse.Namespace, stages: list[str], dhts: dict, traffic: TrafficCounter, tickets: TicketSource | None,
 ) -> dict[str, StageClient]:
     """One client per stage, over that stage's DHT peer."""
     if tickets is None:
-        say("WARNING", "no --ticket-key: requests carry no ticket, and workers that check tickets will refuse them")
+        say("WARNING", "no --credential-file or --ticket-key: requests carry no ticket, and workers that check "
+                       "tickets will refuse them")
     return {stage: StageClient(stage, dhts[stage], traffic, args.timeout, tickets) for stage in stages}
 
 
@@ -276,7 +280,7 @@ def _pipeline(
     """The pipeline over the stage clients, with spot checks if the run config asks for any."""
     config = inputs.config
     margin = config.spot_checks.margin
-    spot_checks = SpotChecker(config.spot_checks, router, clients, on_ban=lambda finding: _name_liar(finding, dhts, inputs.auth_key),
+    spot_checks = SpotChecker(config.spot_checks, router, clients, on_ban=lambda finding: _name_liar(finding, dhts, inputs.tickets),
                               on_standing=lambda stage, kind, standing: say("SPOTCHECK", describe(stage, kind, standing, margin)),
                               receipts=receipts)
     return Pipeline(
@@ -295,9 +299,9 @@ def _start_receipts(
     inputs: _TrainerInputs, dht, stop: threading.Event,
 ) -> tuple[ReceiptBook | None, threading.Thread | None]:
     """Count what each worker serves and publish it every RECEIPT_PERIOD_S, signed, for the monitor; a receipt
-    carries the trainer's ticket, so it needs --ticket-key."""
-    if inputs.auth_key is None:
-        say("WARNING", "no --ticket-key: this trainer publishes no receipts, and the monitor credits no compute "
+    carries the trainer's ticket, so it needs one."""
+    if inputs.tickets is None:
+        say("WARNING", "no trainer ticket: this trainer publishes no receipts, and the monitor credits no compute "
                        "for the work its workers serve it")
         return None, None
     book = ReceiptBook(inputs.config.model)
@@ -305,27 +309,58 @@ def _start_receipts(
     trainer = trainer_peer_id(validator)
 
     def publish() -> None:
-        if not publish_receipt(dht, book.receipt(trainer, trainer_ticket(inputs.auth_key, validator)), validator):
+        try:
+            receipt = book.receipt(trainer, inputs.tickets.ticket_for(trainer))
+        except AuthFailed as error:
+            say("WARNING", f"no trainer ticket for this trainer's receipts ({error}); trying again in {RECEIPT_PERIOD_S:g} s")
+            return
+        if not publish_receipt(dht, receipt, validator):
             say("WARNING", "no DHT node accepted this trainer's receipts; the monitor keeps the last ones it saw")
 
     say("RECEIPTS", f"what each worker serves this trainer is published for the monitor every {RECEIPT_PERIOD_S:g} s")
     return book, publish_every(RECEIPT_PERIOD_S, publish, stop)
 
 
-def _name_liar(finding: Finding, dhts: dict, auth_key) -> None:
-    """Say who was banned; with the operator's key, also publish a verdict so the monitor withholds its points."""
+def _name_liar(finding: Finding, dhts: dict, tickets: TicketSource | None) -> None:
+    """Say who was banned; with a trainer ticket, also publish a verdict so the monitor withholds its points."""
     worker = finding.worker
     say("SPOTCHECK", f"banned {worker.uid} (peer {worker.peer_id}) of {finding.stage}: its outputs disagreed with "
                      f"the stage's majority {finding.disagreements} times in {finding.checks} checks")
-    if auth_key is None:
-        say("WARNING", "no --ticket-key: the monitor is not told, so it keeps crediting this worker")
-        return
     validator = RSASignatureValidator()  # hivemind's process-wide key: the one the trainer's DHTs sign with
-    verdict = Verdict(trainer=trainer_peer_id(validator), ticket=trainer_ticket(auth_key, validator), peer_id=worker.peer_id,
-                      uid=worker.uid, stage=finding.stage, checks=finding.checks, disagreements=finding.disagreements,
-                      ts=time.time())
+    trainer = trainer_peer_id(validator)
+    try:
+        ticket = tickets.ticket_for(trainer) if tickets is not None else None
+    except AuthFailed as error:
+        say("WARNING", f"no trainer ticket for the verdict on {worker.uid} ({error}); the monitor keeps crediting it")
+        return
+    if ticket is None:
+        say("WARNING", "no trainer ticket: the monitor is not told, so it keeps crediting this worker")
+        return
+    verdict = Verdict(trainer=trainer, ticket=ticket, peer_id=worker.peer_id, uid=worker.uid, stage=finding.stage,
+                      checks=finding.checks, disagreements=finding.disagreements, ts=time.time())
     if not any(publish_verdict(dhts[finding.stage], verdict, validator, VERDICT_TTL) for _ in range(3)):
         say("WARNING", f"no DHT node accepted the verdict on {worker.uid}; the monitor keeps crediting it")
+
+
+def _ticket_source(args: argparse.Namespace) -> TicketSource | None:
+    """This trainer's tickets: signed by itself with --ticket-key (on the auth host), or the auth service's in
+    exchange for --credential-file; ValueError when the flags do not make one."""
+    if args.ticket_key and args.credential_file:
+        raise ValueError("give --ticket-key (on the auth host) or --credential-file with --auth-url, not both")
+    if args.ticket_key:
+        return SelfIssuedTickets.from_file(args.ticket_key, role="trainer", stage="trainer")
+    if args.credential_file is None:
+        return None
+    if not args.auth_url:
+        raise ValueError("--credential-file needs --auth-url: the auth service that exchanges it for tickets")
+    try:
+        credential = Secret(args.credential_file.read_text().strip())
+    except OSError as error:
+        raise ValueError(f"cannot read --credential-file {args.credential_file}: {error.strerror}") from None
+    if not credential:
+        raise ValueError(f"--credential-file {args.credential_file} is empty; put the token "
+                         "`agora trainer-credential add` printed in it")
+    return IssuedTrainerTickets(args.auth_url, credential)
 
 
 def _parse_shard(text: str) -> Shard:

@@ -72,6 +72,7 @@ class WorkerMetrics:
         self.sparta_rounds = 0
         self._sparta_succeeded = 0
         self.sparta_last_fraction = 0.0
+        self.sparta_drift: tuple[float, float] | None = None  # (before, after) of the latest round that measured it
 
     def set_phase(self, phase: SyncPhase | None) -> None:
         """Enter sync1 / sync2 / active, or None when the worker leaves the swarm."""
@@ -111,12 +112,19 @@ class WorkerMetrics:
             self.tokens += tokens
         return flops
 
-    def on_sparta_round(self, succeeded: bool, averaged_fraction: float) -> None:
-        """One averaging round: did it average anything, and what share of the group's tensor it averaged (0..1)."""
+    def on_sparta_round(
+        self, succeeded: bool, averaged_fraction: float, drift_before: float | None = None,
+        drift_after: float | None = None,
+    ) -> None:
+        """One averaging round: did it average anything, what share of the group's tensor it averaged (0..1), and
+        its slice's drift from the group's average before and after the update (None: not measured; the previous
+        round's figures stay)."""
         with self._lock:
             self.sparta_rounds += 1
             self._sparta_succeeded += int(succeeded)
             self.sparta_last_fraction = min(1.0, max(0.0, averaged_fraction))
+            if drift_before is not None and drift_after is not None:
+                self.sparta_drift = (max(0.0, drift_before), max(0.0, drift_after))
 
     def active_seconds(self) -> float:
         with self._lock:
@@ -148,5 +156,7 @@ class WorkerMetrics:
                 sparta_rounds=self.sparta_rounds,
                 sparta_success_rate=self._sparta_succeeded / self.sparta_rounds if self.sparta_rounds else 0.0,
                 sparta_last_fraction=self.sparta_last_fraction,
+                sparta_drift_before=self.sparta_drift[0] if self.sparta_drift else None,
+                sparta_drift_after=self.sparta_drift[1] if self.sparta_drift else None,
                 ts=self._wall_clock(),
             )

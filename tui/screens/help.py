@@ -25,21 +25,28 @@ every `--retry-every` seconds (30 by default), or at once on `r`.
 (the stage's snapshot; an interrupted download resumes), Queue (joins are paced),
 Sync 1 (weights catch up, no batches yet), Sync 2 (optimizer warms up on real batches), Active.
 
-**Panels** (charts show the recent history):
-the current join step; **Points** (your local estimate: presence from sync 1, compute from
-sync 2; the monitor's confirmed total and your rank on its leaderboard); **Swarm loss** (the
-loss the trainers report, and their loss on held-out data once they evaluate: is the swarm
-learning?); **Requests served** (forward and backward requests per minute, counted as your
-node answers them); **Bandwidth** (what your node sends and receives per second, requests
-and averaging together); **Share of the stage** (your part of the samples your stage
-processed last epoch, against an even split); **SPARTA averaging** (rounds with peers of
-your stage: which slice of its parameters each round averaged and its share of the stage); identity and stage; GPU (or worker and host memory without an NVIDIA driver).
+**Status band** (under the join steps, in every tab): authorization, download, queue position and
+estimated wait, sync phase, GPU memory, SPARTA rounds ok of all rounds, points, the swarm's loss.
+
+**Tabs** (keys `1`-`4`; charts draw the recent history against the clock, current values above):
+**Contribution**: the current join step; **Points** (your local estimate: presence from sync 1, compute from
+sync 2; the monitor's confirmed total and your rank on its leaderboard); **Requests served** (forward and
+backward requests per minute, counted as your node answers them); **SPARTA averaging** (rounds with peers
+of your stage: which slice of its parameters each round averaged and its share of the stage, and the group
+of each round); **Share of the stage** (your part of the samples your stage processed, against an even
+split); GPU (or worker and host memory without an NVIDIA driver); identity and stage.
+**Swarm**: each stage's workers (active, syncing), its join queue and slots, the trainers' spot checks on
+it; the swarm's tokens/s; your share, your stage's SPARTA health and spot-check standing; the loss the
+trainers report and their loss on held-out data (is the swarm learning?), and the swarm's tokens/s.
+**Network**: what your node sends and receives per second, and how the swarm reaches it.
+**Log**: the tagged lines, as headless mode prints them.
 
 | key | action |
 | --- | --- |
 | `q` / `Ctrl+C` | stop the worker gracefully and quit |
 | `e` | export a support bundle (zip, secrets redacted) |
-| `l` | show or hide the log pane |
+| `1`-`4` | Contribution, Swarm, Network, Log |
+| `l` | show or hide the log pane (below 30 rows: open or close the Log tab) |
 | `r` | restart the worker after it stopped (`--restart on-failure` restarts a crashed one by itself); while the swarm cannot reach it, retry now |
 | `p` | show or hide the preflight checks |
 | `?` | this help |

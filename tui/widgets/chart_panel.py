@@ -1,53 +1,61 @@
-"""A panel of a few lines of figures above one or more sparklines of their recent history."""
+"""A panel of a few lines of figures (the current values) above a chart of their history, with axes."""
 
 from __future__ import annotations
 
-from collections import deque
+from datetime import tzinfo
 from typing import Iterable
 
 from textual.app import ComposeResult
-from textual.containers import Horizontal, Vertical
-from textual.widgets import Label, Sparkline, Static
+from textual.containers import Vertical
+from textual.widgets import Static
 
-HISTORY = 120  # points kept per chart: two hours of 1-minute figures, or four minutes of 2-second ones
+from tui.widgets.chart import Chart, Point, Series, Units
 
 
 class ChartPanel(Vertical):
-    """``CHARTS`` maps each series to its label (empty: a lone chart needs none); ``push`` adds a value,
-    ``plot`` replaces a series. A chart shows once its series has two values to compare."""
+    """``SERIES`` names each line of the chart (its legend label and theme colour); ``push`` adds a point,
+    ``plot`` replaces a series, ``draw`` shows the result. The chart shows once a series has two points."""
 
     TITLE = ""
     EMPTY = ""
-    CHARTS: dict[str, str] = {"chart": ""}
+    Y_LABEL = ""
+    SERIES: dict[str, Series] = {}
+    ZERO_BASED = True  # amounts start the y axis at 0; a loss is drawn around its values
+    UNITS: Units | None = None
 
-    def __init__(self, **kwargs: object) -> None:
+    def __init__(self, tz: tzinfo | None = None, **kwargs: object) -> None:
         super().__init__(**kwargs)
-        self.series: dict[str, deque[float]] = {name: deque(maxlen=HISTORY) for name in self.CHARTS}
+        self.tz = tz
 
     def compose(self) -> ComposeResult:
         yield Static(f"[$text-muted]{self.EMPTY}[/]", classes="detail")
-        for name, label in self.CHARTS.items():
-            with Horizontal(classes=f"chart-row row-{name}") as row:
-                row.display = False  # an empty chart would read as a flat line of zeros
-                if label:
-                    yield Label(label, classes="chart-label")
-                yield Sparkline([], classes=f"chart chart-{name}")
+        chart = Chart(self.SERIES, self.Y_LABEL, zero_based=self.ZERO_BASED, units=self.UNITS, tz=self.tz)
+        chart.display = False  # an empty chart would read as a flat line of zeros
+        yield chart
 
     def on_mount(self) -> None:
         self.border_title = self.TITLE
 
+    @property
+    def chart(self) -> Chart:
+        return self.query_one(Chart)
+
     def describe(self, markup: str) -> None:
         self.query_one(".detail", Static).update(markup)
 
-    def push(self, name: str, value: float) -> None:
-        self.series[name].append(value)
-        self._draw(name)
+    def key(self, name: str, value: str) -> str:
+        """``value`` in its series' colour, labelled: the chart's legend and its current value in one."""
+        series = self.SERIES[name]
+        return f"[${series.color}]━[/] {series.label} [b]{value}[/]"
 
-    def plot(self, name: str, values: Iterable[float]) -> None:
-        self.series[name].clear()
-        self.series[name].extend(values)
-        self._draw(name)
+    def push(self, name: str, ts: float, value: float) -> None:
+        self.chart.push(name, ts, value)
 
-    def _draw(self, name: str) -> None:
-        self.query_one(f".chart-{name}", Sparkline).data = list(self.series[name])
-        self.query_one(f".row-{name}").display = len(self.series[name]) >= 2
+    def plot(self, name: str, points: Iterable[Point]) -> None:
+        self.chart.replace(name, points)
+
+    def draw(self) -> None:
+        chart = self.chart
+        chart.display = chart.has_data
+        if chart.has_data:
+            chart.redraw()

@@ -6,6 +6,7 @@ from collections import deque
 from datetime import datetime, tzinfo
 
 from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import RichLog, Select
@@ -28,6 +29,7 @@ class LogPane(Vertical):
         super().__init__(**kwargs)
         self._tz = tz
         self._lines: deque[TaggedLine] = deque(maxlen=BUFFER_LINES)
+        self._wrapped_at = 0  # the width the shown lines were wrapped to
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="log-filters"):
@@ -62,6 +64,16 @@ class LogPane(Vertical):
         log = self.query_one("#log", RichLog)
         width = log.scrollable_content_region.width
         log.write(self._text(line), width=width or None)  # wrap to the pane, not to the console's 80 columns
+        self._wrapped_at = width
+
+    def on_resize(self, event: events.Resize) -> None:
+        # Lines written while the pane was hidden (or narrower) were wrapped to another width: wrap them again.
+        self.call_after_refresh(self._rewrap)
+
+    def _rewrap(self) -> None:
+        width = self.query_one("#log", RichLog).scrollable_content_region.width
+        if width and width != self._wrapped_at:
+            self._refill()
 
     def add(self, line: TaggedLine) -> None:
         self._lines.append(line)
@@ -69,6 +81,9 @@ class LogPane(Vertical):
             self._write(line)
 
     def on_select_changed(self, event: Select.Changed) -> None:
+        self._refill()
+
+    def _refill(self) -> None:
         log = self.query_one("#log", RichLog)
         log.clear()
         for line in self._lines:

@@ -1,4 +1,4 @@
-"""This node's share of its stage's work: samples it processed of all its stage processed, per epoch."""
+"""This node's share of its stage's work: samples it processed of all its stage processed, per epoch, over time."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections import deque
 from textual.markup import escape
 
 from agora_client.events import StageEvent, StepEvent
+from tui.widgets.chart import Series
 from tui.widgets.chart_panel import ChartPanel
 
 
@@ -16,6 +17,8 @@ SMOOTHING = 10  # epochs in the moving mean
 class SharePanel(ChartPanel):
     TITLE = "Share of the stage"
     EMPTY = "known after the first stage epoch with batches"
+    Y_LABEL = "% of stage"
+    SERIES = {"share": Series("share", "primary")}
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)
@@ -30,8 +33,9 @@ class SharePanel(ChartPanel):
         self._recent.append(event.stage_share)
         # Small swarms step every second or two, so one epoch's share jumps between 0 and 1: show a moving mean.
         self.share, self.stage = sum(self._recent) / len(self._recent), event.stage
-        self.push("chart", self.share)
+        self.push("share", event.ts, self.share * 100)
         self._describe()
+        self.draw()
 
     def show_stage(self, event: StageEvent) -> None:
         self.stage = event.stage
@@ -42,4 +46,5 @@ class SharePanel(ChartPanel):
         if self.share is None:
             return
         fair = f" · fair share {1 / self.stage_workers:.0%} of {self.stage_workers}" if self.stage_workers else ""
-        self.describe(f"[b]{self.share:.0%}[/] of {escape(self.stage)}'s samples (last {len(self._recent)} epochs)\n[$text-muted]{fair.lstrip(' ·')}[/]")
+        share = self.key("share", f"{self.share:.0%}")
+        self.describe(f"{share} of {escape(self.stage)}'s samples (last {len(self._recent)} epochs)\n[$text-muted]{fair.lstrip(' ·')}[/]")

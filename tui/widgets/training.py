@@ -1,16 +1,18 @@
-"""Training: the requests this node serves per minute (forward and backward), its local epoch and loss
-(the tail's own, when it is the tail)."""
+"""Training: the requests this node serves per minute (forward and backward) over time, its local epoch and
+loss (the tail's own, when it is the tail)."""
 
 from __future__ import annotations
 
 from agora_client.events import StepEvent, TrafficEvent
+from tui.widgets.chart import Series
 from tui.widgets.chart_panel import ChartPanel
 
 
 class TrainingPanel(ChartPanel):
     TITLE = "Requests served"
     EMPTY = "no requests yet: trainers send batches from sync phase 2 on"
-    CHARTS = {"forward": "fwd", "backward": "bwd"}
+    Y_LABEL = "req/min"
+    SERIES = {"forward": Series("fwd", "primary"), "backward": Series("bwd", "accent")}
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)
@@ -23,15 +25,17 @@ class TrainingPanel(ChartPanel):
 
     def show_traffic(self, event: TrafficEvent) -> None:
         self.traffic = event
-        self.push("forward", event.forward_per_min)
-        self.push("backward", event.backward_per_min)
+        self.push("forward", event.ts, event.forward_per_min)
+        self.push("backward", event.ts, event.backward_per_min)
         self._describe()
+        self.draw()
 
     def _describe(self) -> None:
         lines = []
         if self.traffic is not None:
             traffic = self.traffic
-            lines.append(f"forward [b]{traffic.forward_per_min:.0f}[/]/min · backward [b]{traffic.backward_per_min:.0f}[/]/min")
+            forward, backward = f"{traffic.forward_per_min:.0f}", f"{traffic.backward_per_min:.0f}"
+            lines.append(f"{self.key('forward', forward + '/min')} · {self.key('backward', backward + '/min')}")
         details = []
         if self.step is not None:
             details.append(f"epoch {self.step.local_epoch}")
