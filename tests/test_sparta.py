@@ -379,7 +379,9 @@ def test_peer_killed_mid_round_is_dropped_and_the_next_round_works() -> None:
             formula = CONFIG.fraction * total * 4
             assert abs(report.bytes_sent - formula) <= 0.1 * formula, report
             assert abs(report.bytes_received - formula) <= 0.1 * formula, report
-            assert abs(report.bytes_sent - _expected_traffic(2, partition.slice_size(1))) <= 0.01 * formula
+            # exactly what arrived; what this peer sent may still lag by its last averaged part, which its reducer
+            # yields to the groupmate while the groupmate's parts already completed this peer's round
+            assert abs(report.bytes_received - _expected_traffic(2, partition.slice_size(1))) <= 0.01 * formula
         assert swarm.close() == [("stopped", False)] * 2, "the survivors shut down cleanly"
     finally:
         swarm.close()

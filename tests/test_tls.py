@@ -288,3 +288,30 @@ def test_the_front_end_hands_insecure_and_ca_cert_to_the_runtime_which_takes_the
     assert (runtime.swarm, runtime.insecure, runtime.ca_cert) == (INTERNET_URL, True, Path("ca.pem"))
     plain = runtime_parser.parse_args(["--swarm", INTERNET_URL])
     assert (plain.insecure, plain.ca_cert) == (False, None)
+
+
+def test_tls_is_served_when_the_process_runs_uvloop(tmp_path: Path):
+    """hivemind installs uvloop process-wide (its DHT and expert clients do): the services keep asyncio's own loop,
+    whose TLS takeover of a paused connection the guard needs (under uvloop's, clients hung)."""
+    import asyncio
+
+    import uvloop
+
+    exposure, ca_cert = tls_exposure(tmp_path)
+    previous = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    try:
+        service = HttpService(lambda request: json_reply(200, {"status": "ok"}), "127.0.0.1", 0, name="uvloop-test",
+                              exposure=exposure).start()
+    finally:
+        asyncio.set_event_loop_policy(previous)
+    try:
+        verify = ssl.create_default_context(cafile=str(ca_cert))
+        with httpx.Client(verify=verify, timeout=5) as client:
+            assert client.get(f"{service.url}/").json() == {"status": "ok"}
+        with connect(service.url, "127.0.0.1") as plain:  # plain HTTP to the TLS port: cut, never answered
+            plain.settimeout(5)
+            plain.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert not plain.recv(1024).startswith(b"HTTP/")
+    finally:
+        service.close()

@@ -65,7 +65,7 @@ class HttpService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._serving = threading.Event()
-        self._thread = threading.Thread(target=asyncio.run, args=(self._serve(),), name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run_loop, name=name, daemon=True)
 
     @property
     def url(self) -> str:
@@ -90,6 +90,12 @@ class HttpService:
         for pool in self._pools.values():
             pool.executor.shutdown(wait=False, cancel_futures=True)
         self._socket.close()
+
+    def _run_loop(self) -> None:
+        # asyncio's own loop, whatever the process's policy: hivemind installs uvloop process-wide, whose start_tls
+        # does not take over a paused transport as ConnectionGuard's TLS handshake needs (clients then hang or fail).
+        with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
+            runner.run(self._serve())
 
     async def _serve(self) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
