@@ -153,7 +153,8 @@ def main() -> None:
         started = time.time()
         with on_client_host():
             runtime = ManagedProcess(
-                "runtime", ["runtime", "--cpu", "--swarm", auth_url, "--config-dir", str(Path(tmp) / "client"), "--host-port", "0"],
+                "runtime", ["runtime", "--cpu", "--swarm", auth_url, "--config-dir", str(Path(tmp) / "client"), "--host-port", "0",
+                            *(["--insecure"] if args.behind_router else [])],  # plain HTTP to the test's public-looking WAN
                 Path(tmp) / "logs" / "runtime.log", env={"HF_TOKEN": token},
             )
         deadline = time.monotonic() + FIRST_BATCH_TIMEOUT
