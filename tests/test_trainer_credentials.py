@@ -84,15 +84,20 @@ def test_a_trainer_takes_its_tickets_from_one_source_and_says_what_is_missing(tm
     from agora_client.trainer.main import _ticket_source
 
     def source(**flags):
-        return _ticket_source(argparse.Namespace(**{"ticket_key": None, "credential_file": None, "auth_url": None, **flags}))
+        return _ticket_source(argparse.Namespace(**{"ticket_key": None, "credential_file": None, "auth_url": None,
+                                                    "insecure": False, **flags}))
 
     credential = tmp_path / "credential"
     credential.write_text("agora-trainer-abc\n")
     assert isinstance(source(credential_file=credential, auth_url="https://auth.example"), IssuedTrainerTickets)
     assert source() is None
+    assert isinstance(source(credential_file=credential, auth_url="http://10.0.0.2:8000"), IssuedTrainerTickets)
+    assert isinstance(source(credential_file=credential, auth_url="http://11.77.0.2:8000", insecure=True),
+                      IssuedTrainerTickets)
     for flags, words in (({"ticket_key": tmp_path / "key.pem", "credential_file": credential}, "not both"),
                          ({"credential_file": credential}, "needs --auth-url"),
-                         ({"credential_file": tmp_path / "missing", "auth_url": "https://a"}, "cannot read"),):
+                         ({"credential_file": tmp_path / "missing", "auth_url": "https://a"}, "cannot read"),
+                         ({"credential_file": credential, "auth_url": "http://11.77.0.2:8000"}, "in clear text"),):
         with pytest.raises(ValueError, match=words):
             source(**flags)
     credential.write_text("\n")

@@ -34,6 +34,7 @@ from agora_client.auth.client import AuthFailed
 from agora_client.auth.secret import Secret
 from agora_client.auth.ticket_source import SelfIssuedTickets, TicketSource
 from agora_client.auth.trainer_tickets import IssuedTrainerTickets
+from agora_client.auth.transport import refuse_plain_http
 from hivemind.dht.crypto import RSASignatureValidator
 
 from agora_client.config import ConfigError, RunConfig, load_config
@@ -95,6 +96,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                                          "(with --credential-file)")
     parser.add_argument("--credential-file", type=Path, default=None, metavar="FILE",
                         help="the trainer credential `agora trainer-credential add` printed on the auth host (mode 0600)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow a plain http:// --auth-url outside this machine and its private network (the "
+                             "credential then crosses the network in clear text)")
     parser.add_argument(
         "--routing",
         choices=sorted(BALANCERS),
@@ -353,6 +357,8 @@ def _ticket_source(args: argparse.Namespace) -> TicketSource | None:
         return None
     if not args.auth_url:
         raise ValueError("--credential-file needs --auth-url: the auth service that exchanges it for tickets")
+    refuse_plain_http(args.auth_url, insecure=args.insecure, what="the auth service",
+                      why="the trainer credential would cross the network in clear text")
     try:
         credential = Secret(args.credential_file.read_text().strip())
     except OSError as error:
