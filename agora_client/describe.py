@@ -88,15 +88,20 @@ def describe_memory(run: RunConfig) -> list[dict]:
 def describe_sparta(run: RunConfig, counts: dict[str, int]) -> list[dict]:
     """Per stage: what one SPARTA round moves per peer (2 peers, the run's payload) and how long that takes on
     common uplinks."""
-    payload = SlicePayload(run.sparta.payload, torch.empty(1))
     rows = []
     for name, parameters in counts.items():
-        moved = parameters * run.sparta.fraction * payload.bytes_per_value
-        seconds = {f"{mbit}Mbit": round(round_timing(moved, 2, mbit * 1e6 / 8, DEFAULT_PART_SIZE_BYTES, run.sparta).expected_s, 1)
-                   for mbit in UPLINKS_MBIT}
-        rows.append({"stage": name, "payload": run.sparta.payload, "bytes_each_way": butterfly_bytes(moved, 2),
+        seconds = {f"{mbit}Mbit": round(sparta_round(run, parameters, mbit * 1e6 / 8)[1], 1) for mbit in UPLINKS_MBIT}
+        rows.append({"stage": name, "payload": run.sparta.payload, "bytes_each_way": sparta_round(run, parameters, 1.0)[0],
                      "seconds": seconds})
     return rows
+
+
+def sparta_round(run: RunConfig, parameters: int, uplink: float) -> tuple[float, float]:
+    """(bytes each way per peer, expected seconds) of one SPARTA round of a stage of ``parameters`` between 2 peers
+    whose slower link moves ``uplink`` bytes/s, in the run's payload."""
+    moved = parameters * run.sparta.fraction * SlicePayload(run.sparta.payload, torch.empty(1)).bytes_per_value
+    timing = round_timing(moved, 2, uplink, DEFAULT_PART_SIZE_BYTES, run.sparta)
+    return butterfly_bytes(moved, 2), timing.expected_s
 
 
 def describe_run(run: RunConfig) -> dict:

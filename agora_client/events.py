@@ -21,7 +21,7 @@ VERSION = 1
 SyncPhase = Literal["sync1", "sync2", "active"]
 Level = Literal["debug", "info", "warning", "error"]
 # The preflight checks in the order the runtime runs them; reachability last: the swarm tests it during the join.
-PreflightCheck = Literal["gpu", "host_ram", "disk", "download_rate", "seed_rtt", "reachability"]
+PreflightCheck = Literal["gpu", "host_ram", "disk", "download_rate", "upload_rate", "seed_rtt", "reachability"]
 PREFLIGHT_CHECKS: tuple[PreflightCheck, ...] = get_args(PreflightCheck)
 MACHINE_CHECKS: tuple[PreflightCheck, ...] = PREFLIGHT_CHECKS[:-1]  # the ones run before the join
 

@@ -335,7 +335,8 @@ def test_preflight_checks_measure_for_real(tmp_path):
 
 def test_the_machine_checks_run_in_the_order_the_event_contract_lists(tmp_path):
     run = describe("tiny2", ())
-    assert [check().check for check in machine_checks(run, "cpu", "no --gpu given", tmp_path)] == list(MACHINE_CHECKS)
+    checks = machine_checks(run, f"http://127.0.0.1:{closed_port()}", "cpu", "no --gpu given", tmp_path)
+    assert [check().check for check in checks] == list(MACHINE_CHECKS)
 
 
 def test_preflight_and_reachability_lines_for_headless_and_the_app():

@@ -46,10 +46,11 @@ async def test_preflight_in_progress_shows_each_check_as_it_comes_in_place_of_th
         assert status == "warn" and text.endswith("— little headroom beyond the stage itself")
         assert row(app, "disk")[0] == "pass"
         assert row(app, "download_rate") == ("checking", "checking...")
+        assert row(app, "upload_rate") == ("waiting", "waiting")
         assert row(app, "seed_rtt") == ("waiting", "waiting")
         assert row(app, "reachability") == ("waiting", "tested by the swarm when this worker asks to join")
         assert plain(app.query_one(PreflightPanel).border_subtitle) == "2 passed · 1 warning"
-        assert "3 of 5 checks done" in app.query_one(Stepper).status
+        assert "3 of 6 checks done" in app.query_one(Stepper).status
         assert "toggle_preflight" in footer_keys(app) and "retry" not in footer_keys(app)
 
 
@@ -64,7 +65,7 @@ async def test_a_failed_check_keeps_the_preflight_on_screen_and_says_what_to_do(
         assert status == "fail" and "1.2 GB free" in text and "free space or pass another --config-dir" in text
         assert row(app, "host_ram")[0] == "warn" and row(app, "seed_rtt")[0] == "pass"
         assert row(app, "reachability") == ("waiting", "not tested: the worker stopped before joining")
-        assert plain(app.query_one(PreflightPanel).border_subtitle) == "3 passed · 1 warning · 1 failed"
+        assert plain(app.query_one(PreflightPanel).border_subtitle) == "4 passed · 1 warning · 1 failed"
         assert app.has_class("-preflight")
         assert "restart" in footer_keys(app) and "retry" not in footer_keys(app)
 
@@ -126,8 +127,8 @@ def test_the_tracker_follows_the_checks_and_the_dial_backs():
     assert not tracker.in_preflight and tracker.preflight.checking == "gpu"
     tracker.apply(PreflightEvent(check="gpu", status="warn", value="CPU", reason="no --gpu given"))
     assert tracker.in_preflight and tracker.preflight.checking == "host_ram"
-    assert tracker.status == "Preflight: checking this machine and its network (1 of 5 checks done)..."
-    for check in ("host_ram", "disk", "download_rate", "seed_rtt"):
+    assert tracker.status == "Preflight: checking this machine and its network (1 of 6 checks done)..."
+    for check in ("host_ram", "disk", "download_rate", "upload_rate", "seed_rtt"):
         tracker.apply(PreflightEvent(check=check, status="pass", value="ok"))
     assert tracker.preflight.checking is None and tracker.status.startswith("Preflight done")
     tracker.apply(ReachabilityEvent(status="checking", port=49200))

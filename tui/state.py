@@ -48,6 +48,7 @@ CHECK_LABELS = {
     "host_ram": "Host RAM",
     "disk": "Free disk",
     "download_rate": "Download rate",
+    "upload_rate": "Upload rate",
     "seed_rtt": "Round trip",
     "reachability": "Reachability",
 }

@@ -12,6 +12,8 @@ JSON API (every answer is a JSON object with ``status``):
   POST /v1/trainer/ticket {credential, peer_id} -> 200 {ticket, expires_at}: a trainer ticket for a live trainer
                                               credential (trainer_credentials.py); 403 unknown or revoked
   GET  /v1/status                             -> occupancy per stage, capacity, queue length, public key, seeds
+  POST /v1/probe/upload (any bytes, < 16 MiB)  -> 200 {received, timed_bytes, seconds}: the body's arrival timed
+                                               and dropped by the front (the contributor's uplink preflight)
 Each client address may POST /v1/join and /v1/join/poll only so often (429 with Retry-After beyond that);
 a body over MAX_BODY_BYTES gets 413 (``AuthServer``, on the guarded front of ``agora_client.http_service``).
 
@@ -49,6 +51,7 @@ from .reachability import AnnounceError, dial_back, parse_announce
 from .run_description import RunDescription
 from .identity import IdentitySource, IdentityUnavailable, InvalidToken
 from .secret import Secret, token_digest
+from .uplink_probe import UPLOAD_PROBE_PATH
 from .state_store import AuthStateStore, open_book
 from .tickets import (
     TRAINER, TRAINER_TICKET_TTL_S, InvalidTicket, TicketClaims, issue_ticket, load_or_create_signing_key, public_key_text,
@@ -376,15 +379,17 @@ JOIN_RATE = RateLimit(per_minute=10, burst=5)
 """Joins per client address: a client joins once and retries a failed dial-back after a while."""
 POLL_RATE = RateLimit(per_minute=120, burst=30)
 """Queue polls per client address: one queued client polls every ``poll_every_s`` (5 s); a shared NAT holds several."""
+UPLOAD_PROBE_RATE = RateLimit(per_minute=6, burst=3)
+"""Upload probes per client address: a contributor probes once per start (its preflight)."""
 
 
 class AuthServer:
     """``AuthService`` on the guarded HTTP front (``agora_client.http_service``); ``url`` once constructed.
 
     Every client address gets ``join_rate`` on POST /v1/join and ``poll_rate`` on POST /v1/join/poll (429 with
-    Retry-After beyond them); ``limits`` sets the timeouts, connection caps and body size limit. ``exposure``: TLS,
-    and the reverse proxies whose X-Forwarded-For names the client (rate limits, the dial-back target and the
-    audit log take that address).
+    Retry-After beyond them), and ``UPLOAD_PROBE_RATE`` on the upload probe; ``limits`` sets the timeouts,
+    connection caps and body size limit. ``exposure``: TLS, and the reverse proxies whose X-Forwarded-For names
+    the client (rate limits, the dial-back target and the audit log take that address).
     """
 
     def __init__(
@@ -395,8 +400,10 @@ class AuthServer:
         self.service = service
         self._http = HttpService(
             self._answer, host, port, name="auth-http", limits=limits,
-            rate_limits={("POST", "/v1/join"): join_rate, ("POST", "/v1/join/poll"): poll_rate},
+            rate_limits={("POST", "/v1/join"): join_rate, ("POST", "/v1/join/poll"): poll_rate,
+                         ("POST", UPLOAD_PROBE_PATH): UPLOAD_PROBE_RATE},
             quick_routes=[("GET", "/v1/status"), ("GET", "/v1/run"), ("GET", "/v1/tokenizer")],
+            upload_probes=[("POST", UPLOAD_PROBE_PATH)],
             exposure=exposure,
         )
 

@@ -24,6 +24,7 @@ from .exposure import Exposure
 from .guard import ConnectionGuard, ConnectionTable
 from .limits import RateLimit, RateLimiter, ServiceLimits, connection_cap, raise_open_file_limit, retry_after_header
 from .messages import Reply, Request, json_reply
+from .upload_probe import measure_upload, probe_response
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +43,16 @@ class HttpService:
 
     ``rate_limits`` maps (method, path) to the ``RateLimit`` each client address gets on that route.
     ``quick_routes`` (method, path) never block: they get handler threads of their own, so that handlers blocked
-    elsewhere (a dial-back, a write to disk) never hold them up. ``exposure``: TLS and trusted reverse proxies.
+    elsewhere (a dial-back, a write to disk) never hold them up. ``upload_probes`` (method, path) are answered by
+    the front itself: the body is timed as it arrives and dropped (``upload_probe.py``), never given to the handler.
+    ``exposure``: TLS and trusted reverse proxies.
     """
 
     def __init__(
         self, handler: Callable[[Request], Reply], host: str, port: int, *, name: str,
         limits: ServiceLimits = ServiceLimits(), rate_limits: Mapping[tuple[str, str], RateLimit] | None = None,
-        quick_routes: Collection[tuple[str, str]] = (), exposure: Exposure = Exposure(),
+        quick_routes: Collection[tuple[str, str]] = (), upload_probes: Collection[tuple[str, str]] = (),
+        exposure: Exposure = Exposure(),
     ):
         self.handler, self.name, self.limits, self.exposure = handler, name, limits, exposure
         self._table = ConnectionTable(
@@ -57,7 +61,7 @@ class HttpService:
         self._limiters = {route: RateLimiter(limit) for route, limit in (rate_limits or {}).items()}
         self._socket = _listening_socket(host, port)
         self.address: tuple[str, int] = self._socket.getsockname()[:2]
-        self._quick_routes = frozenset(quick_routes)
+        self._quick_routes, self._upload_probes = frozenset(quick_routes), frozenset(upload_probes)
         self._pools = {
             quick: _HandlerPool(threads, limits.max_pending_requests, f"{name}-{'quick' if quick else 'handler'}")
             for quick, threads in ((False, limits.handler_threads), (True, QUICK_THREADS))
@@ -136,6 +140,9 @@ class HttpService:
         if wait_s > 0:
             return _refusal(HTTPStatus.TOO_MANY_REQUESTS, "too many requests from your address on this endpoint; "
                             f"wait {retry_after_header(wait_s)} s (Retry-After) and try again", retry_after_s=wait_s)
+        if (request.method, request.path) in self._upload_probes:
+            status, payload = await measure_upload(request, self.limits.body_timeout_s)
+            return probe_response(status, payload, {**SERVER_HEADER, "Cache-Control": "no-store"})
         pool = self._pools[(request.method, request.path) in self._quick_routes]
         if pool.pending >= pool.max_pending:
             return _refusal(HTTPStatus.SERVICE_UNAVAILABLE, "the service is busy; try again in a moment", retry_after_s=1)

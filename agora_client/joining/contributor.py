@@ -250,7 +250,7 @@ class Contributor:
     def _preflight(self) -> None:
         options = self.options
         results = []
-        for check in machine_checks(options.run, options.device, options.device_note, options.config_dir):
+        for check in machine_checks(options.run, options.swarm_url, options.device, options.device_note, options.config_dir):
             results.append(check())
             self.events.emit(results[-1])  # one by one: the front end shows each as soon as it is known
         failed = [f"{result.check}: {result.reason}" for result in results if result.status == "fail"]

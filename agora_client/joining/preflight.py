@@ -22,13 +22,17 @@ import psutil
 
 from agora_client.auth.reachability import DialResult
 from agora_client.auth.run_description import RunDescription
+from agora_client.auth.uplink_probe import UplinkProbeFailed, measure_uplink
+from agora_client.describe import sparta_round
 from agora_client.events import MACHINE_CHECKS, PreflightCheck, PreflightEvent
 from agora_client.frontend.lines import human_bytes as human
 from agora_client.joining.gpu_fit import GpuRefused, check_capability
 from agora_client.model.memory import StagePlan, plan_stage
+from agora_client.model.stages import param_counts
 from agora_client.system.gpu import GpuSpec
 
 SLOW_DOWNLOAD_BPS = 5e6
+SLOW_UPLOAD_BPS = 10e6 / 8  # 10 Mbit/s: below it, averaging rounds of any large stage run for minutes
 SLOW_SEED_RTT_S = 0.25
 _TCP_MADDR = re.compile(r"^/(ip4|ip6|dns4|dns6|dns)/([^/]+)/tcp/(\d+)")
 
@@ -112,6 +116,25 @@ def check_download_rate(run: RunDescription, *, max_bytes: int = 8 << 20, max_s:
     return PreflightEvent(check="download_rate", status="pass", value=value)
 
 
+def check_upload_rate(run: RunDescription, swarm_url: str, **probe: float) -> PreflightEvent:
+    """Time an upload to the auth service (``probe``: measure_uplink's limits) and say what a SPARTA round of this
+    swarm's largest stage then takes: a worker sends about that much each way in every round."""
+    try:
+        measured = measure_uplink(swarm_url, **probe)
+    except UplinkProbeFailed as error:
+        return PreflightEvent(check="upload_rate", status="warn", value="not measured",
+                              reason=f"{error}; the worker measures its uplink in its averaging rounds")
+    rate = measured.bytes_per_s
+    counts = param_counts(run.config.model)
+    largest = max(counts, key=counts.__getitem__)
+    moved, seconds = sparta_round(run.config, counts[largest], rate)
+    value = f"{human(rate)}/s ({rate * 8 / 1e6:.0f} Mbit/s) over {human(measured.received)}"
+    reason = (f"an averaging round of the largest stage ({largest}) sends {human(moved)} each way: "
+              f"about {seconds:.0f} s at this rate")
+    return PreflightEvent(check="upload_rate", status="warn" if rate < SLOW_UPLOAD_BPS else "pass", value=value,
+                          reason=f"slow: {reason}" if rate < SLOW_UPLOAD_BPS else reason)
+
+
 def check_seed_rtt(run: RunDescription, timeout_s: float = 3.0) -> PreflightEvent:
     """TCP connect time to every seed; one answering seed is enough to join."""
     times: list[float] = []
@@ -148,13 +171,15 @@ def reachability_result(dial: DialResult | None, port: int, how: str = "") -> Pr
                           reason=f"not reachable from {dial.tested_from} ({dial.error})")
 
 
-def machine_checks(run: RunDescription, device: str, device_note: str, config_dir: Path) -> list[Callable[[], PreflightEvent]]:
+def machine_checks(run: RunDescription, swarm_url: str, device: str, device_note: str,
+                   config_dir: Path) -> list[Callable[[], PreflightEvent]]:
     """The checks that run before the join, in ``MACHINE_CHECKS`` order (reachability comes with the join)."""
     checks: dict[PreflightCheck, Callable[[], PreflightEvent]] = {
         "gpu": lambda: check_gpu(device, device_note),
         "host_ram": lambda: check_host_ram(run, on_cpu=not device.startswith("cuda")),
         "disk": lambda: check_disk(run, config_dir),
         "download_rate": lambda: check_download_rate(run),
+        "upload_rate": lambda: check_upload_rate(run, swarm_url),
         "seed_rtt": lambda: check_seed_rtt(run),
     }
     return [checks[name] for name in MACHINE_CHECKS]
