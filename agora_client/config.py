@@ -240,8 +240,9 @@ class RunConfig(_Strict):
         return self.optim.clip_body if self.optim.clip_body is not None else 1.0 / scale
 
 
-def _describe(error: ValidationError, source: str) -> str:
-    lines = [f"invalid run config {source}:"]
+def describe_validation_error(error: ValidationError, heading: str) -> str:
+    """One line per wrong field under ``heading``, naming the field (also for the operator's deploy file)."""
+    lines = [heading]
     for item in error.errors():
         where = ".".join(str(part) for part in item["loc"]) or "(top level)"
         if item["type"] == "extra_forbidden":
@@ -255,7 +256,7 @@ def parse_config(data: dict[str, Any], source: str = "(dict)") -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as error:
-        raise ConfigError(_describe(error, source)) from None
+        raise ConfigError(describe_validation_error(error, f"invalid run config {source}:")) from None
 
 
 def preset_names() -> list[str]:

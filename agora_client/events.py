@@ -185,6 +185,31 @@ class PointsEvent(_Event):
     rank: int | None = None  # place on the monitor's leaderboard (1 = first)
     ranked: int | None = None  # contributors on the leaderboard
     page_url: str | None = None  # this contributor's public page on the monitor
+    # The monitor's view of this peer's compute: what it claimed, what trainers' receipts verified of it, and
+    # whether the claim exceeds the receipts past the monitor's margin (None: no word from a monitor).
+    claimed_compute: float | None = None
+    verified_compute: float | None = None
+    flagged: bool | None = None
+
+
+class YieldEvent(_Event):
+    """The worker gives the GPU back to its owner (``--yield``, ``--active-hours``): ``yielding`` while it does
+    (drained: out of routing and SPARTA, its slot kept for ``grace_left_s`` more seconds), ``resumed`` when it
+    serves again, ``left`` when the grace ran out and it gave its slot back (it joins again once the GPU is free)."""
+
+    kind: Literal["yield"] = "yield"
+    state: Literal["yielding", "resumed", "left"]
+    reason: str = ""
+    grace_left_s: float | None = None
+
+
+class EnergyEvent(_Event):
+    """Energy the GPU used while this worker served (NVML's counter, Volta and newer), and the estimated points
+    earned per kWh; None where the card does not report energy."""
+
+    kind: Literal["energy"] = "energy"
+    kwh: float | None = None
+    points_per_kwh: float | None = None
 
 
 class StageEvent(_Event):
@@ -275,6 +300,8 @@ Event = Annotated[
         SpartaEvent,
         ResourcesEvent,
         PointsEvent,
+        YieldEvent,
+        EnergyEvent,
         StageEvent,
         TrafficEvent,
         SwarmEvent,
@@ -289,7 +316,7 @@ Event = Annotated[
 KINDS = (
     "auth", "download", "queue", "sync", "step", "sparta", "resources", "points", "stage", "traffic", "swarm",
     "auth", "download", "queue", "sync", "step", "sparta", "resources", "points", "stage", "preflight", "reachability",
-    "log", "error", "exit",
+    "yield", "energy", "log", "error", "exit",
 )
 
 _adapter: TypeAdapter[Event] = TypeAdapter(Event)

@@ -8,7 +8,9 @@ stage's snapshot and builds the stage (both already while queued), waits in the 
 a worker that passes through sync phases 1 and 2 to active. Plain http:// to a swarm, monitor or snapshot store
 that is neither on this machine nor on a private network is refused unless ``--insecure``; ``--ca-cert`` trusts
 a swarm's own certificate authority besides the usual ones. Everything it has to say goes to stdout as events, one JSON
-object per line (agora_client/events.py). SIGINT or SIGTERM stop it gracefully.
+object per line (agora_client/events.py). SIGINT or SIGTERM stop it gracefully. ``--yield`` and ``--active-hours``
+give the GPU back to its owner (agora_client/system/gpu_yield.py): the worker drains and keeps its slot for
+``--yield-grace``; past it, the worker leaves and joins again once the GPU is free.
 
 Exit codes: agora_client.frontend.exit_codes (0 stopped on request, 1 runtime error, 2 bad usage
 or config, 3 rejected by the swarm). The reason for a nonzero code is said once: by the event that
@@ -27,12 +29,14 @@ from typing import TYPE_CHECKING
 
 from agora_client.events import ErrorEvent, EventWriter, ExitEvent
 from agora_client.frontend.exit_codes import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, EXIT_USAGE
+from agora_client.system.gpu_yield import configure_yield, policy_of
 from agora_client.system.lifetime import stop_on_signals
 from agora_client.system.log_events import logs_to_events
 
 if TYPE_CHECKING:
     from agora_client.auth.run_description import RunDescription
     from agora_client.joining.contributor import Contributor
+    from agora_client.system.gpu_yield import YieldPolicy
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +61,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ca-cert", type=Path, default=None, metavar="PEM",
                         help="also trust this CA certificate for the swarm's https:// services (a swarm's own CA; "
                              "SSL_CERT_FILE works too, in place of the usual CAs)")
+    configure_yield(parser)
 
 
 class _CannotStart(Exception):
@@ -82,9 +87,29 @@ def run(args: argparse.Namespace) -> int:
         _refuse_plain_http_services(args, description)
     except _CannotStart as failure:
         return _exit(events, failure.code, str(failure), hint=failure.hint)
-    contributor = _contributor(args, device, description, events, stop)
-    signal.signal(signal.SIGUSR1, lambda *_: contributor.retry_now.set())  # the app's "retry now" key
-    return _contribute(contributor, token, events)
+    return _contribute_while_allowed(args, device, description, events, stop, token)
+
+
+def _contribute_while_allowed(args: argparse.Namespace, device: tuple[str, str], description: RunDescription,
+                              events: EventWriter, stop: threading.Event, token: str) -> int:
+    """Join once the GPU may be used (--yield, --active-hours); a worker that yielded past its grace left the swarm,
+    and joins again, through the whole join, once the GPU is free."""
+    from agora_client.joining.yield_control import wait_until_free
+    from agora_client.system.gpu_users import GpuUsers
+
+    policy, users = policy_of(args), GpuUsers(args.gpu)
+    try:
+        while wait_until_free(policy, users, events, stop):
+            contributor = _contributor(args, device, description, events, stop, policy)
+            signal.signal(signal.SIGUSR1, lambda *_: contributor.retry_now.set())  # the app's "retry now" key
+            code = _contribute(contributor, token, events)
+            if code is not None:
+                return code
+            if not contributor.gave_way:
+                break
+    finally:
+        users.close()
+    return _exit(events, EXIT_OK, "stopped")
 
 
 def _secure_transport(args: argparse.Namespace) -> None:
@@ -149,7 +174,7 @@ def _device(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def _contributor(args: argparse.Namespace, device: tuple[str, str], description: RunDescription, events: EventWriter,
-                 stop: threading.Event) -> Contributor:
+                 stop: threading.Event, policy: YieldPolicy) -> Contributor:
     """The contributor for this run and device; loads the engine, whose helpers forked from then on die with us."""
     from agora_client.auth.reachability import default_host_port
     from agora_client.joining.contributor import Contributor, ContributorOptions
@@ -164,12 +189,14 @@ def _contributor(args: argparse.Namespace, device: tuple[str, str], description:
         gpu=args.gpu, device=device, device_note=device_note, monitor_url=args.monitor or description.monitor_url,
         announce_addr=args.announce_addr, port_mapping=args.port_mapping, retry_every=args.retry_every,
         batch_size_override=args.batch_size_override, insecure=args.insecure,
+        yield_policy=policy, yield_grace_s=args.yield_grace,
     )
     return Contributor(options, events, stop)
 
 
-def _contribute(contributor: Contributor, token: str, events: EventWriter) -> int:
-    """Run the contributor until it stops or fails, close it, and exit with the code that says how it ended."""
+def _contribute(contributor: Contributor, token: str, events: EventWriter) -> int | None:
+    """Run the contributor until it stops, fails or gives way to the GPU's owner, and close it; the exit code when
+    it failed, None when it stopped on request or gave way."""
     from agora_client.auth.client import AuthRejected, AuthError
     from agora_client.auth.run_description import RunDescriptionError
     from agora_client.joining.contributor import PreflightFailed
@@ -189,7 +216,7 @@ def _contribute(contributor: Contributor, token: str, events: EventWriter) -> in
         return _exit(events, EXIT_ERROR, "the worker runtime failed", said=True)
     finally:
         contributor.close()
-    return _exit(events, EXIT_OK, "stopped")
+    return None
 
 
 def _exit(events: EventWriter, code: int, reason: str, *, said: bool = False, hint: str | None = None) -> int:

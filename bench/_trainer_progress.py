@@ -67,11 +67,16 @@ class ProgressRecorder:
             return list(self.evaluations.get(name, []))
 
 
-def tokens_per_second(points: list[ProgressPoint], tokens_per_microbatch: int) -> float:
-    """Microbatches finished between the first and the last point, in tokens per second."""
+def microbatches_per_second(points: list[ProgressPoint]) -> float:
+    """Microbatches finished between the first and the last point, per second."""
     if len(points) < 2 or points[-1].at <= points[0].at:
         return 0.0
-    return (points[-1].microbatches - points[0].microbatches) * tokens_per_microbatch / (points[-1].at - points[0].at)
+    return (points[-1].microbatches - points[0].microbatches) / (points[-1].at - points[0].at)
+
+
+def tokens_per_second(points: list[ProgressPoint], tokens_per_microbatch: int) -> float:
+    """Microbatches finished between the first and the last point, in tokens per second."""
+    return microbatches_per_second(points) * tokens_per_microbatch
 
 
 def served_by(points: list[ProgressPoint], stage: str) -> dict[str, int]:

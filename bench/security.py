@@ -25,9 +25,16 @@ Every worker is honest: any strike or ban is a false accusation. One run here (2
 backward: head 1.300 / 0.100, body1 0.714 / 1.292, body2 0.632 / 0.966, tail 0.127 / 0.807, against
 random answers' 1.414 (unverifiable from 1.314).
 
+``--receipts-cost`` measures what the trainers' receipts (agora_client.trainer.receipts) cost a trainer: one swarm
+(one worker per stage: the cost is the trainer's), two trainers side by side over the same seconds, one publishing receipts (``--receipts on``, as deployed) and one not
+(``--receipts off``), neither spot-checking; each round swaps their start order and data shards, so that neither
+keeps an advantage. Throughput is microbatches/s from each trainer's progress lines; the last line's
+``receipts_throughput_ratio`` is on / off (the mean of the rounds' ratios; target >= 0.98).
+
     python bench/security.py                       # ~7 min on 2 cores
     python bench/security.py --rounds 2 --fractions 0.02 0.1 0.5
     python bench/security.py --calibration --seconds 300   # ~6 min on 2 cores
+    python bench/security.py --receipts-cost --rounds 4    # ~5 min on 2 cores
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _trainer_progress import ProgressRecorder, tokens_per_second  # noqa: E402
+from _trainer_progress import ProgressRecorder, microbatches_per_second, tokens_per_second  # noqa: E402
 
 from agora_client.config import SpotCheckConfig  # noqa: E402
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions  # noqa: E402
@@ -66,6 +73,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--calibration", action="store_true",
                         help="measure the calibrated tolerances on an honest swarm (3 workers per stage) instead")
     parser.add_argument("--calibration-fraction", type=float, default=0.3, help="spot-check share of the --calibration run")
+    parser.add_argument("--receipts-cost", action="store_true",
+                        help="measure trainer throughput with receipts on against off (two trainers side by side) instead")
     return parser.parse_args()
 
 
@@ -110,6 +119,9 @@ def main() -> int:
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="agora-bench-security-"))
     if args.calibration:
         print(json.dumps(measure_calibration(run_dir, args)))
+        return 0
+    if args.receipts_cost:
+        print(json.dumps(measure_receipts_cost(run_dir, args)))
         return 0
     configs = configurations(args.fractions, not args.no_ticket_swarm)
     results: dict[str, list[dict]] = {name: [] for by_name in configs.values() for name in by_name}
@@ -164,6 +176,60 @@ def measure_calibration(run_dir: Path, args: argparse.Namespace) -> dict[str, ob
         if "[SPOTCHECK]" in line and not (SPOT_STAGES.search(line) or SPOT_TOTALS.search(line)):
             print(f"  {line.strip()}")
     return summarize_calibration(stages[-1], sum("[SPOTCHECK] banned" in line for line in lines), args)
+
+
+def measure_receipts_cost(run_dir: Path, args: argparse.Namespace) -> dict[str, object]:
+    """One swarm, a trainer with receipts and one without side by side each round (order and shards swapped per round)."""
+    recorder = ProgressRecorder()
+    swarm = LocalSwarm(SwarmOptions(workers_per_stage=1, trainers=0, run_dir=run_dir, report_every=2.0), on_line=recorder)
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    try:
+        swarm.start()
+        print(f"swarm up in {time.monotonic() - swarm.started_at:.0f}s (1 worker per stage); logs in {run_dir / 'logs'}",
+              flush=True)
+        for round_index in range(args.rounds):
+            modes = ["on", "off"] if round_index % 2 == 0 else ["off", "on"]
+            measured = measure_side_by_side(swarm, recorder, modes, args)
+            for mode in modes:
+                rates[mode].append(measured[mode])
+            print(f"round {round_index + 1}: receipts on {measured['on']:.3f}, off {measured['off']:.3f} microbatches/s "
+                  f"(ratio {measured['on'] / max(measured['off'], 1e-9):.3f})", flush=True)
+    finally:
+        swarm.stop()
+    ratios = [on / max(off, 1e-9) for on, off in zip(rates["on"], rates["off"])]
+    return {"bench": "security_receipts", "preset": "tiny", "workers_per_stage": 1, "rounds": args.rounds,
+            "seconds_per_round": args.seconds, "inflight": args.inflight,
+            "receipts_on_microbatches_per_s": round(statistics.mean(rates["on"]), 3),
+            "receipts_off_microbatches_per_s": round(statistics.mean(rates["off"]), 3),
+            "round_ratios": [round(ratio, 3) for ratio in ratios],
+            "receipts_throughput_ratio": round(statistics.mean(ratios), 3), "target": 0.98}
+
+
+RECEIPTS_LINE = {"on": "[RECEIPTS] what each worker serves", "off": "[RECEIPTS] off"}
+
+
+def measure_side_by_side(swarm: LocalSwarm, recorder: ProgressRecorder, modes: list[str], args: argparse.Namespace) -> dict[str, float]:
+    """Microbatches/s of one trainer per receipts mode, started in ``modes``' order, over the same measured seconds."""
+    trainers = {mode: swarm.start_trainer("--receipts", mode, *NO_SPOT_CHECKS, "--shard", f"{index}/{len(modes)}",
+                                          "--inflight", str(args.inflight)) for index, mode in enumerate(modes)}
+    try:
+        deadline = time.monotonic() + 180
+        while not all(recorder.of(trainer.name) for trainer in trainers.values()):
+            if time.monotonic() > deadline or not all(trainer.alive for trainer in trainers.values()):
+                raise RuntimeError(f"a trainer made no progress; see {[str(t.log_path) for t in trainers.values()]}")
+            time.sleep(0.5)
+        measured_from = max(recorder.of(trainer.name)[0].at for trainer in trainers.values()) + args.warmup
+        measured_to = measured_from + args.seconds
+        time.sleep(max(0.0, measured_to - time.monotonic()))
+    finally:
+        for trainer in trainers.values():
+            trainer.stop()
+    for mode, trainer in trainers.items():  # each trainer really ran as its mode says
+        if not any(RECEIPTS_LINE[mode] in line for line in trainer.lines()):
+            raise RuntimeError(f"{trainer.name} never said {RECEIPTS_LINE[mode]!r}; see {trainer.log_path}")
+    return {mode: microbatches_per_second([point for point in recorder.of(trainer.name)
+                                           if measured_from <= point.at <= measured_to + 0.5])
+            for mode, trainer in trainers.items()}
 
 
 def summarize_calibration(stages: dict[str, dict], banned: int, args: argparse.Namespace) -> dict[str, object]:

@@ -30,6 +30,9 @@ from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.averaging.partition import AllreduceException, TensorPartContainer, TensorPartReducer
 from hivemind.compression import NoCompression, serialization
+from hivemind.dht.node import DHTNode
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import RoutingTable
 from hivemind.moe.client.expert import get_server_stub
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.moe.server.connection_handler import ConnectionHandler
@@ -143,6 +146,9 @@ SOURCE_FACTS = (
     SourceFact(ConnectionHandler, "rpc_forward", "await self._process_inputs(", "every plain request reaches the check"),
     SourceFact(ConnectionHandler, "rpc_forward_stream", "await self._process_inputs(", "every streamed request too"),
     SourceFact(RSAPrivateKey, "process_wide", "cls._process_wide_key", "use_as_process_key sets what it returns"),
+    SourceFact(DHTNode, "create", "self.protocol = await DHTProtocol.create(", "known_peers reads the node's protocol"),
+    SourceFact(DHTProtocol, "create", "self.routing_table = RoutingTable(", "known_peers counts its routing table"),
+    SourceFact(RoutingTable, "__init__", "self.uid_to_peer_id", "known_peers counts the peers it maps"),
 )
 
 _LOGGED_TEXTS = {  # RoundAverager quiets these partial-round messages: each must still be logged upstream

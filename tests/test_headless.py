@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agora_client.events import SyncEvent
+from agora_client.events import PointsEvent, SyncEvent
 from agora_client.frontend.supervisor import INTERRUPT_TIMEOUT_S
 from agora_client.frontend.lines import LineFormatter
 
@@ -45,6 +45,15 @@ def test_recorded_stream_prints_the_golden_tagged_lines(tmp_path):
     result = run_client(tmp_path, "active")
     assert result.returncode == 0, result.stderr
     assert result.stdout == (FIXTURES / "active.headless.txt").read_text()
+
+
+def test_the_points_line_gives_verified_compute_of_claimed_and_says_when_the_claim_exceeds_the_receipts():
+    flagged = PointsEvent(presence=1.0, compute=40.0, confirmed=5.0, claimed_compute=40.0, verified_compute=4.0, flagged=True)
+    assert [line.render() for line in LineFormatter().format(flagged)] == [
+        "[POINTS] Presence 1.0, compute 40.0, 0.0 per hour, confirmed 5.0; compute verified 4.0 of 40.0 claimed "
+        "(the claim exceeds the trainers' receipts: only receipted compute earns points)"]
+    assert [line.render() for line in LineFormatter().format(PointsEvent(presence=1.0, compute=4.0))] == [
+        "[POINTS] Presence 1.0, compute 4.0, 0.0 per hour"]
 
 
 def test_sync_lines_are_the_runtime_messages_exactly():

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
@@ -27,10 +28,12 @@ from hivemind.utils.crypto import RSAPrivateKey
 from agora_client.auth.tickets import generate_signing_key, issue_ticket, public_key_text
 from agora_client.config import load_config
 from agora_client.discovery.signed_records import Receipt, ServedCounts
+from agora_client.monitor.estimate import fetch_confirmed
+from agora_client.monitor.http_api import LeaderboardServer
 from agora_client.monitor.points import PFLOP
 from tests.ticket_helpers import trainer_ticket
 from agora_client.monitor.verdicts import trainer_peer_id
-from agora_client.trainer.receipts import publish_receipt
+from agora_client.trainer.receipts import ReceiptBook, publish_receipt
 from agora_client.monitor.records import (
     MetricsRecord,
     check_entry,
@@ -308,3 +311,53 @@ def test_each_scrape_keeps_the_trainers_loss_and_eval_points_once(swarm, tmp_pat
         store.close()
     assert [loss for _, loss in curves["loss"]] == [5.0, 4.7]
     assert curves["eval_loss"] == [(1000.0, 5.3)]
+
+
+def test_a_worker_signing_ten_times_its_flops_earns_no_more_than_an_honest_one_serving_the_same(swarm, tmp_path):
+    """Both workers hold genuine tickets and sign their records; one claims 10x what it computed. A ticketed trainer
+    receipts what each served it (the same requests); the monitor's scrape credits both alike and flags the liar,
+    and the liar's own client hears it from the monitor's API."""
+    honest_dht, honest_validator = swarm._signed(tmp_path / "honest.id")
+    liar_dht, liar_validator = swarm._signed(tmp_path / "liar.id")
+    book = ReceiptBook(MODEL)
+    requests = (torch.zeros(8, 128, MODEL.d_model), torch.zeros(8, 128, dtype=torch.long))
+    workers = {}
+    for dht, validator, identity in ((honest_dht, honest_validator, "carol"), (liar_dht, liar_validator, "dave")):
+        metrics = WorkerMetrics(MODEL, "tail", peer_id=dht.peer_id.to_base58(), identity=identity,
+                                ticket=swarm.ticket(dht, "tail", identity))
+        metrics.set_phase("active")
+        for _ in range(200):  # enough that a 10x claim is past the monitor's slack
+            metrics.on_backward((8, 128))
+            book.count("tail", "backward", metrics.peer_id, requests)
+        record = metrics.snapshot()
+        if identity == "dave":
+            record = record.model_copy(update={"compute_flops": 10 * record.compute_flops, "flops_total": 10 * record.flops_total})
+        assert publish_metrics(dht, record, validator, TTL)
+        workers[identity] = record
+    trainer = trainer_peer_id(swarm.trainer_validator)
+    assert publish_receipt(swarm.trainer, book.receipt(trainer, trainer_ticket(swarm.auth_key, swarm.trainer_validator)),
+                           swarm.trainer_validator)
+
+    store = PointsStore(tmp_path / "points.sqlite")
+    scraper = Scraper(swarm.monitor, ["tail"], store, swarm.public_key)
+    honest_id, liar_id = workers["carol"].peer_id, workers["dave"].peer_id
+    server = LeaderboardServer(store).start()
+    try:
+        wait_for(lambda: scraper.scrape_once() is not None and all(
+            (peer := store.peer(peer_id)) is not None and peer.receipted_flops > 0 for peer_id in (honest_id, liar_id)),
+            timeout=30, message="the scrape never credited both workers against the trainer's receipt")
+        honest, liar = store.peer(honest_id), store.peer(liar_id)
+        rows = {row.username: row for row in store.leaderboard(time.time())}
+        heard = fetch_confirmed(server.url, liar_id)
+    finally:
+        server.stop()
+        store.close()
+        for dht in (liar_dht, honest_dht):
+            dht.shutdown()
+            swarm.dhts.remove(dht)
+    served = workers["carol"].compute_flops / PFLOP
+    assert honest.compute_points == pytest.approx(served) == pytest.approx(liar.compute_points)
+    assert liar.claimed_points == pytest.approx(10 * served)
+    assert rows["dave"].flagged and not rows["carol"].flagged
+    assert rows["dave"].score == pytest.approx(rows["carol"].score, abs=1e-3)  # presence: moments apart
+    assert heard.flagged and heard.verified_compute == pytest.approx(served) and heard.claimed_compute == pytest.approx(10 * served)

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from agora_client.config import load_config
-from agora_client.monitor.estimate import estimate_points
+from agora_client.monitor.estimate import ConfirmedPoints, estimate_points
 from agora_client.monitor.flops import request_flops
 from agora_client.monitor.points import PFLOP
 from agora_client.worker.metrics import WorkerMetrics
@@ -98,9 +98,10 @@ def test_estimate_matches_what_the_monitor_would_credit():
     clock.now += 1800
     flops = sum(metrics.on_backward((8, 128)) for _ in range(10))
     current = metrics.snapshot()
-    event = estimate_points(current, previous, confirmed=0.25)
+    monitor = ConfirmedPoints(score=0.25, verified_compute=0.2, claimed_compute=0.3, flagged=False)
+    event = estimate_points(current, previous, confirmed=monitor)
     assert event.presence == pytest.approx(0.5)
     assert event.compute == pytest.approx(flops / PFLOP)
     assert event.rate_per_hour == pytest.approx(1.0 + 2 * flops / PFLOP)
-    assert event.confirmed == 0.25
+    assert (event.confirmed, event.verified_compute, event.claimed_compute, event.flagged) == (0.25, 0.2, 0.3, False)
     assert estimate_points(current).rate_per_hour == 1.0

@@ -16,7 +16,7 @@ from agora_client.discovery.signed_records import Receipt, ServedCounts
 from agora_client.monitor.estimate import fetch_confirmed
 from agora_client.monitor.http_api import LeaderboardServer
 from agora_client.monitor.learning import LearningPoint, learning_points
-from agora_client.monitor.leaderboard_cli import format_table
+from agora_client.monitor.leaderboard_cli import fetch_rows, format_table
 from agora_client.monitor.points import PFLOP, Observation, PointsPolicy
 from agora_client.monitor.store import PointsStore
 
@@ -93,7 +93,9 @@ def test_leaderboard_endpoint_survives_a_restart_and_the_cli_prints_a_table(tmp_
     assert peer["identity"] == "alice" and peer["compute"] == pytest.approx(3.0) == peer["claimed_compute"]
     assert peer["flagged"] is False and rows[0]["flagged"] is False
     assert missing.status_code == 404 and "no verified metrics" in missing.json()["error"]
-    assert confirmed == (pytest.approx(peer["score"]), None)
+    assert confirmed[0].score == pytest.approx(peer["score"]) and confirmed[1] is None
+    assert (confirmed[0].verified_compute, confirmed[0].claimed_compute, confirmed[0].flagged) == (
+        pytest.approx(3.0), pytest.approx(3.0), False)
     assert fetch_confirmed(server.url, "a1", timeout=1) is None  # the monitor is down now
 
     store = PointsStore(db, POLICY)  # a new service process on the same file
@@ -114,6 +116,27 @@ def test_leaderboard_endpoint_survives_a_restart_and_the_cli_prints_a_table(tmp_
     assert lines[0].split() == ["Rank", "User", "Score", "(PFLOP)", "Active", "h", "Joined", "Status", "Check"]
     assert lines[2].split()[:3] == ["1", "alice", "3.017"] and lines[2].split()[-1] == "offline"
     assert lines[3].split()[:3] == ["2", "bob", "1.017"]
+
+
+def test_the_leaderboard_ranks_by_verified_points_not_by_claims(tmp_path):
+    """bob claims 10 PFLOPs, trainers receipted 1 of them; alice claims and was receipted 3: alice ranks first."""
+    store = PointsStore(tmp_path / "points.sqlite", POLICY)
+    vouch(store, a1=3 * PFLOP, b1=PFLOP)
+    store.record_scrape([obs("a1", 0, 0, 0), obs("b1", 0, 0, 0, identity="bob")], {}, now=0)
+    store.record_scrape([obs("a1", 60, 60, 3 * PFLOP), obs("b1", 60, 60, 10 * PFLOP, identity="bob")], {}, now=60)
+    server = LeaderboardServer(store, "127.0.0.1", 0, clock=lambda: 100.0).start()
+    try:
+        rows = fetch_rows(server.url)  # what `agora leaderboard` prints, in the monitor's order
+        bob = httpx.get(f"{server.url}/peers/b1", timeout=5).json()
+    finally:
+        server.stop()
+        store.close()
+    assert [(row["rank"], row["username"], row["flagged"]) for row in rows] == [(1, "alice", False), (2, "bob", True)]
+    assert rows[1]["score"] == pytest.approx(1 + 60 / 3600, rel=1e-6)
+    assert (bob["compute"], bob["claimed_compute"], bob["flagged"]) == (pytest.approx(1.0), pytest.approx(10.0), True)
+    table = format_table(rows).splitlines()
+    assert table[2].split()[:2] == ["1", "alice"] and table[3].split()[:2] == ["2", "bob"]
+    assert table[3].endswith("claims more than trainers receipted") and "receipted" not in table[2]
 
 
 def test_leaderboard_cli_says_what_to_do_when_the_monitor_is_down():

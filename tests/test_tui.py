@@ -7,9 +7,10 @@ import zipfile
 
 import psutil
 import pytest
+from textual.app import App
 from textual.content import Content
 
-from agora_client.events import ExitEvent, dump_event
+from agora_client.events import ExitEvent, PointsEvent, dump_event
 from tui.app import AgoraApp, BundleTarget
 from tui.state import JoinStep
 from tui.widgets import (
@@ -78,6 +79,7 @@ async def test_every_panel_follows_an_active_stream_and_q_stops_the_child():
         assert "of body1's samples (last 10 epochs)" in shown(app.query_one("#share .detail"))
         points = shown(app.query_one("#points .detail"))
         assert "rank #3 of 12" in points and "confirmed 224" in points
+        assert "compute 211 verified of 222 claimed" in points and "exceeds" not in points
         text = log_text(app)
         assert "[SYNC] Sync complete. Node is now fully contributing to training." in text
         assert "[SPARTA] Round 11 failed" in text
@@ -88,6 +90,24 @@ async def test_every_panel_follows_an_active_stream_and_q_stops_the_child():
         await until(pilot, lambda: not app.is_running or app.return_code is not None)
     assert gone(pid)
     assert app.return_code == 0
+
+
+async def test_the_points_panel_says_when_the_claim_exceeds_the_trainers_receipts():
+    class PointsOnly(App):
+        def compose(self):
+            yield PointsPanel()
+
+    app = PointsOnly()
+    async with app.run_test(size=(40, 15)) as pilot:
+        panel = app.query_one(PointsPanel)
+        panel.show(PointsEvent(presence=1.0, compute=40.0, confirmed=5.0, claimed_compute=40.0, verified_compute=4.0,
+                               flagged=True))
+        await pilot.pause()
+        assert "compute 4.00 verified of 40.00 claimed: the claim exceeds the trainers' receipts" in shown(
+            panel.query_one(".detail"))
+        panel.show(PointsEvent(presence=1.0, compute=4.0))  # no word from a monitor: no verified line
+        await pilot.pause()
+        assert "verified" not in shown(panel.query_one(".detail"))
 
 
 async def test_download_shows_progress_rate_eta_and_resume_then_queue_position():

@@ -14,6 +14,7 @@ JSON API (every answer is a JSON object with ``status``):
   GET  /v1/status                             -> occupancy per stage, capacity, queue length, public key, seeds
   POST /v1/probe/upload (any bytes, < 16 MiB)  -> 200 {received, timed_bytes, seconds}: the body's arrival timed
                                                and dropped by the front (the contributor's uplink preflight)
+  GET  /metrics                               -> Prometheus text: joins by outcome, queues, slots (operator_metrics.py)
 Each client address may POST /v1/join and /v1/join/poll only so often (429 with Retry-After beyond that);
 a body over MAX_BODY_BYTES gets 413 (``AuthServer``, on the guarded front of ``agora_client.http_service``).
 
@@ -36,6 +37,7 @@ import secrets
 import socket
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from pathlib import Path
@@ -43,10 +45,12 @@ from typing import Any, Callable
 
 from agora_client.data.tokenizer import sha256_of
 from agora_client.http_service import Exposure, HttpService, RateLimit, Reply, Request, ServiceLimits, json_reply
+from agora_client.operator_metrics import METRICS_PATH, http_front_collector, metrics_reply, new_registry
 
 from .admission import AdmissionPolicy, Decision, Queued, Rejected, UnknownQueueEntry
 from .bindings import PeerBindings
 from .key_proof import KeyProofError, check_join_proof
+from .operator_metrics import auth_collector
 from .reachability import AnnounceError, dial_back, parse_announce
 from .run_description import RunDescription
 from .identity import IdentitySource, IdentityUnavailable, InvalidToken
@@ -123,6 +127,7 @@ class AuthService:
         self.trainer_credentials = TrainerCredentials(self.state_dir)
         self._identity_cache: dict[str, tuple[str, float]] = {}
         self._audit_lock = threading.Lock()
+        self._audit_counts: Counter[str] = Counter()  # by event, for the operator's metrics
 
     # -- endpoints -----------------------------------------------------------------------------------
 
@@ -179,6 +184,7 @@ class AuthService:
                                              "reason": f"could not connect to {dial.address} ({dial.error})"}
         stages = self._stages_that_fit(body.get("gpu_memory_bytes"))
         if stages == ():
+            self._audit("gpu_too_small", token_hash=digest[:16], identity=identity, peer_id=peer_id)
             return HTTPStatus.FORBIDDEN, {"status": "rejected", "reason": self._too_small(body["gpu_memory_bytes"])}
         now = time.time()
         status, payload = self._answer(self.book.join(identity, peer_id, now, stages), now, digest)
@@ -368,10 +374,16 @@ class AuthService:
         self._identity_cache[digest] = (identity, time.monotonic() + self.settings.identity_cache_s)
         return identity
 
+    def audit_totals(self) -> dict[str, int]:
+        """The audit events of this process so far, by event (the operator's metrics count joins by them)."""
+        with self._audit_lock:
+            return dict(self._audit_counts)
+
     def _audit(self, event: str, **fields: Any) -> None:
         line = json.dumps({"ts": round(time.time(), 3), "event": event, **fields}, sort_keys=True)
         with self._audit_lock, open(self.state_dir / "joins.jsonl", "a", encoding="utf-8") as audit:
             audit.write(line + "\n")
+            self._audit_counts[event] += 1
 
 
 AUTH_LIMITS = ServiceLimits(max_body_bytes=MAX_BODY_BYTES)
@@ -402,10 +414,11 @@ class AuthServer:
             self._answer, host, port, name="auth-http", limits=limits,
             rate_limits={("POST", "/v1/join"): join_rate, ("POST", "/v1/join/poll"): poll_rate,
                          ("POST", UPLOAD_PROBE_PATH): UPLOAD_PROBE_RATE},
-            quick_routes=[("GET", "/v1/status"), ("GET", "/v1/run"), ("GET", "/v1/tokenizer")],
+            quick_routes=[("GET", "/v1/status"), ("GET", "/v1/run"), ("GET", "/v1/tokenizer"), ("GET", METRICS_PATH)],
             upload_probes=[("POST", UPLOAD_PROBE_PATH)],
             exposure=exposure,
         )
+        self._metrics = new_registry(auth_collector(service.audit_totals, service.book), http_front_collector(self._http))
 
     @property
     def url(self) -> str:
@@ -449,6 +462,8 @@ class AuthServer:
             return json_reply(HTTPStatus.OK, self.service.run_description())
         if path == "/v1/tokenizer":  # the file as it is: its sha256 is checked
             return Reply(HTTPStatus.OK, self.service.tokenizer_json(), {"Content-Type": "application/json"})
+        if path == METRICS_PATH:
+            return metrics_reply(self._metrics)
         raise RequestError(HTTPStatus.NOT_FOUND, f"no such endpoint: GET {path}")
 
     def _post(self, request: Request) -> Reply:

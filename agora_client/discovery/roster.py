@@ -25,6 +25,7 @@ class WorkerRecord(BaseModel):
     sync_phase: SyncPhaseCode = 0
     epoch: int = 0
     healthy: bool = True  # False: its own outputs turned non-finite; it serves nothing until it has reloaded
+    yielding: bool = False  # True: it gave the GPU back to its owner for now (it keeps its slot, serves nothing)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -33,8 +34,9 @@ class WorkerRecord(BaseModel):
 
     @property
     def routable(self) -> bool:
-        """Trainers send batches to healthy workers that are active or warming up their optimizer (phase 2)."""
-        return self.healthy and self.sync_phase != 1
+        """Trainers send batches to healthy workers that are active or warming up their optimizer (phase 2), unless
+        they yield the GPU to its owner."""
+        return self.healthy and not self.yielding and self.sync_phase != 1
 
 
 def roster_key(stage: str) -> str:

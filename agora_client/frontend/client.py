@@ -21,6 +21,7 @@ from agora_client.frontend.notify import NOTIFY_TIMEOUT_S
 from agora_client.frontend.restart import RESTART_MODES, RestartMode, RestartPolicy, restart_help
 from agora_client.frontend.supervisor import ChildCommand, runtime_command
 from agora_client.logs import EventLog, log_name, logs_dir
+from agora_client.system.gpu_yield import configure_yield, yield_argv
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--retry-every", metavar="SECONDS", type=_positive_seconds, default=DEFAULT_RETRY_EVERY_S,
         help=f"while the swarm cannot reach this worker, ask again this often (default: {DEFAULT_RETRY_EVERY_S:.0f}; r in the app: now)",
     )
+    configure_yield(parser)
     configure_supervision(parser)
     parser.add_argument(
         "--runtime-cmd", metavar="CMD", help="run CMD instead of the built-in worker runtime (replays, testing)"
@@ -118,7 +120,7 @@ def _command(args: argparse.Namespace, token: str, swarm: str, gpu: int | None, 
     return runtime_command(
         token=token, swarm=swarm, gpu=gpu, cpu=args.cpu, config_dir=config_dir, monitor=args.monitor,
         host_port=args.host_port, announce_addr=args.announce_addr, port_mapping=args.port_mapping,
-        retry_every=args.retry_every, insecure=args.insecure, ca_cert=args.ca_cert,
+        retry_every=args.retry_every, insecure=args.insecure, ca_cert=args.ca_cert, yield_args=tuple(yield_argv(args)),
     )
 
 

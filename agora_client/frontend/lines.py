@@ -1,6 +1,6 @@
 """Tagged lines from the runtime's stream: what the headless client prints and the app's log pane shows.
 
-Tags: ``[PREFLIGHT] [REACHABILITY] [NETWORK] [AUTH] [DOWNLOAD] [QUEUE] [SYNC] [TRAINING] [PROGRESS] [SPARTA] [POINTS] [RESTART] [WARNING] [ERROR]``
+Tags: ``[PREFLIGHT] [REACHABILITY] [NETWORK] [AUTH] [DOWNLOAD] [QUEUE] [SYNC] [TRAINING] [PROGRESS] [SPARTA] [POINTS] [YIELD] [RESTART] [WARNING] [ERROR]``
 (``[RESTART]``: the front end's own line before it starts a crashed runtime again, see frontend/restart.py).
 What each event kind gives:
 
@@ -17,7 +17,10 @@ What each event kind gives:
   once per 60 s of event time.
 - sparta: ``[SPARTA]`` each round: which partition of how many (numbered from 0) and its share of the stage's
   parameters, e.g. ``partition 10 of 20 (5% of the stage)`` (failed rounds at level warning); points: ``[POINTS]`` at most
-  once per 60 s; stage: ``[TRAINING]`` when the stage, peer or occupancy changes.
+  once per 60 s, with the monitor's verified compute of the claimed once it has them; stage: ``[TRAINING]`` when the stage, peer or occupancy changes.
+- yield: ``[YIELD]`` when the worker starts yielding the GPU to its owner (and why), when the reason changes, when
+  it serves again, and when it gave its slot back after the grace (level warning); energy: ``[POINTS]`` the kWh
+  used while serving and the points per kWh, at most once per 60 s, where the card reports energy.
 - log: ``[<its tag>]``, or ``[WARNING]`` / ``[ERROR]`` by level; debug is not printed.
 - error: ``[ERROR]`` message, then ``[ERROR] What to do: <hint>``; exit: ``[ERROR]`` when nonzero
   and no error event said why already.
@@ -35,6 +38,7 @@ from typing import Any
 from agora_client.events import (
     AuthEvent,
     DownloadEvent,
+    EnergyEvent,
     ErrorEvent,
     Event,
     ExitEvent,
@@ -48,12 +52,13 @@ from agora_client.events import (
     StageEvent,
     StepEvent,
     SyncEvent,
+    YieldEvent,
 )
 from agora_client.system.redact import redact_text
 
 TAGS = (
     "PREFLIGHT", "REACHABILITY", "AUTH", "DOWNLOAD", "QUEUE", "SYNC", "TRAINING", "PROGRESS", "SPARTA", "POINTS",
-    "RESTART", "WARNING", "ERROR",
+    "YIELD", "RESTART", "WARNING", "ERROR",
 )
 _TAG_CHARS = re.compile(r"[^A-Z0-9_]")
 _RAW_PREVIEW = 120
@@ -102,6 +107,16 @@ def _drift_percent(drift: float) -> str:
     return "<0.01%" if 0 < drift < 1e-4 else percent(drift)
 
 
+def verified_text(event: PointsEvent) -> str:
+    """The monitor's verified compute beside the claimed, and its warning when the claim exceeds the receipts."""
+    if event.verified_compute is None or event.claimed_compute is None:
+        return ""
+    text = f"; compute verified {event.verified_compute:.1f} of {event.claimed_compute:.1f} claimed"
+    if event.flagged:
+        text += " (the claim exceeds the trainers' receipts: only receipted compute earns points)"
+    return text
+
+
 def short_peer_id(peer_id: str) -> str:
     return peer_id if len(peer_id) <= 14 else f"{peer_id[:6]}…{peer_id[-6:]}"
 
@@ -142,6 +157,8 @@ class LineFormatter:
         self._last_download: dict[str, float] = {}
         self._last_progress: float | None = None
         self._last_points: float | None = None
+        self._last_energy: float | None = None
+        self._yield_said: tuple[str, str] | None = None  # (state, reason) of the last [YIELD] line
         self._epoch: int | None = None
         self._last_epoch_line: float | None = None
         self._stage: tuple[str, str, tuple] | None = None
@@ -265,7 +282,26 @@ class LineFormatter:
         self._last_points = event.ts
         confirmed = f", confirmed {event.confirmed:.1f}" if event.confirmed is not None else ""
         text = f"Presence {event.presence:.1f}, compute {event.compute:.1f}, {event.rate_per_hour:.1f} per hour{confirmed}"
-        return [self._line(event, "POINTS", text)]
+        return [self._line(event, "POINTS", text + verified_text(event))]
+
+    def _energy(self, event: EnergyEvent) -> list[TaggedLine]:
+        if event.kwh is None or (self._last_energy is not None and event.ts - self._last_energy < self.summary_interval_s):
+            return []
+        self._last_energy = event.ts
+        per_kwh = f", {event.points_per_kwh:,.0f} points per kWh" if event.points_per_kwh is not None else ""
+        return [self._line(event, "POINTS", f"Energy used while serving: {event.kwh:.3f} kWh{per_kwh}")]
+
+    def _yield(self, event: YieldEvent) -> list[TaggedLine]:
+        """A line per change of state or reason, not per countdown of the grace."""
+        if self._yield_said == (event.state, event.reason):
+            return []
+        self._yield_said = (event.state, event.reason)
+        if event.state == "resumed":
+            return [self._line(event, "YIELD", f"Serving again: {event.reason}")]
+        if event.state == "left":
+            return [self._line(event, "YIELD", f"Left the swarm: {event.reason}", "warning")]
+        grace = f" (the slot is kept for {human_duration(event.grace_left_s)} more)" if event.grace_left_s is not None else ""
+        return [self._line(event, "YIELD", f"Yielding the GPU: {event.reason}{grace}")]
 
     def _stage(self, event: StageEvent) -> list[TaggedLine]:
         key = (event.stage, event.peer_id, tuple(sorted(event.occupancy.items())))

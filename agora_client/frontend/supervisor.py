@@ -65,9 +65,11 @@ def runtime_command(
     retry_every: float | None = None,
     insecure: bool = False,
     ca_cert: Path | None = None,
+    yield_args: tuple[str, ...] = (),
 ) -> ChildCommand:
     """The real runtime: ``agora runtime [--swarm URL] [--gpu N | --cpu] [--config-dir D] [--monitor URL] [--host-port P]
-    [--announce-addr HOST:PORT] [--no-port-mapping] [--retry-every S] [--insecure] [--ca-cert PEM]``, token in HF_TOKEN."""
+    [--announce-addr HOST:PORT] [--no-port-mapping] [--retry-every S] [--insecure] [--ca-cert PEM]`` and ``yield_args``
+    (--yield, --active-hours, --yield-grace), token in HF_TOKEN."""
     root = str(Path(agora_client.__file__).resolve().parent.parent)
     argv = [sys.executable, "-c", _BOOTSTRAP.format(root=root), "runtime"]
     if swarm:
@@ -86,6 +88,7 @@ def runtime_command(
         argv += ["--announce-addr", announce_addr]
     if not port_mapping:
         argv += ["--no-port-mapping"]
+    argv += yield_args
     if retry_every is not None:
         argv += ["--retry-every", repr(float(retry_every))]
     if insecure:

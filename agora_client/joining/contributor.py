@@ -19,7 +19,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -40,7 +40,11 @@ from agora_client.monitor.records import MetricsRecord, publish_metrics, signed_
 from agora_client.snapshots import download_snapshot
 from agora_client.discovery.dht import connect_dht
 from agora_client.engine.identity import use_as_process_key
+from agora_client.system.gpu import GpuProbe
+from agora_client.system.gpu_users import GpuUsers
+from agora_client.system.gpu_yield import DEFAULT_GRACE_S, YieldPolicy
 from agora_client.system.resources import ResourceProbe
+from agora_client.joining.yield_control import YieldControl
 from agora_client.joining.gpu_fit import JoinFit
 from agora_client.joining.network_path import NetworkPath
 from agora_client.worker.metrics import WorkerMetrics
@@ -83,6 +87,8 @@ class ContributorOptions:
     port_mapping: bool = True  # ask the home router to forward the port (UPnP or NAT-PMP)
     retry_every: float = 30.0  # seconds between join attempts while the worker is unreachable
     insecure: bool = False  # allow plain http:// to the swarm and its snapshots outside loopback and private networks
+    yield_policy: YieldPolicy = field(default_factory=lambda: YieldPolicy("never"))  # the client's --yield, --active-hours
+    yield_grace_s: float = DEFAULT_GRACE_S  # how long a yielding worker keeps its slot
 
     @property
     def device_name(self) -> str:
@@ -126,6 +132,7 @@ class Contributor:
         self._dht = None
         self.path: NetworkPath | None = None
         self.stage_watch = StageWatch(options.swarm_url, options.run.config.model.stage_names)  # the app's swarm view
+        self.gave_way = False  # it yielded the GPU past the grace and left the swarm: join again once the GPU is free
 
     def run(self, token: str) -> None:
         """Join and serve until stopped; returns early when stopped before the worker is active."""
@@ -321,7 +328,10 @@ class Contributor:
         return dial.host if self.path.join_announce is None else ""
 
     def _serve(self, node: WorkerNode, metrics: WorkerMetrics, validator) -> None:
-        probe = ResourceProbe(self.options.gpu)
+        gpu = GpuProbe()
+        probe = ResourceProbe(self.options.gpu, gpu=gpu)
+        owner = YieldControl(self.options.yield_policy, GpuUsers(self.options.gpu, gpu), node, self.events,
+                             self.options.yield_grace_s)
         traffic = TrafficWindow(node.meter)
         last_resources = last_swarm = last_metrics = 0.0
         last_description = time.monotonic()
@@ -330,7 +340,10 @@ class Contributor:
             if self.events.broken:  # nobody reads our events any more: leave the swarm cleanly
                 self.stop.set()
                 break
-            metrics.set_phase(NAMES[node.sync.phase])
+            if not owner.tick():  # yielded past the grace: leave (the runtime joins again once the GPU is free)
+                self.gave_way = True
+                break
+            metrics.set_phase(None if node.yielding else NAMES[node.sync.phase])  # yielding earns no presence
             now = time.monotonic()
             if now - last_resources >= RESOURCES_EVERY:
                 self.events.emit(probe.sample())
@@ -340,14 +353,23 @@ class Contributor:
                 self._report_swarm(node)
                 last_swarm = now
             if now - last_metrics >= METRICS_EVERY:
-                self._renew_ticket(metrics)
-                record = metrics.snapshot()
-                publish_metrics(node.dht, record, validator, ttl=METRICS_EVERY * 3)
-                self.events.emit(estimate_points(record, previous, **self._standing(node)))
-                previous, last_metrics = record, now
+                last_metrics = now
+                self._renew_ticket(metrics)  # a yielding worker keeps its slot, but publishes and earns nothing
+                if not node.yielding:
+                    previous = self._publish_metrics(node, metrics, validator, previous, owner)
             if now - last_description >= DESCRIPTION_EVERY:
                 last_description = now
                 self._check_description()
+
+    def _publish_metrics(self, node: WorkerNode, metrics: WorkerMetrics, validator, previous: MetricsRecord | None,
+                         owner: YieldControl) -> MetricsRecord:
+        """Sign and publish the worker's metrics; say the points they earn and the energy they took."""
+        record = metrics.snapshot()
+        publish_metrics(node.dht, record, validator, ttl=METRICS_EVERY * 3)
+        points = estimate_points(record, previous, **self._standing(node))
+        self.events.emit(points)
+        self.events.emit(owner.energy_event(points.presence + points.compute))
+        return record
 
     def _check_description(self) -> None:
         """RunChanged ends the run (the caller exits cleanly); a description that cannot be read now is only a warning."""

@@ -14,6 +14,7 @@
   GET /swarm             -> the run's name and model, contributors (online), and the latest scrape's summary: tokens/s,
                             tokens seen, per stage workers active / syncing / queued, SPARTA success, spot checks
   GET /identities/<name> -> one contributor: standing, peers, withheld compute and why, points over time; 404 if unknown
+  GET /metrics           -> Prometheus text for operators: points, contributors, the swarm (operator_metrics.py)
 The public page (agora_client/monitor/page): GET / (the swarm), GET /contributors/<name> (one contributor), and its
 files under GET /static/; it polls the JSON above.
 Scores are in PFLOPs.
@@ -30,6 +31,8 @@ from typing import Any
 from urllib.parse import unquote
 
 from agora_client.http_service import Exposure, HttpService, Reply, Request, ServiceLimits, json_reply
+from agora_client.operator_metrics import METRICS_PATH, http_front_collector, metrics_reply, new_registry
+from agora_client.monitor.operator_metrics import monitor_collector
 from agora_client.monitor.page import PageFiles, RunInfo, contributor_name, contributor_view, swarm_view
 from agora_client.monitor.points import PFLOP, PeerState
 from agora_client.monitor.store import PointsStore
@@ -69,6 +72,7 @@ class LeaderboardServer:
         self.store, self.clock, self.run = store, clock, run
         self._page = PageFiles()
         self._http = HttpService(self._answer, host, port, name="leaderboard-http", limits=limits, exposure=exposure)
+        self._metrics = new_registry(monitor_collector(store, clock), http_front_collector(self._http))
 
     @property
     def url(self) -> str:
@@ -104,6 +108,8 @@ class LeaderboardServer:
                 return json_reply(HTTPStatus.OK, store.learning())
             if path == "/health":
                 return json_reply(HTTPStatus.OK, {"status": "ok", "peers": len(store.peers())})
+            if path == METRICS_PATH:
+                return metrics_reply(self._metrics)
             page = self._page_reply(request, path, now)
             if page is not None:
                 return page

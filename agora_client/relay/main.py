@@ -6,8 +6,10 @@ import argparse
 import logging
 import sys
 
+from agora_client.operator_metrics import add_metrics_arguments, open_metrics_endpoint
 from agora_client.system.lifetime import stop_on_signals
 
+from .operator_metrics import relay_collector
 from .server import RelayServer, RelaySettings
 
 READY_PREFIX = "[RELAY] listening on "
@@ -30,6 +32,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per-address", type=int, default=4, help="reservations one address may hold (default: 4)")
     parser.add_argument("--ping-every", type=float, default=20.0,
                         help="seconds between keepalive pings; three unanswered release a reservation (default: 20)")
+    add_metrics_arguments(parser)
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -41,14 +44,17 @@ def run(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, public_host=args.public_host, port_lo=args.ports[0], port_hi=args.ports[1],
             max_reservations=args.max_reservations, per_address=args.per_address, ping_every_s=args.ping_every,
         )
+        metrics = open_metrics_endpoint(args, "relay")  # MetricsUnavailable is a ValueError
         server = RelayServer(settings).start()
     except (ValueError, OSError) as error:
         print(f"[ERROR] cannot start the relay: {error}", file=sys.stderr)
         return 2
+    metrics.add(relay_collector(server))
     print(f"{READY_PREFIX}{settings.host}:{server.port} for public {settings.public_host}, "
           f"ports {settings.port_lo}-{settings.port_hi}", flush=True)
     try:
         stop.wait()
     finally:
         server.stop()
+        metrics.close()
     return 0

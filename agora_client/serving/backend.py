@@ -32,6 +32,13 @@ class WorkerUnhealthy(RuntimeError):
     )
 
 
+class WorkerYielding(RuntimeError):
+    """This worker gave the GPU back to its owner for now; callers should go elsewhere."""
+
+    # "not ready" is what trainers read as: send it elsewhere (trainer/errors.py)
+    MESSAGE = "this worker is not ready: it yields its GPU to the owner for now; send the request to another worker of the stage"
+
+
 class StageBackend(ModuleBackend):
     """A stage served to trainers: requests run under ``lock`` (held by the training loop while it changes the
     parameters), and every backward reports its sample count to ``on_samples`` (the stage's epoch counter).

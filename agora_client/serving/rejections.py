@@ -58,6 +58,11 @@ class RejectionLog:
         also = f" (+{unlogged} more from this peer since its last line)" if unlogged else ""
         self._log(f"refused a request from peer {caller} ({reason}): {message}{also}; {total} refused in all")
 
+    def totals(self) -> dict[str, int]:
+        """Refused requests so far, by reason."""
+        with self._lock:
+            return dict(self.counts)
+
     def shutdown(self) -> None:
         self._stop.set()
         if self._thread.is_alive():

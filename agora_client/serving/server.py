@@ -25,7 +25,7 @@ from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
 from agora_client.discovery.roster import WorkerRecord, announce, withdraw
 from agora_client.engine.serving import CheckedConnectionHandler, HostedServer
-from agora_client.serving.backend import StageBackend, WorkerUnhealthy
+from agora_client.serving.backend import StageBackend, WorkerUnhealthy, WorkerYielding
 from agora_client.serving.rejections import RejectionLog
 from agora_client.serving.ticket_gate import TicketGate
 from agora_client.serving.traffic import RequestMeter
@@ -56,6 +56,7 @@ class GuardedConnectionHandler(CheckedConnectionHandler):
         gate: TicketGate | None,
         rejections: RejectionLog,
         healthy: Synchronized,
+        yielding: Synchronized,
         meter: RequestMeter | None = None,
     ):
         super().__init__(dht, backends)
@@ -73,7 +74,7 @@ class GuardedConnectionHandler(CheckedConnectionHandler):
         )
         self._magnitudes = {kind: MagnitudeGuard(kind) for kind in ("forward", "backward")}
         self._vocab_size, self._max_request_batch = vocab_size, max_request_batch
-        self._gate, self._rejections, self._healthy = gate, rejections, healthy
+        self._gate, self._rejections, self._healthy, self._yielding = gate, rejections, healthy, yielding
         self._meter = meter
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
@@ -142,6 +143,8 @@ class GuardedConnectionHandler(CheckedConnectionHandler):
             self._gate.check(request.metadata, context.remote_id.to_base58())
         if not self._healthy.value:
             raise WorkerUnhealthy(WorkerUnhealthy.MESSAGE)
+        if self._yielding.value:  # requests admitted before the yield still finish
+            raise WorkerYielding(WorkerYielding.MESSAGE)
         if (request.uid, kind) not in self._schemas:
             raise KeyError(f"this worker serves {sorted(self.module_backends)}, not {request.uid!r}")
 
@@ -204,6 +207,7 @@ class StageServer(HostedServer):
         **runtime_kwargs,
     ):
         healthy = mp.get_context("fork").Value(ctypes.c_bool, True)  # shared with the forked handlers
+        yielding = mp.get_context("fork").Value(ctypes.c_bool, False)
         announcer = StageAnnouncer(dht, record, announce_period)
         super().__init__(
             dht,
@@ -211,11 +215,11 @@ class StageServer(HostedServer):
             handlers=lambda backends: [
                 GuardedConnectionHandler(
                     dht, backends, vocab_size=vocab_size, max_request_batch=max_request_batch,
-                    gate=gate, rejections=rejections, healthy=healthy, meter=meter,
+                    gate=gate, rejections=rejections, healthy=healthy, yielding=yielding, meter=meter,
                 )
                 for _ in range(num_connection_handlers)
             ],
             announcer=announcer,
             **runtime_kwargs,
         )
-        self.healthy, self.announcer = healthy, announcer
+        self.healthy, self.yielding, self.announcer = healthy, yielding, announcer

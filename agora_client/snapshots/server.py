@@ -3,7 +3,8 @@
 It answers GET and HEAD with one byte range when asked for (206 / Content-Range / 416), an ETag (honoured by
 If-None-Match and If-Range) and Last-Modified, so that a client can resume an interrupted snapshot download.
 Query strings are ignored, like an object store ignores a presigned URL's signature for the path; directories
-are not listed. Each request is a ``RangeRequestHandler`` run in a handler thread.
+are not listed. Each request is a ``RangeRequestHandler`` run in a handler thread. ``GET /metrics`` answers the
+server's own series for operators (bytes sent, open connections), not a file of that name.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from pathlib import Path
 from typing import IO, BinaryIO
 from urllib.parse import unquote
 
-from agora_client.http_service import HttpService, Reply, Request, ServiceLimits
+from agora_client.http_service import Exposure, HttpService, Reply, Request, ServiceLimits
+from agora_client.operator_metrics import (
+    METRICS_PATH, Series, SeriesCollector, http_front_collector, metrics_reply, new_registry,
+)
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +34,7 @@ _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 _COPY_BLOCK = 256 * 1024
 # Requests carry no body; a transfer holds a handler thread for its whole length.
 SNAPSHOT_LIMITS = ServiceLimits(max_body_bytes=0, handler_threads=32, max_pending_requests=128)
+BYTES_SENT = Series("agora_snapshot_bytes_sent", "counter", "snapshot bytes sent to joiners (bodies, ranges included)")
 
 
 class RangeRequestHandler:
@@ -132,12 +137,15 @@ class SnapshotServer:
     """``serve_directory``'s result: ``url`` (no trailing slash), ``bytes_sent`` so far, ``close()``."""
 
     def __init__(self, root: Path, host: str, port: int, handler: type[RangeRequestHandler],
-                 limits: ServiceLimits = SNAPSHOT_LIMITS):
+                 limits: ServiceLimits = SNAPSHOT_LIMITS, exposure: Exposure = Exposure()):
         self.root = Path(root)
         self._handler = handler
         self._bytes_sent = 0
         self._count_lock = threading.Lock()
-        self._http = HttpService(self._answer, host, port, name="snapshot-http", limits=limits).start()
+        self._http = HttpService(self._answer, host, port, name="snapshot-http", limits=limits, exposure=exposure)
+        self._metrics = new_registry(SeriesCollector([BYTES_SENT], lambda: {BYTES_SENT.name: self._bytes_sent}),
+                                     http_front_collector(self._http))
+        self._http.start()
 
     @property
     def url(self) -> str:
@@ -164,16 +172,19 @@ class SnapshotServer:
         if request.method not in ("GET", "HEAD"):
             return Reply(HTTPStatus.METHOD_NOT_ALLOWED, b"a snapshot store answers GET and HEAD only\n",
                          {"Allow": "GET, HEAD", "Content-Type": "text/plain; charset=utf-8"})
+        if request.method == "GET" and request.path == METRICS_PATH:
+            return metrics_reply(self._metrics)
         return self._handler(request, self).answer()
 
 
 def serve_directory(
-    root: Path, host: str = "127.0.0.1", port: int = 0, *, handler: type[RangeRequestHandler] = RangeRequestHandler
+    root: Path, host: str = "127.0.0.1", port: int = 0, *, handler: type[RangeRequestHandler] = RangeRequestHandler,
+    exposure: Exposure = Exposure(),
 ) -> SnapshotServer:
-    """Serve ``root`` over HTTP in a background thread; the server is up when this returns."""
+    """Serve ``root`` over HTTP (HTTPS with ``exposure.tls``) in a background thread; the server is up when this returns."""
     if not Path(root).is_dir():
         raise NotADirectoryError(f"cannot serve {root}: it is not a directory")
-    return SnapshotServer(root, host, port, handler)
+    return SnapshotServer(root, host, port, handler, exposure=exposure)
 
 
 def _content_type(path: str) -> str:

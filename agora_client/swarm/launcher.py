@@ -28,13 +28,13 @@ from agora_client.config import ConfigError, load_config
 from agora_client.snapshots import SnapshotError, SnapshotServer, open_store, read_manifest, serve_directory
 from agora_client.snapshots.format import MANIFEST_FILE, verify_files
 from agora_client.swarm.processes import CLI, ManagedProcess, stop_all
-from agora_client.discovery.seed import READY_PREFIX
+from agora_client.swarm.roles import (
+    AUTH_READY, MONITOR_READY, RELAY_READY, SEED_READY, WORKER_READY, monitor_args, relay_args, seed_args,
+    self_signed_tickets, trainer_args, worker_args,
+)
+from agora_client.swarm.roles import auth_args as auth_role_args
 
-WORKER_READY = "[WORKER]"
-AUTH_READY = "[AUTH] listening on"
-RELAY_READY = "[RELAY] listening on"
 RELAY_PORTS = (47000, 47099)  # the ports the local swarm's relay holds for workers
-MONITOR_READY = "[MONITOR] leaderboard on"
 START_TIMEOUT = 180.0
 
 
@@ -136,15 +136,12 @@ class LocalSwarm:
         token_file = auth_dir / "tokens.json"
         self.tokens = {user: write_demo_token_file(token_file, user) for user in users}
         monitor_port = _free_port(self.options.host) if monitor else None
-        args = ["auth", "--state-dir", str(self.signing_key_path.parent), "--config", self.options.preset, "--host", self.options.host]
-        args += ["--identity", "token-file", "--token-file", str(token_file), "--snapshot-url", self.snapshot_server.url]
-        args += ["--pacing", str(pacing), "--max-workers-per-stage", str(max_workers_per_stage)]
-        if monitor_port is not None:
-            args += ["--monitor-url", f"http://{self.options.host}:{monitor_port}"]
-        for seed in self.seed_addrs:
-            args += ["--seed", seed]
-        if relay:
-            args += ["--relay", self.start_relay()]
+        args = auth_role_args(
+            preset=self.options.preset, state_dir=self.signing_key_path.parent, host=self.options.host,
+            seeds=self.seed_addrs, snapshot_url=self.snapshot_server.url, token_file=token_file, pacing=pacing,
+            max_workers_per_stage=max_workers_per_stage, relays=[self.start_relay()] if relay else [],
+            monitor_url=None if monitor_port is None else f"http://{self.options.host}:{monitor_port}",
+        )
         self.auth = self._spawn("auth", [*args, *auth_args])
         url = self.auth.wait_for(AUTH_READY, START_TIMEOUT).split()[-1]
         if monitor_port is not None:
@@ -154,16 +151,14 @@ class LocalSwarm:
     def start_relay(self) -> str:
         """The operator's relay on the swarm's host (ports for workers from RELAY_PORTS up); returns its HOST:PORT."""
         host, port = self.options.host, _free_port(self.options.host)
-        self.relay = self._spawn("relay", ["relay", "--host", host, "--port", str(port), "--public-host", host,
-                                           "--ports", f"{RELAY_PORTS[0]}-{RELAY_PORTS[1]}"])
+        self.relay = self._spawn("relay", relay_args(host, port, host, f"{RELAY_PORTS[0]}-{RELAY_PORTS[1]}"))
         self.relay.wait_for(RELAY_READY, START_TIMEOUT)
         return f"{host}:{port}"
 
     def start_monitor(self, auth_url: str, *, interval: float = 5.0, port: int = 0) -> str:
         """The points monitor, scraping the swarm's signed metrics; returns its base URL."""
-        args = ["monitor", "--initial-peers", *self.seed_addrs, "--auth-url", auth_url, "--config", self.options.preset]
-        args += ["--db", str(self.options.run_dir / "monitor" / "points.sqlite"), "--port", str(port), "--interval", str(interval)]
-        args += ["--host", self.options.host]
+        args = monitor_args(preset=self.options.preset, seeds=self.seed_addrs, auth_url=auth_url, host=self.options.host,
+                            db=self.options.run_dir / "monitor" / "points.sqlite", port=port, interval=interval)
         self.monitor = self._spawn("monitor", args)
         self.monitor_url = self.monitor.wait_for(MONITOR_READY, START_TIMEOUT).split()[-1].removesuffix("/leaderboard")
         return self.monitor_url
@@ -173,29 +168,25 @@ class LocalSwarm:
 
     def start_seeds(self, count: int = 2) -> list[str]:
         for index in range(count):
-            seed = self._spawn(f"seed{index}", ["seed", "--host", self.options.host, "--seeds", *self.seed_addrs])
+            seed = self._spawn(f"seed{index}", seed_args(self.options.host, self.seed_addrs))
             self.seeds.append(seed)
-            self.seed_addrs.append(seed.wait_for(READY_PREFIX, START_TIMEOUT).split()[-1])
+            self.seed_addrs.append(seed.wait_for(SEED_READY, START_TIMEOUT).split()[-1])
         return self.seed_addrs
 
     def start_worker(self, stage: str, *extra: str, wait: bool = True, program: Sequence[str] = CLI) -> ManagedProcess:
         """A worker of ``stage`` with the swarm's arguments and ``extra``, run by ``program`` (default: ``agora``)."""
         index = len(self.workers[stage])
         placement = self.place_worker(stage, index)
-        args = ["worker", "--stage", stage, "--index", str(index), "--preset", self.options.preset, "--host", placement.address]
-        args += ["--seeds", *self.seed_addrs]
-        if self.options.worker_tickets:
-            args += ["--ticket-key", str(self.signing_key_path)]
-        args += ["--events", str(self.options.run_dir / "events" / f"{stage}-{index}.jsonl")]
         (self.options.run_dir / "events").mkdir(parents=True, exist_ok=True)
-        if self.options.publish_snapshots:
-            args += ["--recover-from", str(self.snapshot_dir)]
-            if index == 0:
-                args += ["--publish-snapshots", str(self.snapshot_dir), "--publish-every", str(self.options.publish_every)]
-        if index == 0 and self.options.checkpoint_store:
-            args += ["--checkpoints", self.options.checkpoint_store]
-        if stage in self.resume_dirs:
-            args += ["--snapshot", str(self.resume_dirs[stage])]
+        publishing = self.options.publish_snapshots
+        args = worker_args(
+            stage=stage, index=index, preset=self.options.preset, host=placement.address, seeds=self.seed_addrs,
+            ticket_key=self.signing_key_path if self.options.worker_tickets else None,
+            events=self.options.run_dir / "events" / f"{stage}-{index}.jsonl",
+            recover_from=self.snapshot_dir if publishing else None,
+            publish_to=str(self.snapshot_dir) if publishing and index == 0 else None, publish_every=self.options.publish_every,
+            checkpoints=self.options.checkpoint_store if index == 0 else None, snapshot=self.resume_dirs.get(stage),
+        )
         with placement.entered():  # the worker and its daemons start where it is placed (e.g. a network namespace)
             worker = self._spawn(f"{stage}-{index}", [*args, *self.options.worker_args, *extra], program)
         self.workers[stage].append(worker)
@@ -205,14 +196,12 @@ class LocalSwarm:
 
     def start_trainer(self, *extra: str) -> ManagedProcess:
         index = len(self.trainers)
-        args = ["trainer", "--preset", self.options.preset, "--host", self.options.host, "--seeds", *self.seed_addrs]
-        args += ["--ticket-key", str(self.signing_key_path)]
         shard = f"{index}/{max(self.options.trainers, index + 1)}"
-        args += ["--shard", shard, "--report-every", str(self.options.report_every)]
-        if self.options.checkpoint_store:
-            args += ["--checkpoints", self.options.checkpoint_store]
-        if shard in self.resume_positions:
-            args += ["--resume-position", str(self.resume_positions[shard])]
+        args = trainer_args(
+            preset=self.options.preset, host=self.options.host, seeds=self.seed_addrs, shard=shard,
+            tickets=self_signed_tickets(self.signing_key_path), report_every=self.options.report_every,
+            checkpoints=self.options.checkpoint_store, resume_position=self.resume_positions.get(shard),
+        )
         trainer = self._spawn(f"trainer{index}", [*args, *self.options.trainer_args, *extra])
         self.trainers.append(trainer)
         return trainer

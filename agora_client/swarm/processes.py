@@ -95,14 +95,7 @@ class ManagedProcess:
             os.kill(self.proc.pid, signum)
 
     def group_pids(self) -> list[int]:
-        pids = []
-        for process in psutil.process_iter(["pid"]):
-            try:
-                if os.getpgid(process.pid) == self.pgid:
-                    pids.append(process.pid)
-            except (ProcessLookupError, psutil.Error):
-                continue
-        return pids
+        return group_pids(self.pgid)
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGINT the role (it shuts its helpers down in order), then SIGKILL its group after ``grace`` seconds."""
@@ -117,6 +110,36 @@ class ManagedProcess:
         except subprocess.TimeoutExpired:
             pass
         self._reader.join(timeout=5)
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The processes still in process group ``pgid``."""
+    pids = []
+    for process in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(process.pid) == pgid:
+                pids.append(process.pid)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return pids
+
+
+def stop_group(pgid: int, grace: float = 10.0) -> None:
+    """Stop a role this process did not start (its leader's pid is ``pgid``): SIGINT its leader, SIGKILL its group
+    after ``grace`` seconds."""
+    if pgid in group_pids(pgid):  # the leader itself, not a process that took its pid later
+        _signal_group_leader(pgid, signal.SIGINT)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and group_pids(pgid):
+        time.sleep(0.1)
+    _signal_group(pgid, signal.SIGKILL)
+
+
+def _signal_group_leader(pgid: int, signum: int) -> None:
+    try:
+        os.kill(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _signal_group(pgid: int, signum: int) -> None:

@@ -9,8 +9,9 @@ Output lines (stdout), parseable by tests and the swarm launcher:
   [SPOTCHECK] checks=<n> agreed=<n> resolved=<n> unresolved=<n> bans=<n> (totals, with every progress line)
   [SPOTCHECK] banned <uid> (peer <peer id>) of <stage>: ...
   [EVAL] loss=<held-out loss> sequences=<n> tokens=<n> (every eval.every_s, forward passes only)
-  [RECEIPTS] <what each worker served this trainer is published for the monitor> (once, at the start)
+  [RECEIPTS] <what each worker served this trainer is published for the monitor, or off> (once, at the start)
   [DATA] <source, shard, tokenizer, where the data starts>
+  [METRICS] <where --metrics-port serves this trainer's Prometheus metrics> (once, with --metrics-port)
   [WARNING] ...
 Every [PROGRESS] report is also stored in the DHT (trainer/progress.py): contributors draw the
 swarm's loss from it.
@@ -46,11 +47,13 @@ from agora_client.data.heldout import held_out_sample
 from agora_client.data.sources import DataError, Shard
 from agora_client.data.stream import TokenStream
 from agora_client.data.tokenizer import TokenizerError, load_run_tokenizer
+from agora_client.operator_metrics import add_metrics_arguments, open_metrics_endpoint
 from agora_client.snapshots import SnapshotError, open_store
 from agora_client.trainer.balancer import RoundRobinBalancer, Router, StageBalancer
 from agora_client.trainer.calibration import describe
 from agora_client.trainer.evaluation import HeldOutEvaluation
 from agora_client.trainer.loop import TrainingLoop
+from agora_client.trainer.operator_metrics import trainer_collector
 from agora_client.trainer.pipeline import Pipeline, StallNotice
 from agora_client.trainer.receipts import ReceiptBook, publish_every, publish_receipt
 from agora_client.trainer.progress import ProgressPublisher
@@ -99,12 +102,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--insecure", action="store_true",
                         help="allow a plain http:// --auth-url outside this machine and its private network (the "
                              "credential then crosses the network in clear text)")
+    parser.add_argument("--receipts", choices=("on", "off"), default="on",
+                        help="publish signed receipts of what each worker served, which the monitor checks compute "
+                             "points against (default on); off only in a private swarm without a monitor or points")
     parser.add_argument(
         "--routing",
         choices=sorted(BALANCERS),
         default="least-loaded",
         help="how a stage's worker is picked (round-robin is the baseline of bench/routing.py)",
     )
+    add_metrics_arguments(parser)
 
 
 _SAY_LOCK = threading.Lock()
@@ -163,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
     stop = stop_on_signals()
     try:
         inputs = _TrainerInputs.load(args)
+        metrics = open_metrics_endpoint(args, "trainer")  # MetricsUnavailable is a ValueError
     except (ConfigError, DataError, TokenizerError, SnapshotError, ValueError) as error:
         say("ERROR", str(error))
         return 2
@@ -171,17 +179,19 @@ def run(args: argparse.Namespace) -> int:
         dhts = {stage: connect_dht(args.seeds, host=args.host) for stage in stages}  # one DHT peer per stage
     except NoSeedAnswered as error:
         say("ERROR", str(error))
+        metrics.close()
         return 1
     traffic = TrafficCounter()
     clients = _stage_clients(args, stages, dhts, traffic, inputs.tickets)
     balancer = BALANCERS[args.routing]
     router = Router(stages, lambda stage: balancer(stage, ban_seconds=args.ban_seconds))
     _wait_for_workers(RosterWatcher(dhts, router, args.roster_every, stop), router, stop)
-    receipts, receipts_thread = _start_receipts(inputs, dhts[stages[0]], stop)
+    receipts, receipts_thread = _start_receipts(inputs, dhts[stages[0]], stop, enabled=args.receipts == "on")
     pipeline = _pipeline(inputs, stages, clients, router, dhts, stop, receipts)
     try:
-        done = _training_loop(inputs, pipeline, router, traffic, dhts[stages[0]], args).run(
-            args.inflight, args.max_microbatches, args.report_every)
+        loop = _training_loop(inputs, pipeline, router, traffic, dhts[stages[0]], args)
+        metrics.add(trainer_collector(router, lambda: loop.done, pipeline.spot_checks))
+        done = loop.run(args.inflight, args.max_microbatches, args.report_every)
     except DataError as error:  # a bad record further into the data
         say("ERROR", str(error))
         return 2
@@ -193,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
             client.close()
         for dht in dhts.values():
             dht.shutdown()
+        metrics.close()
     say("TRAINER", f"stopped after {done} microbatches")
     return 0
 
@@ -300,10 +311,14 @@ def _pipeline(
 
 
 def _start_receipts(
-    inputs: _TrainerInputs, dht, stop: threading.Event,
+    inputs: _TrainerInputs, dht, stop: threading.Event, *, enabled: bool,
 ) -> tuple[ReceiptBook | None, threading.Thread | None]:
     """Count what each worker serves and publish it every RECEIPT_PERIOD_S, signed, for the monitor; a receipt
     carries the trainer's ticket, so it needs one."""
+    if not enabled:
+        say("RECEIPTS", "off (--receipts off): this trainer publishes no receipts, and the monitor credits no compute "
+                        "for the work its workers serve it")
+        return None, None
     if inputs.tickets is None:
         say("WARNING", "no trainer ticket: this trainer publishes no receipts, and the monitor credits no compute "
                        "for the work its workers serve it")

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 from agora_client.config import ConfigError, RunConfig, load_config
 from agora_client.events import EventWriter
 from agora_client.discovery.dht import NoSeedAnswered
+from agora_client.operator_metrics import MetricsEndpoint, MetricsUnavailable, add_metrics_arguments, open_metrics_endpoint
+from agora_client.worker.operator_metrics import watch_worker
 
 if TYPE_CHECKING:
     from agora_client.auth.ticket_source import SelfIssuedTickets
@@ -51,6 +53,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="serve through this relay (agora relay) when no port mapping can open this machine: the worker reserves "
              "a port there and announces only that one",
     )
+    add_metrics_arguments(parser)
 
 
 class _CannotStart(Exception):
@@ -69,13 +72,22 @@ def run(args: argparse.Namespace) -> int:
     die_with_parent()  # a killed worker must not leave hivemind's helpers serving requests
     with ExitStack() as on_exit:  # gives the relay's port back however the worker ends
         try:
+            metrics = on_exit.enter_context(_metrics_endpoint(args))
             relay = on_exit.enter_context(_reserve_relay(args)) if args.relay is not None else None
             node = _create_node(args, relay)
         except _CannotStart as failure:
             print(f"[ERROR] {failure}", file=sys.stderr)
             return failure.code
+        metrics.add(watch_worker(node))
         _serve_until_stopped(node, stop)
     return 0
+
+
+def _metrics_endpoint(args: argparse.Namespace) -> MetricsEndpoint:
+    try:
+        return open_metrics_endpoint(args, "worker")
+    except MetricsUnavailable as error:
+        raise _CannotStart(error, 2) from error
 
 
 def _reserve_relay(args: argparse.Namespace) -> KeptReservation:

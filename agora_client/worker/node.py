@@ -113,6 +113,7 @@ class WorkerNode:
         self.epochs = self._epoch_controller(start_epoch)
         self._last_epoch = start_epoch  # the epoch of the previous epoch hook: rounds crossed by a jump still start
         self._snapshot_due = options.publish_dir is not None  # the first one is written at start()
+        self._yielded: tuple[int, int] | None = None  # (stage epoch, sync phase) when it yielded the GPU; None: serving
         self.state_writer = BackgroundWriter(self.module, self.optimizer, self.epochs.lock.state)  # buffers on first use
         self.snapshots = self._snapshot_publisher()
         self.checkpoints = self._checkpoint_writer()
@@ -233,12 +234,36 @@ class WorkerNode:
     def record(self) -> WorkerRecord:
         return WorkerRecord(
             uid=self.uid, peer_id=self.peer_id, stage=self.options.stage, sync_phase=self.sync.phase,
-            epoch=self.epochs.epoch, healthy=self.healthy,
+            epoch=self.epochs.epoch, healthy=self.healthy, yielding=self.yielding,
         )
 
     @property
     def healthy(self) -> bool:
         return bool(self.server.healthy.value)
+
+    @property
+    def yielding(self) -> bool:
+        return self._yielded is not None
+
+    def yield_gpu(self) -> None:
+        """Drain for the GPU's owner: leave routing (the roster says so, handlers refuse new calls) and skip SPARTA
+        rounds; requests in flight and a round already averaging finish. The slot and the DHT peer stay."""
+        if self._yielded is not None:
+            return
+        self._yielded = (self.epochs.stage_epoch, self.sync.phase)
+        self.server.yielding.value = True
+        self.server.announcer.refresh.set()
+
+    def resume(self) -> None:
+        """Serve again. Weights that fell behind while yielding (more than ``max_allowed_stale`` stage epochs, or a
+        sync that the yield interrupted) are synced with peers first, as a joiner's are."""
+        if self._yielded is None:
+            return
+        (epoch, phase), self._yielded = self._yielded, None
+        if phase != 0 or self.epochs.stage_epoch - epoch > self.options.config.sync.max_allowed_stale:
+            self.sync.begin(self.epochs.stage_epoch)
+        self.server.yielding.value = False
+        self.server.announcer.refresh.set()
 
     def mark_unhealthy(self, reason: str) -> None:
         """Leave routing (handlers refuse, the roster says unhealthy) until a peer's state has been reloaded."""
@@ -354,7 +379,7 @@ class WorkerNode:
         )
         round_no = due_round(epoch, self.options.config.sparta.period, since=self._last_epoch)
         self._last_epoch = epoch
-        if round_no is not None:
+        if round_no is not None and not self.yielding:  # a yielding worker leaves averaging to its peers
             self.sparta.begin_round(round_no, self.sync.averaging_weight)
         if self.checkpoints is not None:
             self.checkpoints.on_epoch(epoch, loss, averaging=self.sparta.in_flight)

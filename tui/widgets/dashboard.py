@@ -11,7 +11,7 @@ from textual.widgets import TabbedContent, TabPane
 
 from agora_client.events import (
     AuthEvent, DownloadEvent, Event, PointsEvent, QueueEvent, ReachabilityEvent, ResourcesEvent, SpartaEvent, StageEvent,
-    StepEvent, SwarmEvent, SyncEvent, TrafficEvent,
+    StepEvent, SwarmEvent, SyncEvent, TrafficEvent, EnergyEvent, YieldEvent,
 )
 from tui.widgets.connection import ConnectionPanel
 from tui.widgets.gpu import GpuPanel
@@ -94,6 +94,10 @@ class Dashboard(Vertical):
                 self.query_one(StagesPanel).show_sparta(sparta.tally)
             case ResourcesEvent():
                 self.query_one(GpuPanel).show(event)
+            case YieldEvent():
+                self.query_one(GpuPanel).show_yield(event)
+            case EnergyEvent():
+                self.query_one(PointsPanel).show_energy(event)
             case PointsEvent():
                 self.query_one(PointsPanel).show(event)
             case ReachabilityEvent():

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from textual.content import Content
 from textual.markup import escape
 
-from agora_client.events import AuthEvent, DownloadEvent, PointsEvent, QueueEvent, ResourcesEvent, SpartaEvent, SwarmEvent, SyncEvent
+from agora_client.events import (
+    AuthEvent, DownloadEvent, PointsEvent, QueueEvent, ResourcesEvent, SpartaEvent, SwarmEvent, SyncEvent, YieldEvent,
+)
 from agora_client.frontend.lines import human_bytes, human_duration
 from tui.widgets.format import points_text
 
@@ -122,6 +124,14 @@ def gpu_figure(event: ResourcesEvent | None) -> Figure:
     util = f" · util {gpu.utilization:.0f}%" if gpu.utilization is not None else ""
     share = f" ({gpu.memory_used / gpu.memory_total:.0%})" if gpu.memory_total else ""
     return Figure(used, f"{used}{share}{util}")
+
+
+def yield_figure(event: YieldEvent) -> Figure:
+    """The GPU cell while the worker yields the GPU to its owner (the GPU panel says why)."""
+    if event.state == "left":
+        return Figure("[$text-warning]yielded[/]", "[$text-warning]yielded[/] · slot given back")
+    kept = f" · slot kept {human_duration(event.grace_left_s)}" if event.grace_left_s is not None else ""
+    return Figure("[$text-warning]yielding[/]", f"[$text-warning]yielding[/]{kept}")
 
 
 def sparta_figure(tally: SpartaTally) -> Figure:

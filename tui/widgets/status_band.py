@@ -10,10 +10,11 @@ from textual.widget import Widget
 
 from agora_client.events import (
     AuthEvent, DownloadEvent, Event, PointsEvent, QueueEvent, ResourcesEvent, SpartaEvent, StepEvent, SwarmEvent, SyncEvent,
+    YieldEvent,
 )
 from tui.widgets.figures import (
     WAITING, Figure, SpartaTally, auth_figure, download_figure, gpu_figure, loss_figure, points_figure, queue_figure, sparta_figure,
-    sync_figure,
+    sync_figure, yield_figure,
 )
 
 CELLS = {"auth": "Auth", "download": "Download", "queue": "Queue", "sync": "Sync",
@@ -41,6 +42,7 @@ class StatusBand(Grid):
         self.queue: QueueEvent | None = None
         self.sync: SyncEvent | None = None
         self.epoch: int | None = None
+        self.yielding: YieldEvent | None = None  # the GPU cell says so while the worker yields the GPU
 
     def compose(self) -> ComposeResult:
         for name, label in CELLS.items():
@@ -60,8 +62,11 @@ class StatusBand(Grid):
             self._set("queue", queue_figure(event, admitted=False))
         elif isinstance(event, (SyncEvent, StepEvent)):
             self._show_sync(event)
+        elif isinstance(event, YieldEvent):
+            self.yielding = None if event.state == "resumed" else event
+            self._set("gpu", yield_figure(event) if self.yielding else Figure(WAITING))
         elif isinstance(event, ResourcesEvent):
-            self._set("gpu", gpu_figure(event))
+            self._set("gpu", yield_figure(self.yielding) if self.yielding else gpu_figure(event))
         elif isinstance(event, SpartaEvent):
             self.sparta.add(event)
             self._set("sparta", sparta_figure(self.sparta))

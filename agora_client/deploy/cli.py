@@ -1,0 +1,57 @@
+"""`agora deploy up|down|units FILE [--host NAME]`: this host's roles of a swarm, from the operator's deploy file."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from agora_client.config import ConfigError
+
+from .spec import DeployError, chosen_host, load_spec
+from .stop import down
+
+CHECKOUT = Path(__file__).resolve().parents[2]  # where agora_cli.py is
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    up = actions.add_parser("up", help="start this host's roles, each once the ones before it are ready")
+    up.add_argument("--detach", action="store_true", help="return once every role is ready, leaving them running")
+    down_parser = actions.add_parser("down", help="stop what `up` started on this host")
+    down_parser.add_argument("--grace", type=float, default=15.0,
+                             help="seconds a role left by a killed supervisor has to stop before it is killed")
+    units = actions.add_parser("units", help="write a systemd unit per role of this host, and agora.target")
+    units.add_argument("--out", type=Path, required=True, help="directory for the units (e.g. /etc/systemd/system)")
+    units.add_argument("--user", default=None, help="the user the roles run as (User=); default: systemd's")
+    units.add_argument("--python", default=sys.executable, help="the Python that runs agora_cli.py (default: this one)")
+    for action in (up, down_parser, units):
+        action.add_argument("file", type=Path, help="the deploy file (YAML)")
+        action.add_argument("--host", default=None, help="which host of the file this is (default: its this_host)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        spec = load_spec(args.file)
+        host = chosen_host(spec, args.host)
+        if args.action == "down":
+            return down(spec, host, args.grace)
+        from .plan import plan_roles  # hivemind (seed keys' peer ids) and torch: not for `down`
+        from .secrets import prepare_secrets
+
+        steps = plan_roles(spec, host, prepare_secrets(spec, host))
+        (spec.run.dir / "events").mkdir(parents=True, exist_ok=True)  # workers append their events there
+    except (DeployError, ConfigError) as error:
+        print(f"[ERROR] {error}", file=sys.stderr)
+        return 2
+    from .supervisor import start_detached, supervise
+    from .units import write_units
+
+    if args.action == "units":
+        paths = write_units(steps, args.out, python=args.python, checkout=CHECKOUT, secrets=spec.secrets, user=args.user)
+        print(f"[DEPLOY] wrote {len(paths)} files to {args.out}: {', '.join(path.name for path in paths)}")
+        print("[DEPLOY] then: systemctl daemon-reload && systemctl enable --now agora.target")
+        return 0
+    if args.detach:
+        return start_detached(spec, host, args.file)
+    return supervise(spec, host, steps)
