@@ -137,6 +137,7 @@ class StageSwarm(BaseModel):
     active: int = 0  # healthy workers in sync (serving and averaging)
     syncing: int = 0  # healthy workers in sync phase 1 or 2
     unhealthy: int = 0  # workers whose outputs turned non-finite: they serve nothing until they have reloaded
+    yielding: int = 0  # healthy workers that gave the GPU back to its owner for now: they keep a slot, serve nothing
     queued: int | None = None  # joiners waiting for the stage; None: the auth service did not answer
     capacity: int | None = None  # workers the stage takes; None: the auth service did not answer
     spot_checks: SpotCheckStatus | None = None  # None: no trainer spot-checks this stage

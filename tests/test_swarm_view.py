@@ -46,9 +46,12 @@ def test_the_trainers_spot_checks_of_a_stage_add_up_and_stand_where_its_less_jud
 
 
 def test_each_stage_counts_its_workers_by_phase_its_queue_and_its_spot_checks(dht, tmp_path: Path):
-    workers = [("a", "head", 0, True), ("b", "head", 1, True), ("c", "head", 2, True), ("d", "head", 0, False), ("e", "tail", 0, True)]
-    for peer, stage, phase, healthy in workers:
-        assert announce(dht, WorkerRecord(uid=f"{stage}.0.{peer}", peer_id=peer, stage=stage, sync_phase=phase, healthy=healthy), ttl=60)
+    workers = [("a", "head", 0, True, False), ("b", "head", 1, True, False), ("c", "head", 2, True, False),
+               ("d", "head", 0, False, False), ("e", "tail", 0, True, False), ("f", "head", 0, True, True)]
+    for peer, stage, phase, healthy, yielding in workers:
+        record = WorkerRecord(uid=f"{stage}.0.{peer}", peer_id=peer, stage=stage, sync_phase=phase, healthy=healthy,
+                              yielding=yielding)
+        assert announce(dht, record, ttl=60)
     trainer = TrainerProgress(peer_id="t", microbatches=1, spot_checks={"head": checks(12, "verifiable")}, ts=1.0)
     users = ("alice", "bob", "carol", "dave")
     with auth_service(tmp_path, users, stages=("head", "body1", "tail"), pacing_s=60.0, max_workers_per_stage=4) as (server, tokens):
@@ -60,7 +63,7 @@ def test_each_stage_counts_its_workers_by_phase_its_queue_and_its_spot_checks(dh
     assert queued["status"] == "queued" and stages[waiting].queued == 1
     assert all(stage.queued == 0 and stage.capacity == 4 for name, stage in stages.items() if name != waiting)
     head = stages["head"]
-    assert (head.active, head.syncing, head.unhealthy) == (1, 2, 1)
+    assert (head.active, head.syncing, head.unhealthy, head.yielding) == (1, 2, 1, 1)  # a yielding worker serves nothing
     assert head.spot_checks is not None and (head.spot_checks.checks, head.spot_checks.state) == (12, "verifiable")
     assert (stages["tail"].active, stages["tail"].spot_checks) == (1, None)
     assert (stages["body1"].active, stages["body1"].syncing) == (0, 0)

@@ -35,6 +35,7 @@ from agora_client.http_service import (
     Exposure, HttpService, RateLimit, ServiceLimits, TlsSetupError, TrustedProxies, add_exposure_arguments,
     exposure_from_arguments, json_reply, server_tls_context,
 )
+from tests.test_http_service_limits import closed_by_server
 from tests.tls_helpers import make_tls_files
 
 pytestmark = pytest.mark.timeout(60)
@@ -84,16 +85,6 @@ def post_join(server: AuthServer, token: str, peer_id: str, port: int, *, source
 def connect(url: str, source: str) -> socket.socket:
     host, port = url.partition("://")[2].split(":")
     return socket.create_connection((host, int(port)), timeout=5, source_address=(source, 0))
-
-
-def closed_by_server(client: socket.socket, wait_s: float) -> bool:
-    client.settimeout(wait_s)
-    try:
-        return client.recv(1024) == b""
-    except ConnectionResetError:
-        return True
-    except socket.timeout:
-        return False
 
 
 # -- TLS ------------------------------------------------------------------------------------------------

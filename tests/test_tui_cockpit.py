@@ -53,7 +53,7 @@ async def test_the_tabs_draw_the_recorded_values_on_labelled_axes_and_l_opens_th
         # the axes as drawn: the unit on top, the values' scale at the left, clock times and "time" below
         points_chart = app.query_one(PointsPanel).chart
         for key, chart, unit, ticks, now in (
-            ("1", points_chart, "points", ["300", "0"], "local 309"),
+            ("1", points_chart, "points", ["200", "0"], "local 309"),  # a short chart: a tick every other row
             ("2", loss, "loss", ["5.4", "4.8"], "loss 4.647 · ━ eval 4.830"),
             ("2", tokens, "tokens/s", ["20k", "0"], "tokens/s 19,605"),
             ("3", network, "MB/s", ["4", "0"], "up ↑ 4.1 MB/s · ━ down ↓ 3.2 MB/s"),

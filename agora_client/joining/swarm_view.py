@@ -44,12 +44,14 @@ def stage_view(
 ) -> StageSwarm:
     """One stage: workers by phase from its roster, queue and capacity from /v1/status's ``stages`` entry for it."""
     workers = list(roster)
+    present = [worker for worker in workers if worker.healthy and not worker.yielding]
     entry = (status or {}).get(stage) or {}
     return StageSwarm(
         stage=stage,
-        active=sum(1 for worker in workers if worker.healthy and worker.sync_phase == 0),
-        syncing=sum(1 for worker in workers if worker.healthy and worker.sync_phase != 0),
+        active=sum(1 for worker in present if worker.sync_phase == 0),
+        syncing=sum(1 for worker in present if worker.sync_phase != 0),
         unhealthy=sum(1 for worker in workers if not worker.healthy),
+        yielding=sum(1 for worker in workers if worker.healthy and worker.yielding),
         queued=entry.get("queued"),
         capacity=entry.get("capacity"),
         spot_checks=spot_check_status(record.spot_checks[stage] for record in records if stage in record.spot_checks),

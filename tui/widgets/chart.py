@@ -46,13 +46,16 @@ def clock_ticks(low: float, high: float, columns: int, tz: tzinfo | None) -> tup
 
 def value_ticks(low: float, high: float, rows: int) -> tuple[list[float], list[str]]:
     """Round values (1, 2 or 5 times a power of ten apart), about one every other row and at least two;
-    k / M past 10,000."""
-    span, wanted = high - low, max(3, rows // 2)
+    k / M past 10,000. Never two to a row: plotext writes ticks that round to one row over each other, in an order
+    that varies from one process to the next."""
+    span, wanted = high - low, max(1, rows // 2)
     power = math.floor(math.log10(span))
     steps = sorted(multiple * 10.0 ** exponent for exponent in range(power - 2, power + 1) for multiple in (1, 2, 5))
     spaced = [step for step in steps if span / step <= wanted + 1 and len(_ticks(low, high, step)) >= 2]
     step = spaced[0] if spaced else next(step for step in reversed(steps) if len(_ticks(low, high, step)) >= 2)
     ticks, top = _ticks(low, high, step), max(abs(low), abs(high))
+    while len(ticks) > 2 and (ticks[1] - ticks[0]) / span * max(1, rows - 1) < 1.5:  # at least 1.5 rows apart
+        ticks = ticks[::2]
     divisor, suffix = (1e6, "M") if top >= 1e6 else (1e3, "k") if top >= 1e4 else (1, "")
     decimals = max(0, -math.floor(math.log10(step / divisor) + 1e-9))
     return ticks, [f"{tick / divisor:.{decimals}f}{suffix}" if tick else "0" for tick in ticks]

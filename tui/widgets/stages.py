@@ -40,10 +40,11 @@ def spot_text(checks: SpotCheckStatus | None, full: bool = False) -> str:
 
 def stage_row(stage: StageSwarm, mine: bool) -> str:
     name = f"› {stage.stage}" if mine else f"  {stage.stage}"
-    unhealthy = f" [$text-error]+{stage.unhealthy} unhealthy[/]" if stage.unhealthy else ""
+    aside = f" [$text-error]+{stage.unhealthy} unhealthy[/]" if stage.unhealthy else ""
+    aside += f" [$text-muted]+{stage.yielding} yielding[/]" if stage.yielding else ""
     row = (
         f"{escape(name):<10}{stage.active:>7}{stage.syncing:>8}{_count(stage.queued):>7}{_count(stage.capacity):>5}"
-        f"  {spot_text(stage.spot_checks)}{unhealthy}"
+        f"  {spot_text(stage.spot_checks)}{aside}"
     )
     return f"[b]{row}[/]" if mine else row
 
