@@ -23,7 +23,6 @@ def hub_offline(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     for item in items:  # the groups --dist loadgroup keeps together (see above); without xdist the mark is inert
         item.add_marker(pytest.mark.xdist_group("swarms" if item.get_closest_marker("integration") else "others"))
