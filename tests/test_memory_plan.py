@@ -29,6 +29,7 @@ from agora_client.model.memory import (
     usable_bytes,
 )
 from agora_client.system.gpu import GpuSpec
+from agora_client.joining import gpu_fit
 from agora_client.joining.gpu_fit import GpuRefused, HostRefused, JoinFit, check_capability, check_host, fit_stage
 from agora_client.joining.preflight import check_disk, check_gpu, check_host_ram
 from agora_client.worker.optimizer import OffloadAdamW
@@ -233,6 +234,7 @@ def test_batch_size_override_may_only_lower_the_microbatch() -> None:
 
 def test_join_check_refuses_before_the_download_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=64 * GB))  # a host that holds any stage
+    monkeypatch.setattr(gpu_fit.shutil, "disk_usage", lambda path: SimpleNamespace(free=256 * GB))  # whatever this disk has
     out = io.StringIO()
     started: list[StageAssignment] = []
     fit = JoinFit(load_config("8b"), 0, None, EventWriter(out), disk_dir=tmp_path, probe=lambda index: _card(24))
