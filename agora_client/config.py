@@ -125,6 +125,11 @@ class OptimConfig(_Strict):
     target_batch_size: int = Field(default=64, ge=1, description="samples a stage sums before every worker steps")
     clip_body: float | None = Field(default=None, description="gradient-norm clip for head and bodies; default 1/sqrt(stages)")
     clip_tail: float | None = Field(default=None, description="gradient-norm clip for the tail; default 5/sqrt(stages)")
+    share_scaling: Literal["none", "linear", "sqrt"] = Field(
+        default="none",
+        description="scale each worker's optimizer step (its lr, for that step) by its share of the stage epoch's "
+        "samples (linear) or by the square root of that share (sqrt); none: every worker steps at the full lr",
+    )
 
 
 class SpartaConfig(_Strict):
@@ -145,10 +150,26 @@ class SpartaConfig(_Strict):
     assumed_link_mbps: float = Field(
         default=50.0, gt=0, description="the link (Mbit/s, both ways) a worker assumes until its first round measures it"
     )
+    outer_momentum: float = Field(
+        default=0.0, ge=0, lt=1,
+        description="Nesterov momentum of an outer step on every averaged slice, as in DiLoCo (averaging/outer_momentum.py); "
+        "with outer_lr 1, 0 is plain averaging. Above 0 it keeps two float32 per trainable parameter in host memory",
+    )
+    outer_lr: float = Field(
+        default=1.0, gt=0,
+        description="outer step size η: a round moves a slice from its anchor a to a - η(g + μm), g = a - the group's "
+        "average, m its momentum, μ outer_momentum; η 1 with μ 0 is plain averaging, another η with μ 0 keeps one "
+        "float32 per trainable parameter in host memory",
+    )
 
     @property
     def num_partitions(self) -> int:
         return max(1, round(1 / self.fraction))
+
+    @property
+    def outer_step(self) -> bool:
+        """Whether rounds take an outer step on the averaged slice instead of adopting the group's average."""
+        return self.outer_momentum > 0 or self.outer_lr != 1.0
 
 
 class SyncConfig(_Strict):

@@ -2,7 +2,7 @@
 """Learning quality of the local swarm: its loss against the same model trained in one process, at equal token counts.
 
 Three runs, one after the other, all on the preset's data and tokenizer (tiny: the standard library's source,
-the shipped BPE tokenizer demo-bpe-2k.json):
+the shipped BPE tokenizer demo-bpe-2k.json); --runs quiet (or kill) makes only that swarm run:
 - quiet: the local swarm (`LocalSwarm`, tiny preset, 2 workers per stage, SPARTA as the preset sets it, one
   trainer on shard 0/1; real processes on 127.0.0.1) trains for --seconds, counted from the trainer's first
   finished microbatch. Worker 0 of each stage publishes snapshots (in both swarm runs, so that they differ
@@ -15,7 +15,7 @@ the shipped BPE tokenizer demo-bpe-2k.json):
   batches (the TokenStream the trainer builds: same data, tokenizer, shard, seed and microbatch size), with
   the workers' optimizer and the run config's settings (AdamW lr, betas, weight decay; the config has no lr
   schedule), the same autocast and the same stage epochs (a step every target_batch_size samples, gradients
-  averaged, stage-wise clipping), for as many microbatches as the longer swarm run finished.
+  averaged, stage-wise clipping), for as many microbatches as the longest swarm run finished.
 
 Matching is by token count, never by wall clock: every --report-every seconds the trainer prints how many
 microbatches it has finished and their mean loss since its previous line; the single process keeps the
@@ -58,11 +58,16 @@ is flat.
 Arms: --sparta-fraction and --sparta-period replace the preset's (tiny: 5% every 4 stage epochs) in both
 swarm runs; the JSON says the share of the stage each arm moves per stage epoch (fraction / period), so arms
 can be compared at equal bytes (e.g. 1.25% every epoch against 5% every 4), and the bytes each worker sent.
+--outer-momentum and --outer-lr give the swarm runs an outer Nesterov step on every averaged slice, in the manner
+of DiLoCo (sparta.outer_momentum / outer_lr, agora_client/averaging/outer_momentum.py; DiLoCo's own 0.9 and 0.7);
+--share-scaling scales each worker's step by its share of the stage epoch's samples, or that share's square root
+(optim.share_scaling). All three are off in the preset; the JSON records them with the other SPARTA settings.
 
     python bench/convergence.py                    # ~8 min on a quiet 2-core machine
     python bench/convergence.py --seconds 300 --kill-after 100 --kill-stage tail
     python bench/convergence.py --long             # 20 min per run, 12 segments: ~50 min
     python bench/convergence.py --long --sparta-fraction 0.0125 --sparta-period 1
+    python bench/convergence.py --long --runs quiet --outer-momentum 0.9 --outer-lr 0.7
 
 Prints progress, then a table; the last line is one JSON object.
 """
@@ -106,6 +111,7 @@ FIRST_MICROBATCH_TIMEOUT_S = 300.0
 SHORT_DEFAULTS = {"seconds": 150.0, "kill_after": 50.0, "segments": 6}
 LONG_DEFAULTS = {"seconds": 1200.0, "kill_after": 400.0, "segments": 12}
 LONG_SECONDS = LONG_DEFAULTS["seconds"]
+RUNS = ("quiet", "kill")
 
 
 @dataclass(frozen=True)
@@ -184,6 +190,16 @@ def parse_args(stages: tuple[str, ...], argv: list[str] | None = None) -> argpar
                         help="share of a stage averaged per SPARTA round in the swarm runs (default: the preset's)")
     parser.add_argument("--sparta-period", type=int, default=None,
                         help="stage epochs between SPARTA rounds in the swarm runs (default: the preset's)")
+    parser.add_argument("--outer-momentum", type=float, default=None,
+                        help="sparta.outer_momentum in the swarm runs: Nesterov momentum of an outer step on every "
+                        "averaged slice, at least 0 and below 1 (default: the preset's, 0)")
+    parser.add_argument("--outer-lr", type=float, default=None,
+                        help="sparta.outer_lr in the swarm runs: the outer step's size, above 0 (default: the preset's, 1)")
+    parser.add_argument("--share-scaling", choices=("none", "linear", "sqrt"), default=None,
+                        help="optim.share_scaling in the swarm runs: scale each worker's step by its share of the stage "
+                        "epoch's samples, or that share's square root (default: the preset's, none)")
+    parser.add_argument("--runs", type=run_names, default=RUNS,
+                        help=f"the swarm runs to make, comma-separated, in this order (default {','.join(RUNS)})")
     parser.add_argument("--report-every", type=float, default=2.0, help="seconds between the trainer's loss lines")
     parser.add_argument("--run-dir", type=Path, default=None, help="logs go here (default: a temporary folder)")
     parser.add_argument("--payload", choices=("fp32", "bf16", "int8"), default="fp32",
@@ -200,7 +216,19 @@ def parse_args(stages: tuple[str, ...], argv: list[str] | None = None) -> argpar
         parser.error("--sparta-fraction is a share of the stage: more than 0, at most 1")
     if args.sparta_period is not None and args.sparta_period < 1:
         parser.error("--sparta-period counts stage epochs: at least 1")
+    if args.outer_momentum is not None and not 0 <= args.outer_momentum < 1:
+        parser.error("--outer-momentum is a momentum: at least 0, below 1")
+    if args.outer_lr is not None and not args.outer_lr > 0:
+        parser.error("--outer-lr is a step size: more than 0")
     return args
+
+
+def run_names(text: str) -> tuple[str, ...]:
+    """--runs: some of quiet and kill, comma-separated, each once."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names or len(set(names)) != len(names) or not set(names) <= set(RUNS):
+        raise argparse.ArgumentTypeError(f"give some of {', '.join(RUNS)}, comma-separated, each once; got {text!r}")
+    return names
 
 
 def loss_windows(points: list[ProgressPoint]) -> list[LossWindow]:
@@ -275,15 +303,21 @@ def seconds_to_active(run_dir: Path, worker: str, since_wall: float) -> float | 
 
 
 def sparta_arm(args: argparse.Namespace) -> dict:
-    """The SPARTA settings the swarm runs change in the preset: the payload, and the fraction and period if given."""
-    arm = {"payload": args.payload, "fraction": args.sparta_fraction, "period": args.sparta_period}
+    """The SPARTA settings the swarm runs change in the preset: the payload, and the fraction, period and outer
+    step if given."""
+    arm = {"payload": args.payload, "fraction": args.sparta_fraction, "period": args.sparta_period,
+           "outer_momentum": args.outer_momentum, "outer_lr": args.outer_lr}
     return {name: value for name, value in arm.items() if value is not None}
 
 
 def swarm_preset(run_dir: Path, args: argparse.Namespace) -> str:
-    """tiny, with the SPARTA arm asked for, as a preset file the swarm's processes read."""
+    """tiny, with the arm asked for (SPARTA settings, the step's share scaling), as a preset file the swarm's
+    processes read."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    return tiny_variant(run_dir / "tiny-arm.yaml", {"sparta": sparta_arm(args)})
+    changes = {"sparta": sparta_arm(args)}
+    if args.share_scaling is not None:
+        changes["optim"] = {"share_scaling": args.share_scaling}
+    return tiny_variant(run_dir / "tiny-arm.yaml", changes)
 
 
 def train_swarm(name: str, args: argparse.Namespace, run_dir: Path, kill_stage: str | None) -> SwarmRun:
@@ -480,7 +514,14 @@ def sparta_figures(config: RunConfig, args: argparse.Namespace) -> dict:
     """The swarm runs' SPARTA arm, and the share of a stage it moves per stage epoch (equal shares: equal bytes)."""
     fraction = args.sparta_fraction if args.sparta_fraction is not None else config.sparta.fraction
     period = args.sparta_period if args.sparta_period is not None else config.sparta.period
-    return {"fraction": fraction, "period": period, "share_per_epoch": round(fraction / period, 6)}
+    outer_momentum = args.outer_momentum if args.outer_momentum is not None else config.sparta.outer_momentum
+    outer_lr = args.outer_lr if args.outer_lr is not None else config.sparta.outer_lr
+    return {"fraction": fraction, "period": period, "share_per_epoch": round(fraction / period, 6),
+            "outer_momentum": outer_momentum, "outer_lr": outer_lr}
+
+
+def share_scaling(config: RunConfig, args: argparse.Namespace) -> str:
+    return args.share_scaling if args.share_scaling is not None else config.optim.share_scaling
 
 
 def main() -> int:
@@ -488,10 +529,12 @@ def main() -> int:
     args = parse_args(config.model.stage_names)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="agora-bench-convergence-"))
     tokens_per_microbatch = config.optim.microbatch_size * config.model.seq_len
-    runs = [
-        train_swarm("quiet", args, run_dir / "quiet", kill_stage=None),
-        train_swarm("kill", args, run_dir / "kill", kill_stage=args.kill_stage),
-    ]
+    arm = sparta_figures(config, args)
+    print(f"arm: payload {args.payload}, SPARTA {arm['fraction']:g} every {arm['period']} stage epochs, outer momentum "
+          f"{arm['outer_momentum']:g}, outer lr {arm['outer_lr']:g}, share scaling {share_scaling(config, args)}; "
+          f"runs {', '.join(args.runs)}", flush=True)
+    kill_stages = {"quiet": None, "kill": args.kill_stage}
+    runs = [train_swarm(name, args, run_dir / name, kill_stage=kill_stages[name]) for name in args.runs]
     evaluate_at = {point.microbatches for run in runs for point in run.evaluations}
     longest = max(run.windows[-1].end for run in runs)
     print(f"one process: the stream's first {longest} microbatches, evaluated after {sorted(evaluate_at)}", flush=True)
@@ -506,7 +549,9 @@ def main() -> int:
         "preset": config.name,
         "payload": args.payload,
         "long": args.long,
-        "sparta": sparta_figures(config, args),
+        "sparta": arm,
+        "share_scaling": share_scaling(config, args),
+        "runs": list(args.runs),
         "workers_per_stage": WORKERS_PER_STAGE,
         "tokens_per_microbatch": tokens_per_microbatch,
         "seconds_per_run": args.seconds,

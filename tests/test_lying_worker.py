@@ -28,7 +28,7 @@ from tests.faulty_worker import faulty
 from tests.swarm_helpers import progress, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
-SPOT_CHECKS = {"fraction": 0.5, "strikes": 3}  # check often: the test is short
+SPOT_CHECKS = {"fraction": 0.5, "strikes": 3, "min_samples": 10}  # check often and judge soon: the test is short
 
 
 def test_a_lying_worker_is_banned_loses_its_points_and_the_loss_still_falls(tmp_path):

@@ -134,6 +134,18 @@ def test_a_compressed_payload_keeps_its_residuals_on_the_host(payload: str) -> N
     assert compressed.gpu_peak == fp32.gpu_peak
 
 
+@pytest.mark.parametrize("sparta, floats", [({"outer_momentum": 0.9, "outer_lr": 0.7}, 2), ({"outer_lr": 0.7}, 1)])
+def test_an_outer_step_keeps_its_anchors_and_momenta_on_the_host(sparta: dict, floats: int) -> None:
+    plain = plan_stage(load_config("8b"), "body1")
+    outer = plan_stage(load_config("8b", {"sparta": sparta}), "body1")
+    slice_bytes = plain.averaging // 2
+    # an anchor per trainable parameter, a momentum more when there is momentum, and the slice a step computes on
+    assert outer.averaging - plain.averaging == floats * outer.weights + slice_bytes
+    assert outer.host - plain.host == outer.averaging - plain.averaging
+    assert outer.gpu_peak == plain.gpu_peak
+    assert plan_stage(load_config("8b", {"sparta": {"outer_momentum": 0.0, "outer_lr": 1.0}}), "body1") == plain
+
+
 def _card(gib: float, capability: tuple[int, int] = (8, 9), name: str = "test card") -> GpuSpec:
     return GpuSpec(name, int(gib * GIB), capability)
 

@@ -9,9 +9,12 @@ sending bytes to a groupmate (uplink.py), sizes its share of the parts to reduce
 rounds cannot fit between two rounds at its measured link.
 Training keeps stepping while a round is in flight, so the result is applied as a delta:
 param_slice += averaged - sent, where a compressed payload's average leaves out what compression dropped
-from this peer's part (the next round over the slice sends it). Optimizer moments stay local.
+from this peer's part (the next round over the slice sends it). Optimizer moments stay local. With an outer
+step (sparta.outer_momentum / outer_lr, outer_momentum.py) the slice moves to the step's target instead of the
+average, again as a delta: param_slice += target - sent.
 Every round that averaged reports its drift: how far this worker's slice was from the group's average
-before the update, and is right after it (drift.py).
+before the update, and is right after it (drift.py); with an outer step, "after" is still measured against the
+group's average, not against the step's target.
 
 Matchmaking: every round has its own group key, so workers on different rounds never meet. The first
 worker of the stage to reach a round leads it and waits up to ``2 x matchmaking_time`` for the others
@@ -53,6 +56,7 @@ from agora_client.averaging.compression import SlicePayload
 from agora_client.averaging.drift import SliceDrift, relative_l2
 from agora_client.averaging.group_admission import GroupAdmission
 from agora_client.averaging.link_timing import MIN_RATE, LinkMeter, LinkRates, butterfly_bytes, round_timing
+from agora_client.averaging.outer_momentum import OuterMomentum
 from agora_client.averaging.partition import StridedPartition, partition_of
 from agora_client.averaging.uplink import UplinkProber
 from agora_client.config import SpartaConfig
@@ -227,6 +231,7 @@ class SpartaAverager:
         self._group_needs = config.matchmaking_time + self._max_gather_window  # hivemind's minimum, then the gathering
         self._buffer = torch.zeros(self.partition.max_slice_size, dtype=torch.float32)
         self._config, self._payload = config, SlicePayload(config.payload, self._buffer)
+        self._outer = OuterMomentum(config.outer_momentum, config.outer_lr) if config.outer_step else None
         self._link = LinkMeter(LinkRates(config.assumed_link_mbps * 1e6 / 8, config.assumed_link_mbps * 1e6 / 8))
         self._fit_said = False
         # the group bounds its all-reduce by its slowest link (group_timeouts); this one only backs that up
@@ -270,8 +275,10 @@ class SpartaAverager:
 
     def parameters_replaced(self) -> None:
         """Call after loading the parameters wholesale (a snapshot): what compression dropped from the old values
-        is then forgotten instead of being sent with the new ones. Any thread."""
+        is then forgotten instead of being sent with the new ones, and so are the outer step's anchors. Any thread."""
         self._payload.parameters_replaced()
+        if self._outer is not None:
+            self._outer.parameters_replaced()
 
     def start(self) -> None:
         self._averager.run_in_background(await_ready=True)
@@ -409,19 +416,24 @@ class SpartaAverager:
     def _apply_average(
         self, part: int, sent: torch.Tensor, outgoing: torch.Tensor, outcome: RoundOutcome
     ) -> tuple[float, str | None, SliceDrift]:
-        """Add (averaged - sent) to the slice; returns the share of it averaged with another peer, why not all, and
-        the slice's drift from the group's average. ``outgoing``: ``sent`` plus the residual of a lossy payload."""
+        """Add (averaged - sent) to the slice, or (target - sent) with an outer step; returns the share of it averaged
+        with another peer, why not all, and the slice's drift from the group's average (after the update too, even
+        with an outer step). ``outgoing``: ``sent`` plus the residual of a lossy payload."""
         size, unshared = sent.numel(), outcome.unshared
         with self._averager.get_tensors() as (buffer,):
             delta = self._payload.averaged(part, outgoing, buffer[:size], outcome.local_parts) - sent
         broken = ~torch.isfinite(delta)  # a part whose only surviving senders had weight 0 divides by zero
         delta[broken] = 0.0
         average, applied = sent + delta, torch.empty_like(sent)
+        averaged = size - min(size, unshared + int(broken.sum()))
+        # the engine counts the elements a partial round left out but does not say which: such a round averages
+        # plainly and leaves the anchors and momenta as they were, for the next whole round to step from
+        if self._outer is not None and averaged == size:
+            delta = self._outer.delta(part, sent, average)
         with self._lock:
             self.partition.add_(self._parameters, part, delta)
             self.partition.gather(self._parameters, part, applied)
         drift = SliceDrift(relative_l2(sent, average), relative_l2(applied, average))
-        averaged = size - min(size, unshared + int(broken.sum()))
         if averaged < size:
             kept = f"{size - averaged} of {size} elements kept their local values: a peer dropped out"
             return averaged / size, kept, drift

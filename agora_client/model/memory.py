@@ -9,8 +9,10 @@ GPU, per microbatch: what autograd saves during the recomputed forward of a back
 then a transient while backward runs (an estimate: the largest gradient buffers alive at once).
 Host: the moments when offloaded, and SPARTA's averaging buffers; with a compressed payload (sparta.payload
 bf16 or int8) also the residuals of its error feedback, 4 bytes per trainable parameter once every slice has
-been averaged, and three more slices while a round's result is applied. A worker that publishes snapshots or
-writes checkpoints also keeps a host copy of its weights and moments (snapshots/background.py).
+been averaged, and three more slices while a round's result is applied; with an outer step (sparta.outer_momentum
+or outer_lr) also its anchors and momenta, 8 bytes per trainable parameter (4 without momentum), and one more
+slice while it is computed. A worker that publishes snapshots or writes checkpoints also keeps a host copy of its
+weights and moments (snapshots/background.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from agora_client.config import ModelConfig, RunConfig
+from agora_client.config import ModelConfig, RunConfig, SpartaConfig
 from agora_client.model.loss import LOSS_CHUNK_TOKENS
 
 FP32, BF16, TOKEN_ID = 4, 2, 8
@@ -200,7 +202,8 @@ def plan_stage(run: RunConfig, stage: str, microbatch: int | None = None) -> Sta
         moments=2 * shapes.trainable * FP32,
         saved_activations=saved_activation_bytes(config, stage, microbatch, mixed_precision=mixed),
         backward_transient=backward_transient_bytes(config, stage, microbatch, mixed_precision=mixed),
-        averaging=averaging_bytes(shapes.trainable, slice_size, run.sparta.payload),
+        averaging=averaging_bytes(shapes.trainable, slice_size, run.sparta.payload)
+        + outer_step_bytes(shapes.trainable, slice_size, run.sparta),
     )
 
 
@@ -211,6 +214,15 @@ def averaging_bytes(trainable: int, slice_size: int, payload: str) -> int:
     if payload == "fp32":
         return 2 * slice_size * FP32
     return 5 * slice_size * FP32 + trainable * FP32
+
+
+def outer_step_bytes(trainable: int, slice_size: int, sparta: SpartaConfig) -> int:
+    """The outer step's host bytes (averaging/outer_momentum.py): one float32 anchor per trainable parameter, one
+    momentum more when sparta.outer_momentum > 0, and the step's slice while it is computed."""
+    if not sparta.outer_step:
+        return 0
+    buffers = 2 if sparta.outer_momentum > 0 else 1
+    return buffers * trainable * FP32 + slice_size * FP32
 
 
 def usable_bytes(memory_total: int) -> int:

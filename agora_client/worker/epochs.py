@@ -10,18 +10,23 @@ request up.
 
 A step is taken only on finite gradients (a non-finite one is dropped, the weights stay as they were),
 and weights that turn non-finite anyway are reported, so the worker leaves routing and reloads.
+
+With optim.share_scaling, a worker's step is scaled by its share of the stage epoch's samples (linear) or that
+share's square root (sqrt): every param group's lr is multiplied for that one step and then restored exactly.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator, get_args
 
 import torch
 from hivemind import DHT
 from hivemind.optim.progress_tracker import ProgressTracker
 
+from agora_client.config import OptimConfig
 from agora_client.discovery.roster import progress_prefix
 from agora_client.worker.sync import SyncState
 
@@ -67,8 +72,12 @@ class EpochController:
         on_skipped_step: Callable[[str], None],
         on_corrupt_weights: Callable[[str], None],
         epoch: int = 0,
+        share_scaling: str = "none",
     ):
+        if share_scaling not in SHARE_SCALINGS:
+            raise ValueError(f"share_scaling must be one of {', '.join(SHARE_SCALINGS)}, got {share_scaling!r}")
         self.parameters, self.optimizer, self.clip_norm = parameters, optimizer, clip_norm
+        self.share_scaling = share_scaling
         self.sync, self._on_epoch, self._on_error = sync, on_epoch, on_error
         self._on_skipped_step, self._on_corrupt_weights = on_skipped_step, on_corrupt_weights
         self.skipped_steps = 0
@@ -128,7 +137,9 @@ class EpochController:
                 "the last good weights are kept"
             )
             return
-        self.optimizer.step()  # whatever optimizer the node built: only its step() is relied on
+        # whatever optimizer the node built: only its step() and, to scale a step, its param groups' lr are relied on
+        with scaled_lr(self.optimizer, step_scale(self.share_scaling, self.last_share)):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if not all_finite(self.parameters):
             self._on_corrupt_weights(f"its weights turned non-finite in the optimizer step of epoch {self.epoch}")
@@ -148,6 +159,32 @@ class EpochController:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self.tracker.shutdown(timeout=5)
+
+
+SHARE_SCALINGS = get_args(OptimConfig.model_fields["share_scaling"].annotation)  # "none", "linear", "sqrt"
+
+
+def step_scale(share_scaling: str, share: float | None) -> float:
+    """What a worker's step is multiplied by, given its share of the stage epoch's samples (None: not known)."""
+    if share_scaling == "none" or share is None:
+        return 1.0
+    return share if share_scaling == "linear" else math.sqrt(share)
+
+
+@contextmanager
+def scaled_lr(optimizer: torch.optim.Optimizer, scale: float) -> Iterator[None]:
+    """Every param group's lr multiplied by ``scale`` inside the block, and the very values put back after it."""
+    if scale == 1.0:
+        yield
+        return
+    saved = [group["lr"] for group in optimizer.param_groups]
+    try:
+        for group, lr in zip(optimizer.param_groups, saved):
+            group["lr"] = lr * scale
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved):
+            group["lr"] = lr
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:

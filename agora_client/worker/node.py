@@ -166,6 +166,7 @@ class WorkerNode:
             on_skipped_step=lambda message: events.log(message, tag="TRAINING", level="warning"),
             on_corrupt_weights=self.mark_unhealthy,
             epoch=start_epoch,
+            share_scaling=config.optim.share_scaling,
         )
 
     def _snapshot_publisher(self) -> SnapshotPublisher | None:
