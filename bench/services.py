@@ -17,7 +17,12 @@ Figures: p50 / p99 of each phase in ms, `p99_ratio_1000`, `p99_ratio_5000` and `
 baseline's p99; target <= 2), `honest_failures` (any honest request not answered 200 within 10 s; target 0),
 the attacker's connections open when the honest requests ran and how many it had to open again.
 
-Usage: python bench/services.py [--seconds 15] [--slow 1000,5000] [--joins 200]
+CPUs: the attacker and the storm stand for other machines, so on a machine with two CPUs or more they run on
+CPUs of their own (every CPU but the first), and the service and the honest client share the first, in every
+phase alike: the figures then show what the attack costs the service (accepting, reading and cutting its
+connections), not what running the attacker costs this machine. `--no-pin` runs every process on every CPU.
+
+Usage: python bench/services.py [--seconds 15] [--slow 1000,5000] [--joins 200] [--no-pin]
 The last line is one JSON object with the figures.
 """
 
@@ -51,8 +56,15 @@ HONEST_TIMEOUT_S = 10.0
 CONTEXT = mp.get_context("fork")
 
 
-def serve(state: Path, conn) -> None:
+def pin(cpus: set[int] | None) -> None:
+    """Run this process on ``cpus`` only (None: wherever the kernel likes)."""
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+
+
+def serve(state: Path, conn, cpus: set[int] | None) -> None:
     """The auth service under test, in its own process; the loopback exemption off (see the docstring)."""
+    pin(cpus)
     settings = ServiceSettings(policy=AdmissionPolicy(
         stages=("head", "body1", "tail"), max_workers_per_stage=100, pacing_s=0.0, max_pending_per_stage=100))
     service = AuthService(settings, TokenFileIdentity(state / "tokens.json"), state / "service")
@@ -105,7 +117,8 @@ def summary(measured: dict, label: str) -> dict:
 # -- the attacker: half-open connections that each trickle one header line every few seconds ---------------
 
 
-def attack(host: str, port: int, connections: int, trickle_s: float, conn) -> None:
+def attack(host: str, port: int, connections: int, trickle_s: float, conn, cpus: set[int] | None) -> None:
+    pin(cpus)
     resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
     asyncio.run(_attack(host, port, connections, trickle_s, conn))
 
@@ -153,9 +166,9 @@ async def _attack(host: str, port: int, connections: int, trickle_s: float, conn
 
 
 class Attacker:
-    def __init__(self, host: str, port: int, connections: int, trickle_s: float):
+    def __init__(self, host: str, port: int, connections: int, trickle_s: float, cpus: set[int] | None):
         self._conn, child = CONTEXT.Pipe()
-        self._process = CONTEXT.Process(target=attack, args=(host, port, connections, trickle_s, child), daemon=True)
+        self._process = CONTEXT.Process(target=attack, args=(host, port, connections, trickle_s, child, cpus), daemon=True)
         self._process.start()
         self.holding = self._conn.recv()
 
@@ -171,7 +184,9 @@ class Attacker:
 # -- the storm of joins -----------------------------------------------------------------------------------
 
 
-def storm(url: str, tokens: list[str], sources: int, threads: int, conn) -> None:
+def storm(url: str, tokens: list[str], sources: int, threads: int, conn, cpus: set[int] | None) -> None:
+    pin(cpus)
+
     def join(index: int) -> int:
         source = f"127.0.1.{1 + index % sources}"
         with httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=30) as client:
@@ -186,9 +201,10 @@ def storm(url: str, tokens: list[str], sources: int, threads: int, conn) -> None
     conn.send((codes, time.perf_counter() - started))
 
 
-def run_storm(url: str, host: str, port: int, tokens: list[str], args) -> tuple[dict, dict]:
+def run_storm(url: str, host: str, port: int, tokens: list[str], args, cpus: set[int] | None) -> tuple[dict, dict]:
     conn, child = CONTEXT.Pipe()
-    process = CONTEXT.Process(target=storm, args=(url, tokens, args.join_sources, args.storm_threads, child), daemon=True)
+    process = CONTEXT.Process(target=storm, args=(url, tokens, args.join_sources, args.storm_threads, child, cpus),
+                              daemon=True)
     process.start()
     honest = summary(measure(host, port, 1.0, args.every_s, until=conn.poll), "join storm")
     codes, duration = conn.recv()
@@ -209,11 +225,14 @@ def main() -> int:
     parser.add_argument("--joins", type=int, default=200)
     parser.add_argument("--join-sources", type=int, default=20, help="client addresses the joins come from")
     parser.add_argument("--storm-threads", type=int, default=16)
+    parser.add_argument("--no-pin", action="store_true", help="run the attacker and the storm on the service's CPUs too")
     args = parser.parse_args()
+    service_cpus, other_cpus = cpu_split(args.no_pin)
+    pin(service_cpus)  # the honest client shares the service's CPU
     state = Path(tempfile.mkdtemp(prefix="agora-bench-services-"))
     tokens = [write_demo_token_file(state / "tokens.json", f"user{index}") for index in range(args.joins)]
     conn, child = CONTEXT.Pipe()
-    server = CONTEXT.Process(target=serve, args=(state, child), daemon=True)
+    server = CONTEXT.Process(target=serve, args=(state, child, service_cpus), daemon=True)
     server.start()
     url = conn.recv()
     host, port = url.removeprefix("http://").rsplit(":", 1)
@@ -224,20 +243,28 @@ def main() -> int:
     try:
         for count in (int(text) for text in args.slow.split(",") if text):
             add_baseline(baseline, measure(host, port, args.seconds, args.every_s))  # interleaved: the same machine load
-            attacker = Attacker(host, port, count, args.trickle_s)
+            attacker = Attacker(host, port, count, args.trickle_s, other_cpus)
             try:
                 phases[f"slow_{count}"] = summary(measure(host, port, args.seconds, args.every_s), f"{count} slow")
             finally:
                 attackers[f"slow_{count}"] = {**attacker.holding, "opened_in_all": attacker.stop().get("opened")}
             print(f"{'':>12s}  attacker: {attackers[f'slow_{count}']}", flush=True)
         add_baseline(baseline, measure(host, port, args.seconds, args.every_s))
-        phases["storm"], joins = run_storm(url, host, port, tokens, args)
+        phases["storm"], joins = run_storm(url, host, port, tokens, args, other_cpus)
     finally:
         conn.send("stop")
         server.join(15)
     phases = {"baseline": summary(baseline, "baseline"), **phases}
-    print(json.dumps(figures(phases, attackers, joins)))
+    print(json.dumps({**figures(phases, attackers, joins), "pinned": service_cpus is not None}))
     return 0
+
+
+def cpu_split(no_pin: bool) -> tuple[set[int] | None, set[int] | None]:
+    """The CPUs of the service and the honest client, and those of the attacker and the storm (None, None: no pinning)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if no_pin or len(cpus) < 2:
+        return None, None
+    return {cpus[0]}, set(cpus[1:])
 
 
 def add_baseline(pooled: dict, measured: dict) -> None:

@@ -23,7 +23,7 @@ from tests.swarm_helpers import wait_until
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 _SKIP = unavailable()
 USERS = ("alice", "bob", "carol")
-AUTH_PORT, MONITOR_PORT = 8440, 8090
+AUTH_PORT, MONITOR_PORT, METRICS_PORT = 8440, 8090, 9400
 
 
 def _deploy_file(tmp_path: Path, operator: Host) -> Path:
@@ -32,7 +32,7 @@ def _deploy_file(tmp_path: Path, operator: Host) -> Path:
         "run": {"config": "tiny2", "dir": "run"},
         "secrets": "secrets",
         "stores": {"snapshots": "snapshots"},
-        "hosts": {"operator": {"address": operator.address, "roles": {
+        "hosts": {"operator": {"address": operator.address, "metrics": {"port": METRICS_PORT, "listen": operator.address}, "roles": {
             "seeds": {"count": 2},
             "snapshot_server": {"port": 8080},
             "auth": {"port": AUTH_PORT, "identity": "token-file", "token_file": "secrets/tokens.json", "pacing": 1.0},
@@ -60,6 +60,16 @@ def _leaderboard_names(operator: Host) -> set[str]:
     return {row["username"] for row in rows}
 
 
+def _check_metrics(operator: Host) -> None:
+    """Seeds, then the operator's first worker (head-0), take the first metrics ports; auth serves its own."""
+    scrape = {port: f"http://{operator.address}:{port}/metrics" for port in (METRICS_PORT, METRICS_PORT + 2, AUTH_PORT)}
+    with operator.entered():
+        pages = {port: httpx.get(url, timeout=10).text for port, url in scrape.items()}
+    assert "agora_seed_dht_peers " in pages[METRICS_PORT]
+    assert 'agora_worker_rpc_requests_total{kind="forward",stage="head"}' in pages[METRICS_PORT + 2]
+    assert 'agora_auth_joins_total{outcome="authorized"} 3.0' in pages[AUTH_PORT]
+
+
 def test_operator_host_from_a_deploy_file_and_contributors_with_only_the_url(tmp_path):
     if _SKIP:
         pytest.skip(_SKIP)
@@ -84,6 +94,7 @@ def test_operator_host_from_a_deploy_file_and_contributors_with_only_the_url(tmp
                 wait_until(lambda: _processed_a_batch(runtime) or not runtime.alive, 240, f"{runtime.name} to process a batch")
                 assert runtime.alive, f"{runtime.name} exited; see {runtime.log_path}"
             wait_until(lambda: set(USERS) <= _leaderboard_names(operator), 90, "every contributor on the leaderboard")
+            _check_metrics(operator)
         finally:
             stop_all(runtimes, grace=20)
             down = subprocess.run([*CLI, "deploy", "down", str(deploy_file)], capture_output=True, text=True, timeout=120)

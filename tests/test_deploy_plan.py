@@ -74,7 +74,9 @@ def test_relative_paths_are_relative_to_the_deploy_file(tmp_path):
 
 
 def test_operator_plan_starts_roles_in_order_and_keeps_secrets_off_command_lines(tmp_path):
-    spec = load_spec(_write(tmp_path, _spec_dict(tmp_path)))
+    data = _spec_dict(tmp_path)
+    data["hosts"]["operator"]["metrics"] = {"port": 9400, "listen": "203.0.113.10"}
+    spec = load_spec(_write(tmp_path, data))
     store = prepare_secrets(spec, "operator")
     steps = plan_roles(spec, "operator", store)
     assert [[launch.name for launch in step] for step in steps] == [
@@ -98,6 +100,11 @@ def test_operator_plan_starts_roles_in_order_and_keeps_secrets_off_command_lines
     assert _flag(head.args, "--publish-snapshots") == str(tmp_path / "snapshots")
     assert launches["snapshot-server"].ready == SNAPSHOTS_READY
     _assert_no_secret_on(steps, store)
+    # Prometheus: the roles without an HTTP port of their own take the metrics ports in start order
+    served = {name: (_flag(launch.args, "--metrics-port"), _flag(launch.args, "--metrics-host"))
+              for name, launch in launches.items() if "--metrics-port" in launch.args}
+    assert served == {name: (str(port), "203.0.113.10") for port, name in enumerate(
+        ["seed0", "seed1", "head-0", "body1-0", "body2-0", "tail-0", "operator-trainer0"], start=9400)}
 
 
 def _flag(args: tuple[str, ...], flag: str) -> str:

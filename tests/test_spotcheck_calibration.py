@@ -102,11 +102,31 @@ def test_a_stage_whose_drift_grows_keeps_up_and_never_strikes_an_honest_worker()
     assert forward.state == "verifiable" and 0.75 < forward.tolerance < math.sqrt(2) - MARGIN
 
 
+def test_a_replica_that_lags_its_stage_and_drifts_twice_as_far_is_never_struck() -> None:
+    """Two replicas close, the third three times as far from them as they stand apart (it missed averaging
+    rounds), all drifting on: the lagging one's answers are beyond the tolerance and untrusted as samples, but
+    within what drift can do, so they strike no one (with the tolerance alone they did, in a real swarm)."""
+    router, client, records = swarm(3, drift=0.0, dim=64)
+    base = client.weights[records[0].uid].clone()
+    directions = {r.uid: torch.randn(64, 64) for r in records}
+    reach = {records[0].uid: 1.0, records[1].uid: 3.0, records[2].uid: 1.0}
+    strikes = []
+    checker = SpotChecker(SpotCheckConfig(fraction=1.0, strikes=1), router, {STAGE: client}, on_strike=strikes.append,
+                          rng=random.Random(3))
+    for index in range(600):
+        drift = 0.1 + 0.2 * index / 600
+        client.weights.update({uid: base + drift * reach[uid] * direction for uid, direction in directions.items()})
+        check(checker, client, records[index % 3])
+    report = checker.report()[STAGE]
+    assert strikes == [] and report.bans == 0 and report.forward.state == "verifiable"
+    assert checker.stats.unresolved > 0  # the lagging replica did disagree: with the tolerance alone it was struck
+
+
 def test_a_random_liar_on_a_verifiable_stage_is_banned_after_strikes_checks_and_named_in_the_report() -> None:
     router, client, records = swarm(4, drift=0.5, liars={"body1.0.3"}, dim=64)  # honest replicas ~0.65 apart
-    named = []
+    named, strikes = [], []
     checker = SpotChecker(SpotCheckConfig(fraction=1.0, strikes=3), router, {STAGE: client}, on_ban=named.append,
-                          rng=random.Random(4))
+                          on_strike=strikes.append, rng=random.Random(4))
     while checker.report()[STAGE].forward.state == "calibrating":
         check(checker, client, records[len(client.calls) % 3])
     strikes_before = checker.stats.strikes  # the liar may have been caught answering as a check already
@@ -117,6 +137,9 @@ def test_a_random_liar_on_a_verifiable_stage_is_banned_after_strikes_checks_and_
     assert checks_of_its_answers == 3 - strikes_before and named[0].worker.uid == "body1.0.3"
     report = checker.report()[STAGE]
     assert report.bans == 1 and report.strikes == 3 and report.forward.state == "verifiable"
+    assert [(strike.worker.uid, strike.strikes) for strike in strikes] == [("body1.0.3", n) for n in (1, 2, 3)]
+    assert all(strike.distance > math.sqrt(2) - MARGIN > strike.tolerance for strike in strikes)
+    assert strikes[0].describe(MARGIN, 3).startswith("strike 1 of 3 for body1.0.3 on body1 forward: its answer was ")
     # the metrics carry it: a trainer's progress record holds the report as it crosses the DHT
     record = TrainerProgress(peer_id="t", microbatches=1, spot_checks=checker.report(), ts=1.0)
     assert TrainerProgress.model_validate(record.model_dump()).spot_checks[STAGE].forward.tolerance == report.forward.tolerance

@@ -4,12 +4,14 @@ The plan is a list of steps; the launches of one step start together, and a step
 it is ready: the seeds, then the snapshot server, relay, auth service and workers, then the monitor and the
 trainers (both talk to the auth service). Seeds bootstrap from no one: every other peer is given all of them
 (and seeds on other hosts are up in any order), so the DHT is one from the first peer on.
+With the host's ``metrics:`` the roles without an HTTP port (seeds, relay, workers, trainers) each serve
+Prometheus metrics on the next port from ``metrics.port``, in start order; the others serve them on their own.
 Command lines come from ``agora_client.swarm.roles``, the local swarm's own rules.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from agora_client.config import load_config
@@ -25,6 +27,7 @@ class Launch:
     args: tuple[str, ...]
     ready: str  # the role is up once it prints a line holding this
     address: str  # where others reach it: a multiaddr, a URL, HOST:PORT
+    http_front: bool = False  # it answers GET /metrics on its own port
 
 
 Step = tuple[Launch, ...]
@@ -41,7 +44,24 @@ def plan_roles(spec: DeploySpec, host_name: str, store: SecretStore) -> list[Ste
     steps: list[Step] = [tuple(_seed(host, store, own_seeds, index) for index in range(len(own_seeds)))]
     services = [*_snapshot_server(spec, host), *_relay(host), *_auth(spec, host, store, seeds), *_workers(spec, host, store, seeds)]
     followers = [*_monitor(spec, host, seeds), *_trainers(spec, host_name, store, seeds)]
-    return [tuple(step) for step in (*steps, services, followers) if step]
+    return _with_metrics_ports(host, [tuple(step) for step in (*steps, services, followers) if step])
+
+
+def _with_metrics_ports(host: HostSpec, steps: list[Step]) -> list[Step]:
+    """Each launch without an HTTP front gets the host's next metrics port (none without ``metrics:``)."""
+    if host.metrics is None:
+        return steps
+    ports = iter(range(host.metrics.port, 65536))
+
+    def served(launch: Launch) -> Launch:
+        if launch.http_front:
+            return launch
+        port = next(ports, None)
+        if port is None:
+            raise DeployError(f"metrics.port {host.metrics.port} leaves no port for {launch.name}: pick a lower one")
+        return replace(launch, args=(*launch.args, "--metrics-port", str(port), "--metrics-host", host.metrics.listen))
+
+    return [tuple(served(launch) for launch in step) for step in steps]
 
 
 def seed_multiaddrs(spec: DeploySpec, host_name: str, store: SecretStore) -> list[str]:
@@ -70,7 +90,7 @@ def _snapshot_server(spec: DeploySpec, host: HostSpec) -> list[Launch]:
     if role is None:
         return []
     args = roles.snapshot_server_args(Path(spec.stores.snapshots), host.address, role.port, _exposure(host))
-    return [Launch("snapshot-server", tuple(args), roles.SNAPSHOTS_READY, host.url(role))]
+    return [Launch("snapshot-server", tuple(args), roles.SNAPSHOTS_READY, host.url(role), http_front=True)]
 
 
 def _relay(host: HostSpec) -> list[Launch]:
@@ -93,7 +113,7 @@ def _auth(spec: DeploySpec, host: HostSpec, store: SecretStore, seeds: list[str]
         max_workers_per_stage=role.max_workers_per_stage, monitor_url=spec.role_url("monitor"), relays=relays,
         exposure=_exposure(host),
     )
-    return [Launch("auth", tuple(args), roles.AUTH_READY, host.url(role))]
+    return [Launch("auth", tuple(args), roles.AUTH_READY, host.url(role), http_front=True)]
 
 
 def _monitor(spec: DeploySpec, host: HostSpec, seeds: list[str]) -> list[Launch]:
@@ -104,7 +124,7 @@ def _monitor(spec: DeploySpec, host: HostSpec, seeds: list[str]) -> list[Launch]
         preset=spec.run.config, seeds=seeds, auth_url=str(spec.role_url("auth")), db=spec.run.dir / "monitor" / "points.sqlite",
         host=host.address, port=role.port, interval=role.interval, exposure=_exposure(host),
     )
-    return [Launch("monitor", tuple(args), roles.MONITOR_READY, host.url(role))]
+    return [Launch("monitor", tuple(args), roles.MONITOR_READY, host.url(role), http_front=True)]
 
 
 def _workers(spec: DeploySpec, host: HostSpec, store: SecretStore, seeds: list[str]) -> list[Launch]:

@@ -123,11 +123,18 @@ class TlsFiles(_Strict):
     key: FilePath = Field(description="its unencrypted PEM private key")
 
 
+class MetricsPorts(_Strict):
+    port: int = Field(ge=1, le=65535, description="the first Prometheus port: seeds, relay, workers and trainers "
+                      "(the roles without an HTTP port of their own) take one each, in start order")
+    listen: str = Field("127.0.0.1", description="the address those ports listen on: one your Prometheus reaches")
+
+
 class HostSpec(_Strict):
     address: str = Field(description="the IPv4 address this host's roles listen on and peers reach it at")
     roles: Roles = Roles()
     tls: TlsFiles | None = None
     trusted_proxies: tuple[str, ...] = ()
+    metrics: MetricsPorts | None = Field(None, description="Prometheus ports for the roles without an HTTP port")
 
     @model_validator(mode="after")
     def _ipv4_address(self) -> "HostSpec":

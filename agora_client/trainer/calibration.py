@@ -27,6 +27,14 @@ referee request from any other request: it cannot answer honestly on those alone
 A stage and kind is ``calibrating`` until it has ``min_samples`` distances, and ``unverifiable`` while its
 tolerance comes within ``margin`` of random answers' distance: there output comparison cannot tell a
 liar from an honest replica, so its disagreements strike no one. Otherwise it is ``verifiable``.
+
+Drift grows as training goes on, faster than the window follows it, and unevenly: one replica may lag its
+stage's averaging and stand twice as far from the other two as they stand from each other. Such an answer is
+beyond the tolerance, and not trusted as a sample either. So an answer beyond the tolerance takes a strike only
+when it is farther from the referee's than ``strike_distance``: ``CONSISTENT_RATIO`` times the tolerance (farther
+than a third answer the calibration would trust), at most random answers' distance less the margin, which
+random tensors of any scale always exceed. In between it is a disagreement that blames no one (measured: with
+the tolerance alone, 3 honest body1 workers took a strike each within 6 minutes of a tiny swarm checking 30%).
 """
 
 from __future__ import annotations
@@ -50,6 +58,11 @@ def confirmed_distances(distances: Sequence[float], margin: float) -> list[float
         return []
     consistent = all(d <= CONSISTENT_RATIO * pair and d < RANDOM_DISTANCE - margin for d in third)
     return [pair, *third] if consistent else [pair]
+
+
+def strike_distance(tolerance: float, margin: float) -> float:
+    """How far from the referee's answer an answer beyond ``tolerance`` must be to earn a strike."""
+    return min(CONSISTENT_RATIO * tolerance, RANDOM_DISTANCE - margin)
 
 
 class Calibration:

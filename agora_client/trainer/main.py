@@ -297,6 +297,7 @@ def _pipeline(
     margin = config.spot_checks.margin
     spot_checks = SpotChecker(config.spot_checks, router, clients, on_ban=lambda finding: _name_liar(finding, dhts, inputs.tickets),
                               on_standing=lambda stage, kind, standing: say("SPOTCHECK", describe(stage, kind, standing, margin)),
+                              on_strike=lambda strike: say("SPOTCHECK", strike.describe(margin, config.spot_checks.strikes)),
                               receipts=receipts)
     return Pipeline(
         stages,

@@ -10,11 +10,13 @@ checks, the trainer also asks a third worker and learns from the three answers.
 
 Only a ``verifiable`` stage and kind is judged. There, two answers within the tolerance agree. When they
 disagree, a third worker (the calibration's, or a referee asked now) settles it: if its answer agrees
-with exactly one of the two, the other worker takes a strike, and the microbatch goes on with the
-referee's answer if the first one was struck. ``strikes`` strikes ban a worker from this trainer's
+with exactly one of the two, and the other's is farther from it than an honest replica's can be
+(calibration.strike_distance), the other worker takes a strike; the microbatch goes on with the referee's
+answer whenever the first one is the odd one out. ``strikes`` strikes ban a worker from this trainer's
 routing and name it through ``on_ban`` (the trainer publishes a verdict so the monitor withholds its
-compute points). Without a third worker, or when the referee agrees with neither, a disagreement stays
-unresolved: it is counted, and nobody is struck. A stage and kind still ``calibrating``, or
+compute points). Without a third worker, when the referee agrees with neither, or when the odd answer is
+no farther than drift can take an honest one, a disagreement stays unresolved: it is counted, and nobody is
+struck. A stage and kind still ``calibrating``, or
 ``unverifiable`` (honest replicas drift about as far apart as random answers, as the tiny preset's head
 does after a few steps), is checked and calibrated but strikes no one.
 
@@ -24,6 +26,7 @@ small bias, paid only on the checked fraction.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import random
@@ -37,7 +40,7 @@ from agora_client.config import SpotCheckConfig
 from agora_client.discovery.progress_records import CheckStanding, StageSpotChecks
 from agora_client.discovery.roster import WorkerRecord
 from agora_client.trainer.balancer import Kind, Router, WorkerKey
-from agora_client.trainer.calibration import Calibration, confirmed_distances
+from agora_client.trainer.calibration import Calibration, confirmed_distances, strike_distance
 from agora_client.trainer.receipts import ReceiptBook
 from agora_client.trainer.rpc import StageClient
 
@@ -75,6 +78,25 @@ class Finding:
     disagreements: int
 
 
+@dataclass(frozen=True)
+class Strike:
+    """A worker whose answer was farther from the referee's than an honest replica's can be."""
+
+    stage: str
+    kind: Kind
+    worker: WorkerRecord
+    distance: float  # from the referee's answer
+    pair_distance: float  # between the referee's answer and the one it agreed with
+    tolerance: float
+    strikes: int  # this worker's, this one included
+
+    def describe(self, margin: float, ban_at: int) -> str:
+        return (f"strike {self.strikes} of {ban_at} for {self.worker.uid} on {self.stage} {self.kind}: its answer was "
+                f"{self.distance:.3f} from the referee's (tolerance {self.tolerance:.3f}, strikes from "
+                f"{strike_distance(self.tolerance, margin):.3f}; the referee and the other answer "
+                f"{self.pair_distance:.3f} apart)")
+
+
 @dataclass
 class SpotCheckStats:
     checks: int = 0  # requests re-run on a second worker
@@ -104,11 +126,13 @@ class SpotChecker:
         clients: dict[str, StageClient],
         *,
         on_ban: Callable[[Finding], None] = lambda finding: None,
+        on_strike: Callable[[Strike], None] = lambda strike: None,
         on_standing: Callable[[str, Kind, CheckStanding], None] = lambda stage, kind, standing: None,
         receipts: ReceiptBook | None = None,
         rng: random.Random | None = None,
     ):
         self.config, self.router, self.clients, self.on_ban, self.on_standing = config, router, clients, on_ban, on_standing
+        self.on_strike = on_strike
         self.receipts = receipts  # a re-run costs the worker as much as any request: it is receipted too
         self._rng = rng or random.Random()
         self._lock = threading.Lock()
@@ -175,9 +199,15 @@ class SpotChecker:
         if agrees.count(True) != 1:  # no referee, or it agrees with both or neither: nobody can be blamed
             self._count(stage, "unresolved", compared, calibrated)
             return first[1]
+        odd, kept = (second, first) if agrees[0] else (first, second)
+        going_on = first[1] if agrees[0] else third[1]
+        distance = relative_distance(odd[1], third[1])
+        if distance <= strike_distance(standing.tolerance, self.config.margin):
+            self._count(stage, "unresolved", compared, calibrated)  # as far as an honest replica may drift
+            return going_on
         self._count(stage, "resolved", compared, calibrated)
-        self._strike(stage, second[0] if agrees[0] else first[0])
-        return first[1] if agrees[0] else third[1]
+        self._strike(Strike(stage, kind, odd[0], distance, relative_distance(kept[1], third[1]), standing.tolerance, 0))
+        return going_on
 
     def _calibrate(self, stage: str, kind: Kind, answers: tuple[Answer, Answer, Answer]) -> None:
         """Learn the honest distances among three answers to one request; say so if the stage's standing changed."""
@@ -227,16 +257,19 @@ class SpotChecker:
             for record in workers:
                 self._checks[record.key] = self._checks.get(record.key, 0) + 1
 
-    def _strike(self, stage: str, worker: WorkerRecord) -> None:
+    def _strike(self, strike: Strike) -> None:
+        stage, worker = strike.stage, strike.worker
         with self._lock:
             self.stats.strikes += 1
             self._stages[stage].strikes += 1
             strikes = self._strikes[worker.key] = self._strikes.get(worker.key, 0) + 1
-            if strikes < self.config.strikes or worker.key in self._banned:
-                return
-            self._banned.add(worker.key)
-            self.stats.bans += 1
-            self._stages[stage].bans += 1
-            finding = Finding(stage, worker, self._checks[worker.key], strikes)
-        self.router[stage].ban(worker.key, self.config.ban_seconds)
-        self.on_ban(finding)
+            banning = strikes >= self.config.strikes and worker.key not in self._banned
+            if banning:
+                self._banned.add(worker.key)
+                self.stats.bans += 1
+                self._stages[stage].bans += 1
+                finding = Finding(stage, worker, self._checks[worker.key], strikes)
+        self.on_strike(dataclasses.replace(strike, strikes=strikes))
+        if banning:
+            self.router[stage].ban(worker.key, self.config.ban_seconds)
+            self.on_ban(finding)
