@@ -130,7 +130,8 @@ class SpotCheckStatus(BaseModel):
 
 class StageSwarm(BaseModel):
     """One stage as a contributor can see it: its workers by phase (the DHT roster), its join queue and
-    capacity (the auth service's public /v1/status) and the trainers' spot checks on it (their progress records)."""
+    capacity (the auth service's public /v1/status), the trainers' spot checks on it (their progress records) and how
+    far its replicas are apart (its workers' metrics records)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     stage: str
@@ -141,6 +142,9 @@ class StageSwarm(BaseModel):
     queued: int | None = None  # joiners waiting for the stage; None: the auth service did not answer
     capacity: int | None = None  # workers the stage takes; None: the auth service did not answer
     spot_checks: SpotCheckStatus | None = None  # None: no trainer spot-checks this stage
+    # the stage's replica drift: the mean over its workers' signed metrics records of their latest SPARTA round's
+    # drift before the update (agora_client/discovery/replica_drift.py); None: no worker has averaged yet
+    drift: float | None = None
 
 
 class SwarmEvent(_Event):

@@ -154,7 +154,7 @@ def endpoint() -> Iterator[MetricsEndpoint]:
         yield served
 
 
-def test_a_worker_serves_its_requests_refusals_rounds_and_phase(endpoint: MetricsEndpoint):
+def test_a_worker_serves_its_requests_refusals_rounds_drift_and_phase(endpoint: MetricsEndpoint):
     meter, refusals = RequestMeter(), RejectionLog(lambda message: None)
     record = WorkerRecord(uid="body1.0.0", peer_id="QmWorker", stage="body1", sync_phase=2, epoch=41, healthy=True)
     collector = WorkerCollector("body1", meter, refusals, lambda: record)
@@ -173,9 +173,12 @@ def test_a_worker_serves_its_requests_refusals_rounds_and_phase(endpoint: Metric
             time.sleep(0.02)
     finally:
         refusals.shutdown()
-    for ok in (True, True, False):
+    assert "agora_worker_sparta_drift" not in scrape(endpoint.url)  # no round has averaged yet
+    # two rounds that averaged, then one that failed: the drift is the latest measured round's
+    for ok, drift in ((True, (0.05, 0.01)), (True, (0.03, 0.002)), (False, (None, None))):
         collector.on_round(RoundReport(round=1, partition=0, group_size=2 if ok else 0, fraction=1.0 if ok else 0.0,
-                                       bytes_sent=0, bytes_received=0, duration_s=1.0, weight=1.0, ok=ok))
+                                       bytes_sent=0, bytes_received=0, duration_s=1.0, weight=1.0, ok=ok,
+                                       drift_before=drift[0], drift_after=drift[1]))
     samples = scrape(endpoint.url)
     assert value(samples, "agora_worker_rpc_requests_total", stage="body1", kind="forward") == 2
     assert value(samples, "agora_worker_rpc_requests_total", stage="body1", kind="backward") == 1
@@ -185,6 +188,9 @@ def test_a_worker_serves_its_requests_refusals_rounds_and_phase(endpoint: Metric
     assert value(samples, "agora_worker_bytes_total", stage="body1", direction="received") == 100 + 100 + 180 + 2000
     assert value(samples, "agora_worker_sparta_rounds_total", stage="body1", outcome="averaged") == 2
     assert value(samples, "agora_worker_sparta_rounds_total", stage="body1", outcome="failed") == 1
+    assert samples["agora_worker_sparta_drift"] == {
+        (("stage", "body1"), ("when", "before")): 0.03, (("stage", "body1"), ("when", "after")): 0.002,
+    }
     assert samples["agora_worker_sync_phase"] == {
         (("phase", "sync1"), ("stage", "body1")): 0, (("phase", "sync2"), ("stage", "body1")): 1,
         (("phase", "active"), ("stage", "body1")): 0,

@@ -83,10 +83,13 @@ def test_running_states(snap_compare, name, size):
     assert snap_compare(make_app(name, "--hold"), terminal_size=SIZES[size], run_before=run_before)
 
 
-# The swarm view: every stage's workers and queue, the throughput, this worker's share, SPARTA health and spot checks.
+# The swarm view: every stage's workers, queue and replica drift (a dash before any of its workers has averaged), the
+# throughput, this worker's share, SPARTA health and spot checks.
 SWARM_VIEW = [
-    "› body1         3       1      2    8  ● calibrating 420",
-    "  tail          1       0      0    8  none +1 unhealthy",
+    "stage      active syncing queued   of   drift  spot checks",
+    "› body1         3       1      2    8   3.12%  ● calibrating 420",
+    "  body2         2       0      0    8  0.087%  ✔ verifiable 600",
+    "  tail          1       0      0    8       –  none +1 unhealthy",
     "swarm 19,605 tokens/s · 2 trainer(s)",
     "your share of body1: 27% (fair share 25% of 4)",
     "body1 SPARTA: ✔ healthy · 15/18 rounds ok (83%) · last group 3 of 3 active",

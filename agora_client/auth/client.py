@@ -8,6 +8,7 @@ internet, nor does a snapshot come from one, unless the contributor passed ``--i
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,10 @@ from .transport import TOKEN_IN_CLEAR, WEIGHTS_IN_CLEAR, PlainHttpRefused, conne
 log = logging.getLogger(__name__)
 
 _MAX_POLL_FAILURES = 5
+_JOIN_RATE_LIMIT_RETRIES = 3  # a join answered 429 is sent again at most this many times, then fails
+_DEFAULT_RETRY_AFTER_S = 5.0  # a 429 without a readable Retry-After
+_MAX_RETRY_AFTER_S = 60.0  # a hostile or broken server cannot park the client for hours
+_MIN_RETRY_AFTER_S = 1.0  # nor make it ask again at once, over and over
 
 
 class AuthError(Exception):
@@ -153,6 +158,7 @@ class _JoinAttempt:
     assigned: bool = False  # on_assigned was called
     last_queue_log: float = -float("inf")
     poll_failures: int = 0
+    poll_rate_limited: bool = False  # said once per authorization, however often it happens
 
     def run(self) -> Authorization:
         """The slot granted; calls ``on_assigned`` once the stage is known, if the queue did not already."""
@@ -166,8 +172,18 @@ class _JoinAttempt:
         return authorization
 
     def _send_join(self) -> dict[str, Any]:
-        """POST /v1/join; a failure emits its event and raises."""
-        return _join(self.http, self.base, self.secret, self.peer_id, self.peer_key, self.events, self.where)
+        """POST /v1/join, again after each rate limit's Retry-After (a few times); a failure emits its event and raises."""
+        rate_limits = 0
+        while True:
+            try:
+                return _join(self.http, self.base, self.secret, self.peer_id, self.peer_key, self.events, self.where)
+            except _RateLimited as limited:
+                rate_limits += 1
+                if rate_limits > _JOIN_RATE_LIMIT_RETRIES:
+                    raise _fail(self.events, self.peer_id, f"the auth service at {self.base} keeps rate-limiting joins "
+                                "from this address; try again later") from None
+                log.info("the auth service rate-limited the join; joining again in %g s", limited.wait_s)
+                self._pause(limited.wait_s, "authorization cancelled while waiting to join again")
 
     def _wait_in_queue(self, reply: dict[str, Any]) -> dict[str, Any]:
         """Poll until the reply is no longer "queued"; returns that reply."""
@@ -207,13 +223,17 @@ class _JoinAttempt:
 
     def _sleep_until_next_poll(self, reply: dict[str, Any]) -> None:
         interval = min(self.poll_every, float(reply.get("poll_every_s") or self.poll_every))
-        if self.waiter.wait(interval):
-            raise _fail(self.events, self.peer_id, "authorization cancelled while waiting in the join queue")
+        self._pause(interval, "authorization cancelled while waiting in the join queue")
+
+    def _pause(self, seconds: float, cancelled: str) -> None:
+        """Wait ``seconds``; a stop set meanwhile fails the join at once with the message ``cancelled``."""
+        if self.waiter.wait(seconds):
+            raise _fail(self.events, self.peer_id, cancelled)
 
     def _poll(self, reply: dict[str, Any]) -> dict[str, Any]:
         """The queue's next answer; a lost place joins again, a failed poll keeps ``reply`` until too many fail."""
         try:
-            answer = _post(self.http, f"{self.base}/v1/join/poll", {"queue_id": reply["queue_id"], "peer_id": self.peer_id})
+            answer = self._post_poll(reply)
         except _PlaceLost:
             log.info("the join queue place was lost; joining again")
             return self._send_join()
@@ -227,6 +247,18 @@ class _JoinAttempt:
             raise _answer_error(self.events, self.peer_id, error) from None
         self.poll_failures = 0
         return answer
+
+    def _post_poll(self, reply: dict[str, Any]) -> dict[str, Any]:
+        """POST /v1/join/poll; a rate-limited poll keeps the queue place: it waits the Retry-After and polls again."""
+        while True:
+            try:
+                return _post(self.http, f"{self.base}/v1/join/poll", {"queue_id": reply["queue_id"], "peer_id": self.peer_id})
+            except _RateLimited as limited:
+                if not self.poll_rate_limited:
+                    log.info("the auth service rate-limits polling the join queue; keeping the place, polling again "
+                             "after each Retry-After (%g s now)", limited.wait_s)
+                    self.poll_rate_limited = True
+                self._pause(limited.wait_s, "authorization cancelled while waiting in the join queue")
 
     def _read_authorization(self, reply: dict[str, Any], dial: Any) -> Authorization:
         waited_s = time.monotonic() - self.queued_since if self.queued_since else 0.0
@@ -288,6 +320,14 @@ class _PlaceLost(Exception):
     pass
 
 
+class _RateLimited(Exception):
+    """HTTP 429: ask again after ``wait_s`` seconds (the Retry-After, bounded)."""
+
+    def __init__(self, wait_s: float):
+        super().__init__(f"rate limited; retry after {wait_s:g} s")
+        self.wait_s = wait_s
+
+
 class _Refused(Exception):
     def __init__(self, status_code: int, message: str):
         super().__init__(message)
@@ -315,7 +355,21 @@ def _post(http: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any]:
         raise _Unreachable(_unreachable_message(url, error)) from None
     if response.status_code == 404 and url.endswith("/v1/join/poll"):
         raise _PlaceLost()
+    if response.status_code == 429:
+        raise _RateLimited(_retry_after_s(response.headers.get("Retry-After")))
     return _decode(response, url)
+
+
+def _retry_after_s(header: str | None) -> float:
+    """The wait a 429's Retry-After asks for (delta-seconds), within the bounds above; the default when absent or
+    unreadable (an HTTP-date included: the auth service sends seconds)."""
+    try:
+        wait_s = float(header) if header is not None else _DEFAULT_RETRY_AFTER_S
+    except ValueError:
+        wait_s = _DEFAULT_RETRY_AFTER_S
+    if math.isnan(wait_s) or wait_s < 0:
+        wait_s = _DEFAULT_RETRY_AFTER_S
+    return min(_MAX_RETRY_AFTER_S, max(_MIN_RETRY_AFTER_S, wait_s))
 
 
 def _decode(response: httpx.Response, url: str) -> dict[str, Any]:
@@ -375,6 +429,8 @@ def _call(
         return _post(http, f"{swarm_url.rstrip('/')}{path}", body)
     except _Unreachable as error:
         raise AuthFailed(str(error)) from None
+    except _RateLimited as limited:
+        raise AuthFailed(f"the auth service is rate-limiting {path} from this address; retry after {limited.wait_s:g} s") from None
     except _Refused as error:
         raise AuthFailed(f"the auth service refused {path}: {error}") from None
     finally:

@@ -99,11 +99,12 @@ def averaged_text(event: SpartaEvent) -> str:
         what = f"{percent(event.fraction)} of {what}"
     notes = [] if event.stage_share is None else [f"{percent(event.fraction * event.stage_share)} of the stage"]
     if event.drift_before is not None and event.drift_after is not None:  # None: a runtime from before drift
-        notes.append(f"drift {_drift_percent(event.drift_before)} -> {_drift_percent(event.drift_after)}")
+        notes.append(f"drift {drift_percent(event.drift_before)} -> {drift_percent(event.drift_after)}")
     return f"{what} ({'; '.join(notes)})" if notes else what
 
 
-def _drift_percent(drift: float) -> str:
+def drift_percent(drift: float) -> str:
+    """A replica drift (relative L2) as a percentage: "3.12%"; one under 0.01% as "<0.01%"."""
     return "<0.01%" if 0 < drift < 1e-4 else percent(drift)
 
 

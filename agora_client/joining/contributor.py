@@ -381,12 +381,12 @@ class Contributor:
             self.events.log(f"could not re-read the run description: {error}", tag="WARNING", level="warning")
 
     def _report_swarm(self, node: WorkerNode) -> None:
-        """The swarm's learning (trainers' records) and each stage's workers, queue and spot checks."""
+        """The swarm's learning (trainers' records) and each stage's workers, queue, spot checks and replica drift."""
         try:
             records = fetch_progress(node.dht)
-            stages = self.stage_watch.read(node.dht, records)
+            stages = self.stage_watch.read(node.dht, records, node.options.auth_public_key)
         except Exception as error:  # a DHT hiccup: the next read retries
-            self.events.log(f"could not read the trainers' progress: {error}", level="debug")
+            self.events.log(f"could not read the swarm's records: {error}", level="debug")
             return
         self.events.emit(swarm_event(records).model_copy(update={"stage": node.options.stage, "stages": stages}))
 

@@ -1,7 +1,8 @@
 """Each stage of the swarm as a contributor can see it, for the app's swarm view (SwarmEvent.stages).
 
-Three public sources: the DHT roster (workers by sync phase and health), the auth service's /v1/status
-(join queue and capacity per stage) and the trainers' progress records (their spot checks per stage).
+Four public sources: the DHT roster (workers by sync phase and health), the auth service's /v1/status
+(join queue and capacity per stage), the trainers' progress records (their spot checks per stage) and the workers'
+signed metrics records, verified as the monitor verifies them (the stage's replica drift).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from agora_client.auth.client import swarm_status
 from agora_client.discovery.progress_records import StageSpotChecks, TrainerProgress
 from agora_client.discovery.roster import WorkerRecord, fetch_roster
 from agora_client.events import SpotCheckStatus, StageSwarm
+from agora_client.monitor.records import fetch_replica_drifts
 
 STATUS_EVERY = 30.0  # the auth service is asked this often (every contributor asks it)
 STATUS_TIMEOUT_S = 3.0  # the worker's report loop waits at most this long for it
@@ -40,9 +42,11 @@ def spot_check_status(reports: Iterable[StageSpotChecks]) -> SpotCheckStatus | N
 
 
 def stage_view(
-    stage: str, roster: Iterable[WorkerRecord], status: dict[str, Any] | None, records: list[TrainerProgress]
+    stage: str, roster: Iterable[WorkerRecord], status: dict[str, Any] | None, records: list[TrainerProgress],
+    drift: float | None,
 ) -> StageSwarm:
-    """One stage: workers by phase from its roster, queue and capacity from /v1/status's ``stages`` entry for it."""
+    """One stage: workers by phase from its roster, queue and capacity from /v1/status's ``stages`` entry for it,
+    the trainers' spot checks of it from their ``records`` and its replica ``drift``."""
     workers = list(roster)
     present = [worker for worker in workers if worker.healthy and not worker.yielding]
     entry = (status or {}).get(stage) or {}
@@ -55,6 +59,7 @@ def stage_view(
         queued=entry.get("queued"),
         capacity=entry.get("capacity"),
         spot_checks=spot_check_status(record.spot_checks[stage] for record in records if stage in record.spot_checks),
+        drift=drift,
     )
 
 
@@ -76,6 +81,10 @@ class StageWatch:
                 self.status = None
         return self.status
 
-    def read(self, dht: DHT, records: list[TrainerProgress]) -> list[StageSwarm]:
+    def read(self, dht: DHT, records: list[TrainerProgress], auth_public_key: str | None) -> list[StageSwarm]:
+        """Every stage's view; without the auth service's key (an open worker) no metrics record can be verified,
+        so no stage has a drift figure."""
         status = self._status()
-        return [stage_view(stage, fetch_roster(dht, stage).values(), status, records) for stage in self.stages]
+        drifts = fetch_replica_drifts(dht, self.stages, auth_public_key) if auth_public_key else {}
+        return [stage_view(stage, fetch_roster(dht, stage).values(), status, records, drifts.get(stage))
+                for stage in self.stages]

@@ -35,6 +35,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import ValidationError
 
 from agora_client.auth.tickets import TicketClaims
+from agora_client.discovery.replica_drift import replica_drift
 from agora_client.discovery.signed_records import MetricsRecord, metrics_key
 from agora_client.discovery.validators import record_validators
 from agora_client.monitor.signatures import check_signed, has_owner, owner_subkey
@@ -140,3 +141,10 @@ def fetch_metrics(
                 continue
             verified.append(VerifiedRecord(record=record, claims=claims, expiration_time=entry.expiration_time))
     return verified
+
+
+def fetch_replica_drifts(dht: DHT, stages: Iterable[str], auth_public_key: str) -> dict[str, float | None]:
+    """Each stage's replica drift (agora_client/discovery/replica_drift.py) from its workers' verified records."""
+    stages = list(stages)
+    records = [verified.record for verified in fetch_metrics(dht, stages, auth_public_key)]
+    return {stage: replica_drift(record for record in records if record.stage == stage) for stage in stages}

@@ -1,5 +1,8 @@
 """The trainer's loop: keep ``--inflight`` microbatches going through the pipeline, report progress, evaluate on
-held-out data and save the data position, until stopped or ``--max-microbatches`` are done."""
+held-out data and save the data position, until stopped or ``--max-microbatches`` are done.
+
+With spot checks, each report also says per stage where its checks stand and the stage's replica parameter drift
+(trainer/replica_drift.py), so that a calibrated tolerance reads beside how far the stage's parameters are apart."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import json
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -26,9 +29,11 @@ class TrainingLoop:
     def __init__(
         self, pipeline: Pipeline, batches: Iterator[torch.Tensor], router: Router, traffic: TrafficCounter,
         progress: ProgressPublisher, evaluation: HeldOutEvaluation, records: TrainerRecords | None, say: Say,
+        replica_drifts: Callable[[], Mapping[str, float | None]],
     ):
         self.pipeline, self.batches, self.router, self.traffic = pipeline, batches, router, traffic
         self.progress, self.evaluation, self.records, self.say = progress, evaluation, records, say
+        self.replica_drifts = replica_drifts  # each stage's, read at every report with spot checks
         self.done, self.losses, self.tokens = 0, [], 0
         self.dispatched = 0  # microbatches handed to the pipeline: the data position is just after them
         self.last_report = time.monotonic()
@@ -104,7 +109,10 @@ class TrainingLoop:
             self.say("WARNING", f"could not publish the progress record: {error}")
         if spot_checks is not None:
             self.say("SPOTCHECK", " ".join(f"{name}={value}" for name, value in vars(spot_checks.stats).items()))
-            self.say("SPOTCHECK", "stages " + json.dumps({stage: report.model_dump() for stage, report in stages.items()}))
+            drifts = self.replica_drifts()
+            reports = {stage: {**report.model_dump(), "parameter_drift": drifts.get(stage)}
+                       for stage, report in stages.items()}
+            self.say("SPOTCHECK", "stages " + json.dumps(reports))
         self.losses, self.tokens, self.last_report = [], 0, time.monotonic()
 
 

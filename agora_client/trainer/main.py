@@ -7,6 +7,8 @@ Output lines (stdout), parseable by tests and the swarm launcher:
   [TRAFFIC] {"<stage>.<forward|backward>_<request|reply>": serialized bytes per token, ...}
   [RETRY] <stage> <kind> on <uid> failed after <s>s (<error class>[, banned]): <error>; <what happens next>
   [SPOTCHECK] checks=<n> agreed=<n> resolved=<n> unresolved=<n> bans=<n> (totals, with every progress line)
+  [SPOTCHECK] stages {"<stage>": {checks, strikes, bans, forward, backward: standings with their tolerances,
+              parameter_drift: the stage's replica drift, null when unknown}, ...} (with every progress line)
   [SPOTCHECK] banned <uid> (peer <peer id>) of <stage>: ...
   [EVAL] loss=<held-out loss> sequences=<n> tokens=<n> (every eval.every_s, forward passes only)
   [RECEIPTS] <what each worker served this trainer is published for the monitor, or off> (once, at the start)
@@ -58,6 +60,7 @@ from agora_client.trainer.pipeline import Pipeline, StallNotice
 from agora_client.trainer.receipts import ReceiptBook, publish_every, publish_receipt
 from agora_client.trainer.progress import ProgressPublisher
 from agora_client.trainer.records import TrainerRecords
+from agora_client.trainer.replica_drift import ReplicaDrifts, auth_public_key
 from agora_client.trainer.rpc import StageClient, TrafficCounter
 from agora_client.trainer.spotcheck import Finding, SpotChecker
 
@@ -265,7 +268,10 @@ def _training_loop(inputs: _TrainerInputs, pipeline: Pipeline, router: Router, t
     records = None
     if args.checkpoints:
         records = TrainerRecords(open_store(args.checkpoints), config, inputs.stream, lambda message: say("WARNING", message))
-    return TrainingLoop(pipeline, inputs.batches, router, traffic, progress, evaluation, records, say)
+    # only the spot-check report shows the drift: without spot checks the auth service is not asked for its key
+    key = auth_public_key(inputs.tickets, args.auth_url, say) if config.spot_checks.fraction > 0 else None
+    drifts = ReplicaDrifts(dht, config.model.stage_names, key, say)
+    return TrainingLoop(pipeline, inputs.batches, router, traffic, progress, evaluation, records, say, drifts.read)
 
 
 def _stage_clients(

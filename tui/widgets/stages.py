@@ -1,5 +1,5 @@
-"""The swarm view: each stage's workers (active, syncing, queued), the global throughput, and for this
-worker's stage its share of the work, its SPARTA health and the trainers' spot checks."""
+"""The swarm view: each stage's workers (active, syncing, queued) and replica drift, the global throughput, and for
+this worker's stage its share of the work, its SPARTA health and the trainers' spot checks."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from textual.markup import escape
 from textual.widget import Widget
 
 from agora_client.events import SpotCheckStatus, StageSwarm, SwarmEvent
+from agora_client.frontend.lines import drift_percent
 from tui.widgets.figures import SpartaTally
 
-_HEADER = f"[$text-muted]{'stage':<10}{'active':>7}{'syncing':>8}{'queued':>7}{'of':>5}  spot checks[/]"
+_HEADER = f"[$text-muted]{'stage':<10}{'active':>7}{'syncing':>8}{'queued':>7}{'of':>5}{'drift':>8}  spot checks[/]"
 _ASSURANCE = {
     "verifiable": "[$text-success]✔ verifiable[/]",
     "calibrating": "[$text-accent]● calibrating[/]",
@@ -24,6 +25,11 @@ def _plural(count: int, noun: str) -> str:
 
 def _count(value: int | None) -> str:
     return "?" if value is None else str(value)
+
+
+def _drift(value: float | None) -> str:
+    """The stage's replica drift as a percent; "–" before any of its workers has averaged."""
+    return "–" if value is None else drift_percent(value)
 
 
 def spot_text(checks: SpotCheckStatus | None, full: bool = False) -> str:
@@ -44,7 +50,7 @@ def stage_row(stage: StageSwarm, mine: bool) -> str:
     aside += f" [$text-muted]+{stage.yielding} yielding[/]" if stage.yielding else ""
     row = (
         f"{escape(name):<10}{stage.active:>7}{stage.syncing:>8}{_count(stage.queued):>7}{_count(stage.capacity):>5}"
-        f"  {spot_text(stage.spot_checks)}{aside}"
+        f"{_drift(stage.drift):>8}  {spot_text(stage.spot_checks)}{aside}"
     )
     return f"[b]{row}[/]" if mine else row
 
