@@ -215,3 +215,47 @@ def test_headless_lines_say_each_change_once() -> None:
         "[YIELD] Left the swarm: yielded for 600 s",
         "[YIELD] Serving again: the GPU is free again",
     ]
+
+
+class _FakeNvml:
+    """pynvml's few functions GpuUsers calls, for one card: what a driver with a game and a training job would say."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, energy: int | None):
+        self.energy = energy
+
+    def nvmlInit(self) -> None: ...
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
+        if index != 0:
+            raise self.NVMLError("invalid argument")
+        return "card0"
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: str) -> list:
+        return [argparse.Namespace(pid=GAME.pid)]
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: str) -> list:
+        return [argparse.Namespace(pid=GAME.pid), argparse.Namespace(pid=TRAINING.pid)]
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: str) -> int:
+        if self.energy is None:
+            raise self.NVMLError("not supported")  # cards before Volta
+        return self.energy
+
+
+@pytest.mark.parametrize("energy", [123_456, None])
+def test_gpu_users_lists_graphics_first_once_and_reads_energy_through_the_probe(monkeypatch, energy) -> None:
+    from agora_client.system import gpu
+    from agora_client.system.gpu_users import GpuUsers
+
+    monkeypatch.setattr(gpu, "_nvml", lambda: _FakeNvml(energy))
+    card, absent, none = GpuUsers(0), GpuUsers(3), GpuUsers(None)
+    assert [(user.pid, user.graphics) for user in card.users()] == [(GAME.pid, True), (TRAINING.pid, False)]
+    assert card.energy_mj() == energy
+    assert absent.users() == [] and absent.energy_mj() is None  # no such card: NVML's error is "nobody"
+    assert none.users() == [] and none.energy_mj() is None

@@ -79,6 +79,12 @@ class GpuProbe:
             return None
         return _query(self._pynvml.nvmlDeviceGetHandleByIndex, index)
 
+    def device_query(self, index: int, call: str) -> Any | None:
+        """NVML's ``call`` (a pynvml function name, e.g. nvmlDeviceGetTotalEnergyConsumption) on card ``index``; None
+        without NVML or the card, or where NVML cannot answer it."""
+        handle = self._handle(index)
+        return None if handle is None else _query(getattr(self._pynvml, call), handle)
+
     def devices(self) -> list[GpuDevice]:
         found = []
         for index in range(self.count()):

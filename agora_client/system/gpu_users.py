@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import psutil
 
-from agora_client.system.gpu import GpuProbe, _query
+from agora_client.system.gpu import GpuProbe
 from agora_client.system.gpu_yield import GpuUser
 
 
@@ -34,23 +34,17 @@ class GpuUsers:
 
     def users(self) -> list[GpuUser]:
         """Graphics users first (a process in both lists counts as graphics); empty without NVML or a card."""
-        handle = self.probe._handle(self.index) if self.index is not None else None
-        if handle is None:
+        if self.index is None:
             return []
-        pynvml = self.probe._pynvml
         found: dict[int, GpuUser] = {}
-        for graphics, listing in ((True, pynvml.nvmlDeviceGetGraphicsRunningProcesses),
-                                  (False, pynvml.nvmlDeviceGetComputeRunningProcesses)):
-            for process in _query(listing, handle) or ():
+        for graphics, listing in ((True, "nvmlDeviceGetGraphicsRunningProcesses"), (False, "nvmlDeviceGetComputeRunningProcesses")):
+            for process in self.probe.device_query(self.index, listing) or ():
                 found.setdefault(process.pid, GpuUser(process.pid, _process_name(process.pid), graphics))
         return list(found.values())
 
     def energy_mj(self) -> int | None:
         """Millijoules the card has used since its driver loaded (Volta and newer), or None where it cannot say."""
-        handle = self.probe._handle(self.index) if self.index is not None else None
-        if handle is None:
-            return None
-        energy = _query(self.probe._pynvml.nvmlDeviceGetTotalEnergyConsumption, handle)
+        energy = None if self.index is None else self.probe.device_query(self.index, "nvmlDeviceGetTotalEnergyConsumption")
         return int(energy) if energy is not None else None
 
     def close(self) -> None:
