@@ -23,7 +23,12 @@ against random answers' distance (sqrt 2) less the margin, where a stage stops b
 Every worker is honest: any strike or ban is a false accusation. One run here (2 shared cores, 270 s at
 0.3): 137-166 checks per stage, no strike, no ban, every stage and kind verifiable; tolerances forward /
 backward: head 1.300 / 0.100, body1 0.714 / 1.292, body2 0.632 / 0.966, tail 0.127 / 0.807, against
-random answers' 1.414 (unverifiable from 1.314).
+random answers' 1.414 (unverifiable from 1.314). At 370 s (quiet, 2026-11-27) with the tolerance alone:
+266-281 checks per stage, 3 strikes in body1 (no ban) as its backward drift outgrew the tolerance (0.881,
+then 1.157, then 1.295), tail backward unverifiable at 1.354. Again with strikes only beyond
+calibration.strike_distance: 238-269 checks per stage, no disagreement at all, so no strike and no ban;
+body2 backward unverifiable at 1.413, every other stage and kind verifiable (head 1.112 / 0.100, body1
+0.838 / 1.133, body2 0.571 forward, tail 0.124 / 0.698).
 
 ``--receipts-cost`` measures what the trainers' receipts (agora_client.trainer.receipts) cost a trainer: one swarm
 (one worker per stage: the cost is the trainer's), two trainers side by side over the same seconds, one publishing receipts (``--receipts on``, as deployed) and one not
