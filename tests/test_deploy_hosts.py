@@ -18,6 +18,7 @@ from agora_client.auth.identity import write_demo_token_file
 from agora_client.events import json_objects
 from agora_client.swarm.processes import CLI, ManagedProcess, stop_all
 from tests.netns import BridgedHosts, Host, unavailable
+from tests.test_operator_metrics import scrape, value
 from tests.swarm_helpers import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
@@ -62,12 +63,12 @@ def _leaderboard_names(operator: Host) -> set[str]:
 
 def _check_metrics(operator: Host) -> None:
     """Seeds, then the operator's first worker (head-0), take the first metrics ports; auth serves its own."""
-    scrape = {port: f"http://{operator.address}:{port}/metrics" for port in (METRICS_PORT, METRICS_PORT + 2, AUTH_PORT)}
     with operator.entered():
-        pages = {port: httpx.get(url, timeout=10).text for port, url in scrape.items()}
-    assert "agora_seed_dht_peers " in pages[METRICS_PORT]
-    assert 'agora_worker_rpc_requests_total{kind="forward",stage="head"}' in pages[METRICS_PORT + 2]
-    assert 'agora_auth_joins_total{outcome="authorized"} 3.0' in pages[AUTH_PORT]
+        seed, head, auth = (scrape(f"http://{operator.address}:{port}/metrics")
+                            for port in (METRICS_PORT, METRICS_PORT + 2, AUTH_PORT))
+    assert value(seed, "agora_seed_dht_peers") >= 1
+    assert value(head, "agora_worker_rpc_requests_total", stage="head", kind="forward") > 0
+    assert value(auth, "agora_auth_joins_total", outcome="authorized") >= len(USERS)
 
 
 def test_operator_host_from_a_deploy_file_and_contributors_with_only_the_url(tmp_path):
