@@ -35,7 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tokenizer": ("agora_client.data.tokenizer_training", "train a byte-level BPE tokenizer on a data source"),
     "relay": ("agora_client.relay.main", "run a relay for workers no port mapping can open"),
     "snapshot-server": ("agora_client.snapshots.server_cli", "serve a snapshot store directory over HTTP(S) (Range, HEAD, ETag)"),
-    "deploy": ("agora_client.deploy.cli", "start, stop or write systemd units for this host's roles from a deploy file"),
+    "deploy": ("agora_client.deploy.cli", "start, stop, write systemd units for or firewall this host's roles from a deploy file"),
 }
 # Commands that run hivemind peers: they leave with exit_process once they have stopped in order.
 ENGINE_COMMANDS = frozenset({"demo", "swarm", "seed", "worker", "trainer", "monitor", "runtime"})

@@ -22,7 +22,15 @@ CPUs of their own (every CPU but the first), and the service and the honest clie
 phase alike: the figures then show what the attack costs the service (accepting, reading and cutting its
 connections), not what running the attacker costs this machine. `--no-pin` runs every process on every CPU.
 
-Usage: python bench/services.py [--seconds 15] [--slow 1000,5000] [--joins 200] [--no-pin]
+`--firewall` (root, nftables) puts the kernel's per-address cap of `agora deploy firewall` in front of the
+service for the whole run: the bench moves itself into a network namespace of its own (so the rules touch
+nothing else on this machine), loads the same ruleset there for the service's port, and removes it at the end
+(also on Ctrl-C). The kernel then drops the attacker's SYNs once 127.0.0.2 holds the cap, before they reach
+accept(). 127.0.0.1 is not exempt: the honest client stands for many clients on addresses of their own, each
+holding one connection at a time, far under the cap. An attacker's connect that gets no answer within
+`OPEN_TIMEOUT_S` counts as an open failure, so that its refills keep their pace.
+
+Usage: python bench/services.py [--seconds 15] [--slow 1000,5000] [--joins 200] [--no-pin] [--firewall]
 The last line is one JSON object with the figures.
 """
 
@@ -30,18 +38,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import dataclasses
 import json
 import multiprocessing as mp
 import os
 import resource
+import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -51,8 +64,11 @@ from agora_client.auth import (  # noqa: E402
     AdmissionPolicy, AuthServer, AuthService, ServiceSettings, TokenFileIdentity, write_demo_token_file,
 )
 from agora_client.auth.server import JOIN_RATE, POLL_RATE  # noqa: E402
+from agora_client.deploy.firewall import DEFAULT_CAP, apply_ruleset, remove_ruleset, render_ruleset  # noqa: E402
 
 HONEST_TIMEOUT_S = 10.0
+OPEN_TIMEOUT_S = 3.0  # an attacker's connect whose SYN the kernel dropped: given up, as a real attacker would
+CLONE_NEWNET = 0x40000000
 CONTEXT = mp.get_context("fork")
 
 
@@ -132,11 +148,12 @@ async def _attack(host: str, port: int, connections: int, trickle_s: float, conn
 
     async def open_one(index: int) -> None:
         try:
-            _, writer = await asyncio.open_connection(host, port, local_addr=("127.0.0.2", 0))
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port, local_addr=("127.0.0.2", 0)),
+                                               OPEN_TIMEOUT_S)
             writer.write(f"GET /v1/status HTTP/1.1\r\nHost: {host}\r\n".encode())
             writers[index] = writer
             stats["opened"] += 1
-        except OSError:
+        except (OSError, asyncio.TimeoutError):
             stats["open_failures"] += 1
 
     async def refill() -> None:
@@ -226,7 +243,11 @@ def main() -> int:
     parser.add_argument("--join-sources", type=int, default=20, help="client addresses the joins come from")
     parser.add_argument("--storm-threads", type=int, default=16)
     parser.add_argument("--no-pin", action="store_true", help="run the attacker and the storm on the service's CPUs too")
+    parser.add_argument("--firewall", action="store_true",
+                        help="cap connections per address in the kernel (agora deploy firewall's rules; root, nftables)")
     args = parser.parse_args()
+    if args.firewall:
+        enter_own_network_namespace()  # before any process or socket: they all live in it
     service_cpus, other_cpus = cpu_split(args.no_pin)
     pin(service_cpus)  # the honest client shares the service's CPU
     state = Path(tempfile.mkdtemp(prefix="agora-bench-services-"))
@@ -241,22 +262,47 @@ def main() -> int:
     phases: dict[str, dict] = {}
     attackers: dict[str, dict] = {}
     try:
-        for count in (int(text) for text in args.slow.split(",") if text):
-            add_baseline(baseline, measure(host, port, args.seconds, args.every_s))  # interleaved: the same machine load
-            attacker = Attacker(host, port, count, args.trickle_s, other_cpus)
-            try:
-                phases[f"slow_{count}"] = summary(measure(host, port, args.seconds, args.every_s), f"{count} slow")
-            finally:
-                attackers[f"slow_{count}"] = {**attacker.holding, "opened_in_all": attacker.stop().get("opened")}
-            print(f"{'':>12s}  attacker: {attackers[f'slow_{count}']}", flush=True)
-        add_baseline(baseline, measure(host, port, args.seconds, args.every_s))
-        phases["storm"], joins = run_storm(url, host, port, tokens, args, other_cpus)
+        with kernel_cap(port, args.firewall):
+            for count in (int(text) for text in args.slow.split(",") if text):
+                add_baseline(baseline, measure(host, port, args.seconds, args.every_s))  # interleaved: the same load
+                attacker = Attacker(host, port, count, args.trickle_s, other_cpus)
+                try:
+                    phases[f"slow_{count}"] = summary(measure(host, port, args.seconds, args.every_s), f"{count} slow")
+                finally:
+                    attackers[f"slow_{count}"] = {**attacker.holding, "opened_in_all": attacker.stop().get("opened")}
+                print(f"{'':>12s}  attacker: {attackers[f'slow_{count}']}", flush=True)
+            add_baseline(baseline, measure(host, port, args.seconds, args.every_s))
+            phases["storm"], joins = run_storm(url, host, port, tokens, args, other_cpus)
     finally:
         conn.send("stop")
         server.join(15)
     phases = {"baseline": summary(baseline, "baseline"), **phases}
-    print(json.dumps({**figures(phases, attackers, joins), "pinned": service_cpus is not None}))
+    print(json.dumps({**figures(phases, attackers, joins), "pinned": service_cpus is not None, "firewall": args.firewall}))
     return 0
+
+
+def enter_own_network_namespace() -> None:
+    """Move this process into a new network namespace with ``lo`` up; it goes away with the bench's last process."""
+    if os.geteuid() != 0 or shutil.which("nft") is None or shutil.which("ip") is None:
+        sys.exit("--firewall needs root, nft (apt-get install nftables) and ip (iproute2): run it again with sudo")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNET) != 0:  # os.unshare is Python 3.12+
+        sys.exit(f"--firewall: unshare(CLONE_NEWNET) failed: {os.strerror(ctypes.get_errno())}")
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True, capture_output=True, timeout=30)
+
+
+@contextmanager
+def kernel_cap(port: int, enabled: bool) -> Iterator[None]:
+    """With ``enabled``: `agora deploy firewall`'s ruleset on ``port`` (default cap, no one exempt) for the block."""
+    if not enabled:
+        yield
+        return
+    apply_ruleset(render_ruleset([port]))
+    print(f"{'firewall':>12s}: the kernel drops new connections to port {port} over {DEFAULT_CAP} per address", flush=True)
+    try:
+        yield
+    finally:
+        remove_ruleset()  # also on Ctrl-C
 
 
 def cpu_split(no_pin: bool) -> tuple[set[int] | None, set[int] | None]:

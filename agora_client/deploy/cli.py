@@ -1,4 +1,4 @@
-"""`agora deploy up|down|units FILE [--host NAME]`: this host's roles of a swarm, from the operator's deploy file."""
+"""`agora deploy up|down|units|firewall FILE [--host NAME]`: this host's roles of a swarm, from the operator's deploy file."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from agora_client.config import ConfigError
 
-from .spec import DeployError, chosen_host, load_spec
+from .spec import DeployError, DeploySpec, HttpRole, Roles, chosen_host, load_spec
 from .stop import down
 
 CHECKOUT = Path(__file__).resolve().parents[2]  # where agora_cli.py is
@@ -25,7 +25,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     units.add_argument("--out", type=Path, required=True, help="directory for the units (e.g. /etc/systemd/system)")
     units.add_argument("--user", default=None, help="the user the roles run as (User=); default: systemd's")
     units.add_argument("--python", default=sys.executable, help="the Python that runs agora_cli.py (default: this one)")
-    for action in (up, down_parser, units):
+    firewall_parser = actions.add_parser("firewall", help="print (or --apply, --remove) nftables rules that cap connections "
+                                         "per client address to this host's HTTP roles in the kernel")
+    change = firewall_parser.add_mutually_exclusive_group()
+    change.add_argument("--apply", action="store_true", help="load the rules (root, nftables; replaces earlier ones)")
+    change.add_argument("--remove", action="store_true", help="delete the rules (nothing happens when there are none)")
+    for action in (up, down_parser, units, firewall_parser):
         action.add_argument("file", type=Path, help="the deploy file (YAML)")
         action.add_argument("--host", default=None, help="which host of the file this is (default: its this_host)")
 
@@ -36,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
         host = chosen_host(spec, args.host)
         if args.action == "down":
             return down(spec, host, args.grace)
+        if args.action == "firewall":
+            return firewall(spec, host, args)
         from .plan import plan_roles  # hivemind (seed keys' peer ids) and torch: not for `down`
         from .secrets import prepare_secrets
 
@@ -55,3 +62,38 @@ def run(args: argparse.Namespace) -> int:
     if args.detach:
         return start_detached(spec, host, args.file)
     return supervise(spec, host, steps)
+
+
+def firewall(spec: DeploySpec, host_name: str, args: argparse.Namespace) -> int:
+    """`agora deploy firewall`: the connection cap of this host's HTTP ports, printed, applied or removed."""
+    from .firewall import DEFAULT_CAP, FirewallError, apply_ruleset, remove_ruleset, render_ruleset
+
+    host = spec.hosts[host_name]
+    ports = http_ports(host.roles)
+    try:
+        if args.remove:
+            remove_ruleset()
+            print("[DEPLOY] removed the nftables table agora_guard")
+            return 0
+        if not ports:
+            print(f"[DEPLOY] host {host_name} runs no HTTP role (auth, monitor, snapshot_server): no firewall rules")
+            return 0
+        script = render_ruleset(ports, exempt=host.trusted_proxies)
+        if not args.apply:
+            print(script, end="")
+            return 0
+        apply_ruleset(script)
+    except FirewallError as error:
+        print(f"[ERROR] {error}", file=sys.stderr)
+        return 1
+    except ValueError as error:  # a trusted proxy that is no address
+        print(f"[ERROR] hosts.{host_name}.trusted_proxies: {error}", file=sys.stderr)
+        return 2
+    print(f"[DEPLOY] the kernel now drops new connections to ports {', '.join(map(str, sorted(ports)))} "
+          f"from a client address that holds {DEFAULT_CAP} already (remove with --remove)")
+    return 0
+
+
+def http_ports(roles: Roles) -> list[int]:
+    """The ports of the roles that serve HTTP (auth, monitor, snapshot server): every role that is an HttpRole."""
+    return [role.port for role in (getattr(roles, name) for name in type(roles).model_fields) if isinstance(role, HttpRole)]
