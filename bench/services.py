@@ -22,13 +22,14 @@ CPUs of their own (every CPU but the first), and the service and the honest clie
 phase alike: the figures then show what the attack costs the service (accepting, reading and cutting its
 connections), not what running the attacker costs this machine. `--no-pin` runs every process on every CPU.
 
-`--firewall` (root, nftables) puts the kernel's per-address cap of `agora deploy firewall` in front of the
+`--firewall` (root, nftables) puts the kernel's per-address limit of `agora deploy firewall` in front of the
 service for the whole run: the bench moves itself into a network namespace of its own (so the rules touch
 nothing else on this machine), loads the same ruleset there for the service's port, and removes it at the end
-(also on Ctrl-C). The kernel then drops the attacker's SYNs once 127.0.0.2 holds the cap, before they reach
-accept(). 127.0.0.1 is not exempt: the honest client stands for many clients on addresses of their own, each
-holding one connection at a time, far under the cap. An attacker's connect that gets no answer within
-`OPEN_TIMEOUT_S` counts as an open failure, so that its refills keep their pace.
+(also on Ctrl-C). The kernel then drops the SYNs of an address that opens more than the guard's per-address cap
+at once and 3,000 a minute (50 a second) after that, before they reach accept(): the attacker still holds the cap, but its
+reconnections no longer cost the service an accept and a close each. 127.0.0.1 is not exempt: the honest client
+stands for many clients on addresses of their own, and opens 20 connections a second. An attacker's connect that
+gets no answer within `OPEN_TIMEOUT_S` counts as an open failure, so that its refills keep their pace.
 
 Usage: python bench/services.py [--seconds 15] [--slow 1000,5000] [--joins 200] [--no-pin] [--firewall]
 The last line is one JSON object with the figures.
@@ -64,7 +65,7 @@ from agora_client.auth import (  # noqa: E402
     AdmissionPolicy, AuthServer, AuthService, ServiceSettings, TokenFileIdentity, write_demo_token_file,
 )
 from agora_client.auth.server import JOIN_RATE, POLL_RATE  # noqa: E402
-from agora_client.deploy.firewall import DEFAULT_CAP, apply_ruleset, remove_ruleset, render_ruleset  # noqa: E402
+from agora_client.deploy.firewall import DEFAULT_BURST, DEFAULT_PER_MINUTE, apply_ruleset, remove_ruleset, render_ruleset  # noqa: E402
 
 HONEST_TIMEOUT_S = 10.0
 OPEN_TIMEOUT_S = 3.0  # an attacker's connect whose SYN the kernel dropped: given up, as a real attacker would
@@ -244,7 +245,7 @@ def main() -> int:
     parser.add_argument("--storm-threads", type=int, default=16)
     parser.add_argument("--no-pin", action="store_true", help="run the attacker and the storm on the service's CPUs too")
     parser.add_argument("--firewall", action="store_true",
-                        help="cap connections per address in the kernel (agora deploy firewall's rules; root, nftables)")
+                        help="limit new connections per address in the kernel (agora deploy firewall's rules; root, nftables)")
     args = parser.parse_args()
     if args.firewall:
         enter_own_network_namespace()  # before any process or socket: they all live in it
@@ -262,7 +263,7 @@ def main() -> int:
     phases: dict[str, dict] = {}
     attackers: dict[str, dict] = {}
     try:
-        with kernel_cap(port, args.firewall):
+        with kernel_limit(port, args.firewall):
             for count in (int(text) for text in args.slow.split(",") if text):
                 add_baseline(baseline, measure(host, port, args.seconds, args.every_s))  # interleaved: the same load
                 attacker = Attacker(host, port, count, args.trickle_s, other_cpus)
@@ -292,13 +293,14 @@ def enter_own_network_namespace() -> None:
 
 
 @contextmanager
-def kernel_cap(port: int, enabled: bool) -> Iterator[None]:
-    """With ``enabled``: `agora deploy firewall`'s ruleset on ``port`` (default cap, no one exempt) for the block."""
+def kernel_limit(port: int, enabled: bool) -> Iterator[None]:
+    """With ``enabled``: `agora deploy firewall`'s ruleset on ``port`` (default limits, no one exempt) for the block."""
     if not enabled:
         yield
         return
     apply_ruleset(render_ruleset([port]))
-    print(f"{'firewall':>12s}: the kernel drops new connections to port {port} over {DEFAULT_CAP} per address", flush=True)
+    print(f"{'firewall':>12s}: the kernel drops new connections to port {port} from an address beyond {DEFAULT_BURST} "
+          f"at once and {DEFAULT_PER_MINUTE} a minute", flush=True)
     try:
         yield
     finally:

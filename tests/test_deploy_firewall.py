@@ -1,6 +1,6 @@
-"""`agora deploy firewall`: the nftables ruleset names exactly the host's HTTP ports, the guard's cap and the
-trusted proxies; and in a network namespace of the test's own, the kernel drops the SYNs of one address over the
-cap while other addresses and exempt ones still connect, until the table is removed."""
+"""`agora deploy firewall`: the nftables ruleset names exactly the host's HTTP ports, the per-address limits and the
+trusted proxies; and in a network namespace of the test's own, the kernel drops the SYNs of one address beyond its
+burst while other addresses and exempt ones still connect, until the table is removed."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from agora_client.http_service.limits import ServiceLimits
 from tests.netns import Host, unavailable
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "deploy" / "example.yaml"
-CONNECT_TIMEOUT_S = 1.0  # a dropped SYN is retried after 1 s: a connect that has not succeeded by then never will
+CONNECT_TIMEOUT_S = 0.5  # a dropped SYN is retried after 1 s: a connect that has not succeeded by then was dropped
 
 
 def _deploy_file(tmp_path: Path, trusted_proxies: list[str]) -> Path:
@@ -45,7 +45,7 @@ def _firewall(path: Path, host: str, capsys, *flags: str) -> tuple[int, str, str
     return code, out, err
 
 
-def test_the_ruleset_names_the_hosts_http_ports_the_guards_cap_and_its_trusted_proxies(tmp_path, capsys):
+def test_the_ruleset_names_the_hosts_http_ports_the_limits_and_its_trusted_proxies(tmp_path, capsys):
     code, script, _ = _firewall(_deploy_file(tmp_path, ["127.0.0.1", "10.1.0.0/16", "2001:db8::/48"]), "operator", capsys)
     assert code == 0
     lines = [line.strip() for line in script.splitlines()]
@@ -53,16 +53,16 @@ def test_the_ruleset_names_the_hosts_http_ports_the_guards_cap_and_its_trusted_p
     rules = [line for line in lines if line.startswith("tcp dport")]
     port_sets = [set(re.match(r"tcp dport \{ ([^}]*) \}", rule).group(1).split(", ")) for rule in rules]
     assert port_sets == [{"8080", "8440", "8091"}] * 4  # snapshot server, auth, monitor; not seeds, relay, metrics
-    cap = ServiceLimits().max_connections_per_address
+    limit = f"limit rate over 3000/minute burst {ServiceLimits().max_connections_per_address} packets"
     assert rules[0].endswith("ip saddr { 127.0.0.1/32, 10.1.0.0/16 } accept")
     assert rules[1].endswith("ip6 saddr { 2001:db8::/48 } accept")
-    assert rules[2].endswith(f"ct state new add @per_address_v4 {{ ip saddr ct count over {cap} }} counter drop")
-    assert rules[3].endswith(f"add @per_network_v6 {{ ip6 saddr & ffff:ffff:ffff:ffff:: ct count over {cap} }} counter drop")
+    assert rules[2].endswith(f"ct state new add @per_address_v4 {{ ip saddr {limit} }} counter drop")
+    assert rules[3].endswith(f"add @per_network_v6 {{ ip6 saddr & ffff:ffff:ffff:ffff:: {limit} }} counter drop")
 
 
 def test_without_trusted_proxies_nothing_is_exempt(tmp_path, capsys):
     _, script, _ = _firewall(_deploy_file(tmp_path, []), "operator", capsys)
-    assert "accept\n" not in script and script.count("ct count over") == 2
+    assert "accept\n" not in script and script.count("limit rate over") == 2
 
 
 def test_a_host_without_an_http_role_gets_no_ruleset(tmp_path, capsys):
@@ -88,9 +88,9 @@ def test_a_caller_other_than_root_is_told_to_use_sudo(monkeypatch):
     with pytest.raises(FirewallError, match="needs root: run this again with sudo"):
         remove_ruleset()
 
-# -- the kernel drops what is over the cap -----------------------------------------------------------------
+# -- the kernel drops what is over the limit ---------------------------------------------------------------
 
-CAP = 4
+BURST = 4
 
 
 @pytest.fixture
@@ -116,25 +116,25 @@ def _connect(host: Host, port: int, source: str) -> socket.socket | None:
             return None
 
 
-def test_the_kernel_drops_an_address_over_the_cap_until_the_table_is_removed(namespace):
+def test_the_kernel_drops_an_address_beyond_its_burst_until_the_table_is_removed(namespace):
     with namespace.entered():
         listener = socket.create_server(("127.0.0.1", 0), backlog=256)  # never accepts: the kernel completes handshakes
     held: list[socket.socket | None] = []
     try:
         port = listener.getsockname()[1]
         with namespace.entered():
-            apply_ruleset(render_ruleset([port], cap=CAP, exempt=["127.0.0.4"]))
-        held += [_connect(namespace, port, "127.0.0.2") for _ in range(CAP + 2)]
-        assert [connection is not None for connection in held] == [True] * CAP + [False] * 2
+            apply_ruleset(render_ruleset([port], per_minute=1, burst=BURST, exempt=["127.0.0.4"]))
+        held += [_connect(namespace, port, "127.0.0.2") for _ in range(BURST + 2)]
+        assert [connection is not None for connection in held] == [True] * BURST + [False] * 2
         held += [_connect(namespace, port, "127.0.0.3")]
         assert held[-1] is not None, "another address must still connect"
-        held += [_connect(namespace, port, "127.0.0.4") for _ in range(CAP + 2)]
-        assert all(connection is not None for connection in held[-(CAP + 2):]), "an exempt address must not be capped"
+        held += [_connect(namespace, port, "127.0.0.4") for _ in range(BURST + 2)]
+        assert all(connection is not None for connection in held[-(BURST + 2):]), "an exempt address must not be limited"
         with namespace.entered():
             remove_ruleset()
             remove_ruleset()  # a second time: nothing to remove, no error
         held += [_connect(namespace, port, "127.0.0.2")]
-        assert held[-1] is not None, "without the table the capped address connects again"
+        assert held[-1] is not None, "without the table the limited address connects again"
     finally:
         for connection in held:
             if connection is not None:

@@ -25,7 +25,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     units.add_argument("--out", type=Path, required=True, help="directory for the units (e.g. /etc/systemd/system)")
     units.add_argument("--user", default=None, help="the user the roles run as (User=); default: systemd's")
     units.add_argument("--python", default=sys.executable, help="the Python that runs agora_cli.py (default: this one)")
-    firewall_parser = actions.add_parser("firewall", help="print (or --apply, --remove) nftables rules that cap connections "
+    firewall_parser = actions.add_parser("firewall", help="print (or --apply, --remove) nftables rules that limit new connections "
                                          "per client address to this host's HTTP roles in the kernel")
     change = firewall_parser.add_mutually_exclusive_group()
     change.add_argument("--apply", action="store_true", help="load the rules (root, nftables; replaces earlier ones)")
@@ -65,8 +65,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def firewall(spec: DeploySpec, host_name: str, args: argparse.Namespace) -> int:
-    """`agora deploy firewall`: the connection cap of this host's HTTP ports, printed, applied or removed."""
-    from .firewall import DEFAULT_CAP, FirewallError, apply_ruleset, remove_ruleset, render_ruleset
+    """`agora deploy firewall`: the per-address connection rate limit of this host's HTTP ports, printed, applied or
+    removed."""
+    from .firewall import DEFAULT_BURST, DEFAULT_PER_MINUTE, FirewallError, apply_ruleset, remove_ruleset, render_ruleset
 
     host = spec.hosts[host_name]
     ports = http_ports(host.roles)
@@ -90,7 +91,7 @@ def firewall(spec: DeploySpec, host_name: str, args: argparse.Namespace) -> int:
         print(f"[ERROR] hosts.{host_name}.trusted_proxies: {error}", file=sys.stderr)
         return 2
     print(f"[DEPLOY] the kernel now drops new connections to ports {', '.join(map(str, sorted(ports)))} "
-          f"from a client address that holds {DEFAULT_CAP} already (remove with --remove)")
+          f"from a client address beyond {DEFAULT_BURST} at once and {DEFAULT_PER_MINUTE} a minute (remove with --remove)")
     return 0
 
 

@@ -1,11 +1,15 @@
-"""A kernel-level cap on connections per client address for the HTTP services: an nftables table that drops the
-SYNs over the cap before they reach accept().
+"""A kernel-level limit on how fast one client address may open connections to the HTTP services: an nftables
+table that drops the SYNs over the limit before they reach accept().
 
 The services' own guard closes every connection over ``max_connections_per_address`` at once, but one address
 that reopens them thousands of times a second still costs the service an accept and a close each; the kernel
-drops those SYNs for almost nothing. The cap is the guard's own, counted the same way (an IPv4 address, an
-IPv6 /64); exempt sources (the host's trusted reverse proxies, which carry every client on one address) are
-accepted before the cap. The script replaces the table ``inet agora_guard`` whole, so applying it again is safe.
+drops those SYNs for almost nothing. Each address (an IPv6 /64, as the guard counts them) may open ``burst``
+connections at once, the guard's own per-address cap, and ``per_minute`` more each minute (50 a second): far above what a
+contributor's client, a browser on the public page or a NAT full of contributors opens, far below an attacker's
+reconnection loop. A limit on rate, not on connections held: nftables' ``ct count`` kept counting the attempts it
+had dropped and shut an address out for many seconds after one burst. Exempt sources (the host's trusted reverse
+proxies, which carry every client on one address) are accepted first. The script replaces the table
+``inet agora_guard`` whole, so applying it again is safe.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ from collections.abc import Iterable
 from agora_client.http_service.limits import ServiceLimits
 
 TABLE = "inet agora_guard"
-DEFAULT_CAP = ServiceLimits().max_connections_per_address  # the kernel drops what the guard would close
-# Addresses (IPv4) or /64s (IPv6) tracked at once; once full, a new one passes to the guard uncounted.
-TRACKED_SOURCES = 65535
+DEFAULT_BURST = ServiceLimits().max_connections_per_address  # an address may open at once what the guard lets it hold
+DEFAULT_PER_MINUTE = 3000
+TRACKED_SOURCES = 65535  # addresses (IPv4) or /64s (IPv6) tracked at once; once full, a new one passes unlimited
+FORGET_AFTER_S = 60  # an address quiet this long leaves the set with its full burst
 NFT_TIMEOUT_S = 30
 
 
@@ -29,30 +34,35 @@ class FirewallError(RuntimeError):
     """nft is missing, the caller may not change the firewall, or nft refused the script; the message says what to do."""
 
 
-def render_ruleset(ports: Iterable[int], cap: int = DEFAULT_CAP, exempt: Iterable[str] = ()) -> str:
-    """The nftables script capping new TCP connections to ``ports`` at ``cap`` per source, ``exempt`` sources first.
+def render_ruleset(ports: Iterable[int], per_minute: int = DEFAULT_PER_MINUTE, burst: int = DEFAULT_BURST,
+                   exempt: Iterable[str] = ()) -> str:
+    """The nftables script limiting new TCP connections to ``ports`` to ``burst`` at once and ``per_minute`` more
+    each minute, per source; ``exempt`` sources first.
 
-    ValueError for no port, a port out of range, a cap below 1 or an exempt entry that is no address or CIDR range.
+    ValueError for no port, a port out of range, a rate or burst below 1, or an exempt entry that is no address or
+    CIDR range.
     """
     wanted = sorted(set(ports))
     if not wanted or not all(1 <= port <= 65535 for port in wanted):
         raise ValueError(f"ports {wanted}: give at least one TCP port, each 1-65535")
-    if cap < 1:
-        raise ValueError(f"a connection cap of {cap}: give at least 1")
+    if min(per_minute, burst) < 1:
+        raise ValueError(f"{per_minute} connections a minute, a burst of {burst}: give at least 1 of each")
     dport = "tcp dport { " + ", ".join(str(port) for port in wanted) + " }"
+    limit = f"limit rate over {per_minute}/minute burst {burst} packets"
     v4, v6 = _exempt_networks(exempt)
     rules = [f"{dport} ip saddr {{ {', '.join(v4)} }} accept"] if v4 else []
     rules += [f"{dport} ip6 saddr {{ {', '.join(v6)} }} accept"] if v6 else []
     rules += [
-        f"{dport} ct state new add @per_address_v4 {{ ip saddr ct count over {cap} }} counter drop",
-        f"{dport} ct state new add @per_network_v6 {{ ip6 saddr & ffff:ffff:ffff:ffff:: ct count over {cap} }} counter drop",
+        f"{dport} ct state new add @per_address_v4 {{ ip saddr {limit} }} counter drop",
+        f"{dport} ct state new add @per_network_v6 {{ ip6 saddr & ffff:ffff:ffff:ffff:: {limit} }} counter drop",
     ]
+    sets = "size {size}; flags dynamic,timeout; timeout {forget}s;".format(size=TRACKED_SOURCES, forget=FORGET_AFTER_S)
     return "\n".join([
         f"table {TABLE}",  # made (empty) if absent, so that the delete below never fails
         f"delete table {TABLE}",
         f"table {TABLE} {{",
-        f"  set per_address_v4 {{ type ipv4_addr; size {TRACKED_SOURCES}; flags dynamic; }}",
-        f"  set per_network_v6 {{ type ipv6_addr; size {TRACKED_SOURCES}; flags dynamic; }}",
+        f"  set per_address_v4 {{ type ipv4_addr; {sets} }}",
+        f"  set per_network_v6 {{ type ipv6_addr; {sets} }}",
         "  chain input {",
         "    type filter hook input priority filter; policy accept;",
         *(f"    {rule}" for rule in rules),
