@@ -23,6 +23,7 @@ from agora_client.trainer.records import TrainerRecords
 from agora_client.trainer.rpc import TrafficCounter
 
 Say = Callable[[str, str], None]
+RATE_WINDOW_S = 1.0  # a report right after another (all in flight finished at once) is too short to rate tokens over
 
 
 class TrainingLoop:
@@ -34,9 +35,10 @@ class TrainingLoop:
         self.pipeline, self.batches, self.router, self.traffic = pipeline, batches, router, traffic
         self.progress, self.evaluation, self.records, self.say = progress, evaluation, records, say
         self.replica_drifts = replica_drifts  # each stage's, read at every report with spot checks
-        self.done, self.losses, self.tokens = 0, [], 0
+        self.done, self.losses, self.tokens = 0, [], 0  # tokens: trained since rate_since
         self.dispatched = 0  # microbatches handed to the pipeline: the data position is just after them
-        self.last_report = time.monotonic()
+        self.last_report = self.rate_since = time.monotonic()
+        self.tokens_per_s = 0.0
 
     @property
     def stop(self) -> threading.Event:
@@ -93,18 +95,20 @@ class TrainingLoop:
             self.say("EVAL", f"loss={result.loss:.4f} sequences={result.sequences} tokens={result.tokens}")
 
     def _report(self) -> None:
-        elapsed = time.monotonic() - self.last_report
+        now = time.monotonic()
+        if now - self.rate_since >= RATE_WINDOW_S:
+            self.tokens_per_s, self.tokens, self.rate_since = self.tokens / (now - self.rate_since), 0, now
         roster = "; ".join(_stage_summary(stats) for stats in self.router.window_stats().values())
         mean_loss = sum(self.losses) / len(self.losses) if self.losses else None
         loss = "n/a" if mean_loss is None else f"{mean_loss:.4f}"
-        self.say("PROGRESS", f"microbatches={self.done} loss={loss} tokens_per_s={self.tokens / elapsed:.1f} | {roster}")
+        self.say("PROGRESS", f"microbatches={self.done} loss={loss} tokens_per_s={self.tokens_per_s:.1f} | {roster}")
         self.say("TRAFFIC", json.dumps(self.traffic.per_token()))  # serialized bytes per token, per stage and kind
         spot_checks = self.pipeline.spot_checks
         stages = {} if spot_checks is None else spot_checks.report()
         try:  # contributors draw the swarm's loss from these records
             latest = self.evaluation.latest
             evaluated = {} if latest is None else {"eval_loss": latest.loss, "eval_at": latest.ts}
-            self.progress.publish(self.done, mean_loss, self.tokens / elapsed, **evaluated, spot_checks=stages)
+            self.progress.publish(self.done, mean_loss, self.tokens_per_s, **evaluated, spot_checks=stages)
         except Exception as error:  # a DHT hiccup must not stop training
             self.say("WARNING", f"could not publish the progress record: {error}")
         if spot_checks is not None:
@@ -113,7 +117,7 @@ class TrainingLoop:
             reports = {stage: {**report.model_dump(), "parameter_drift": drifts.get(stage)}
                        for stage, report in stages.items()}
             self.say("SPOTCHECK", "stages " + json.dumps(reports))
-        self.losses, self.tokens, self.last_report = [], 0, time.monotonic()
+        self.losses, self.last_report = [], time.monotonic()
 
 
 def _stage_summary(stats: StageStats) -> str:
