@@ -250,6 +250,8 @@ class RunConfig(_Strict):
     data: DataConfig = DataConfig()
     eval: EvalConfig = EvalConfig()
     announce_period: float = Field(default=30.0, gt=0, description="seconds between a worker's DHT announcements")
+    metrics_period: float = Field(default=15.0, gt=0, description="seconds between a contributor's signed metrics "
+                                  "records, which its points are counted from, and its points estimates")
     use_mixed_precision: bool = Field(default=True, description="forward under bf16 autocast; weights and grads stay fp32")
     offload_optimizer: bool = Field(default=True, description="AdamW moments in (pinned) host memory, stepped in chunks")
 

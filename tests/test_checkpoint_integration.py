@@ -1,7 +1,7 @@
 """A real tiny swarm checkpoints by timestamp; stopped, it resumes where it was, and its export is the model.
 
-One trained swarm serves every test: it trains until the loss has clearly fallen, then stops (each
-stage writes a final checkpoint). The export of its newest set must give the same logits as its
+One trained swarm serves every test: it trains until the loss has clearly fallen (by a nat, while every stage
+steps at least 3 times), then stops (each stage writes a final checkpoint). The export of its newest set must give the same logits as its
 stages run in sequence; its trainer's record in the set holds its data position and eval loss; a second
 swarm resumed from the set must start near the last loss, far below the loss of a fresh start, with its
 trainer's data continuing from the recorded position.
@@ -40,14 +40,31 @@ def trained(tmp_path_factory):
     store = str(run_dir / "checkpoints")
     swarm = LocalSwarm(SwarmOptions(preset=preset_path, workers_per_stage=1, run_dir=run_dir / "first",
                                     report_every=3.0, checkpoint_store=store))
+    stages = swarm.config.model.stage_names
+
+    def trained_enough() -> bool:  # every stage steps on its own epoch boundary: each must have stepped 3 times
+        losses = _trainer_losses(swarm)
+        return len(losses) >= 3 and losses[0] - losses[-1] >= LOSS_DROP and min(_stage_epochs(swarm).values()) >= 3
+
     try:
         swarm.start()
-        wait_until(lambda: len(losses := _trainer_losses(swarm)) >= 3 and losses[0] - losses[-1] >= LOSS_DROP,
-                   timeout=500, what=f"the loss to fall by {LOSS_DROP} nat")
+        wait_until(trained_enough, timeout=500, what=f"the loss to fall by {LOSS_DROP} nat while every stage steps 3 times")
     finally:
         swarm.stop()
     losses = _trainer_losses(swarm, running=False)
-    return {"preset": preset_path, "store": store, "run_dir": run_dir, "fresh": losses[0], "last": losses[-1]}
+    return {"preset": preset_path, "store": store, "run_dir": run_dir, "fresh": losses[0], "last": losses[-1],
+            "losses": losses, "stage_epochs": _stage_epochs(swarm), "stages": stages}
+
+
+def _stage_epochs(swarm: LocalSwarm) -> dict[str, int]:
+    """The local epoch each stage's worker last stepped to, from its events."""
+    return {stage: max((event["local_epoch"] for event in events(swarm.options.run_dir / "events" / f"{stage}-0.jsonl")
+                        if event["kind"] == "step"), default=0) for stage in swarm.config.model.stage_names}
+
+
+def test_the_loss_fell_by_a_nat_while_every_stage_stepped(trained):
+    assert set(trained["stage_epochs"]) == set(trained["stages"]) and min(trained["stage_epochs"].values()) >= 3
+    assert trained["fresh"] - min(trained["losses"][-2:]) >= LOSS_DROP, trained["losses"]
 
 
 def test_every_stage_checkpointed_by_time_and_the_set_records_the_loss(trained, capsys):

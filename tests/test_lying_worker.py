@@ -74,7 +74,7 @@ def test_a_lying_worker_is_banned_loses_its_points_and_the_loss_still_falls(tmp_
         assert points["withheld"] and points["compute"] == 0.0
 
         done_at_ban = progress(trainer.lines())[-1][0]
-        wait_until(lambda: progress(trainer.lines())[-1][0] >= done_at_ban + 24, 300, "training to go on after the ban")
+        wait_until(lambda: progress(trainer.lines())[-1][0] >= done_at_ban + 12, 300, "training to go on after the ban")
     finally:
         if liar is not None:
             liar.stop(grace=20)

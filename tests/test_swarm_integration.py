@@ -1,4 +1,6 @@
-"""A real swarm on loopback: 2 seeds, a trainer and workers for every stage, each its own process."""
+"""A real swarm on loopback: 2 seeds, a trainer and workers for every stage, each its own process.
+
+(That such a swarm learns, the loss falling by a nat while every stage steps, is test_checkpoint_integration's.)"""
 
 from __future__ import annotations
 
@@ -33,28 +35,17 @@ def _trainer_progress(swarm: LocalSwarm) -> list[tuple[int, float]]:
     return progress(trainer.lines())
 
 
-def _stage_epoch(swarm: LocalSwarm, stage: str) -> int:
-    path = swarm.options.run_dir / "events" / f"{stage}-0.jsonl"
-    return max((event["local_epoch"] for event in events(path) if event["kind"] == "step"), default=0)
-
-
-def test_loss_falls_over_stage_epochs(swarm):
-    def trained_enough() -> bool:
-        points = _trainer_progress(swarm)
-        stepped = all(_stage_epoch(swarm, stage) >= 3 for stage in swarm.config.model.stage_names)
-        return len(points) >= 2 and points[0][1] - points[-1][1] >= 1.0 and stepped
-
-    # every stage steps on its own epoch boundary: each must reach 3, the tail first says nothing of the head
-    wait_until(trained_enough, timeout=400, what="the loss to fall by 1 nat while every stage steps 3 times")
-    points = _trainer_progress(swarm)
-    assert points[0][1] - min(loss for _, loss in points[-2:]) >= 1.0
-
-
 def test_boundary_traffic_is_the_subspace_coefficients(swarm):
     """Measured from the serialized RPC payloads: k floats per token forward and back, plus the token id."""
     model = swarm.config.model
     assert model.subspace.enabled
-    traffic = json.loads([line for line in swarm.trainers[0].lines() if line.startswith("[TRAFFIC]")][-1].split(" ", 1)[1])
+
+    def traffic_lines() -> list[str]:
+        _trainer_progress(swarm)  # the trainer is alive
+        return [line for line in swarm.trainers[0].lines() if line.startswith("[TRAFFIC]") and "body1.backward_reply" in line]
+
+    wait_until(lambda: bool(traffic_lines()), timeout=240, what="a traffic report with body1's backward replies")
+    traffic = json.loads(traffic_lines()[-1].split(" ", 1)[1])
     k, d = model.subspace_rank, model.d_model
     sent_forward = traffic["body1.forward_request"]  # coefficients + token ids into body1
     returned_backward = traffic["body1.backward_reply"]  # dL/dc out of body1, plus zeros for the token ids

@@ -265,6 +265,7 @@ def test_a_slow_worker_gets_fewer_requests_and_a_newcomer_does_not_take_over(swa
     fast, slow, newcomer = (swarm.workers["body1"][index] for index in (0, -2, -1))  # from the previous test
     for worker in (slow, newcomer):
         worker.wait_for(WORKER_READY, START_TIMEOUT)
+    _take_seed_0_down_and_start_a_head_worker_and_a_second_trainer(swarm)  # for the next test, started now to save time
     fast_uid, slow_uid, new_uid = (_uid(worker) for worker in (fast, slow, newcomer))
     mark = trainer.mark()
     joined = [trainer.wait_for(f"+{uid}", 0, 60) for uid in (slow_uid, new_uid)]  # their [ROSTER] lines
@@ -284,12 +285,17 @@ def test_a_slow_worker_gets_fewer_requests_and_a_newcomer_does_not_take_over(swa
     assert counts.get(new_uid, 0) >= 1, counts
 
 
-def test_with_seed_0_down_a_new_worker_and_a_second_trainer_bootstrap_through_seed_1(swarm, trainer):
+def _take_seed_0_down_and_start_a_head_worker_and_a_second_trainer(swarm: LocalSwarm) -> None:
     swarm.seeds[0].stop()
     assert not swarm.seeds[0].alive
     # Both get both seeds' multiaddrs on their command line, seed 0 first.
-    head = swarm.start_worker("head", wait=False)
-    second = swarm.start_trainer()  # shard 1/2: it also serves the next test
+    swarm.start_worker("head", wait=False)
+    swarm.start_trainer()  # shard 1/2: it also serves the last test
+
+
+def test_with_seed_0_down_a_new_worker_and_a_second_trainer_bootstrap_through_seed_1(swarm, trainer):
+    assert not swarm.seeds[0].alive  # since the previous test, before the two below started
+    head, second = swarm.workers["head"][-1], swarm.trainers[-1]
     head.wait_for(WORKER_READY, START_TIMEOUT)
     view = TrainerView(second)
     head_uid = _uid(head)

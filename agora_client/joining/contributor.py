@@ -61,7 +61,6 @@ from agora_client.serving.traffic import TrafficWindow
 TICK_SECONDS = 1.0
 RESOURCES_EVERY = 2.0  # resources and traffic
 SWARM_EVERY = 10.0  # the trainers' progress records
-METRICS_EVERY = 15.0
 RENEW_MARGIN = 300.0  # renew the ticket this many seconds before it expires
 DESCRIPTION_EVERY = 60.0  # re-read the run description this often: a changed hash stops the worker
 LISTEN_HOST = "0.0.0.0"  # other peers (and the auth service's dial-back) must reach the worker
@@ -352,7 +351,7 @@ class Contributor:
             if now - last_swarm >= SWARM_EVERY:
                 self._report_swarm(node)
                 last_swarm = now
-            if now - last_metrics >= METRICS_EVERY:
+            if now - last_metrics >= self.options.run.config.metrics_period:
                 last_metrics = now
                 self._renew_ticket(metrics)  # a yielding worker keeps its slot, but publishes and earns nothing
                 if not node.yielding:
@@ -365,7 +364,7 @@ class Contributor:
                          owner: YieldControl) -> MetricsRecord:
         """Sign and publish the worker's metrics; say the points they earn and the energy they took."""
         record = metrics.snapshot()
-        publish_metrics(node.dht, record, validator, ttl=METRICS_EVERY * 3)
+        publish_metrics(node.dht, record, validator, ttl=self.options.run.config.metrics_period * 3)
         points = estimate_points(record, previous, **self._standing(node))
         self.events.emit(points)
         self.events.emit(owner.energy_event(points.presence + points.compute))
