@@ -55,9 +55,9 @@ process's on the same microbatches) against tokens, over the lines ending in the
 microbatches, per million tokens, with its standard error: a slope within about two standard errors of 0
 is flat.
 
-Arms: --sparta-fraction and --sparta-period replace the preset's (tiny: 5% every 4 stage epochs) in both
+Arms: --sparta-fraction and --sparta-period replace the preset's (tiny: 25% every 2 stage epochs) in both
 swarm runs; the JSON says the share of the stage each arm moves per stage epoch (fraction / period), so arms
-can be compared at equal bytes (e.g. 1.25% every epoch against 5% every 4), and the bytes each worker sent.
+can be compared at equal bytes (e.g. 12.5% every epoch against 25% every 2), and the bytes each worker sent.
 --outer-momentum and --outer-lr give the swarm runs an outer Nesterov step on every averaged slice, in the manner
 of DiLoCo (sparta.outer_momentum / outer_lr, agora_client/averaging/outer_momentum.py; DiLoCo's own 0.9 and 0.7);
 --share-scaling scales each worker's step by its share of the stage epoch's samples, or that share's square root
@@ -66,7 +66,7 @@ of DiLoCo (sparta.outer_momentum / outer_lr, agora_client/averaging/outer_moment
     python bench/convergence.py                    # ~8 min on a quiet 2-core machine
     python bench/convergence.py --seconds 300 --kill-after 100 --kill-stage tail
     python bench/convergence.py --long             # 20 min per run, 12 segments: ~50 min
-    python bench/convergence.py --long --sparta-fraction 0.0125 --sparta-period 1
+    python bench/convergence.py --long --sparta-fraction 0.05 --sparta-period 4   # tiny's earlier default
     python bench/convergence.py --long --runs quiet --outer-momentum 0.9 --outer-lr 0.7
 
 Prints progress, then a table; the last line is one JSON object.

@@ -26,7 +26,7 @@ from tests.swarm_helpers import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 PHASE1_STEPS, PHASE2_STEPS = 8, 4
-# A round every 4 epochs, as in tiny: wider than the 3 x matchmaking_time a group may take (rounds due faster than
+# A round every 4 epochs: wider than the 3 x matchmaking_time a group may take (rounds due faster than
 # groups form can miss each other). Phase 1 spans 2 rounds: every parameter averaged once, as in production.
 SPARTA = {"period": 4, "fraction": 0.5}
 
