@@ -47,7 +47,9 @@ from pydantic import ValidationError  # noqa: E402
 from agora_client.config import SpartaConfig, load_config  # noqa: E402
 from agora_client.model.stages import param_counts  # noqa: E402
 from tests.netns import BridgedHosts, unavailable  # noqa: E402
-from tests.sparta_peer import close_averagers, open_averagers, run_round, start_peers, stop_peers  # noqa: E402
+from tests.sparta_peer import (  # noqa: E402
+    PeerFailed, close_averagers, open_averagers, run_round, start_peers, stop_peers,
+)
 
 PRESET = "8b"
 STAGES = ("head", "body", "tail")
@@ -65,6 +67,7 @@ STARTUP_S = 30.0  # peers of a group: imports, DHTs, the parameter
 # a peer's peak RSS, its process and hivemind's averager process together (shared pages counted twice): the
 # --quick run measured 2.45 GB per peer at the body's 181 MB slice
 SLICE_COPIES, PEER_BASE_MB = 10, 600
+SHARED_MEMORY = Path("/dev/shm")
 
 
 @dataclass(frozen=True)
@@ -236,34 +239,64 @@ def run_group(group: list[Combination], rounds: dict[Combination, int], args: ar
     rows, round_no = [], 0
     log_dir = args.run_dir / f"{first.stage}-x{first.peers}"
     log_dir.mkdir(parents=True, exist_ok=True)
+    shared_before = set(SHARED_MEMORY.glob("torch_*"))
     with BridgedHosts(f"agi26b-{os.getpid()}", first.peers) as hosts:
         peers = start_peers(hosts.hosts, log_dir)
         try:
-            for combination in group:
+            ordered = sorted(group, key=lambda c: not c.at_target)  # the targets first: the deadline cuts the end
+            for index, combination in enumerate(ordered):
                 count = min(rounds[combination], int((deadline - time.monotonic()) // combination.estimate_s))
                 if count < min(MIN_ROUNDS, rounds[combination]):
                     skipped.append(skip(combination, "the time budget ran out"))
                     continue
-                row = measure(peers, hosts, combination, count, args.payload_switch, round_no)
+                try:
+                    row = measure(peers, hosts, combination, count, args.payload_switch, round_no)
+                except PeerFailed as error:  # e.g. killed for memory: this group's peers cannot go on
+                    print(f"  {combination.label}: {error} (the kernel's log says whether it ran out of memory)", flush=True)
+                    skipped += [skip(c, f"a peer of the group failed: {error}") for c in ordered[index:]]
+                    break
                 round_no += count
                 print_row(combination, row)
                 rows.append(row)
         finally:
             stop_peers(peers)
+            remove_leaked_shared_memory(shared_before)
     return rows
+
+
+def remove_leaked_shared_memory(before: set[Path]) -> None:
+    """Delete the shared-memory files this group's peers made and left: hivemind shares tensors through files
+    (torch's file_system strategy), which stay when a process is stopped hard, and the next group needs that memory."""
+    made = [path for path in set(SHARED_MEMORY.glob("torch_*")) - before if path.name.split("_")[1].isdigit()]
+    leaked = [path for path in made if not _alive(int(path.name.split("_")[1]))]  # torch_<pid>_<random>_<n>
+    size = sum(path.stat().st_size for path in leaked if path.exists())
+    for path in leaked:
+        path.unlink(missing_ok=True)
+    if leaked:
+        print(f"  removed {len(leaked)} shared-memory files the peers left ({size / 1e6:,.0f} MB)", flush=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def skip(combination: Combination, why: str) -> dict:
     return {"label": combination.label, "estimated_round_s": round(combination.estimate_s, 1), "why": why}
 
 
-def grid(quick: bool, payloads: list[str], values: dict[str, int]) -> list[Combination]:
+def grid(args: argparse.Namespace, payloads: list[str], values: dict[str, int]) -> list[Combination]:
     """The combinations to measure; quick: one body, 100 Mbit/s, 2 peers, fp32 and the smallest payload."""
-    if quick:
+    if args.quick:
         chosen = payloads[:1] + sorted(payloads[1:], key=BYTES_PER_VALUE.get)[:1]
         return [Combination(2, "body", values["body"], 100.0, payload) for payload in chosen]
-    return [Combination(peers, stage, values[stage], mbit, payload) for peers in GROUP_SIZES
-            for stage in STAGES for payload in payloads for mbit in RATES_MBIT]
+    return [Combination(peers, stage, values[stage], mbit, payload) for peers in args.group_sizes
+            for stage in args.stages for payload in payloads for mbit in RATES_MBIT]
 
 
 def print_plan(combinations: list[Combination], rounds: dict[Combination, int], values: dict[str, int],
@@ -297,10 +330,27 @@ def parse_args() -> argparse.Namespace:
                         "smallest compressed payload, 5 rounds each")
     parser.add_argument("--budget-min", type=float, default=40.0, help="minutes the whole bench may take")
     parser.add_argument("--run-dir", type=Path, default=None, help="peer logs go here (default: a temporary folder)")
+    parser.add_argument("--stages", type=_choices(STAGES, str), default=STAGES,
+                        help=f"the stages to measure, comma-separated (default {','.join(STAGES)})")
+    parser.add_argument("--group-sizes", type=_choices(GROUP_SIZES, int), default=GROUP_SIZES,
+                        help=f"the group sizes to measure, comma-separated (default {','.join(map(str, GROUP_SIZES))})")
     args = parser.parse_args()
     if args.budget_min <= 0:
         parser.error("--budget-min must be positive")
     return args
+
+
+def _choices(allowed: tuple, kind: type):
+    """An argparse type: a comma-separated subset of ``allowed``."""
+    def parse(text: str) -> tuple:
+        try:
+            chosen = tuple(kind(item) for item in text.split(",") if item)
+        except ValueError:
+            chosen = ()
+        if not chosen or not set(chosen) <= set(allowed):
+            raise argparse.ArgumentTypeError(f"{text!r}: give some of {','.join(map(str, allowed))}")
+        return chosen
+    return parse
 
 
 def main() -> int:
@@ -315,7 +365,7 @@ def main() -> int:
     if not args.payload_switch:
         print("SpartaConfig has no payload switch: fp32 only", flush=True)
     values = stage_values()
-    combinations = grid(args.quick, payloads, values)
+    combinations = grid(args, payloads, values)
     if args.quick:
         rounds = {combination: QUICK_ROUNDS for combination in combinations}
     else:
