@@ -24,7 +24,7 @@ def events(path: Path) -> list[dict]:
     return json_objects(path.read_text().splitlines()) if path.exists() else []
 
 
-def wait_until(condition: Callable[[], bool], timeout: float, what: str, poll: float = 1.0) -> None:
+def wait_until(condition: Callable[[], bool], timeout: float, what: str, poll: float = 0.5) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
