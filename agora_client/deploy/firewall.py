@@ -4,9 +4,9 @@ table that drops the SYNs over the limit before they reach accept().
 The services' own guard closes every connection over ``max_connections_per_address`` at once, but one address
 that reopens them thousands of times a second still costs the service an accept and a close each; the kernel
 drops those SYNs for almost nothing. Each address (an IPv6 /64, as the guard counts them) may open ``burst``
-connections at once, the guard's own per-address cap, and ``per_minute`` more each minute (50 a second): far above what a
-contributor's client, a browser on the public page or a NAT full of contributors opens, far below an attacker's
-reconnection loop. A limit on rate, not on connections held: nftables' ``ct count`` kept counting the attempts it
+connections at once, the guard's own per-address cap, and ``per_minute`` more each minute (50 a second): far above
+what a contributor's client, a browser on the public page or a NAT full of contributors opens, far below an
+attacker's reconnection loop. A limit on rate, not on connections held: nftables' ``ct count`` kept counting the attempts it
 had dropped and shut an address out for many seconds after one burst. Exempt sources (the host's trusted reverse
 proxies, which carry every client on one address) are accepted first. The script replaces the table
 ``inet agora_guard`` whole, so applying it again is safe.
@@ -26,7 +26,7 @@ TABLE = "inet agora_guard"
 DEFAULT_BURST = ServiceLimits().max_connections_per_address  # an address may open at once what the guard lets it hold
 DEFAULT_PER_MINUTE = 3000
 TRACKED_SOURCES = 65535  # addresses (IPv4) or /64s (IPv6) tracked at once; once full, a new one passes unlimited
-FORGET_AFTER_S = 60  # an address quiet this long leaves the set with its full burst
+FORGET_AFTER_S = 60  # an address's entry, and its limit's state, lasts this long; then it starts with a full burst
 NFT_TIMEOUT_S = 30
 
 
