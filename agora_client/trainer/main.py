@@ -65,6 +65,7 @@ from agora_client.trainer.rpc import StageClient, TrafficCounter
 from agora_client.trainer.spotcheck import Finding, SpotChecker
 
 
+INFLIGHT = 3  # microbatches a trainer keeps in flight unless --inflight says otherwise
 VERDICT_TTL = 1800.0  # the monitor keeps what it saw; this only bounds how long a monitor may be away
 RECEIPT_PERIOD_S = 15.0  # workers' claims run ahead of their receipts by about this much
 LAST_RECEIPT_S = 10.0  # how long a stopping trainer waits for its last receipt to be stored
@@ -85,7 +86,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume-position", type=Path, default=None, metavar="JSON",
                         help="a trainer record from a checkpoint set: continue the data with its next token")
     parser.add_argument("--shard", default="0/1", help="this trainer's shard as INDEX/COUNT (default 0/1)")
-    parser.add_argument("--inflight", type=int, default=3, help="microbatches in flight at once")
+    parser.add_argument("--inflight", type=int, default=INFLIGHT, help=f"microbatches in flight at once (default {INFLIGHT})")
     parser.add_argument("--report-every", type=float, default=60.0, help="seconds between progress lines")
     parser.add_argument("--roster-every", type=float, default=5.0, help="seconds between roster reads")
     parser.add_argument("--ban-seconds", type=float, default=30.0, help="how long an unreachable worker is skipped")
