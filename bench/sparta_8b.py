@@ -42,6 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the namespace helpers live in tests/
 
+import psutil  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 
 from agora_client.config import SpartaConfig, load_config  # noqa: E402
@@ -267,23 +268,13 @@ def run_group(group: list[Combination], rounds: dict[Combination, int], args: ar
 def remove_leaked_shared_memory(before: set[Path]) -> None:
     """Delete the shared-memory files this group's peers made and left: hivemind shares tensors through files
     (torch's file_system strategy), which stay when a process is stopped hard, and the next group needs that memory."""
-    made = [path for path in set(SHARED_MEMORY.glob("torch_*")) - before if path.name.split("_")[1].isdigit()]
-    leaked = [path for path in made if not _alive(int(path.name.split("_")[1]))]  # torch_<pid>_<random>_<n>
+    made = {path: path.name.split("_")[1] for path in set(SHARED_MEMORY.glob("torch_*")) - before}  # torch_<pid>_<random>_<n>
+    leaked = [path for path, pid in made.items() if pid.isdigit() and not psutil.pid_exists(int(pid))]
     size = sum(path.stat().st_size for path in leaked if path.exists())
     for path in leaked:
         path.unlink(missing_ok=True)
     if leaked:
         print(f"  removed {len(leaked)} shared-memory files the peers left ({size / 1e6:,.0f} MB)", flush=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def skip(combination: Combination, why: str) -> dict:
