@@ -17,7 +17,9 @@ the shipped BPE tokenizer demo-bpe-2k.json); --runs quiet (or kill) makes only t
   schedule), the same autocast and the same stage epochs (a step every target_batch_size samples, gradients
   averaged, stage-wise clipping), for as many microbatches as the longest swarm run finished.
 
-Matching is by token count, never by wall clock: every --report-every seconds the trainer prints how many
+A swarm run trains for --seconds, or with --tokens until its trainer has finished that many tokens: then every
+arm ends on the same text, which the ratio at the end depends on (the stream has stretches the models predict far
+better, where a small lag is a large ratio). Matching is by token count, never by wall clock: every --report-every seconds the trainer prints how many
 microbatches it has finished and their mean loss since its previous line; the single process keeps the
 loss of each microbatch of the stream. Each swarm run is cut into --segments equal ranges of its tokens,
 and in each range the swarm's mean loss is divided by the single process's mean loss over exactly the
@@ -110,6 +112,7 @@ WORKERS_PER_STAGE = 2
 PRINT_EVERY_S = 30.0
 PRINT_EVERY_MICROBATCHES = 100
 FIRST_MICROBATCH_TIMEOUT_S = 300.0
+STALL_S = 300.0  # a swarm run that finishes no microbatch for this long has stalled
 # --seconds, --kill-after and --segments when not given: the default bench, and --long (at least LONG_SECONDS a run)
 SHORT_DEFAULTS = {"seconds": 150.0, "kill_after": 50.0, "segments": 6}
 LONG_DEFAULTS = {"seconds": 1200.0, "kill_after": 400.0, "segments": 12}
@@ -185,6 +188,9 @@ def parse_args(stages: tuple[str, ...], argv: list[str] | None = None) -> argpar
     parser.add_argument("--long", action="store_true",
                         help=f"the long bench: at least {LONG_SECONDS:.0f} training seconds per run; defaults {LONG_DEFAULTS}")
     parser.add_argument("--seconds", type=float, help=f"training seconds of each swarm run (default {SHORT_DEFAULTS['seconds']:.0f})")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="train each swarm run until its trainer has finished this many tokens instead of for "
+                        "--seconds, so that every arm ends on the same text")
     parser.add_argument("--kill-after", type=float,
                         help=f"training seconds of the kill run before the worker dies (default {SHORT_DEFAULTS['kill_after']:.0f})")
     parser.add_argument("--kill-stage", choices=stages, default="body1", help="stage whose worker 1 is killed")
@@ -213,6 +219,8 @@ def parse_args(stages: tuple[str, ...], argv: list[str] | None = None) -> argpar
     for name, default in (LONG_DEFAULTS if args.long else SHORT_DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, default)
+    if args.tokens is not None and args.tokens <= 0:
+        parser.error("--tokens counts tokens: more than 0")
     if args.long and args.seconds < LONG_SECONDS:
         parser.error(f"--long trains at least {LONG_SECONDS:.0f}s per run; leave --seconds out or raise it")
     if min(args.seconds, args.kill_after, args.segments, args.report_every) <= 0 or args.kill_after >= args.seconds:
@@ -263,16 +271,26 @@ def wait_for_first_microbatch(recorder: ProgressRecorder, trainer: ManagedProces
     return time.monotonic()
 
 
-def train_until(name: str, recorder: ProgressRecorder, trainer: ManagedProcess, started: float, until: float) -> None:
-    """Let the swarm train until ``until`` (monotonic), saying how it goes; fail if the trainer exits."""
-    while (left := until - time.monotonic()) > 0:
-        time.sleep(min(PRINT_EVERY_S, left))
+def train_until(name: str, recorder: ProgressRecorder, trainer: ManagedProcess, started: float,
+                until: float, microbatches: int | None = None) -> None:
+    """Let the swarm train until ``until`` (monotonic), or with ``microbatches`` until the trainer has finished that
+    many, saying how it goes; fail if the trainer exits or finishes nothing for STALL_S."""
+    done, progressed_at = microbatches_done(recorder, trainer), time.monotonic()
+    printed = progressed_at
+    while done < microbatches if microbatches else time.monotonic() < until:
+        time.sleep(0.5)
         if not trainer.alive:
             raise RuntimeError(f"the trainer exited; see {trainer.log_path}")
-        points = [point for point in recorder.of(trainer.name) if point.loss is not None]
-        loss = f"{points[-1].loss:.3f}" if points else "-"
-        print(f"  {name}: {time.monotonic() - started:.0f}s, {microbatches_done(recorder, trainer)} microbatches, "
-              f"loss {loss}", flush=True)
+        previous, done, now = done, microbatches_done(recorder, trainer), time.monotonic()
+        if done > previous:
+            progressed_at = now
+        elif now - progressed_at > STALL_S:
+            raise RuntimeError(f"the trainer finished no microbatch in {STALL_S:.0f}s; see {trainer.log_path}")
+        if now - printed >= PRINT_EVERY_S:
+            printed = now
+            points = [point for point in recorder.of(trainer.name) if point.loss is not None]
+            loss = f"{points[-1].loss:.3f}" if points else "-"
+            print(f"  {name}: {now - started:.0f}s, {done} microbatches, loss {loss}", flush=True)
 
 
 def copy_latest_snapshot(swarm: LocalSwarm, stage: str) -> Path:
@@ -327,7 +345,9 @@ def swarm_preset(run_dir: Path, args: argparse.Namespace) -> str:
     return tiny_variant(run_dir / "tiny-arm.yaml", changes)
 
 
-def train_swarm(name: str, args: argparse.Namespace, run_dir: Path, kill_stage: str | None) -> SwarmRun:
+def train_swarm(name: str, args: argparse.Namespace, run_dir: Path, kill_stage: str | None,
+                microbatches: int | None) -> SwarmRun:
+    """One swarm run: --seconds of training, or with ``microbatches`` until the trainer has finished that many."""
     recorder = ProgressRecorder()
     options = SwarmOptions(
         preset=swarm_preset(run_dir, args), workers_per_stage=WORKERS_PER_STAGE, trainers=1, run_dir=run_dir,
@@ -344,7 +364,7 @@ def train_swarm(name: str, args: argparse.Namespace, run_dir: Path, kill_stage: 
             replacement = crash_and_replace(swarm, kill_stage, recorder)
             print(f"  {name}: killed {replacement.victim} after {replacement.killed_at_microbatch} microbatches; "
                   f"{replacement.joiner} up {replacement.ready_after_s:.0f}s later", flush=True)
-        train_until(name, recorder, trainer, started, started + args.seconds)
+        train_until(name, recorder, trainer, started, started + args.seconds, microbatches)
         windows = loss_windows(recorder.of(trainer.name))
         evaluations = recorder.evaluations_of(trainer.name)
         dropped = sum("microbatch dropped" in line for line in trainer.lines())
@@ -542,7 +562,8 @@ def main() -> int:
           f"{args.inflight} microbatches in flight; "
           f"runs {', '.join(args.runs)}", flush=True)
     kill_stages = {"quiet": None, "kill": args.kill_stage}
-    runs = [train_swarm(name, args, run_dir / name, kill_stage=kill_stages[name]) for name in args.runs]
+    goal = math.ceil(args.tokens / tokens_per_microbatch) if args.tokens else None
+    runs = [train_swarm(name, args, run_dir / name, kill_stages[name], goal) for name in args.runs]
     evaluate_at = {point.microbatches for run in runs for point in run.evaluations}
     longest = max(run.windows[-1].end for run in runs)
     print(f"one process: the stream's first {longest} microbatches, evaluated after {sorted(evaluate_at)}", flush=True)
@@ -563,7 +584,8 @@ def main() -> int:
         "runs": list(args.runs),
         "workers_per_stage": WORKERS_PER_STAGE,
         "tokens_per_microbatch": tokens_per_microbatch,
-        "seconds_per_run": args.seconds,
+        "seconds_per_run": None if args.tokens else args.seconds,
+        "tokens_per_run": args.tokens,
         "tokenizer": config.tokenizer.source,
         "held_out_sequences": config.eval.sequences,
         "eval_every_s": config.eval.every_s,
