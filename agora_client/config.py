@@ -125,6 +125,12 @@ class OptimConfig(_Strict):
     target_batch_size: int = Field(default=64, ge=1, description="samples a stage sums before every worker steps")
     clip_body: float | None = Field(default=None, description="gradient-norm clip for head and bodies; default 1/sqrt(stages)")
     clip_tail: float | None = Field(default=None, description="gradient-norm clip for the tail; default 5/sqrt(stages)")
+    inflight: int = Field(
+        default=3, ge=1,
+        description="microbatches each trainer keeps in flight: more keep the stages busier, and more backward passes "
+        "meet a stage that stepped since their forward (staleness; what counts is the samples in flight against "
+        "target_batch_size)",
+    )
     share_scaling: Literal["none", "linear", "sqrt"] = Field(
         default="none",
         description="scale each worker's optimizer step (its lr, for that step) by its share of the stage epoch's "

@@ -64,8 +64,8 @@ can be compared at equal bytes (e.g. 12.5% every epoch against 25% every 2), and
 of DiLoCo (sparta.outer_momentum / outer_lr, agora_client/averaging/outer_momentum.py; DiLoCo's own 0.9 and 0.7);
 --share-scaling scales each worker's step by its share of the stage epoch's samples, or that share's square root
 (optim.share_scaling). All three are off in the preset; the JSON records them with the other SPARTA settings.
---inflight sets how many microbatches the trainer keeps in flight (its default, 3): fewer is less staleness, as
-the single process has none, at fewer tokens per second.
+--inflight sets how many microbatches the trainer keeps in flight (optim.inflight; tiny: 2): fewer is less
+staleness (the single process has none), at the risk of idle stages.
 
     python bench/convergence.py                    # ~8 min on a quiet 2-core machine
     python bench/convergence.py --seconds 300 --kill-after 100 --kill-stage tail
@@ -104,7 +104,6 @@ from agora_client.events import json_objects  # noqa: E402
 from agora_client.snapshots import latest_snapshot  # noqa: E402
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions  # noqa: E402
 from agora_client.swarm.processes import ManagedProcess  # noqa: E402
-from agora_client.trainer.main import INFLIGHT  # noqa: E402
 from tests.swarm_helpers import tiny_variant  # noqa: E402
 
 TARGET_RATIO = 1.05
@@ -207,8 +206,9 @@ def parse_args(stages: tuple[str, ...], argv: list[str] | None = None) -> argpar
     parser.add_argument("--share-scaling", choices=("none", "linear", "sqrt"), default=None,
                         help="optim.share_scaling in the swarm runs: scale each worker's step by its share of the stage "
                         "epoch's samples, or that share's square root (default: the preset's, none)")
-    parser.add_argument("--inflight", type=int, default=INFLIGHT,
-                        help=f"the trainer's microbatches in flight in the swarm runs, its staleness (default {INFLIGHT})")
+    parser.add_argument("--inflight", type=int, default=None,
+                        help="optim.inflight in the swarm runs: the trainer's microbatches in flight, its staleness "
+                        "(default: the preset's)")
     parser.add_argument("--runs", type=run_names, default=RUNS,
                         help=f"the swarm runs to make, comma-separated, in this order (default {','.join(RUNS)})")
     parser.add_argument("--report-every", type=float, default=2.0, help="seconds between the trainer's loss lines")
@@ -231,7 +231,7 @@ def parse_args(stages: tuple[str, ...], argv: list[str] | None = None) -> argpar
         parser.error("--sparta-period counts stage epochs: at least 1")
     if args.outer_momentum is not None and not 0 <= args.outer_momentum < 1:
         parser.error("--outer-momentum is a momentum: at least 0, below 1")
-    if args.inflight < 1:
+    if args.inflight is not None and args.inflight < 1:
         parser.error("--inflight counts microbatches: at least 1")
     if args.outer_lr is not None and not args.outer_lr > 0:
         parser.error("--outer-lr is a step size: more than 0")
@@ -336,12 +336,11 @@ def sparta_arm(args: argparse.Namespace) -> dict:
 
 
 def swarm_preset(run_dir: Path, args: argparse.Namespace) -> str:
-    """tiny, with the arm asked for (SPARTA settings, the step's share scaling), as a preset file the swarm's
-    processes read."""
+    """tiny, with the arm asked for (SPARTA settings, the step's share scaling, the microbatches in flight), as a
+    preset file the swarm's processes read."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    changes = {"sparta": sparta_arm(args)}
-    if args.share_scaling is not None:
-        changes["optim"] = {"share_scaling": args.share_scaling}
+    optim = {"share_scaling": args.share_scaling, "inflight": args.inflight}
+    changes = {"sparta": sparta_arm(args), "optim": {name: value for name, value in optim.items() if value is not None}}
     return tiny_variant(run_dir / "tiny-arm.yaml", changes)
 
 
@@ -351,7 +350,7 @@ def train_swarm(name: str, args: argparse.Namespace, run_dir: Path, kill_stage: 
     recorder = ProgressRecorder()
     options = SwarmOptions(
         preset=swarm_preset(run_dir, args), workers_per_stage=WORKERS_PER_STAGE, trainers=1, run_dir=run_dir,
-        report_every=args.report_every, publish_snapshots=True, trainer_args=("--inflight", str(args.inflight)),
+        report_every=args.report_every, publish_snapshots=True,
     )
     replacement = None
     with LocalSwarm(options, on_line=recorder) as swarm:
@@ -551,6 +550,10 @@ def share_scaling(config: RunConfig, args: argparse.Namespace) -> str:
     return args.share_scaling if args.share_scaling is not None else config.optim.share_scaling
 
 
+def inflight(config: RunConfig, args: argparse.Namespace) -> int:
+    return args.inflight if args.inflight is not None else config.optim.inflight
+
+
 def main() -> int:
     config = load_config("tiny")
     args = parse_args(config.model.stage_names)
@@ -559,7 +562,7 @@ def main() -> int:
     arm = sparta_figures(config, args)
     print(f"arm: payload {args.payload}, SPARTA {arm['fraction']:g} every {arm['period']} stage epochs, outer momentum "
           f"{arm['outer_momentum']:g}, outer lr {arm['outer_lr']:g}, share scaling {share_scaling(config, args)}, "
-          f"{args.inflight} microbatches in flight; "
+          f"{inflight(config, args)} microbatches in flight; "
           f"runs {', '.join(args.runs)}", flush=True)
     kill_stages = {"quiet": None, "kill": args.kill_stage}
     goal = math.ceil(args.tokens / tokens_per_microbatch) if args.tokens else None
@@ -580,7 +583,7 @@ def main() -> int:
         "long": args.long,
         "sparta": arm,
         "share_scaling": share_scaling(config, args),
-        "inflight": args.inflight,
+        "inflight": inflight(config, args),
         "runs": list(args.runs),
         "workers_per_stage": WORKERS_PER_STAGE,
         "tokens_per_microbatch": tokens_per_microbatch,

@@ -164,7 +164,7 @@ def main() -> int:
     eight_b = load_config("8b")
     counts = param_counts(eight_b.model)
     formula_8b = {name: eight_b.sparta.fraction * count * 4 for name, count in counts.items()}
-    print(f"8b preset, fraction {eight_b.sparta.fraction}: bytes per round per peer by the formula")
+    print(f"8b preset, fraction {eight_b.sparta.fraction}: bytes per round per peer by the reference's formula (fp32)")
     for name, count in counts.items():
         print(f"  {name:<6} {count:>14,} params  {formula_8b[name] / 1e6:>8.1f} MB")
 

@@ -125,7 +125,7 @@ def test_offload_moves_the_moments_to_the_host() -> None:
 
 @pytest.mark.parametrize("payload", ["bf16", "int8"])
 def test_a_compressed_payload_keeps_its_residuals_on_the_host(payload: str) -> None:
-    fp32 = plan_stage(load_config("8b"), "body1")
+    fp32 = plan_stage(load_config("8b", {"sparta": {"payload": "fp32"}}), "body1")
     compressed = plan_stage(load_config("8b", {"sparta": {"payload": payload}}), "body1")
     slice_bytes = fp32.averaging // 2
     # one float32 residual per trainable parameter, and three more slices while a round is applied
@@ -136,14 +136,15 @@ def test_a_compressed_payload_keeps_its_residuals_on_the_host(payload: str) -> N
 
 @pytest.mark.parametrize("sparta, floats", [({"outer_momentum": 0.9, "outer_lr": 0.7}, 2), ({"outer_lr": 0.7}, 1)])
 def test_an_outer_step_keeps_its_anchors_and_momenta_on_the_host(sparta: dict, floats: int) -> None:
-    plain = plan_stage(load_config("8b"), "body1")
-    outer = plan_stage(load_config("8b", {"sparta": sparta}), "body1")
+    plain = plan_stage(load_config("8b", {"sparta": {"payload": "fp32"}}), "body1")
+    outer = plan_stage(load_config("8b", {"sparta": {**sparta, "payload": "fp32"}}), "body1")
     slice_bytes = plain.averaging // 2
     # an anchor per trainable parameter, a momentum more when there is momentum, and the slice a step computes on
     assert outer.averaging - plain.averaging == floats * outer.weights + slice_bytes
     assert outer.host - plain.host == outer.averaging - plain.averaging
     assert outer.gpu_peak == plain.gpu_peak
-    assert plan_stage(load_config("8b", {"sparta": {"outer_momentum": 0.0, "outer_lr": 1.0}}), "body1") == plain
+    no_outer_step = {"outer_momentum": 0.0, "outer_lr": 1.0, "payload": "fp32"}
+    assert plan_stage(load_config("8b", {"sparta": no_outer_step}), "body1") == plain
 
 
 def _card(gib: float, capability: tuple[int, int] = (8, 9), name: str = "test card") -> GpuSpec:
@@ -213,7 +214,7 @@ def test_preflight_needs_come_from_the_plan_of_the_smallest_stage(tmp_path: Path
 def test_a_16_gb_host_is_admitted_for_a_body_and_refused_for_the_tail_with_the_numbers() -> None:
     run, host = load_config("8b"), 16 * GB
     body, tail = plan_stage(run, "body1"), plan_stage(run, "tail")
-    assert body.host < host < tail.host  # 7.1 GiB planned against 21.4 GiB
+    assert body.host < host < tail.host  # 11.0 GiB planned against 33.1 GiB
     check_host(run, "body1", on_gpu=True, ram_available=host, disk_free=body.disk_need)
     with pytest.raises(HostRefused) as refused:
         check_host(run, "tail", on_gpu=True, ram_available=host, disk_free=tail.disk_need)

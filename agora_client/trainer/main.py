@@ -65,7 +65,6 @@ from agora_client.trainer.rpc import StageClient, TrafficCounter
 from agora_client.trainer.spotcheck import Finding, SpotChecker
 
 
-INFLIGHT = 3  # microbatches a trainer keeps in flight unless --inflight says otherwise
 VERDICT_TTL = 1800.0  # the monitor keeps what it saw; this only bounds how long a monitor may be away
 RECEIPT_PERIOD_S = 15.0  # workers' claims run ahead of their receipts by about this much
 LAST_RECEIPT_S = 10.0  # how long a stopping trainer waits for its last receipt to be stored
@@ -86,7 +85,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume-position", type=Path, default=None, metavar="JSON",
                         help="a trainer record from a checkpoint set: continue the data with its next token")
     parser.add_argument("--shard", default="0/1", help="this trainer's shard as INDEX/COUNT (default 0/1)")
-    parser.add_argument("--inflight", type=int, default=INFLIGHT, help=f"microbatches in flight at once (default {INFLIGHT})")
+    parser.add_argument("--inflight", type=int, default=None, help="microbatches in flight at once (optim.inflight)")
     parser.add_argument("--report-every", type=float, default=60.0, help="seconds between progress lines")
     parser.add_argument("--roster-every", type=float, default=5.0, help="seconds between roster reads")
     parser.add_argument("--ban-seconds", type=float, default=30.0, help="how long an unreachable worker is skipped")
@@ -195,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         loop = _training_loop(inputs, pipeline, router, traffic, dhts[stages[0]], args)
         metrics.add(trainer_collector(router, lambda: loop.done, pipeline.spot_checks))
-        done = loop.run(args.inflight, args.max_microbatches, args.report_every)
+        done = loop.run(inputs.config.optim.inflight, args.max_microbatches, args.report_every)
     except DataError as error:  # a bad record further into the data
         say("ERROR", str(error))
         return 2
@@ -240,8 +239,10 @@ class _TrainerInputs:
 
 
 def _overrides(args: argparse.Namespace) -> dict:
-    """Run config overrides from the command line: spot checks and the data source."""
+    """Run config overrides from the command line: spot checks, microbatches in flight and the data source."""
     overrides: dict = {} if args.spot_check_fraction is None else {"spot_checks": {"fraction": args.spot_check_fraction}}
+    if args.inflight is not None:
+        overrides["optim"] = {"inflight": args.inflight}
     data = {"source": args.data, "subset": args.data_subset, "split": args.data_split, "text_field": args.text_field}
     data = {key: value for key, value in data.items() if value is not None}
     if data:
