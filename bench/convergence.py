@@ -19,11 +19,12 @@ the shipped BPE tokenizer demo-bpe-2k.json); --runs quiet (or kill) makes only t
 
 A swarm run trains for --seconds, or with --tokens until its trainer has finished that many tokens: then every
 arm ends on the same text, which the ratio at the end depends on (the stream has stretches the models predict far
-better, where a small lag is a large ratio). Matching is by token count, never by wall clock: every --report-every seconds the trainer prints how many
-microbatches it has finished and their mean loss since its previous line; the single process keeps the
-loss of each microbatch of the stream. Each swarm run is cut into --segments equal ranges of its tokens,
-and in each range the swarm's mean loss is divided by the single process's mean loss over exactly the
-same microbatches of the stream. The last range is the ratio "at the end". Target: <= 1.05.
+better, where a small lag is a large ratio). Matching is by token count, never by wall clock: every
+--report-every seconds the trainer prints how many microbatches it has finished and their mean loss since its
+previous line; the single process keeps the loss of each microbatch of the stream. Each swarm run is cut into
+--segments equal ranges of its tokens, and in each range the swarm's mean loss is divided by the single
+process's mean loss over exactly the same microbatches of the stream. The last range is the ratio "at the end".
+Target: <= 1.05.
 
 Held-out loss: every eval.every_s (tiny: 30 s; the first right at the start, before any training) the
 trainer sends the run's held-out sample (`held_out_sample`) through the swarm, forward passes only, and
