@@ -34,8 +34,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("agora_client.checkpoints.export", "write a checkpoint set as a Hugging Face OLMo2 model directory"),
     "tokenizer": ("agora_client.data.tokenizer_training", "train a byte-level BPE tokenizer on a data source"),
     "relay": ("agora_client.relay.main", "run a relay for workers no port mapping can open"),
-    "snapshot-server": ("agora_client.snapshots.server_cli", "serve a snapshot store directory over HTTP(S) (Range, HEAD, ETag)"),
-    "deploy": ("agora_client.deploy.cli", "start, stop, write systemd units for or firewall this host's roles from a deploy file"),
+    "snapshot-server": (
+        "agora_client.snapshots.server_cli",
+        "serve a snapshot store directory over HTTP(S) (Range, HEAD, ETag)",
+    ),
+    "deploy": (
+        "agora_client.deploy.cli",
+        "start, stop, write systemd units for or firewall this host's roles from a deploy file",
+    ),
 }
 # Commands that run hivemind peers: they leave with exit_process once they have stopped in order.
 ENGINE_COMMANDS = frozenset({"demo", "swarm", "seed", "worker", "trainer", "monitor", "runtime"})

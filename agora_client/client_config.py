@@ -68,7 +68,9 @@ def default_config_dir(env: Mapping[str, str] = os.environ) -> Path:
 def validate_swarm_url(url: str) -> str:
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise ClientConfigError(f"--swarm {url!r} is not an http(s) URL: give the auth service address, e.g. https://host:8470")
+        raise ClientConfigError(
+            f"--swarm {url!r} is not an http(s) URL: give the auth service address, e.g. https://host:8470"
+        )
     return url.rstrip("/")
 
 
@@ -172,7 +174,9 @@ def _ask_swarm(prompts: Prompts, current: str | None) -> str:
 
 
 def _ask_gpu(prompts: Prompts, devices: list, current: int | None) -> int:
-    listing = "\n".join(f"  {device.index}: {device.name} ({device.memory_total / 2**30:.0f} GiB)" for device in devices)
+    listing = "\n".join(
+        f"  {device.index}: {device.name} ({device.memory_total / 2**30:.0f} GiB)" for device in devices
+    )
     if not prompts.interactive:
         raise ClientConfigError(f"several GPUs are visible; choose one with --gpu N:\n{listing}")
     prompts.say(f"GPUs on this machine:\n{listing}")

@@ -39,7 +39,9 @@ class ModelConfig(_Strict):
     vocab_size: int = Field(ge=2)
     d_model: int = Field(ge=8)
     n_heads: int = Field(ge=1)
-    n_kv_heads: int | None = Field(default=None, ge=1, description="key/value heads (grouped-query attention); default n_heads")
+    n_kv_heads: int | None = Field(
+        default=None, ge=1, description="key/value heads (grouped-query attention); default n_heads"
+    )
     ffn_hidden: int = Field(ge=8)
     n_layers: int = Field(ge=3)
     seq_len: int = Field(ge=2, description="tokens per sequence fed to the head")
@@ -123,10 +125,13 @@ class OptimConfig(_Strict):
     weight_decay: float = Field(default=0.1, ge=0)
     microbatch_size: int = Field(default=8, ge=1, description="sequences per trainer request")
     target_batch_size: int = Field(default=64, ge=1, description="samples a stage sums before every worker steps")
-    clip_body: float | None = Field(default=None, description="gradient-norm clip for head and bodies; default 1/sqrt(stages)")
+    clip_body: float | None = Field(
+        default=None, description="gradient-norm clip for head and bodies; default 1/sqrt(stages)"
+    )
     clip_tail: float | None = Field(default=None, description="gradient-norm clip for the tail; default 5/sqrt(stages)")
     inflight: int = Field(
-        default=3, ge=1,
+        default=3,
+        ge=1,
         description="microbatches each trainer keeps in flight: more keep the stages busier, and more backward passes "
         "meet a stage that stepped since their forward (staleness; what counts is the samples in flight against "
         "target_batch_size)",
@@ -146,7 +151,9 @@ class SpartaConfig(_Strict):
     sender_timeout: float = Field(default=10.0, gt=0, description="drop a peer that sends nothing this long")
     reducer_timeout: float = Field(default=10.0, gt=0, description="drop a reducer that answers nothing this long")
     max_peer_delta: float = Field(
-        default=0.5, gt=0, description="bound on one peer's pull: its part of a slice may differ from ours by at most this x our part's norm"
+        default=0.5,
+        gt=0,
+        description="bound on one peer's pull: its part of a slice may differ from ours by at most this x our part's norm",
     )
     payload: Literal["fp32", "bf16", "int8"] = Field(
         default="fp32",
@@ -154,15 +161,20 @@ class SpartaConfig(_Strict):
         "(Uniform8BitQuantization both ways); bf16 and int8 keep what compression drops and send it next time",
     )
     assumed_link_mbps: float = Field(
-        default=50.0, gt=0, description="the link (Mbit/s, both ways) a worker assumes until its first round measures it"
+        default=50.0,
+        gt=0,
+        description="the link (Mbit/s, both ways) a worker assumes until its first round measures it",
     )
     outer_momentum: float = Field(
-        default=0.0, ge=0, lt=1,
+        default=0.0,
+        ge=0,
+        lt=1,
         description="Nesterov momentum of an outer step on every averaged slice, as in DiLoCo (averaging/outer_momentum.py); "
         "with outer_lr 1, 0 is plain averaging. Above 0 it keeps two float32 per trainable parameter in host memory",
     )
     outer_lr: float = Field(
-        default=1.0, gt=0,
+        default=1.0,
+        gt=0,
         description="outer step size η: a round moves a slice from its anchor a to a - η(g + μm), g = a - the group's "
         "average, m its momentum, μ outer_momentum; η 1 with μ 0 is plain averaging, another η with μ 0 keeps one "
         "float32 per trainable parameter in host memory",
@@ -187,48 +199,73 @@ class SyncConfig(_Strict):
 class CheckpointConfig(_Strict):
     period_s: float = Field(default=600.0, gt=0, description="seconds between a stage's checkpoints")
     keep_all_s: float = Field(default=86400.0, ge=0, description="keep every checkpoint younger than this")
-    keep_hourly_s: float = Field(default=7 * 86400.0, ge=0, description="then one per hour up to this age; older: one per day")
+    keep_hourly_s: float = Field(
+        default=7 * 86400.0, ge=0, description="then one per hour up to this age; older: one per day"
+    )
+
+
 class SpotCheckConfig(_Strict):
     """How trainers check workers against each other (agora_client/trainer/spotcheck.py, calibration.py)."""
 
-    fraction: float = Field(default=0.02, ge=0, le=1, description="share of stage requests a trainer also sends to a second worker")
+    fraction: float = Field(
+        default=0.02, ge=0, le=1, description="share of stage requests a trainer also sends to a second worker"
+    )
     quantile: float = Field(
-        default=0.99, gt=0, le=1, description="a stage's tolerance is this quantile of its recent honest distances, plus margin"
+        default=0.99,
+        gt=0,
+        le=1,
+        description="a stage's tolerance is this quantile of its recent honest distances, plus margin",
     )
     margin: float = Field(
-        default=0.1, gt=0, lt=0.7, description="added to that quantile; a stage whose tolerance comes within it of random "
-        "answers' distance (sqrt 2 ~ 1.41) is unverifiable: its disagreements strike no one"
+        default=0.1,
+        gt=0,
+        lt=0.7,
+        description="added to that quantile; a stage whose tolerance comes within it of random "
+        "answers' distance (sqrt 2 ~ 1.41) is unverifiable: its disagreements strike no one",
     )
     window: int = Field(default=200, ge=10, description="recent honest distances kept per stage and kind of request")
     min_samples: int = Field(
-        default=30, ge=3, description="honest distances a stage and kind of request needs before its disagreements strike anyone"
+        default=30,
+        ge=3,
+        description="honest distances a stage and kind of request needs before its disagreements strike anyone",
     )
     calibration_share: float = Field(
-        default=0.1, ge=0, le=1, description="share of checks on a calibrated stage that also ask a third worker, "
-        "to keep measuring how far honest replicas drift"
+        default=0.1,
+        ge=0,
+        le=1,
+        description="share of checks on a calibrated stage that also ask a third worker, "
+        "to keep measuring how far honest replicas drift",
     )
-    strikes: int = Field(default=3, ge=1, description="disagreements with its stage's majority that get a worker banned")
+    strikes: int = Field(
+        default=3, ge=1, description="disagreements with its stage's majority that get a worker banned"
+    )
     ban_seconds: float = Field(default=86400.0, gt=0, description="how long a trainer keeps a caught worker out")
 
     @model_validator(mode="after")
     def _check_window(self) -> "SpotCheckConfig":
         if self.min_samples > self.window:
-            raise ValueError(f"spot_checks.min_samples ({self.min_samples}) must not exceed spot_checks.window "
-                             f"({self.window}): a stage would never be calibrated")
+            raise ValueError(
+                f"spot_checks.min_samples ({self.min_samples}) must not exceed spot_checks.window "
+                f"({self.window}): a stage would never be calibrated"
+            )
         return self
 
 
 class TokenizerConfig(_Strict):
     source: str = Field(
-        default="bytes", description="bytes, a tokenizers JSON file (path or shipped name), an https URL, or a hub repo id[@revision]"
+        default="bytes",
+        description="bytes, a tokenizers JSON file (path or shipped name), an https URL, or a hub repo id[@revision]",
     )
-    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$", description="pins the file: any other content is refused")
+    sha256: str | None = Field(
+        default=None, pattern=r"^[0-9a-f]{64}$", description="pins the file: any other content is refused"
+    )
     eos_token: str | None = Field(default=None, description="the token that ends a document when documents are packed")
 
 
 class DataConfig(_Strict):
     source: str | None = Field(
-        default=None, description="None: the Python standard library's source; a .txt/.jsonl/.parquet file or folder; a hub dataset"
+        default=None,
+        description="None: the Python standard library's source; a .txt/.jsonl/.parquet file or folder; a hub dataset",
     )
     subset: str | None = Field(default=None, description="the dataset's config name, e.g. sample-10BT")
     split: str = "train"
@@ -239,8 +276,12 @@ class DataConfig(_Strict):
 class EvalConfig(_Strict):
     every_s: float = Field(default=300.0, gt=0, description="seconds between held-out evaluations")
     sequences: int = Field(default=16, ge=1, description="held-out sequences per evaluation (forward passes only)")
-    split: str | None = Field(default=None, description="a held-out split of the dataset; None: hold out documents by hash")
-    holdout_fraction: float = Field(default=0.01, gt=0, lt=1, description="share of documents held out when there is no split")
+    split: str | None = Field(
+        default=None, description="a held-out split of the dataset; None: hold out documents by hash"
+    )
+    holdout_fraction: float = Field(
+        default=0.01, gt=0, lt=1, description="share of documents held out when there is no split"
+    )
 
 
 class RunConfig(_Strict):
@@ -256,10 +297,18 @@ class RunConfig(_Strict):
     data: DataConfig = DataConfig()
     eval: EvalConfig = EvalConfig()
     announce_period: float = Field(default=30.0, gt=0, description="seconds between a worker's DHT announcements")
-    metrics_period: float = Field(default=15.0, gt=0, description="seconds between a contributor's signed metrics "
-                                  "records, which its points are counted from, and its points estimates")
-    use_mixed_precision: bool = Field(default=True, description="forward under bf16 autocast; weights and grads stay fp32")
-    offload_optimizer: bool = Field(default=True, description="AdamW moments in (pinned) host memory, stepped in chunks")
+    metrics_period: float = Field(
+        default=15.0,
+        gt=0,
+        description="seconds between a contributor's signed metrics "
+        "records, which its points are counted from, and its points estimates",
+    )
+    use_mixed_precision: bool = Field(
+        default=True, description="forward under bf16 autocast; weights and grads stay fp32"
+    )
+    offload_optimizer: bool = Field(
+        default=True, description="AdamW moments in (pinned) host memory, stepped in chunks"
+    )
 
     def clip_norm(self, stage: str) -> float:
         """Stage-wise gradient clipping: 1/sqrt(S) for head and bodies, 5/sqrt(S) for the tail."""

@@ -80,7 +80,9 @@ def describe_memory(run: RunConfig) -> list[dict]:
     rows = []
     for name in run.model.stage_names:
         plan = plan_stage(run, name).to_dict()
-        plan["largest_microbatch"] = {f"{size}GiB": largest_microbatch(run, name, size * 2**30) for size in VRAM_SIZES_GIB}
+        plan["largest_microbatch"] = {
+            f"{size}GiB": largest_microbatch(run, name, size * 2**30) for size in VRAM_SIZES_GIB
+        }
         rows.append(plan)
     return rows
 
@@ -91,8 +93,14 @@ def describe_sparta(run: RunConfig, counts: dict[str, int]) -> list[dict]:
     rows = []
     for name, parameters in counts.items():
         seconds = {f"{mbit}Mbit": round(sparta_round(run, parameters, mbit * 1e6 / 8)[1], 1) for mbit in UPLINKS_MBIT}
-        rows.append({"stage": name, "payload": run.sparta.payload, "bytes_each_way": sparta_round(run, parameters, 1.0)[0],
-                     "seconds": seconds})
+        rows.append(
+            {
+                "stage": name,
+                "payload": run.sparta.payload,
+                "bytes_each_way": sparta_round(run, parameters, 1.0)[0],
+                "seconds": seconds,
+            }
+        )
     return rows
 
 
@@ -116,8 +124,10 @@ def describe_run(run: RunConfig) -> dict:
 
 def format_sparta(info: dict) -> list[str]:
     payload = info["sparta"][0]["payload"] if info["sparta"] else "fp32"
-    lines = [f"SPARTA: one round per peer (2 peers, {payload} payload) and how long it takes on an uplink of",
-             f"{'stage':<8}{'MB each way':>12}" + "".join(f"{f'{mbit} Mbit/s':>12}" for mbit in UPLINKS_MBIT)]
+    lines = [
+        f"SPARTA: one round per peer (2 peers, {payload} payload) and how long it takes on an uplink of",
+        f"{'stage':<8}{'MB each way':>12}" + "".join(f"{f'{mbit} Mbit/s':>12}" for mbit in UPLINKS_MBIT),
+    ]
     for row in info["sparta"]:
         times = "".join(f"{row['seconds'][f'{mbit}Mbit']:>11.1f}s" for mbit in UPLINKS_MBIT)
         lines.append(f"{row['stage']:<8}{row['bytes_each_way'] / 1e6:>12,.0f}{times}")
@@ -136,8 +146,9 @@ def format_tokenizer(tokenizer: dict) -> str:
     if "unavailable" in tokenizer:
         return f"tokenizer {tokenizer['source']}: not loaded ({tokenizer['unavailable']})"
     eos = "a blank line ends a document" if tokenizer["eos_token"] is None else f"eos {tokenizer['eos_token']}"
-    return (f"tokenizer {tokenizer['source']}: sha256 {tokenizer['sha256'][:16]}, "
-            f"vocab {tokenizer['vocab_size']:,}, {eos}")
+    return (
+        f"tokenizer {tokenizer['source']}: sha256 {tokenizer['sha256'][:16]}, vocab {tokenizer['vocab_size']:,}, {eos}"
+    )
 
 
 def format_memory(info: dict) -> list[str]:

@@ -46,21 +46,48 @@ def configure(parser: argparse.ArgumentParser) -> None:
     device.add_argument("--cpu", action="store_true", help="run the worker on the CPU: the demo and tests only")
     parser.add_argument("--config-dir", type=Path, default=None, help="where identity keys and downloads live")
     parser.add_argument("--monitor", default=None, help="monitor URL for confirmed points (default: the swarm's)")
-    parser.add_argument("--host-port", type=int, default=None,
-                        help="TCP port other peers reach the worker on (default: 49200 + the GPU number; 0 = any free)")
-    parser.add_argument("--announce-addr", default=None, metavar="HOST:PORT",
-                        help="public address to announce when a NAT or cloud maps another port to this machine")
-    parser.add_argument("--no-port-mapping", dest="port_mapping", action="store_false",
-                        help="do not ask the home router to forward the worker's port (UPnP or NAT-PMP)")
-    parser.add_argument("--retry-every", type=float, default=30.0, help="seconds between join attempts while unreachable")
-    parser.add_argument("--batch-size-override", type=int, default=None, metavar="N",
-                        help="lower the microbatch the GPU's memory plan allows to N")
-    parser.add_argument("--insecure", action="store_true",
-                        help="allow plain http:// to a swarm outside this machine and the private networks "
-                             "(your token then crosses the internet in clear text)")
-    parser.add_argument("--ca-cert", type=Path, default=None, metavar="PEM",
-                        help="also trust this CA certificate for the swarm's https:// services (a swarm's own CA; "
-                             "SSL_CERT_FILE works too, in place of the usual CAs)")
+    parser.add_argument(
+        "--host-port",
+        type=int,
+        default=None,
+        help="TCP port other peers reach the worker on (default: 49200 + the GPU number; 0 = any free)",
+    )
+    parser.add_argument(
+        "--announce-addr",
+        default=None,
+        metavar="HOST:PORT",
+        help="public address to announce when a NAT or cloud maps another port to this machine",
+    )
+    parser.add_argument(
+        "--no-port-mapping",
+        dest="port_mapping",
+        action="store_false",
+        help="do not ask the home router to forward the worker's port (UPnP or NAT-PMP)",
+    )
+    parser.add_argument(
+        "--retry-every", type=float, default=30.0, help="seconds between join attempts while unreachable"
+    )
+    parser.add_argument(
+        "--batch-size-override",
+        type=int,
+        default=None,
+        metavar="N",
+        help="lower the microbatch the GPU's memory plan allows to N",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow plain http:// to a swarm outside this machine and the private networks "
+        "(your token then crosses the internet in clear text)",
+    )
+    parser.add_argument(
+        "--ca-cert",
+        type=Path,
+        default=None,
+        metavar="PEM",
+        help="also trust this CA certificate for the swarm's https:// services (a swarm's own CA; "
+        "SSL_CERT_FILE works too, in place of the usual CAs)",
+    )
     configure_yield(parser)
 
 
@@ -90,8 +117,14 @@ def run(args: argparse.Namespace) -> int:
     return _contribute_while_allowed(args, device, description, events, stop, token)
 
 
-def _contribute_while_allowed(args: argparse.Namespace, device: tuple[str, str], description: RunDescription,
-                              events: EventWriter, stop: threading.Event, token: str) -> int:
+def _contribute_while_allowed(
+    args: argparse.Namespace,
+    device: tuple[str, str],
+    description: RunDescription,
+    events: EventWriter,
+    stop: threading.Event,
+    token: str,
+) -> int:
     """Join once the GPU may be used (--yield, --active-hours); a worker that yielded past its grace left the swarm,
     and joins again, through the whole join, once the GPU is free."""
     from agora_client.joining.yield_control import wait_until_free
@@ -115,7 +148,11 @@ def _contribute_while_allowed(args: argparse.Namespace, device: tuple[str, str],
 def _secure_transport(args: argparse.Namespace) -> None:
     """Refuse a plain http:// swarm on the internet before anything is sent to it, and trust ``--ca-cert`` from now on."""
     from agora_client.auth.transport import (
-        TOKEN_IN_CLEAR, CaCertificateError, PlainHttpRefused, refuse_plain_http, trust_ca_certificate,
+        TOKEN_IN_CLEAR,
+        CaCertificateError,
+        PlainHttpRefused,
+        refuse_plain_http,
+        trust_ca_certificate,
     )
 
     try:
@@ -132,8 +169,10 @@ def _refuse_plain_http_services(args: argparse.Namespace, description: RunDescri
     """The monitor and the snapshot store the run description names, held to the same rule as the swarm's URL."""
     from agora_client.auth.transport import POINTS_IN_CLEAR, WEIGHTS_IN_CLEAR, PlainHttpRefused, refuse_plain_http
 
-    services = ((args.monitor or description.monitor_url, "the swarm's monitor", POINTS_IN_CLEAR),
-                (description.snapshot_url, "the snapshot store", WEIGHTS_IN_CLEAR))
+    services = (
+        (args.monitor or description.monitor_url, "the swarm's monitor", POINTS_IN_CLEAR),
+        (description.snapshot_url, "the snapshot store", WEIGHTS_IN_CLEAR),
+    )
     try:
         for url, what, why in services:
             if url:
@@ -168,13 +207,20 @@ def _device(args: argparse.Namespace) -> tuple[str, str]:
         return torch_device_for(args.gpu)
     except NoUsableGpu as error:
         raise _CannotStart(
-            EXIT_ERROR, f"{error}. A worker needs a usable CUDA GPU",
+            EXIT_ERROR,
+            f"{error}. A worker needs a usable CUDA GPU",
             hint="choose an NVIDIA GPU that CUDA can use with --gpu N; --cpu runs the worker on the CPU (the demo and tests only)",
         ) from error
 
 
-def _contributor(args: argparse.Namespace, device: tuple[str, str], description: RunDescription, events: EventWriter,
-                 stop: threading.Event, policy: YieldPolicy) -> Contributor:
+def _contributor(
+    args: argparse.Namespace,
+    device: tuple[str, str],
+    description: RunDescription,
+    events: EventWriter,
+    stop: threading.Event,
+    policy: YieldPolicy,
+) -> Contributor:
     """The contributor for this run and device; loads the engine, whose helpers forked from then on die with us."""
     from agora_client.auth.reachability import default_host_port
     from agora_client.joining.contributor import Contributor, ContributorOptions
@@ -184,12 +230,21 @@ def _contributor(args: argparse.Namespace, device: tuple[str, str], description:
 
     device, device_note = device
     options = ContributorOptions(
-        swarm_url=args.swarm, run=description, config_dir=args.config_dir or _default_config_dir(),
+        swarm_url=args.swarm,
+        run=description,
+        config_dir=args.config_dir or _default_config_dir(),
         host_port=default_host_port(args.gpu) if args.host_port is None else args.host_port,
-        gpu=args.gpu, device=device, device_note=device_note, monitor_url=args.monitor or description.monitor_url,
-        announce_addr=args.announce_addr, port_mapping=args.port_mapping, retry_every=args.retry_every,
-        batch_size_override=args.batch_size_override, insecure=args.insecure,
-        yield_policy=policy, yield_grace_s=args.yield_grace,
+        gpu=args.gpu,
+        device=device,
+        device_note=device_note,
+        monitor_url=args.monitor or description.monitor_url,
+        announce_addr=args.announce_addr,
+        port_mapping=args.port_mapping,
+        retry_every=args.retry_every,
+        batch_size_override=args.batch_size_override,
+        insecure=args.insecure,
+        yield_policy=policy,
+        yield_grace_s=args.yield_grace,
     )
     return Contributor(options, events, stop)
 
@@ -197,7 +252,7 @@ def _contributor(args: argparse.Namespace, device: tuple[str, str], description:
 def _contribute(contributor: Contributor, token: str, events: EventWriter) -> int | None:
     """Run the contributor until it stops, fails or gives way to the GPU's owner, and close it; the exit code when
     it failed, None when it stopped on request or gave way."""
-    from agora_client.auth.client import AuthRejected, AuthError
+    from agora_client.auth.client import AuthError, AuthRejected
     from agora_client.auth.run_description import RunDescriptionError
     from agora_client.joining.contributor import PreflightFailed
     from agora_client.joining.gpu_fit import StageRefused

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import psutil
 import torch
+from _gpu_stage_run import release, stage_inputs, synchronize
 
 from agora_client.config import RunConfig
 from agora_client.joining.gpu_fit import MIN_CAPABILITY, GpuRefused, fit_stage
@@ -32,7 +33,6 @@ from agora_client.system.gpu import (
     nvml_free_memory,
     probe_cuda_device,
 )
-from _gpu_stage_run import release, stage_inputs, synchronize
 
 SMALL_CARD_BYTES = 24 * 2**30  # the card a contributor most often has (RTX 3090 / 4090): head or a body, never the tail
 COPY_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}  # per direction and repeat
@@ -49,38 +49,65 @@ def nvml_view(card: CardId | None) -> dict:
     try:
         if not probe.available:
             return {"available": False, "note": probe.note}
-        facts = {"available": True, "driver": probe.driver_version(), "cuda_driver": probe.cuda_driver_version(),
-                 "devices": probe.count()}
+        facts = {
+            "available": True,
+            "driver": probe.driver_version(),
+            "cuda_driver": probe.cuda_driver_version(),
+            "devices": probe.count(),
+        }
         for index in range(probe.count() if card is not None else 0):
             seen = nvml_card_id(probe, index)
             if seen is None or match_cuda_index(seen, [card]) != 0:
                 continue
             sample = probe.sample(index)
             return {
-                **facts, "index": index, "uuid": seen.uuid,
+                **facts,
+                "index": index,
+                "uuid": seen.uuid,
                 "matched_by": "uuid" if seen.uuid and seen.uuid == card.uuid else "pci",
-                "name": sample.name if sample else None, "memory_total": sample.memory_total if sample else None,
+                "name": sample.name if sample else None,
+                "memory_total": sample.memory_total if sample else None,
                 "memory_free": nvml_free_memory(card),
             }
         if card is None:
             return {**facts, "matched_by": None, "note": "no CUDA device to match"}
-        return {**facts, "matched_by": None, "note": f"no NVML device has the UUID {card.uuid} or PCI address {card.pci} CUDA reports"}
+        return {
+            **facts,
+            "matched_by": None,
+            "note": f"no NVML device has the UUID {card.uuid} or PCI address {card.pci} CUDA reports",
+        }
     finally:
         probe.close()
 
 
 def device_facts(device: torch.device) -> dict:
-    common = {"torch": torch.__version__, "bf16_native": native_bf16(device),
-              "float32_matmul_precision": torch.get_float32_matmul_precision()}
+    common = {
+        "torch": torch.__version__,
+        "bf16_native": native_bf16(device),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
     if device.type != "cuda":
-        return {"kind": "cpu", "name": _cpu_name(), "cores": psutil.cpu_count(),
-                "memory_total": psutil.virtual_memory().total, **common, "nvml": nvml_view(None)}
+        return {
+            "kind": "cpu",
+            "name": _cpu_name(),
+            "cores": psutil.cpu_count(),
+            "memory_total": psutil.virtual_memory().total,
+            **common,
+            "nvml": nvml_view(None),
+        }
     props = torch.cuda.get_device_properties(device)
     card = cuda_card_ids()[device.index]
     return {
-        "kind": "cuda", "index": device.index, "name": props.name, "capability": f"{props.major}.{props.minor}",
-        "memory_total": props.total_memory, "multiprocessors": props.multi_processor_count, "uuid": card.uuid,
-        "cuda_runtime": torch.version.cuda, **common, "nvml": nvml_view(card),
+        "kind": "cuda",
+        "index": device.index,
+        "name": props.name,
+        "capability": f"{props.major}.{props.minor}",
+        "memory_total": props.total_memory,
+        "multiprocessors": props.multi_processor_count,
+        "uuid": card.uuid,
+        "cuda_runtime": torch.version.cuda,
+        **common,
+        "nvml": nvml_view(card),
     }
 
 
@@ -98,8 +125,10 @@ def dry_card_bytes(run: RunConfig) -> int:
     holds = max(plan_stage(run, stage).gpu_peak for stage in stages if stage != "tail")
     refused = plan_stage(run, "tail", 1).gpu_peak
     if holds >= refused:
-        raise ValueError(f"preset {run.name}: no card holds every head and body ({gib(holds)}) but not the tail "
-                         f"({gib(refused)}); --dry needs a preset whose tail is the largest stage")
+        raise ValueError(
+            f"preset {run.name}: no card holds every head and body ({gib(holds)}) but not the tail "
+            f"({gib(refused)}); --dry needs a preset whose tail is the largest stage"
+        )
     return CUDA_RESERVED_BYTES + (holds + refused) // 2
 
 
@@ -125,7 +154,12 @@ def allocator_cap(device: torch.device, card_bytes: int) -> Iterator[dict]:
         return
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     try:
-        yield {"capped": True, "fraction": fraction, "allocator_limit": int(fraction * total), "outside_allocator": outside}
+        yield {
+            "capped": True,
+            "fraction": fraction,
+            "allocator_limit": int(fraction * total),
+            "outside_allocator": outside,
+        }
     finally:
         release(device)
         torch.cuda.set_per_process_memory_fraction(1.0, device)
@@ -165,7 +199,9 @@ def hashed_rows_against_cpu(run: RunConfig, device: torch.device) -> dict:
     on_device = fixed_embedding_rows(tokens.to(device), config.d_model, config.init_std, run.seed).cpu()
     on_cpu = fixed_embedding_rows(tokens, config.d_model, config.init_std, run.seed)
     return {
-        "device": str(device), "rows": tokens.numel(), "distinct": int(tokens.unique().numel()),
+        "device": str(device),
+        "rows": tokens.numel(),
+        "distinct": int(tokens.unique().numel()),
         "bitwise_equal": torch.equal(on_device, on_cpu),
         "max_abs_diff": float((on_device - on_cpu).abs().max()),
         # a few float32 ulps of cos and log apart is the same row; the integer hash itself is exact
@@ -191,11 +227,20 @@ def pinned_copy_rate(device: torch.device) -> dict:
     if device.type != "cuda":
         source, target = torch.ones(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
         rate = size / _fastest_copy(device, lambda: target.copy_(source)) / 1e9
-        return {"bytes": size, "pinned": False, "host_to_device_gb_s": rate, "device_to_host_gb_s": rate,
-                "note": "CPU: a host memory copy, no PCIe"}
+        return {
+            "bytes": size,
+            "pinned": False,
+            "host_to_device_gb_s": rate,
+            "device_to_host_gb_s": rate,
+            "note": "CPU: a host memory copy, no PCIe",
+        }
     host = torch.ones(size, dtype=torch.uint8).pin_memory()
     on_device = torch.empty(size, dtype=torch.uint8, device=device)
     to_device = _fastest_copy(device, lambda: on_device.copy_(host, non_blocking=True))
     to_host = _fastest_copy(device, lambda: host.copy_(on_device, non_blocking=True))
-    return {"bytes": size, "pinned": host.is_pinned(), "host_to_device_gb_s": size / to_device / 1e9,
-            "device_to_host_gb_s": size / to_host / 1e9}
+    return {
+        "bytes": size,
+        "pinned": host.is_pinned(),
+        "host_to_device_gb_s": size / to_device / 1e9,
+        "device_to_host_gb_s": size / to_host / 1e9,
+    }

@@ -121,7 +121,9 @@ def stage_inputs(module: StageModule, microbatch: int, device: torch.device) -> 
 class StageRequests:
     """A worker's forward and backward requests on one microbatch, each asserting the autocast it runs under."""
 
-    def __init__(self, module: StageModule, inputs: tuple[torch.Tensor, ...], device: torch.device, mixed_precision: bool):
+    def __init__(
+        self, module: StageModule, inputs: tuple[torch.Tensor, ...], device: torch.device, mixed_precision: bool
+    ):
         self.module, self.inputs, self.device = module, inputs, device
         self.autocast = autocast_context(device, mixed_precision)
         # a GPU must run the run's bf16; a CPU without native bf16 computes in fp32, as its worker does
@@ -185,8 +187,12 @@ def _requests_timed(device: torch.device, requests: StageRequests) -> dict:
         backwards.append(seconds)
         finite = finite and _all_finite([output, *grads])
     loss = float(output.mean()) if output.dim() == 1 else None
-    return {"forward_s": statistics.median(forwards), "backward_s": statistics.median(backwards),
-            "outputs_finite": finite, "loss": loss}
+    return {
+        "forward_s": statistics.median(forwards),
+        "backward_s": statistics.median(backwards),
+        "outputs_finite": finite,
+        "loss": loss,
+    }
 
 
 def _throughput(parameters: int, tokens: int, seconds: float, peak_flops: float | None, peak_note: str) -> dict:
@@ -208,7 +214,9 @@ def _against_plan(run: RunConfig, stage: str, microbatch: int, device: torch.dev
     }
 
 
-def measure_stage(run: RunConfig, stage: str, microbatch: int, device: torch.device, peak: tuple[float | None, str]) -> dict:
+def measure_stage(
+    run: RunConfig, stage: str, microbatch: int, device: torch.device, peak: tuple[float | None, str]
+) -> dict:
     """Build ``stage``, warm it up (one forward, backward and optimizer step), then measure as the module says."""
     release(device)
     module, build_s = build_in_background(run, stage, device)
@@ -218,7 +226,9 @@ def measure_stage(run: RunConfig, stage: str, microbatch: int, device: torch.dev
     requests = StageRequests(module, stage_inputs(module, microbatch, device), device, run.use_mixed_precision)
     requests.forward()
     requests.backward()
-    optimizer_step(run, stage, parameters, optimizer)  # also allocates the moments (pinned when offloaded to a GPU's host)
+    optimizer_step(
+        run, stage, parameters, optimizer
+    )  # also allocates the moments (pinned when offloaded to a GPU's host)
     if device.type == "cuda":  # the window starts from what a worker holds between epochs, its allocator's cache kept
         torch.cuda.reset_peak_memory_stats(device)
     measured = _requests_timed(device, requests)
@@ -226,10 +236,18 @@ def measure_stage(run: RunConfig, stage: str, microbatch: int, device: torch.dev
     tokens, count = microbatch * run.model.seq_len, trainable_parameter_count(module)
     step = measured["forward_s"] + measured["backward_s"]
     return {
-        "stage": stage, "microbatch": microbatch, "tokens": tokens, "parameters": count,
-        "autocast": requests.autocast_dtype, "build_s": build_s, "build_peak_allocated": build_peak,
-        **measured, "step_s": step, **_throughput(count, tokens, step, *peak),
-        "optimizer_step_s": step_s, "grad_norm": grad_norm,
+        "stage": stage,
+        "microbatch": microbatch,
+        "tokens": tokens,
+        "parameters": count,
+        "autocast": requests.autocast_dtype,
+        "build_s": build_s,
+        "build_peak_allocated": build_peak,
+        **measured,
+        "step_s": step,
+        **_throughput(count, tokens, step, *peak),
+        "optimizer_step_s": step_s,
+        "grad_norm": grad_norm,
         "finite": measured["outputs_finite"] and math.isfinite(grad_norm),
         **_against_plan(run, stage, microbatch, device),
     }

@@ -32,17 +32,26 @@ def rounds_by_stage(events_dir: Path) -> dict[str, list[RoundSeen]]:
         worker, stage = path.stem, path.stem.rsplit("-", 1)[0]
         for event in json_objects(path.read_text(encoding="utf-8").splitlines()):
             if event.get("kind") == "sparta":
-                found.setdefault(stage, []).append(RoundSeen(
-                    worker, event["ts"], bool(event.get("ok")), int(event.get("bytes_sent", 0)),
-                    event.get("drift_before"), event.get("drift_after"),
-                ))
+                found.setdefault(stage, []).append(
+                    RoundSeen(
+                        worker,
+                        event["ts"],
+                        bool(event.get("ok")),
+                        int(event.get("bytes_sent", 0)),
+                        event.get("drift_before"),
+                        event.get("drift_after"),
+                    )
+                )
     return {stage: sorted(rounds, key=lambda seen: seen.ts) for stage, rounds in found.items()}
 
 
 def drift_between(rounds: list[RoundSeen], since: float, until: float) -> dict:
     """The mean and largest drift the stage's workers reported in (since, until] (wall clock), before and after."""
-    measured = [seen for seen in rounds if since < seen.ts <= until and seen.drift_before is not None
-                and seen.drift_after is not None]
+    measured = [
+        seen
+        for seen in rounds
+        if since < seen.ts <= until and seen.drift_before is not None and seen.drift_after is not None
+    ]
     if not measured:
         return {"rounds": 0, "before_mean": None, "before_max": None, "after_mean": None}
     before = [seen.drift_before for seen in measured]

@@ -13,10 +13,10 @@ from typing import Iterator
 import torch
 
 from agora_client.config import RunConfig
-from agora_client.model import build_stage
 from agora_client.data.sources import Shard
 from agora_client.data.stream import TokenStream
 from agora_client.data.tokenizer import load_run_tokenizer
+from agora_client.model import build_stage
 from agora_client.model.layers import autocast_context
 from agora_client.worker.optimizer import build_optimizer
 
@@ -24,7 +24,9 @@ from agora_client.worker.optimizer import build_optimizer
 def trainer_batches(config: RunConfig) -> Iterator[torch.Tensor]:
     """The microbatches a swarm's only trainer draws: the stream it builds (the run's data and tokenizer, shard 0/1,
     the run's seed, from the start), cut into the run's microbatches."""
-    stream = TokenStream(config.data, config.eval, load_run_tokenizer(config), config.model.seq_len, Shard(0, 1), seed=config.seed)
+    stream = TokenStream(
+        config.data, config.eval, load_run_tokenizer(config), config.model.seq_len, Shard(0, 1), seed=config.seed
+    )
     return stream.batches(config.optim.microbatch_size)
 
 

@@ -29,9 +29,16 @@ def widened_config(body_params: float, layers: int) -> RunConfig:
 
 def _with_width(d_model: int, layers: int) -> RunConfig:
     tiny = load_config("tiny")
-    stages = tuple(spec.model_copy(update={"layers": layers if spec.name == STAGE else 1}) for spec in tiny.model.stages)
-    model = tiny.model.model_copy(update={
-        "d_model": d_model, "n_heads": d_model // HEAD_DIM, "ffn_hidden": 3 * d_model,
-        "n_layers": sum(spec.layers for spec in stages), "stages": stages,
-    })
+    stages = tuple(
+        spec.model_copy(update={"layers": layers if spec.name == STAGE else 1}) for spec in tiny.model.stages
+    )
+    model = tiny.model.model_copy(
+        update={
+            "d_model": d_model,
+            "n_heads": d_model // HEAD_DIM,
+            "ffn_hidden": 3 * d_model,
+            "n_layers": sum(spec.layers for spec in stages),
+            "stages": stages,
+        }
+    )
     return tiny.model_copy(update={"model": model})

@@ -68,7 +68,9 @@ def main() -> None:
         "8b": big,
     }
     for name, per_token in figures["tiny_bytes_per_token"].items():
-        print(f"tiny {name:10s}: forward {per_token[BOUNDARY_KEYS[0]]:.1f} B/token, backward {per_token[BOUNDARY_KEYS[1]]:.1f} B/token")
+        print(
+            f"tiny {name:10s}: forward {per_token[BOUNDARY_KEYS[0]]:.1f} B/token, backward {per_token[BOUNDARY_KEYS[1]]:.1f} B/token"
+        )
     print(f"tiny ratio     : forward x{figures['tiny_ratio_forward']}, backward x{figures['tiny_ratio_backward']}")
     print(f"8b (head boundary, [1, {config_8b.seq_len}, d]): {json.dumps(big)}")
     print(json.dumps(figures))

@@ -58,9 +58,9 @@ sys.path.insert(0, str(ROOT))
 from _trainer_progress import ProgressRecorder, tokens_per_second  # noqa: E402
 
 from agora_client.events import json_objects  # noqa: E402
+from agora_client.frontend.supervisor import group_members  # noqa: E402
 from agora_client.logs import logs_dir  # noqa: E402
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions  # noqa: E402
-from agora_client.frontend.supervisor import group_members  # noqa: E402
 
 STOP_TIMEOUT_S = 45.0  # the runtime's graceful stop is bounded by 15 + 5 s, plus leftover cleanup
 MODES = ("headless", "app")
@@ -70,7 +70,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=60.0, help="measured seconds of each run, from Active on")
     parser.add_argument("--repeats", type=int, default=2, help="headless/app pairs to run (alternating)")
-    parser.add_argument("--join-timeout", type=float, default=240.0, help="seconds a contributor may take to reach Active")
+    parser.add_argument(
+        "--join-timeout", type=float, default=240.0, help="seconds a contributor may take to reach Active"
+    )
     parser.add_argument("--size", default="100x34", help="terminal size of the app, COLSxROWS")
     parser.add_argument("--pacing", type=float, default=2.0, help="auth service admission pacing (seconds)")
     parser.add_argument("--run-dir", type=Path, default=None, help="logs go here (default: a temporary folder)")
@@ -121,15 +123,30 @@ class Contributor:
 
     def __init__(self, mode: str, auth_url: str, token: str, config_dir: Path, log_path: Path, size: tuple[int, int]):
         self.mode, self.config_dir = mode, config_dir
-        argv = [sys.executable, str(ROOT / "agora_cli.py"), "--cpu", "--swarm", auth_url, "--config-dir", str(config_dir), "--host-port", "0"]
+        argv = [
+            sys.executable,
+            str(ROOT / "agora_cli.py"),
+            "--cpu",
+            "--swarm",
+            auth_url,
+            "--config-dir",
+            str(config_dir),
+            "--host-port",
+            "0",
+        ]
         env = {**os.environ, "HF_TOKEN": token, "PYTHONUNBUFFERED": "1"}
         self.terminal: TerminalReader | None = None
         self.launched = time.time()  # the config dir's logs also hold earlier runs
         self._log = log_path.open("wb")
         if mode == "headless":
             self.proc = subprocess.Popen(
-                [*argv, "--headless"], stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                env=env, cwd=ROOT, start_new_session=True,
+                [*argv, "--headless"],
+                stdin=subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=ROOT,
+                start_new_session=True,
             )
         else:
             master, slave = pty.openpty()
@@ -138,7 +155,13 @@ class Contributor:
             env.update(TERM="xterm-256color", COLORTERM="truecolor")
             env.pop("NO_COLOR", None)
             self.proc = subprocess.Popen(
-                argv, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=ROOT, start_new_session=True,
+                argv,
+                stdin=slave,
+                stdout=slave,
+                stderr=slave,
+                env=env,
+                cwd=ROOT,
+                start_new_session=True,
             )
             os.close(slave)
             self.terminal = TerminalReader(master)
@@ -199,7 +222,10 @@ class Contributor:
         try:
             self.proc.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            print(f"  [WARNING] the {self.mode} contributor did not stop within {STOP_TIMEOUT_S:.0f}s: killing it", flush=True)
+            print(
+                f"  [WARNING] the {self.mode} contributor did not stop within {STOP_TIMEOUT_S:.0f}s: killing it",
+                flush=True,
+            )
         took = time.monotonic() - started
         self.kill_leftovers()
         return took
@@ -231,7 +257,13 @@ def worker_throughput(events: list[dict], start: float, end: float) -> dict:
     """Requests served between the first and the last step event inside [start, end] (wall clock)."""
     steps = [e for e in events if e.get("kind") == "step" and start <= e["ts"] <= end]
     if len(steps) < 2 or steps[-1]["ts"] <= steps[0]["ts"]:
-        return {"requests_per_min": 0.0, "forward_per_min": 0.0, "backward_per_min": 0.0, "epochs": len(steps), "stage": None}
+        return {
+            "requests_per_min": 0.0,
+            "forward_per_min": 0.0,
+            "backward_per_min": 0.0,
+            "epochs": len(steps),
+            "stage": None,
+        }
     forward = backward = 0.0
     for previous, step in zip(steps, steps[1:]):
         minutes = (step["ts"] - previous["ts"]) / 60  # each event's rates cover the time since the previous one
@@ -268,10 +300,17 @@ def measure(mode: str, index: int, swarm: LocalSwarm, recorder: ProgressRecorder
     run_dir: Path = swarm.options.run_dir
     held_before = services.slots_held()
     if held_before:  # the previous contributor's slot: the next joiner would get another stage
-        print(f"  [WARNING] {held_before} slot(s) still held by stopped contributors: restarting the auth service", flush=True)
+        print(
+            f"  [WARNING] {held_before} slot(s) still held by stopped contributors: restarting the auth service",
+            flush=True,
+        )
         services.restart()
     contributor = Contributor(
-        mode, services.url, services.token, run_dir / "client", run_dir / "logs" / f"client-{index}-{mode}.log",
+        mode,
+        services.url,
+        services.token,
+        run_dir / "client",
+        run_dir / "logs" / f"client-{index}-{mode}.log",
         (args.cols, args.rows),
     )
     launched = time.monotonic()
@@ -342,11 +381,16 @@ def main() -> int:
     try:
         with LocalSwarm(options, on_line=recorder) as swarm:
             services = JoinServices(swarm, args.pacing)
-            print(f"[BENCH] swarm up after {time.monotonic() - started:.0f}s; auth service at {services.url}", flush=True)
+            print(
+                f"[BENCH] swarm up after {time.monotonic() - started:.0f}s; auth service at {services.url}", flush=True
+            )
             for _ in range(args.repeats):
                 for mode in MODES:
                     index = len(runs)
-                    print(f"[BENCH] run {index + 1}/{2 * args.repeats}: {mode}, {args.seconds:.0f}s from Active", flush=True)
+                    print(
+                        f"[BENCH] run {index + 1}/{2 * args.repeats}: {mode}, {args.seconds:.0f}s from Active",
+                        flush=True,
+                    )
                     runs.append(measure(mode, index, swarm, recorder, args, services))
     except RuntimeError as error:  # a role or the contributor failed: its log says why
         print(f"[ERROR] {error}; logs in {run_dir / 'logs'}", flush=True)

@@ -185,37 +185,85 @@ class SwarmRun:
 
 def parse_args(stages: tuple[str, ...], argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--long", action="store_true",
-                        help=f"the long bench: at least {LONG_SECONDS:.0f} training seconds per run; defaults {LONG_DEFAULTS}")
-    parser.add_argument("--seconds", type=float, help=f"training seconds of each swarm run (default {SHORT_DEFAULTS['seconds']:.0f})")
-    parser.add_argument("--tokens", type=int, default=None,
-                        help="train each swarm run until its trainer has finished this many tokens instead of for "
-                        "--seconds, so that every arm ends on the same text")
-    parser.add_argument("--kill-after", type=float,
-                        help=f"training seconds of the kill run before the worker dies (default {SHORT_DEFAULTS['kill_after']:.0f})")
+    parser.add_argument(
+        "--long",
+        action="store_true",
+        help=f"the long bench: at least {LONG_SECONDS:.0f} training seconds per run; defaults {LONG_DEFAULTS}",
+    )
+    parser.add_argument(
+        "--seconds", type=float, help=f"training seconds of each swarm run (default {SHORT_DEFAULTS['seconds']:.0f})"
+    )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="train each swarm run until its trainer has finished this many tokens instead of for "
+        "--seconds, so that every arm ends on the same text",
+    )
+    parser.add_argument(
+        "--kill-after",
+        type=float,
+        help=f"training seconds of the kill run before the worker dies (default {SHORT_DEFAULTS['kill_after']:.0f})",
+    )
     parser.add_argument("--kill-stage", choices=stages, default="body1", help="stage whose worker 1 is killed")
-    parser.add_argument("--segments", type=int, help=f"equal token ranges the ratio is reported for (default {SHORT_DEFAULTS['segments']})")
-    parser.add_argument("--sparta-fraction", type=float, default=None,
-                        help="share of a stage averaged per SPARTA round in the swarm runs (default: the preset's)")
-    parser.add_argument("--sparta-period", type=int, default=None,
-                        help="stage epochs between SPARTA rounds in the swarm runs (default: the preset's)")
-    parser.add_argument("--outer-momentum", type=float, default=None,
-                        help="sparta.outer_momentum in the swarm runs: Nesterov momentum of an outer step on every "
-                        "averaged slice, at least 0 and below 1 (default: the preset's, 0)")
-    parser.add_argument("--outer-lr", type=float, default=None,
-                        help="sparta.outer_lr in the swarm runs: the outer step's size, above 0 (default: the preset's, 1)")
-    parser.add_argument("--share-scaling", choices=("none", "linear", "sqrt"), default=None,
-                        help="optim.share_scaling in the swarm runs: scale each worker's step by its share of the stage "
-                        "epoch's samples, or that share's square root (default: the preset's, none)")
-    parser.add_argument("--inflight", type=int, default=None,
-                        help="optim.inflight in the swarm runs: the trainer's microbatches in flight, its staleness "
-                        "(default: the preset's)")
-    parser.add_argument("--runs", type=run_names, default=RUNS,
-                        help=f"the swarm runs to make, comma-separated, in this order (default {','.join(RUNS)})")
+    parser.add_argument(
+        "--segments",
+        type=int,
+        help=f"equal token ranges the ratio is reported for (default {SHORT_DEFAULTS['segments']})",
+    )
+    parser.add_argument(
+        "--sparta-fraction",
+        type=float,
+        default=None,
+        help="share of a stage averaged per SPARTA round in the swarm runs (default: the preset's)",
+    )
+    parser.add_argument(
+        "--sparta-period",
+        type=int,
+        default=None,
+        help="stage epochs between SPARTA rounds in the swarm runs (default: the preset's)",
+    )
+    parser.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=None,
+        help="sparta.outer_momentum in the swarm runs: Nesterov momentum of an outer step on every "
+        "averaged slice, at least 0 and below 1 (default: the preset's, 0)",
+    )
+    parser.add_argument(
+        "--outer-lr",
+        type=float,
+        default=None,
+        help="sparta.outer_lr in the swarm runs: the outer step's size, above 0 (default: the preset's, 1)",
+    )
+    parser.add_argument(
+        "--share-scaling",
+        choices=("none", "linear", "sqrt"),
+        default=None,
+        help="optim.share_scaling in the swarm runs: scale each worker's step by its share of the stage "
+        "epoch's samples, or that share's square root (default: the preset's, none)",
+    )
+    parser.add_argument(
+        "--inflight",
+        type=int,
+        default=None,
+        help="optim.inflight in the swarm runs: the trainer's microbatches in flight, its staleness "
+        "(default: the preset's)",
+    )
+    parser.add_argument(
+        "--runs",
+        type=run_names,
+        default=RUNS,
+        help=f"the swarm runs to make, comma-separated, in this order (default {','.join(RUNS)})",
+    )
     parser.add_argument("--report-every", type=float, default=2.0, help="seconds between the trainer's loss lines")
     parser.add_argument("--run-dir", type=Path, default=None, help="logs go here (default: a temporary folder)")
-    parser.add_argument("--payload", choices=("fp32", "bf16", "int8"), default="fp32",
-                        help="what the swarm's SPARTA rounds send (sparta.payload); the single process does not average")
+    parser.add_argument(
+        "--payload",
+        choices=("fp32", "bf16", "int8"),
+        default="fp32",
+        help="what the swarm's SPARTA rounds send (sparta.payload); the single process does not average",
+    )
     args = parser.parse_args(argv)
     for name, default in (LONG_DEFAULTS if args.long else SHORT_DEFAULTS).items():
         if getattr(args, name) is None:
@@ -272,8 +320,14 @@ def wait_for_first_microbatch(recorder: ProgressRecorder, trainer: ManagedProces
     return time.monotonic()
 
 
-def train_until(name: str, recorder: ProgressRecorder, trainer: ManagedProcess, started: float,
-                until: float, microbatches: int | None = None) -> None:
+def train_until(
+    name: str,
+    recorder: ProgressRecorder,
+    trainer: ManagedProcess,
+    started: float,
+    until: float,
+    microbatches: int | None = None,
+) -> None:
     """Let the swarm train until ``until`` (monotonic), or with ``microbatches`` until the trainer has finished that
     many, saying how it goes; fail if the trainer exits or finishes nothing for STALL_S."""
     done, progressed_at = microbatches_done(recorder, trainer), time.monotonic()
@@ -331,8 +385,13 @@ def seconds_to_active(run_dir: Path, worker: str, since_wall: float) -> float | 
 def sparta_arm(args: argparse.Namespace) -> dict:
     """The SPARTA settings the swarm runs change in the preset: the payload, and the fraction, period and outer
     step if given."""
-    arm = {"payload": args.payload, "fraction": args.sparta_fraction, "period": args.sparta_period,
-           "outer_momentum": args.outer_momentum, "outer_lr": args.outer_lr}
+    arm = {
+        "payload": args.payload,
+        "fraction": args.sparta_fraction,
+        "period": args.sparta_period,
+        "outer_momentum": args.outer_momentum,
+        "outer_lr": args.outer_lr,
+    }
     return {name: value for name, value in arm.items() if value is not None}
 
 
@@ -345,25 +404,36 @@ def swarm_preset(run_dir: Path, args: argparse.Namespace) -> str:
     return tiny_variant(run_dir / "tiny-arm.yaml", changes)
 
 
-def train_swarm(name: str, args: argparse.Namespace, run_dir: Path, kill_stage: str | None,
-                microbatches: int | None) -> SwarmRun:
+def train_swarm(
+    name: str, args: argparse.Namespace, run_dir: Path, kill_stage: str | None, microbatches: int | None
+) -> SwarmRun:
     """One swarm run: --seconds of training, or with ``microbatches`` until the trainer has finished that many."""
     recorder = ProgressRecorder()
     options = SwarmOptions(
-        preset=swarm_preset(run_dir, args), workers_per_stage=WORKERS_PER_STAGE, trainers=1, run_dir=run_dir,
-        report_every=args.report_every, publish_snapshots=True,
+        preset=swarm_preset(run_dir, args),
+        workers_per_stage=WORKERS_PER_STAGE,
+        trainers=1,
+        run_dir=run_dir,
+        report_every=args.report_every,
+        publish_snapshots=True,
     )
     replacement = None
     with LocalSwarm(options, on_line=recorder) as swarm:
         trainer = swarm.trainers[0]
-        print(f"{name}: swarm up in {time.monotonic() - swarm.started_at:.0f}s ({WORKERS_PER_STAGE} workers per stage); "
-              f"logs in {run_dir / 'logs'}", flush=True)
+        print(
+            f"{name}: swarm up in {time.monotonic() - swarm.started_at:.0f}s ({WORKERS_PER_STAGE} workers per stage); "
+            f"logs in {run_dir / 'logs'}",
+            flush=True,
+        )
         started = wait_for_first_microbatch(recorder, trainer)
         if kill_stage is not None:
             train_until(name, recorder, trainer, started, started + args.kill_after)
             replacement = crash_and_replace(swarm, kill_stage, recorder)
-            print(f"  {name}: killed {replacement.victim} after {replacement.killed_at_microbatch} microbatches; "
-                  f"{replacement.joiner} up {replacement.ready_after_s:.0f}s later", flush=True)
+            print(
+                f"  {name}: killed {replacement.victim} after {replacement.killed_at_microbatch} microbatches; "
+                f"{replacement.joiner} up {replacement.ready_after_s:.0f}s later",
+                flush=True,
+            )
         train_until(name, recorder, trainer, started, started + args.seconds, microbatches)
         windows = loss_windows(recorder.of(trainer.name))
         evaluations = recorder.evaluations_of(trainer.name)
@@ -373,8 +443,9 @@ def train_swarm(name: str, args: argparse.Namespace, run_dir: Path, kill_stage: 
     if replacement is not None:
         replacement.active_after_s = seconds_to_active(run_dir, replacement.joiner, replacement.killed_at_wall)
     rounds = rounds_by_stage(run_dir / "events")
-    return SwarmRun(name, windows, evaluations, dropped, os.getloadavg()[0], replacement, rounds,
-                    time.time() - time.monotonic())
+    return SwarmRun(
+        name, windows, evaluations, dropped, os.getloadavg()[0], replacement, rounds, time.time() - time.monotonic()
+    )
 
 
 @dataclass
@@ -400,8 +471,10 @@ def train_single_process(config: RunConfig, microbatches: int, evaluate_at: set[
 
 
 def eval_comparisons(run: SwarmRun, single: SingleProcessRun) -> list[EvalComparison]:
-    return [EvalComparison(point.microbatches, point.loss, single.eval_losses[point.microbatches])
-            for point in run.evaluations]
+    return [
+        EvalComparison(point.microbatches, point.loss, single.eval_losses[point.microbatches])
+        for point in run.evaluations
+    ]
 
 
 def segments(windows: list[LossWindow], single_losses: list[float], count: int) -> list[Segment]:
@@ -414,8 +487,16 @@ def segments(windows: list[LossWindow], single_losses: list[float], count: int) 
             continue
         start, end = members[0].start, members[-1].end
         swarm_loss = sum(window.loss * (window.end - window.start) for window in members) / (end - start)
-        found.append(Segment(start, end, swarm_loss, sum(single_losses[start:end]) / (end - start),
-                             members[0].began_at, members[-1].ended_at))
+        found.append(
+            Segment(
+                start,
+                end,
+                swarm_loss,
+                sum(single_losses[start:end]) / (end - start),
+                members[0].began_at,
+                members[-1].ended_at,
+            )
+        )
     return found
 
 
@@ -423,24 +504,38 @@ def ratio_slope(windows: list[LossWindow], single_losses: list[float], tokens_pe
     """Least-squares slope of the ratio against tokens (per million) over the progress lines ending in the second
     half of the run's microbatches, and its standard error; None where fewer than 3 lines."""
     half = windows[-1].end / 2
-    points = [((window.start + window.end) / 2 * tokens_per_microbatch / 1e6,
-               window.loss / (sum(single_losses[window.start:window.end]) / (window.end - window.start)))
-              for window in windows if window.end > half]
+    points = [
+        (
+            (window.start + window.end) / 2 * tokens_per_microbatch / 1e6,
+            window.loss / (sum(single_losses[window.start : window.end]) / (window.end - window.start)),
+        )
+        for window in windows
+        if window.end > half
+    ]
     if len(points) < 3:
         return {"per_million_tokens": None, "stderr": None, "lines": len(points)}
     mean_x, mean_y = sum(x for x, _ in points) / len(points), sum(y for _, y in points) / len(points)
     spread = sum((x - mean_x) ** 2 for x, _ in points)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
     residual = sum((y - mean_y - slope * (x - mean_x)) ** 2 for x, y in points) / (len(points) - 2)
-    return {"per_million_tokens": round(slope, 5), "stderr": round(math.sqrt(residual / spread), 5), "lines": len(points)}
+    return {
+        "per_million_tokens": round(slope, 5),
+        "stderr": round(math.sqrt(residual / spread), 5),
+        "lines": len(points),
+    }
 
 
 def drift_by_segment(run: SwarmRun, found: list[Segment], tokens_per_microbatch: int) -> dict[str, list[dict]]:
     """Each stage's replica drift in each segment: the SPARTA rounds whose events fall in the segment's stretch."""
     return {
-        stage: [{"tokens_from": segment.start * tokens_per_microbatch, "tokens_to": segment.end * tokens_per_microbatch,
-                 **drift_between(rounds, segment.began_at + run.clock_offset, segment.ended_at + run.clock_offset)}
-                for segment in found]
+        stage: [
+            {
+                "tokens_from": segment.start * tokens_per_microbatch,
+                "tokens_to": segment.end * tokens_per_microbatch,
+                **drift_between(rounds, segment.began_at + run.clock_offset, segment.ended_at + run.clock_offset),
+            }
+            for segment in found
+        ]
         for stage, rounds in sorted(run.rounds.items())
     }
 
@@ -448,8 +543,10 @@ def drift_by_segment(run: SwarmRun, found: list[Segment], tokens_per_microbatch:
 def events_in(segment: Segment, replacement: Replacement | None) -> str:
     if replacement is None:
         return ""
-    marks = [(replacement.killed_at_microbatch, f"{replacement.victim} killed"),
-             (replacement.ready_at_microbatch, f"{replacement.joiner} started")]
+    marks = [
+        (replacement.killed_at_microbatch, f"{replacement.victim} killed"),
+        (replacement.ready_at_microbatch, f"{replacement.joiner} started"),
+    ]
     return "; ".join(what for microbatch, what in marks if segment.start <= microbatch < segment.end)
 
 
@@ -458,25 +555,34 @@ def print_table(runs: list[tuple[SwarmRun, list[Segment]]], tokens_per_microbatc
     for run, found in runs:
         for segment in found:
             tokens = f"{segment.start * tokens_per_microbatch // 1000}k-{segment.end * tokens_per_microbatch // 1000}k"
-            print(f"{run.name:<6} {tokens:>17} {segment.swarm_loss:>11.4f} {segment.single_loss:>17.4f} "
-                  f"{segment.ratio:>7.3f}  {events_in(segment, run.replacement)}".rstrip())
-        print(f"{run.name:<6} ratio at the end {found[-1].ratio:.3f} (target <= {TARGET_RATIO}); "
-              f"{run.dropped} microbatches dropped; load {run.load:.1f}")
+            print(
+                f"{run.name:<6} {tokens:>17} {segment.swarm_loss:>11.4f} {segment.single_loss:>17.4f} "
+                f"{segment.ratio:>7.3f}  {events_in(segment, run.replacement)}".rstrip()
+            )
+        print(
+            f"{run.name:<6} ratio at the end {found[-1].ratio:.3f} (target <= {TARGET_RATIO}); "
+            f"{run.dropped} microbatches dropped; load {run.load:.1f}"
+        )
 
 
-def print_eval_table(runs: list[SwarmRun], compared: dict[str, list[EvalComparison]], tokens_per_microbatch: int) -> None:
+def print_eval_table(
+    runs: list[SwarmRun], compared: dict[str, list[EvalComparison]], tokens_per_microbatch: int
+) -> None:
     print(f"\n{'run':<6} {'held out at':>12} {'swarm loss':>11} {'one-process loss':>17} {'ratio':>7}")
     for run in runs:
         for comparison in compared[run.name]:
             tokens = f"{comparison.microbatches * tokens_per_microbatch // 1000}k"
-            print(f"{run.name:<6} {tokens:>12} {comparison.swarm_loss:>11.4f} {comparison.single_loss:>17.4f} "
-                  f"{comparison.ratio:>7.3f}")
+            print(
+                f"{run.name:<6} {tokens:>12} {comparison.swarm_loss:>11.4f} {comparison.single_loss:>17.4f} "
+                f"{comparison.ratio:>7.3f}"
+            )
         if not compared[run.name]:
             print(f"{run.name:<6} no [EVAL] line from the trainer")
 
 
-def print_drift_table(runs: list[tuple[SwarmRun, list[Segment]]], single: SingleProcessRun,
-                      tokens_per_microbatch: int) -> None:
+def print_drift_table(
+    runs: list[tuple[SwarmRun, list[Segment]]], single: SingleProcessRun, tokens_per_microbatch: int
+) -> None:
     """Replica drift per stage and segment (mean before a round -> mean right after it), and the ratio's trend."""
     for run, found in runs:
         drift = drift_by_segment(run, found, tokens_per_microbatch)
@@ -485,13 +591,21 @@ def print_drift_table(runs: list[tuple[SwarmRun, list[Segment]]], single: Single
         for index, segment in enumerate(found):
             tokens = f"{segment.start * tokens_per_microbatch // 1000}k-{segment.end * tokens_per_microbatch // 1000}k"
             cells = [drift[stage][index] for stage in drift]
-            print(f"{tokens:>17} " + " ".join(
-                f"{cell['before_mean']:>8.4f} -> {cell['after_mean']:<6.4f}" if cell["rounds"] else f"{'no rounds':>18}"
-                for cell in cells))
+            print(
+                f"{tokens:>17} "
+                + " ".join(
+                    f"{cell['before_mean']:>8.4f} -> {cell['after_mean']:<6.4f}"
+                    if cell["rounds"]
+                    else f"{'no rounds':>18}"
+                    for cell in cells
+                )
+            )
         slope = ratio_slope(run.windows, single.losses, tokens_per_microbatch)
         if slope["per_million_tokens"] is not None:
-            print(f"{run.name}: ratio slope over the second half {slope['per_million_tokens']:+.4f} "
-                  f"+- {slope['stderr']:.4f} per million tokens ({slope['lines']} progress lines)")
+            print(
+                f"{run.name}: ratio slope over the second half {slope['per_million_tokens']:+.4f} "
+                f"+- {slope['stderr']:.4f} per million tokens ({slope['lines']} progress lines)"
+            )
 
 
 def eval_figures(compared: list[EvalComparison], tokens_per_microbatch: int) -> dict:
@@ -499,8 +613,12 @@ def eval_figures(compared: list[EvalComparison], tokens_per_microbatch: int) -> 
         "eval_ratio_at_end": round(compared[-1].ratio, 4) if compared else None,
         "eval_tokens_at_end": compared[-1].microbatches * tokens_per_microbatch if compared else None,
         "evals": [
-            {"tokens": comparison.microbatches * tokens_per_microbatch, "swarm_eval_loss": round(comparison.swarm_loss, 4),
-             "single_process_eval_loss": round(comparison.single_loss, 4), "ratio": round(comparison.ratio, 4)}
+            {
+                "tokens": comparison.microbatches * tokens_per_microbatch,
+                "swarm_eval_loss": round(comparison.swarm_loss, 4),
+                "single_process_eval_loss": round(comparison.single_loss, 4),
+                "ratio": round(comparison.ratio, 4),
+            }
             for comparison in compared
         ],
     }
@@ -516,9 +634,13 @@ def run_figures(run: SwarmRun, found: list[Segment], single: SingleProcessRun, t
         "microbatches_dropped": run.dropped,
         "load_avg_1m": round(run.load, 2),
         "segments": [
-            {"tokens_from": segment.start * tokens_per_microbatch, "tokens_to": segment.end * tokens_per_microbatch,
-             "swarm_loss": round(segment.swarm_loss, 4), "single_process_loss": round(segment.single_loss, 4),
-             "ratio": round(segment.ratio, 4)}
+            {
+                "tokens_from": segment.start * tokens_per_microbatch,
+                "tokens_to": segment.end * tokens_per_microbatch,
+                "swarm_loss": round(segment.swarm_loss, 4),
+                "single_process_loss": round(segment.single_loss, 4),
+                "ratio": round(segment.ratio, 4),
+            }
             for segment in found
         ],
         "drift": drift_by_segment(run, found, tokens_per_microbatch),
@@ -526,14 +648,18 @@ def run_figures(run: SwarmRun, found: list[Segment], single: SingleProcessRun, t
     }
     if run.replacement is not None:
         replacement = run.replacement
-        figures.update({
-            "killed": replacement.victim,
-            "replacement": replacement.joiner,
-            "killed_at_tokens": replacement.killed_at_microbatch * tokens_per_microbatch,
-            "replacement_started_at_tokens": replacement.ready_at_microbatch * tokens_per_microbatch,
-            "replacement_started_after_s": round(replacement.ready_after_s, 1),
-            "replacement_active_after_s": None if replacement.active_after_s is None else round(replacement.active_after_s, 1),
-        })
+        figures.update(
+            {
+                "killed": replacement.victim,
+                "replacement": replacement.joiner,
+                "killed_at_tokens": replacement.killed_at_microbatch * tokens_per_microbatch,
+                "replacement_started_at_tokens": replacement.ready_at_microbatch * tokens_per_microbatch,
+                "replacement_started_after_s": round(replacement.ready_after_s, 1),
+                "replacement_active_after_s": None
+                if replacement.active_after_s is None
+                else round(replacement.active_after_s, 1),
+            }
+        )
     return figures
 
 
@@ -543,8 +669,13 @@ def sparta_figures(config: RunConfig, args: argparse.Namespace) -> dict:
     period = args.sparta_period if args.sparta_period is not None else config.sparta.period
     outer_momentum = args.outer_momentum if args.outer_momentum is not None else config.sparta.outer_momentum
     outer_lr = args.outer_lr if args.outer_lr is not None else config.sparta.outer_lr
-    return {"fraction": fraction, "period": period, "share_per_epoch": round(fraction / period, 6),
-            "outer_momentum": outer_momentum, "outer_lr": outer_lr}
+    return {
+        "fraction": fraction,
+        "period": period,
+        "share_per_epoch": round(fraction / period, 6),
+        "outer_momentum": outer_momentum,
+        "outer_lr": outer_lr,
+    }
 
 
 def share_scaling(config: RunConfig, args: argparse.Namespace) -> str:
@@ -561,10 +692,13 @@ def main() -> int:
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="agora-bench-convergence-"))
     tokens_per_microbatch = config.optim.microbatch_size * config.model.seq_len
     arm = sparta_figures(config, args)
-    print(f"arm: payload {args.payload}, SPARTA {arm['fraction']:g} every {arm['period']} stage epochs, outer momentum "
-          f"{arm['outer_momentum']:g}, outer lr {arm['outer_lr']:g}, share scaling {share_scaling(config, args)}, "
-          f"{inflight(config, args)} microbatches in flight; "
-          f"runs {', '.join(args.runs)}", flush=True)
+    print(
+        f"arm: payload {args.payload}, SPARTA {arm['fraction']:g} every {arm['period']} stage epochs, outer momentum "
+        f"{arm['outer_momentum']:g}, outer lr {arm['outer_lr']:g}, share scaling {share_scaling(config, args)}, "
+        f"{inflight(config, args)} microbatches in flight; "
+        f"runs {', '.join(args.runs)}",
+        flush=True,
+    )
     kill_stages = {"quiet": None, "kill": args.kill_stage}
     goal = math.ceil(args.tokens / tokens_per_microbatch) if args.tokens else None
     runs = [train_swarm(name, args, run_dir / name, kill_stages[name], goal) for name in args.runs]
@@ -594,8 +728,11 @@ def main() -> int:
         "held_out_sequences": config.eval.sequences,
         "eval_every_s": config.eval.every_s,
         "target_ratio": TARGET_RATIO,
-        **{run.name: run_figures(run, found, single, tokens_per_microbatch) | eval_figures(compared[run.name], tokens_per_microbatch)
-           for run, found in measured},
+        **{
+            run.name: run_figures(run, found, single, tokens_per_microbatch)
+            | eval_figures(compared[run.name], tokens_per_microbatch)
+            for run, found in measured
+        },
         "single_process_microbatches": len(single.losses),
         "single_process_optimizer_steps": single.steps,
         "cpus": os.cpu_count(),

@@ -59,13 +59,19 @@ SWARM_START_TIMEOUT_S = 300.0
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of (BPE pipeline, bytes pipeline, trainer)")
-    parser.add_argument("--pipeline-seconds", type=float, default=4.0, help="measured seconds of each pipeline per round")
+    parser.add_argument(
+        "--pipeline-seconds", type=float, default=4.0, help="measured seconds of each pipeline per round"
+    )
     parser.add_argument("--trainer-seconds", type=float, default=10.0, help="measured seconds of the trainer per round")
-    parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds after each pipeline's first batch")
+    parser.add_argument(
+        "--warmup", type=float, default=2.0, help="unmeasured seconds after each pipeline's first batch"
+    )
     parser.add_argument("--swarm", action="store_true", help="also measure a real local swarm's trainer")
     parser.add_argument("--swarm-seconds", type=float, default=40.0, help="measured seconds of the swarm (--swarm)")
     parser.add_argument("--swarm-warmup", type=float, default=15.0, help="seconds of the swarm's trainer not measured")
-    parser.add_argument("--run-dir", type=Path, default=None, help="the swarm's logs go here (default: a temporary folder)")
+    parser.add_argument(
+        "--run-dir", type=Path, default=None, help="the swarm's logs go here (default: a temporary folder)"
+    )
     args = parser.parse_args()
     if args.rounds < 1 or min(args.pipeline_seconds, args.trainer_seconds, args.swarm_seconds) <= 0:
         parser.error("--rounds and the measured seconds must be positive")
@@ -141,15 +147,25 @@ def measure_rounds(config: RunConfig, args: argparse.Namespace) -> tuple[list[di
     model.train_microbatch(next(batches))  # the first call pays one-off allocation costs
     rounds = []
     for index in range(args.rounds):
-        pipeline, byte_pipeline = draw(bpe.batches, args.pipeline_seconds), draw(byte_level.batches, args.pipeline_seconds)
+        pipeline, byte_pipeline = (
+            draw(bpe.batches, args.pipeline_seconds),
+            draw(byte_level.batches, args.pipeline_seconds),
+        )
         trainer = train(model, batches, args.trainer_seconds)
-        rounds.append({
-            "pipeline_tokens_per_s": pipeline["tokens_per_s"], "pipeline_tokens_per_cpu_s": pipeline["tokens_per_cpu_s"],
-            "bytes_pipeline_tokens_per_s": byte_pipeline["tokens_per_s"], "trainer_tokens_per_s": trainer,
-        })
-        print(f"round {index + 1}/{args.rounds}: pipeline {pipeline['tokens_per_s']:,.0f} tokens/s ({bpe.name}), "
-              f"{byte_pipeline['tokens_per_s']:,.0f} (bytes); trainer {trainer:,.0f} tokens/s; "
-              f"headroom {pipeline['tokens_per_s'] / trainer:,.0f}", flush=True)
+        rounds.append(
+            {
+                "pipeline_tokens_per_s": pipeline["tokens_per_s"],
+                "pipeline_tokens_per_cpu_s": pipeline["tokens_per_cpu_s"],
+                "bytes_pipeline_tokens_per_s": byte_pipeline["tokens_per_s"],
+                "trainer_tokens_per_s": trainer,
+            }
+        )
+        print(
+            f"round {index + 1}/{args.rounds}: pipeline {pipeline['tokens_per_s']:,.0f} tokens/s ({bpe.name}), "
+            f"{byte_pipeline['tokens_per_s']:,.0f} (bytes); trainer {trainer:,.0f} tokens/s; "
+            f"headroom {pipeline['tokens_per_s'] / trainer:,.0f}",
+            flush=True,
+        )
     return rounds, {pipeline.name: pipeline.first_batch_s for pipeline in (bpe, byte_level)}
 
 
@@ -158,14 +174,21 @@ def summary(config: RunConfig, rounds: list[dict], first_batch_s: dict[str, floa
     pipeline, trainer = median["pipeline_tokens_per_s"], median["trainer_tokens_per_s"]
     lowest = min(measured["pipeline_tokens_per_s"] / measured["trainer_tokens_per_s"] for measured in rounds)
     return {
-        "bench": "data_throughput", "preset": config.name, "tokenizer": config.tokenizer.source,
-        "microbatch_size": config.optim.microbatch_size, "seq_len": config.model.seq_len, "rounds": len(rounds),
-        "pipeline_tokens_per_s": round(pipeline), "pipeline_tokens_per_cpu_s": round(median["pipeline_tokens_per_cpu_s"]),
+        "bench": "data_throughput",
+        "preset": config.name,
+        "tokenizer": config.tokenizer.source,
+        "microbatch_size": config.optim.microbatch_size,
+        "seq_len": config.model.seq_len,
+        "rounds": len(rounds),
+        "pipeline_tokens_per_s": round(pipeline),
+        "pipeline_tokens_per_cpu_s": round(median["pipeline_tokens_per_cpu_s"]),
         "pipeline_first_batch_s": round(first_batch_s[config.tokenizer.source], 2),
         "bytes_pipeline_tokens_per_s": round(median["bytes_pipeline_tokens_per_s"]),
         "bytes_pipeline_first_batch_s": round(first_batch_s["bytes"], 2),
-        "trainer_tokens_per_s": round(trainer, 1), "trainer": "one process (an upper bound on a swarm trainer)",
-        "headroom": round(pipeline / trainer, 1), "target_headroom": TARGET_HEADROOM,
+        "trainer_tokens_per_s": round(trainer, 1),
+        "trainer": "one process (an upper bound on a swarm trainer)",
+        "headroom": round(pipeline / trainer, 1),
+        "target_headroom": TARGET_HEADROOM,
         "meets_target": pipeline / trainer >= TARGET_HEADROOM,
         "headroom_lowest_round": round(lowest, 1),
         "pipeline_cpu_share": round(trainer / median["pipeline_tokens_per_cpu_s"], 4),
@@ -176,16 +199,24 @@ def summary(config: RunConfig, rounds: list[dict], first_batch_s: dict[str, floa
 def main() -> int:
     args = parse_args()
     config = load_config("tiny")
-    print(f"{config.name}: {config.optim.microbatch_size} x {config.model.seq_len} tokens per microbatch, "
-          f"{args.rounds} rounds", flush=True)
+    print(
+        f"{config.name}: {config.optim.microbatch_size} x {config.model.seq_len} tokens per microbatch, "
+        f"{args.rounds} rounds",
+        flush=True,
+    )
     result = summary(config, *measure_rounds(config, args))
     if args.swarm:
         swarm = swarm_tokens_per_second(config, args)
-        result.update(swarm_trainer_tokens_per_s=round(swarm, 1),
-                      headroom_swarm=round(result["pipeline_tokens_per_s"] / swarm, 1) if swarm > 0 else None)
+        result.update(
+            swarm_trainer_tokens_per_s=round(swarm, 1),
+            headroom_swarm=round(result["pipeline_tokens_per_s"] / swarm, 1) if swarm > 0 else None,
+        )
     result.update(load_avg_1m=round(os.getloadavg()[0], 2), cpus=os.cpu_count(), torch_threads=torch.get_num_threads())
-    print(f"pipeline {result['pipeline_tokens_per_s']:,} tokens/s against a trainer's {result['trainer_tokens_per_s']:,} "
-          f"(one process): headroom {result['headroom']} (target >= {TARGET_HEADROOM:.0f})", flush=True)
+    print(
+        f"pipeline {result['pipeline_tokens_per_s']:,} tokens/s against a trainer's {result['trainer_tokens_per_s']:,} "
+        f"(one process): headroom {result['headroom']} (target >= {TARGET_HEADROOM:.0f})",
+        flush=True,
+    )
     print(json.dumps(result))
     return 0
 

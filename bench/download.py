@@ -83,11 +83,20 @@ def publish(root: Path, megabytes: int) -> int:
             piece = block[: min(len(block), size - offset)]
             out.write(piece)
             digest.update(piece)
-    manifest = {"format": FORMAT, "version": FORMAT_VERSION, "stage": STAGE, "epoch": 1, "timestamp": 1.7e9,
-                "files": {PARAMS_FILE: {"sha256": digest.hexdigest(), "size": size}}}
+    manifest = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "stage": STAGE,
+        "epoch": 1,
+        "timestamp": 1.7e9,
+        "files": {PARAMS_FILE: {"sha256": digest.hexdigest(), "size": size}},
+    }
     (directory / MANIFEST_FILE).write_text(json.dumps(manifest))
-    (root / STAGE / LATEST_FILE).write_text(json.dumps({**{k: manifest[k] for k in ("stage", "epoch", "timestamp")},
-                                                       "manifest": f"{SNAPSHOT}/{MANIFEST_FILE}"}))
+    (root / STAGE / LATEST_FILE).write_text(
+        json.dumps(
+            {**{k: manifest[k] for k in ("stage", "epoch", "timestamp")}, "manifest": f"{SNAPSHOT}/{MANIFEST_FILE}"}
+        )
+    )
     return size
 
 
@@ -150,22 +159,34 @@ def main() -> int:
         PacedStore.rate, CutHalfwayOnce.half = None, size // 2
         cut_store = Store(root, CutHalfwayOnce)
         try:
-            target = download_snapshot(f"{cut_store.url}/{STAGE}/{LATEST_FILE}", scratch / "cut", events=NULL_WRITER, backoff_s=0.05)
+            target = download_snapshot(
+                f"{cut_store.url}/{STAGE}/{LATEST_FILE}", scratch / "cut", events=NULL_WRITER, backoff_s=0.05
+            )
             assert (target / PARAMS_FILE).stat().st_size == size
         finally:
             sent, was_cut = cut_store.close()
         assert was_cut, "the cut store never cut"
-        documents = sum(path.stat().st_size for path in (root / STAGE / LATEST_FILE, root / STAGE / SNAPSHOT / MANIFEST_FILE))
+        documents = sum(
+            path.stat().st_size for path in (root / STAGE / LATEST_FILE, root / STAGE / SNAPSHOT / MANIFEST_FILE)
+        )
         refetched = sent - size - documents
         print(f"a connection cut at half of {size:,} bytes: {refetched:,} bytes fetched twice")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
-    print(json.dumps({
-        "bench": "download", "bytes": size, "repeats": args.repeats, **{
-            f"{link}_{key}": value for link, figures in links.items() for key, value in figures.items()
-        }, "cut_refetched_bytes": refetched, "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "download",
+                "bytes": size,
+                "repeats": args.repeats,
+                **{f"{link}_{key}": value for link, figures in links.items() for key, value in figures.items()},
+                "cut_refetched_bytes": refetched,
+                "cpus": os.cpu_count(),
+                "load_avg_1m": os.getloadavg()[0],
+            }
+        )
+    )
     return 0
 
 
@@ -186,9 +207,16 @@ def compare(url: str, scratch: Path, size: int, repeats: int, link: str) -> dict
                 print(f"{link:>9s} {kind:5s} #{attempt + 1}: {rates[kind][-1] / 1e6:7.1f} MB/s", flush=True)
                 shutil.rmtree(target)
     plain, ours = statistics.median(rates["plain"]), statistics.median(rates["ours"])
-    print(f"{link:>9s} median: plain GET {plain / 1e6:.1f} MB/s, resumable verified download {ours / 1e6:.1f} MB/s, "
-          f"ratio {ours / plain:.3f}", flush=True)
-    return {"plain_get_bps": round(plain), "download_bps": round(ours), "download_over_plain_get": round(ours / plain, 3)}
+    print(
+        f"{link:>9s} median: plain GET {plain / 1e6:.1f} MB/s, resumable verified download {ours / 1e6:.1f} MB/s, "
+        f"ratio {ours / plain:.3f}",
+        flush=True,
+    )
+    return {
+        "plain_get_bps": round(plain),
+        "download_bps": round(ours),
+        "download_over_plain_get": round(ours / plain, 3),
+    }
 
 
 if __name__ == "__main__":

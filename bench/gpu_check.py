@@ -46,11 +46,6 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # agora_client from this checkout: not installed there
 
 import torch  # noqa: E402
-
-from agora_client.config import RunConfig, load_config  # noqa: E402
-from agora_client.joining.gpu_fit import GpuRefused, fit_stage  # noqa: E402
-from agora_client.model.memory import gib  # noqa: E402
-from agora_client.system.gpu import GpuSpec  # noqa: E402
 from _gpu_sections import (  # noqa: E402
     allocator_cap,
     bf16_against_fp32,
@@ -62,6 +57,11 @@ from _gpu_sections import (  # noqa: E402
     tail_refusal,
 )
 from _gpu_stage_run import measure_stage, peak_bf16_flops, release  # noqa: E402
+
+from agora_client.config import RunConfig, load_config  # noqa: E402
+from agora_client.joining.gpu_fit import GpuRefused, fit_stage  # noqa: E402
+from agora_client.model.memory import gib  # noqa: E402
+from agora_client.system.gpu import GpuSpec  # noqa: E402
 
 SECTIONS = ("device", "stages", "small_card", "numerics", "bandwidth")
 BUDGET_S = 420.0
@@ -161,8 +161,10 @@ def item_line(item: dict) -> str:
         return f"{name}: " + ", ".join(f"{key} {value}" for key, value in item.items() if key != "part")
     ratio = "n/a" if item["peak_vs_plan"] is None else f"{item['peak_vs_plan']:.3f}"
     mfu = "n/a" if item["mfu"] is None else f"{item['mfu']:.3f}"
-    return (f"{name}: {item['microbatch']} seq, autocast {item['autocast']}, peak/plan {ratio}, forward + backward "
-            f"{item['step_s']:.3f} s, {item['tokens_per_s']:.0f} tokens/s, MFU {mfu}, AdamW step {item['optimizer_step_s']:.3f} s")
+    return (
+        f"{name}: {item['microbatch']} seq, autocast {item['autocast']}, peak/plan {ratio}, forward + backward "
+        f"{item['step_s']:.3f} s, {item['tokens_per_s']:.0f} tokens/s, MFU {mfu}, AdamW step {item['optimizer_step_s']:.3f} s"
+    )
 
 
 def checked_stages(run: RunConfig) -> tuple[str, ...]:
@@ -171,8 +173,14 @@ def checked_stages(run: RunConfig) -> tuple[str, ...]:
     return names[0], names[1], names[-1]
 
 
-def fitted_run(run: RunConfig, stage: str, card: GpuSpec, device: torch.device, max_microbatch: int | None,
-               peak: tuple[float | None, str]) -> dict:
+def fitted_run(
+    run: RunConfig,
+    stage: str,
+    card: GpuSpec,
+    device: torch.device,
+    max_microbatch: int | None,
+    peak: tuple[float | None, str],
+) -> dict:
     """The stage at the largest microbatch the join-time fit check allows on ``card`` (at most ``max_microbatch``);
     a stage the card cannot hold is skipped with the check's reason."""
     try:
@@ -190,19 +198,30 @@ def peak_of(card: GpuSpec, device: torch.device) -> tuple[float | None, str]:
 def stages_section(check: Check, run: RunConfig, device: torch.device, max_microbatch: int | None) -> dict:
     card = card_of(device)
     peak = peak_of(card, device)
-    runs = [check.attempt(lambda stage=stage: fitted_run(run, stage, card, device, max_microbatch, peak), stage=stage)
-            for stage in checked_stages(run)]
+    runs = [
+        check.attempt(lambda stage=stage: fitted_run(run, stage, card, device, max_microbatch, peak), stage=stage)
+        for stage in checked_stages(run)
+    ]
     return {"card": card.name, "capacity": card.capacity, "peak_bf16": peak[1], "runs": runs}
 
 
-def small_card_section(check: Check, run: RunConfig, device: torch.device, dry: bool, max_microbatch: int | None) -> dict:
+def small_card_section(
+    check: Check, run: RunConfig, device: torch.device, dry: bool, max_microbatch: int | None
+) -> dict:
     real = card_of(device)
     card, peak = small_card(run, real, dry), peak_of(real, device)
     with allocator_cap(device, card.capacity) as cap:
-        runs = [check.attempt(lambda stage=stage: fitted_run(run, stage, card, device, max_microbatch, peak), stage=stage)
-                for stage in checked_stages(run)[:2]]
-    return {"card": card.name, "capacity": card.capacity, "allocator": cap, "runs": runs,
-            "tail": tail_refusal(run, card)}
+        runs = [
+            check.attempt(lambda stage=stage: fitted_run(run, stage, card, device, max_microbatch, peak), stage=stage)
+            for stage in checked_stages(run)[:2]
+        ]
+    return {
+        "card": card.name,
+        "capacity": card.capacity,
+        "allocator": cap,
+        "runs": runs,
+        "tail": tail_refusal(run, card),
+    }
 
 
 def numerics_section(check: Check, run: RunConfig, device: torch.device) -> dict:
@@ -240,8 +259,10 @@ def peak_target(report: dict, on_gpu: bool) -> tuple[dict, list[str]]:
             ratio = ratios[label] = round(item["peak_vs_plan"], 3)
             if not low <= ratio <= high:
                 off = f"{ratio - high:.3f} above {high}" if ratio > high else f"{low - ratio:.3f} below {low}"
-                misses.append(f"peak/plan of {label} is {ratio:.3f}, {off}: measured {gib(item['peak_allocated'])}, "
-                              f"planned {gib(item['planned_peak'])}")
+                misses.append(
+                    f"peak/plan of {label} is {ratio:.3f}, {off}: measured {gib(item['peak_allocated'])}, "
+                    f"planned {gib(item['planned_peak'])}"
+                )
     if not ratios:
         return _unmeasured(on_gpu, "no stage's peak (the CPU has no device allocator to read)"), []
     return {"pass": not misses, "detail": f"target {low}-{high}", "ratios": ratios}, misses
@@ -251,10 +272,15 @@ def small_card_target(report: dict) -> tuple[dict, list[str]]:
     section = report["sections"].get("small_card", {})
     if not section.get("ok"):
         return {"pass": False, "detail": "the section did not run to its end"}, ["small card: the section did not run"]
-    misses = [f"small card ({section['card']}): {item['stage']} did not train: {item.get('error') or item.get('skipped')}"
-              for item in section["runs"] if "error" in item or "skipped" in item]
+    misses = [
+        f"small card ({section['card']}): {item['stage']} did not train: {item.get('error') or item.get('skipped')}"
+        for item in section["runs"]
+        if "error" in item or "skipped" in item
+    ]
     if not section["tail"]["refused"]:
-        misses.append(f"small card ({section['card']}): the fit check took the tail at {section['tail']['microbatch']} seq")
+        misses.append(
+            f"small card ({section['card']}): the fit check took the tail at {section['tail']['microbatch']} seq"
+        )
     return {"pass": not misses, "detail": f"{section['card']}: head and body train, the tail is refused"}, misses
 
 
@@ -267,7 +293,9 @@ def mfu_target(report: dict, body_stage: str, on_gpu: bool) -> tuple[dict, list[
     detail = f"{body_stage} at {body['microbatch']} seq: {mfu:.3f}, target >= {MFU_TARGET}"
     if mfu >= MFU_TARGET:
         return {"pass": True, "detail": detail}, []
-    return {"pass": False, "detail": detail}, [f"MFU of {body_stage} is {mfu:.3f}, {MFU_TARGET - mfu:.3f} below {MFU_TARGET}"]
+    return {"pass": False, "detail": detail}, [
+        f"MFU of {body_stage} is {mfu:.3f}, {MFU_TARGET - mfu:.3f} below {MFU_TARGET}"
+    ]
 
 
 def numerics_target(report: dict) -> tuple[dict, list[str]]:
@@ -280,7 +308,10 @@ def numerics_target(report: dict) -> tuple[dict, list[str]]:
     if not rows.get("close"):
         difference = rows.get("max_abs_diff", rows.get("error"))
         misses.append(f"E_f rows on {rows.get('device')} differ from the CPU's: {difference}")
-    return {"pass": not misses, "detail": f"BF16 relative error <= {BF16_ERROR_LIMIT}, E_f rows equal the CPU's"}, misses
+    return {
+        "pass": not misses,
+        "detail": f"BF16 relative error <= {BF16_ERROR_LIMIT}, E_f rows equal the CPU's",
+    }, misses
 
 
 def judge(report: dict, on_gpu: bool) -> tuple[dict, list[str]]:
@@ -290,10 +321,14 @@ def judge(report: dict, on_gpu: bool) -> tuple[dict, list[str]]:
         "small_card": small_card_target(report),
         "mfu_body": mfu_target(report, body, on_gpu),
         "numerics": numerics_target(report),
-        "no_hivemind": ({"pass": not report["imports"]["hivemind"], "detail": "hivemind never imported"},
-                        ["hivemind was imported"] if report["imports"]["hivemind"] else []),
+        "no_hivemind": (
+            {"pass": not report["imports"]["hivemind"], "detail": "hivemind never imported"},
+            ["hivemind was imported"] if report["imports"]["hivemind"] else [],
+        ),
     }
-    return {name: target for name, (target, _) in judged.items()}, [miss for _, misses in judged.values() for miss in misses]
+    return {name: target for name, (target, _) in judged.items()}, [
+        miss for _, misses in judged.values() for miss in misses
+    ]
 
 
 def passed(report: dict) -> bool:
@@ -305,12 +340,20 @@ def passed(report: dict) -> bool:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dry", action="store_true", help="on the CPU with the tiny preset, in seconds (what the tests run)")
+    parser.add_argument(
+        "--dry", action="store_true", help="on the CPU with the tiny preset, in seconds (what the tests run)"
+    )
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="wall-clock budget in seconds (420)")
-    parser.add_argument("--cuda-index", type=int, default=0, help="the GPU in CUDA's numbering (CUDA_VISIBLE_DEVICES applies)")
+    parser.add_argument(
+        "--cuda-index", type=int, default=0, help="the GPU in CUDA's numbering (CUDA_VISIBLE_DEVICES applies)"
+    )
     parser.add_argument("--preset", default=None, help="run config preset or YAML file (8b; --dry: tiny)")
-    parser.add_argument("--max-microbatch", type=int, default=None,
-                        help="cap the microbatch the plan picks (--dry: the run's own microbatch, to stay in seconds)")
+    parser.add_argument(
+        "--max-microbatch",
+        type=int,
+        default=None,
+        help="cap the microbatch the plan picks (--dry: the run's own microbatch, to stay in seconds)",
+    )
     return parser.parse_args(argv)
 
 
@@ -326,8 +369,17 @@ def main(argv: list[str] | None = None) -> int:
     run = load_config(args.preset or ("tiny" if args.dry else "8b"))
     max_microbatch = args.max_microbatch or (run.optim.microbatch_size if args.dry else None)
     torch.manual_seed(0)
-    check = Check(args.budget_s, device, {"bench": "gpu_check", "dry": args.dry, "preset": run.name,
-                                          "device": str(device), "body_stage": checked_stages(run)[1]})
+    check = Check(
+        args.budget_s,
+        device,
+        {
+            "bench": "gpu_check",
+            "dry": args.dry,
+            "preset": run.name,
+            "device": str(device),
+            "body_stage": checked_stages(run)[1],
+        },
+    )
     check.section("device", lambda: device_facts(device))
     check.section("stages", lambda: stages_section(check, run, device, max_microbatch))
     check.section("small_card", lambda: small_card_section(check, run, device, args.dry, max_microbatch))

@@ -65,22 +65,44 @@ class Rate:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--home-mbit", type=float, nargs="+", default=[200.0, 50.0, 20.0],
-                        help="home uplinks (Mbit/s) whose 8b compressed traffic is scaled onto tiny's")
-    parser.add_argument("--dense-home-mbit", type=float, nargs="*", default=[20.0],
-                        help="home uplinks (Mbit/s) whose 8b dense traffic is scaled onto tiny's (the dense boundary binds)")
+    parser.add_argument(
+        "--home-mbit",
+        type=float,
+        nargs="+",
+        default=[200.0, 50.0, 20.0],
+        help="home uplinks (Mbit/s) whose 8b compressed traffic is scaled onto tiny's",
+    )
+    parser.add_argument(
+        "--dense-home-mbit",
+        type=float,
+        nargs="*",
+        default=[20.0],
+        help="home uplinks (Mbit/s) whose 8b dense traffic is scaled onto tiny's (the dense boundary binds)",
+    )
     parser.add_argument("--workers", type=int, default=2, help="workers per stage (SPARTA needs 2 or more)")
-    parser.add_argument("--seconds", type=float, default=30.0,
-                        help=f"measured seconds per rate and mode (longer until {MEASURED_MICROBATCHES} microbatches finished)")
-    parser.add_argument("--warmup", type=float, default=10.0,
-                        help="seconds after each rate change not measured (longer until the microbatches in flight finished)")
-    parser.add_argument("--max-seconds", type=float, default=180.0,
-                        help="longest a warm-up or a measurement waits for its microbatches")
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=30.0,
+        help=f"measured seconds per rate and mode (longer until {MEASURED_MICROBATCHES} microbatches finished)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=10.0,
+        help="seconds after each rate change not measured (longer until the microbatches in flight finished)",
+    )
+    parser.add_argument(
+        "--max-seconds", type=float, default=180.0, help="longest a warm-up or a measurement waits for its microbatches"
+    )
     parser.add_argument("--inflight", type=int, default=3, help="microbatches in flight in the trainer")
     parser.add_argument("--run-dir", type=Path, default=None, help="logs go here (default: a temporary folder)")
     args = parser.parse_args()
-    if args.workers < 2 or min(args.seconds, args.warmup + 1, args.max_seconds, args.inflight, *args.home_mbit,
-                               *args.dense_home_mbit) <= 0:
+    if (
+        args.workers < 2
+        or min(args.seconds, args.warmup + 1, args.max_seconds, args.inflight, *args.home_mbit, *args.dense_home_mbit)
+        <= 0
+    ):
         parser.error("use 2 or more workers per stage and positive durations and rates")
     return args
 
@@ -106,12 +128,15 @@ def plan_rates(args: argparse.Namespace, tiny: dict[str, int], big: dict[str, in
     for boundary, home in scaled:
         mbit = home * tiny[boundary] / big[boundary]
         carried = ", ".join(f"{kind} ~{link_tokens_per_s(mbit, tiny[kind], args.workers):,.0f}" for kind in tiny)
-        rates.append(Rate(
-            f"{home:g} Mbit {boundary}", mbit,
-            f"{REFERENCE} {boundary} ({big[boundary]:,} B/token) on a {home:g} Mbit/s home uplink spends as long per "
-            f"token on the link as {PRESET} {boundary} ({tiny[boundary]:,} B/token) at {mbit:.2f} Mbit/s; bandwidth "
-            f"alone lets a body stage's uplinks carry at most tokens/s: {carried}",
-        ))
+        rates.append(
+            Rate(
+                f"{home:g} Mbit {boundary}",
+                mbit,
+                f"{REFERENCE} {boundary} ({big[boundary]:,} B/token) on a {home:g} Mbit/s home uplink spends as long per "
+                f"token on the link as {PRESET} {boundary} ({tiny[boundary]:,} B/token) at {mbit:.2f} Mbit/s; bandwidth "
+                f"alone lets a body stage's uplinks carry at most tokens/s: {carried}",
+            )
+        )
     return sorted(rates, key=lambda rate: -(rate.mbit or math.inf))  # widest first
 
 
@@ -152,8 +177,9 @@ def finished_since(points: list[ProgressPoint], since: float) -> int:
     return after[-1].microbatches - after[0].microbatches if after else 0
 
 
-def wait_for_microbatches(swarm: LocalSwarm, recorder: ProgressRecorder, seconds: float, microbatches: int,
-                          args: argparse.Namespace) -> None:
+def wait_for_microbatches(
+    swarm: LocalSwarm, recorder: ProgressRecorder, seconds: float, microbatches: int, args: argparse.Namespace
+) -> None:
     """Wait at least ``seconds``, and until the trainer finished ``microbatches`` more (at most --max-seconds)."""
     trainer = swarm.trainers[0]
     since = time.monotonic()
@@ -165,8 +191,9 @@ def wait_for_microbatches(swarm: LocalSwarm, recorder: ProgressRecorder, seconds
         time.sleep(0.5)
 
 
-def measure(swarm: LocalSwarm, recorder: ProgressRecorder, uplinks: list[Host], rate: Rate,
-            args: argparse.Namespace) -> dict:
+def measure(
+    swarm: LocalSwarm, recorder: ProgressRecorder, uplinks: list[Host], rate: Rate, args: argparse.Namespace
+) -> dict:
     """Tokens/s and SPARTA rounds at ``rate``, once the microbatches sent at the previous rate have finished."""
     shape(uplinks, rate.mbit)
     wait_for_microbatches(swarm, recorder, args.warmup, args.inflight, args)
@@ -181,26 +208,45 @@ def measure(swarm: LocalSwarm, recorder: ProgressRecorder, uplinks: list[Host], 
     }
 
 
-def run_mode(mode: str, preset: str, swarm_host: Host, placements: dict[tuple[str, int], Host], rates: list[Rate],
-             args: argparse.Namespace, run_dir: Path) -> dict[str, dict]:
+def run_mode(
+    mode: str,
+    preset: str,
+    swarm_host: Host,
+    placements: dict[tuple[str, int], Host],
+    rates: list[Rate],
+    args: argparse.Namespace,
+    run_dir: Path,
+) -> dict[str, dict]:
     """One swarm with compression ``mode``, measured at every rate in order; rate label -> figures."""
     recorder = ProgressRecorder()
-    options = SwarmOptions(preset=preset, workers_per_stage=args.workers, trainers=1, run_dir=run_dir / mode,
-                           report_every=REPORT_EVERY, trainer_args=("--inflight", str(args.inflight)),
-                           host=swarm_host.address)
+    options = SwarmOptions(
+        preset=preset,
+        workers_per_stage=args.workers,
+        trainers=1,
+        run_dir=run_dir / mode,
+        report_every=REPORT_EVERY,
+        trainer_args=("--inflight", str(args.inflight)),
+        host=swarm_host.address,
+    )
     swarm = LocalSwarm(options, on_line=recorder, place_worker=lambda stage, index: placements[(stage, index)])
     results = {}
     try:
         with swarm_host.entered():  # seeds and trainer; every worker goes to its own host
             swarm.start()
         wait_for_progress(swarm, recorder)
-        print(f"compression {mode}: swarm trains after {time.monotonic() - swarm.started_at:.0f}s; "
-              f"logs in {options.run_dir / 'logs'}", flush=True)
+        print(
+            f"compression {mode}: swarm trains after {time.monotonic() - swarm.started_at:.0f}s; "
+            f"logs in {options.run_dir / 'logs'}",
+            flush=True,
+        )
         for rate in rates:
             result = results[rate.label] = measure(swarm, recorder, list(placements.values()), rate, args)
             sparta = result["sparta"]
-            print(f"  {rate.label:22s} {result['tokens_per_s']:8.1f} tokens/s over {result['measured_s']:.0f}s; "
-                  f"SPARTA {sparta_cell(sparta)}", flush=True)
+            print(
+                f"  {rate.label:22s} {result['tokens_per_s']:8.1f} tokens/s over {result['measured_s']:.0f}s; "
+                f"SPARTA {sparta_cell(sparta)}",
+                flush=True,
+            )
     finally:
         swarm.stop()
         shape(list(placements.values()), None)  # the next swarm starts on wide links
@@ -212,17 +258,19 @@ def rows(rates: list[Rate], on: dict[str, dict], off: dict[str, dict]) -> list[d
     table = []
     for rate in rates:
         on_tps, off_tps = on[rate.label]["tokens_per_s"], off[rate.label]["tokens_per_s"]
-        table.append({
-            "rate": rate.label,
-            "mbit": None if rate.mbit is None else round(rate.mbit, 3),
-            "on_tokens_per_s": on_tps,
-            "off_tokens_per_s": off_tps,
-            "on_over_off": round(on_tps / off_tps, 2) if off_tps > 0 else None,
-            "dense_binds": off_tps < DENSE_BINDS_BELOW * dense_unshaped,
-            "measured_s": {"on": on[rate.label]["measured_s"], "off": off[rate.label]["measured_s"]},
-            "sparta_on": on[rate.label]["sparta"],
-            "sparta_off": off[rate.label]["sparta"],
-        })
+        table.append(
+            {
+                "rate": rate.label,
+                "mbit": None if rate.mbit is None else round(rate.mbit, 3),
+                "on_tokens_per_s": on_tps,
+                "off_tokens_per_s": off_tps,
+                "on_over_off": round(on_tps / off_tps, 2) if off_tps > 0 else None,
+                "dense_binds": off_tps < DENSE_BINDS_BELOW * dense_unshaped,
+                "measured_s": {"on": on[rate.label]["measured_s"], "off": off[rate.label]["measured_s"]},
+                "sparta_on": on[rate.label]["sparta"],
+                "sparta_off": off[rate.label]["sparta"],
+            }
+        )
     return table
 
 
@@ -232,14 +280,18 @@ def sparta_cell(sparta: dict) -> str:
 
 
 def print_table(table: list[dict]) -> None:
-    print(f"{'rate':22s}{'tiny Mbit':>10}{'on tok/s':>10}{'off tok/s':>11}{'on/off':>8}{'dense binds':>13}"
-          f"   {'SPARTA on ok/n, median':24s}{'SPARTA off ok/n, median':24s}")
+    print(
+        f"{'rate':22s}{'tiny Mbit':>10}{'on tok/s':>10}{'off tok/s':>11}{'on/off':>8}{'dense binds':>13}"
+        f"   {'SPARTA on ok/n, median':24s}{'SPARTA off ok/n, median':24s}"
+    )
     for row in table:
         mbit = "-" if row["mbit"] is None else f"{row['mbit']:.2f}"
         ratio = "-" if row["on_over_off"] is None else f"{row['on_over_off']:.2f}"
-        print(f"{row['rate']:22s}{mbit:>10}{row['on_tokens_per_s']:>10.1f}{row['off_tokens_per_s']:>11.1f}{ratio:>8}"
-              f"{'yes' if row['dense_binds'] else 'no':>13}   {sparta_cell(row['sparta_on']):24s}"
-              f"{sparta_cell(row['sparta_off']):24s}")
+        print(
+            f"{row['rate']:22s}{mbit:>10}{row['on_tokens_per_s']:>10.1f}{row['off_tokens_per_s']:>11.1f}{ratio:>8}"
+            f"{'yes' if row['dense_binds'] else 'no':>13}   {sparta_cell(row['sparta_on']):24s}"
+            f"{sparta_cell(row['sparta_off']):24s}"
+        )
 
 
 def main() -> int:
@@ -266,12 +318,24 @@ def main() -> int:
     binding = [row["rate"] for row in table if row["dense_binds"]]
     if not binding:
         print("no rate limited the dense boundary: pass a narrower --dense-home-mbit", flush=True)
-    print(json.dumps({
-        "bench": "home_link", "preset": PRESET, "reference": REFERENCE, "workers_per_stage": args.workers,
-        "cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2), "warmup_s": args.warmup,
-        "min_seconds_per_rate": args.seconds, "bytes_per_token": {PRESET: tiny, REFERENCE: big},
-        "tiny_byte_ratio": round(tiny["dense"] / tiny["compressed"], 2), "dense_binding_rates": binding, "rates": table,
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "home_link",
+                "preset": PRESET,
+                "reference": REFERENCE,
+                "workers_per_stage": args.workers,
+                "cpus": os.cpu_count(),
+                "load_avg_1m": round(os.getloadavg()[0], 2),
+                "warmup_s": args.warmup,
+                "min_seconds_per_rate": args.seconds,
+                "bytes_per_token": {PRESET: tiny, REFERENCE: big},
+                "tiny_byte_ratio": round(tiny["dense"] / tiny["compressed"], 2),
+                "dense_binding_rates": binding,
+                "rates": table,
+            }
+        )
+    )
     return 0
 
 

@@ -80,7 +80,9 @@ def download_rates(swarm: LocalSwarm, stage: str, scratch: Path, repeats: int = 
         for attempt in range(repeats):
             started = time.perf_counter()
             latest = f"{swarm.snapshot_server.url}/{stage}/latest.json"
-            download_snapshot(latest, scratch / str(attempt), events=NULL_WRITER, client=client)  # same client as the GETs
+            download_snapshot(
+                latest, scratch / str(attempt), events=NULL_WRITER, client=client
+            )  # same client as the GETs
             ours.append(size / (time.perf_counter() - started))
             started = time.perf_counter()
             for name in manifest["files"]:
@@ -115,12 +117,23 @@ def _two_hosts(behind_router: bool):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loopback", action="store_true", help="swarm and contributor both on 127.0.0.1")
-    parser.add_argument("--behind-router", action="store_true",
-                        help="the contributor behind a home router that maps its port over UPnP (needs miniupnpd)")
-    parser.add_argument("--swarm-cpus", type=float, default=1.0,
-                        help="cores the swarm may use; the contributor gets the rest (default 1; 0: no quotas)")
-    parser.add_argument("--link-mbit", type=float, default=None,
-                        help="limit the swarm host's uplink, the contributor's downlink, to this many Mbit/s (two hosts only)")
+    parser.add_argument(
+        "--behind-router",
+        action="store_true",
+        help="the contributor behind a home router that maps its port over UPnP (needs miniupnpd)",
+    )
+    parser.add_argument(
+        "--swarm-cpus",
+        type=float,
+        default=1.0,
+        help="cores the swarm may use; the contributor gets the rest (default 1; 0: no quotas)",
+    )
+    parser.add_argument(
+        "--link-mbit",
+        type=float,
+        default=None,
+        help="limit the swarm host's uplink, the contributor's downlink, to this many Mbit/s (two hosts only)",
+    )
     args = parser.parse_args()
     missing = unavailable(shaping=args.link_mbit is not None)
     if not args.loopback and missing:
@@ -131,8 +144,10 @@ def main() -> None:
         raise SystemExit(f"--behind-router: {router_unavailable()}")
     contributor_cpus = (os.cpu_count() or 1) - args.swarm_cpus
     if args.swarm_cpus and (cpu_quota.unavailable() or contributor_cpus <= 0):
-        raise SystemExit(f"--swarm-cpus {args.swarm_cpus:g} needs CPU quotas and a core left for the contributor "
-                         f"({cpu_quota.unavailable() or f'{os.cpu_count()} cores here'}); or pass --swarm-cpus 0")
+        raise SystemExit(
+            f"--swarm-cpus {args.swarm_cpus:g} needs CPU quotas and a core left for the contributor "
+            f"({cpu_quota.unavailable() or f'{os.cpu_count()} cores here'}); or pass --swarm-cpus 0"
+        )
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         hosts = None if args.loopback else stack.enter_context(_two_hosts(args.behind_router))
         quotas = stack.enter_context(cpu_quota.CpuQuotas(f"agora-join-{os.getpid()}")) if args.swarm_cpus else None
@@ -140,8 +155,13 @@ def main() -> None:
         client_cpu = quotas.group("contributor", contributor_cpus) if quotas else None
         on_swarm_host = partial(_inside, hosts and hosts.a, swarm_cpu)
         on_client_host = partial(_inside, hosts and hosts.b, client_cpu)
-        options = SwarmOptions(workers_per_stage=1, run_dir=Path(tmp), publish_snapshots=True, report_every=5,
-                               host=hosts.a.address if hosts else "127.0.0.1")
+        options = SwarmOptions(
+            workers_per_stage=1,
+            run_dir=Path(tmp),
+            publish_snapshots=True,
+            report_every=5,
+            host=hosts.a.address if hosts else "127.0.0.1",
+        )
         swarm = LocalSwarm(options)
         stack.callback(swarm.stop)  # before the namespaces go (the stack unwinds last-in first-out)
         with on_swarm_host():  # every role, the snapshot server included, on the swarm's host
@@ -153,9 +173,20 @@ def main() -> None:
         started = time.time()
         with on_client_host():
             runtime = ManagedProcess(
-                "runtime", ["runtime", "--cpu", "--swarm", auth_url, "--config-dir", str(Path(tmp) / "client"), "--host-port", "0",
-                            *(["--insecure"] if args.behind_router else [])],  # plain HTTP to the test's public-looking WAN
-                Path(tmp) / "logs" / "runtime.log", env={"HF_TOKEN": token},
+                "runtime",
+                [
+                    "runtime",
+                    "--cpu",
+                    "--swarm",
+                    auth_url,
+                    "--config-dir",
+                    str(Path(tmp) / "client"),
+                    "--host-port",
+                    "0",
+                    *(["--insecure"] if args.behind_router else []),
+                ],  # plain HTTP to the test's public-looking WAN
+                Path(tmp) / "logs" / "runtime.log",
+                env={"HF_TOKEN": token},
             )
         deadline = time.monotonic() + FIRST_BATCH_TIMEOUT
         while first_batch(runtime_events(runtime)) is None:
@@ -176,11 +207,23 @@ def main() -> None:
     authorized = first(events, "auth", status="authorized")["ts"]
     # a joiner admitted at once gets one queue event (position 0) after the fact: that is no time in a queue
     queued = next((e for e in events if e["kind"] == "queue" and e["position"] > 0), None)
-    download_start, download_done = first(events, "download", status="started"), first(events, "download", status="done")
-    sync1, sync2, batch = first(events, "sync", phase="sync1"), first(events, "sync", phase="sync2"), first_batch(events)
-    worker_up = next(e for e in events if e["kind"] == "log" and e["tag"] == "JOIN" and e["message"].startswith("Worker up"))
+    download_start, download_done = (
+        first(events, "download", status="started"),
+        first(events, "download", status="done"),
+    )
+    sync1, sync2, batch = (
+        first(events, "sync", phase="sync1"),
+        first(events, "sync", phase="sync2"),
+        first_batch(events),
+    )
+    worker_up = next(
+        e for e in events if e["kind"] == "log" and e["tag"] == "JOIN" and e["message"].startswith("Worker up")
+    )
     figures = {
-        "topology": "loopback" if args.loopback else "behind a home router (UPnP)" if args.behind_router
+        "topology": "loopback"
+        if args.loopback
+        else "behind a home router (UPnP)"
+        if args.behind_router
         else "two network namespaces over a veth pair",
         "link_mbit": args.link_mbit,
         "swarm_cpus": args.swarm_cpus or None,

@@ -47,8 +47,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from agora_client.config import RunConfig, load_config
 from agora_client.model import build_stage
-from agora_client.model.memory import gib, plan_stage, usable_bytes
 from agora_client.model.layers import autocast_context
+from agora_client.model.memory import gib, plan_stage, usable_bytes
 from agora_client.snapshots import load_stage_snapshot, save_stage_snapshot
 from agora_client.worker.optimizer import build_optimizer
 
@@ -59,7 +59,9 @@ SCALED_8B = {
 }
 
 
-def _inputs(module, run: RunConfig, microbatch: int, device: torch.device) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+def _inputs(
+    module, run: RunConfig, microbatch: int, device: torch.device
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, run.model.vocab_size, (microbatch, run.model.seq_len), generator=generator).to(device)
     if module.stage == "head":
@@ -188,7 +190,9 @@ def _export_in_child(store_dir: str, out: str, dtype: str, max_shard_bytes: int,
     # symbolic shapes (sympy, ~480 modules, ~50 MB at any size); the matmul library sets up on its first call
     torch.nn.Linear(1, 1, device="meta").to_empty(device="cpu")
     torch.ones(64, 64) @ torch.ones(64, 64)
-    export_tokenizer(set_run_config(checkpoints))  # and the tokenizers library the export loads the run's tokenizer with
+    export_tokenizer(
+        set_run_config(checkpoints)
+    )  # and the tokenizers library the export loads the run's tokenizer with
     baseline = psutil.Process().memory_info().rss
     with RssPeak() as meter:
         export_set(store, checkpoints, Path(out), dtype=dtype, max_shard_bytes=max_shard_bytes)
@@ -220,18 +224,35 @@ def measure_export(width: int) -> dict:
         for dtype in ("fp32", "bf16"):
             out = Path(folder) / f"hf-{dtype}"
             receive, send = context.Pipe(duplex=False)
-            child = context.Process(target=_export_in_child, args=(str(store.root), str(out), dtype, largest // 4, send))
+            child = context.Process(
+                target=_export_in_child, args=(str(store.root), str(out), dtype, largest // 4, send)
+            )
             child.start()
             baseline, peak = receive.recv()
             child.join()
             shard = max(path.stat().st_size for path in out.glob("model*.safetensors"))
             plan = largest + shard
-            results.append({"dtype": dtype, "baseline_rss": baseline, "peak_rss_above_baseline": peak - baseline,
-                            "largest_stage": largest, "largest_shard": shard, "planned_peak": plan,
-                            "ratio": (peak - baseline) / plan, "shards": len(list(out.glob("model*.safetensors")))})
-            print(f"export {dtype}: peak {gib(peak - baseline)} above the baseline, planned {gib(plan)} (stage + shard), "
-                  f"ratio {(peak - baseline) / plan:.3f}, {results[-1]['shards']} shards")
-    parameters = sum(p.numel() for stage in run.model.stage_names for p in build_stage(run.model, stage, seed=0, device="meta").parameters())
+            results.append(
+                {
+                    "dtype": dtype,
+                    "baseline_rss": baseline,
+                    "peak_rss_above_baseline": peak - baseline,
+                    "largest_stage": largest,
+                    "largest_shard": shard,
+                    "planned_peak": plan,
+                    "ratio": (peak - baseline) / plan,
+                    "shards": len(list(out.glob("model*.safetensors"))),
+                }
+            )
+            print(
+                f"export {dtype}: peak {gib(peak - baseline)} above the baseline, planned {gib(plan)} (stage + shard), "
+                f"ratio {(peak - baseline) / plan:.3f}, {results[-1]['shards']} shards"
+            )
+    parameters = sum(
+        p.numel()
+        for stage in run.model.stage_names
+        for p in build_stage(run.model, stage, seed=0, device="meta").parameters()
+    )
     return {"width": width, "parameters": parameters, "runs": results, "max_ratio": max(r["ratio"] for r in results)}
 
 
@@ -292,8 +313,14 @@ def measure_snapshot_load(run: RunConfig, stage: str) -> dict:
             rss = pool.apply(_load_in_child, (run, stage, directory))
     measured = rss["rss_peak"] - rss["rss_before"]
     return {
-        "stage": stage, "parameters": plan.weights // 4, **rss, "measured_peak": measured, "planned_stage_host": planned,
-        "largest_tensor": largest, "ratio": measured / planned, "peak_above_loaded_stage": rss["rss_peak"] - rss["rss_after"],
+        "stage": stage,
+        "parameters": plan.weights // 4,
+        **rss,
+        "measured_peak": measured,
+        "planned_stage_host": planned,
+        "largest_tensor": largest,
+        "ratio": measured / planned,
+        "peak_above_loaded_stage": rss["rss_peak"] - rss["rss_after"],
     }
 
 
@@ -304,10 +331,18 @@ def main() -> None:
     parser.add_argument("--microbatch", type=int, default=None, help="sequences per pass (default: the run's)")
     parser.add_argument("--fp32", action="store_true", help="use_mixed_precision: false")
     parser.add_argument("--no-offload", action="store_true", help="offload_optimizer: false (moments on the device)")
-    parser.add_argument("--export-width", type=int, default=640,
-                        help="d_model of the exported model (8b layer split; 640: the scaled 8b, 128: a quick check; 0: skip)")
-    parser.add_argument("--load-width", type=int, default=640,
-                        help="d_model of the stages whose snapshot load is measured (640: the scaled 8b, 256: a quick check; 0: skip)")
+    parser.add_argument(
+        "--export-width",
+        type=int,
+        default=640,
+        help="d_model of the exported model (8b layer split; 640: the scaled 8b, 128: a quick check; 0: skip)",
+    )
+    parser.add_argument(
+        "--load-width",
+        type=int,
+        default=640,
+        help="d_model of the stages whose snapshot load is measured (640: the scaled 8b, 256: a quick check; 0: skip)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     switches = {"use_mixed_precision": not args.fp32, "offload_optimizer": not args.no_offload}
@@ -318,7 +353,9 @@ def main() -> None:
     for stage in args.stages.split(","):
         planned = plan_stage(run, stage, microbatch).gpu_peak
         if capacity is not None and planned > usable_bytes(capacity):
-            print(f"{stage}: skipped, planned peak {gib(planned)} exceeds this card's usable {gib(usable_bytes(capacity))}")
+            print(
+                f"{stage}: skipped, planned peak {gib(planned)} exceeds this card's usable {gib(usable_bytes(capacity))}"
+            )
             skipped.append({"stage": stage, "planned_peak": planned})
             continue
         result = measure_stage(run, stage, microbatch, device)
@@ -330,24 +367,34 @@ def main() -> None:
         results.append(result)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    loads = [measure_snapshot_load(width_scaled(args.load_width), stage) for stage in args.stages.split(",")] if args.load_width else []
+    loads = (
+        [measure_snapshot_load(width_scaled(args.load_width), stage) for stage in args.stages.split(",")]
+        if args.load_width
+        else []
+    )
     for entry in loads:
-        print(f"{entry['stage']} snapshot load: host peak {gib(entry['measured_peak'])} above the start, planned "
-              f"{gib(entry['planned_stage_host'])} (weights, basis, moments), ratio {entry['ratio']:.3f}; largest tensor "
-              f"{gib(entry['largest_tensor'])}, peak above the loaded stage {gib(entry['peak_above_loaded_stage'])}")
+        print(
+            f"{entry['stage']} snapshot load: host peak {gib(entry['measured_peak'])} above the start, planned "
+            f"{gib(entry['planned_stage_host'])} (weights, basis, moments), ratio {entry['ratio']:.3f}; largest tensor "
+            f"{gib(entry['largest_tensor'])}, peak above the loaded stage {gib(entry['peak_above_loaded_stage'])}"
+        )
     export = measure_export(args.export_width) if args.export_width else None
-    print(json.dumps({
-        "device": str(device),
-        "preset": run.name,
-        "mixed_precision": run.use_mixed_precision,
-        "offload_optimizer": run.offload_optimizer,
-        "stages": results,
-        "skipped": skipped,
-        "max_ratio": max((r["ratio"] for r in results), default=None),
-        "export": export,
-        "snapshot_loads": loads,
-        "max_load_ratio": max((entry["ratio"] for entry in loads), default=None),
-    }))
+    print(
+        json.dumps(
+            {
+                "device": str(device),
+                "preset": run.name,
+                "mixed_precision": run.use_mixed_precision,
+                "offload_optimizer": run.offload_optimizer,
+                "stages": results,
+                "skipped": skipped,
+                "max_ratio": max((r["ratio"] for r in results), default=None),
+                "export": export,
+                "snapshot_loads": loads,
+                "max_load_ratio": max((entry["ratio"] for entry in loads), default=None),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

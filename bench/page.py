@@ -70,7 +70,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="agora-page-bench-") as folder:
         start = time.perf_counter()
         store, run = record_swarm(Path(folder) / "points.sqlite", now=time.time(), contributors=args.contributors)
-        print(f"recorded a swarm of {args.contributors} contributors in {time.perf_counter() - start:.1f} s", flush=True)
+        print(
+            f"recorded a swarm of {args.contributors} contributors in {time.perf_counter() - start:.1f} s", flush=True
+        )
         server = LeaderboardServer(store, run=run).start()
         driver = start_chromium()
         try:
@@ -84,20 +86,31 @@ def main() -> None:
                 if timings["rows"] != args.contributors:
                     raise SystemExit(f"load {index}: {timings['rows']} leaderboard rows, expected {args.contributors}")
                 loads.append(timings)
-                print(f"load {index}: first contentful paint {timings['fcp']:.0f} ms, first render {timings['render']:.0f} ms "
-                      f"({timings['rows']} rows)", flush=True)
+                print(
+                    f"load {index}: first contentful paint {timings['fcp']:.0f} ms, first render {timings['render']:.0f} ms "
+                    f"({timings['rows']} rows)",
+                    flush=True,
+                )
             errors = console_errors(driver)
         finally:
             driver.quit()
             server.stop()
             store.close()
     renders = [load["render"] for load in loads]
-    print(json.dumps({
-        "contributors": args.contributors, "runs": args.runs, "first_render_ms": round(statistics.median(renders), 1),
-        "first_render_max_ms": round(max(renders), 1),
-        "fcp_ms": round(statistics.median(load["fcp"] for load in loads if load["fcp"] is not None), 1),
-        "api_ms": api_ms, "api_bytes": api_bytes, "console_errors": len(errors),
-    }))
+    print(
+        json.dumps(
+            {
+                "contributors": args.contributors,
+                "runs": args.runs,
+                "first_render_ms": round(statistics.median(renders), 1),
+                "first_render_max_ms": round(max(renders), 1),
+                "fcp_ms": round(statistics.median(load["fcp"] for load in loads if load["fcp"] is not None), 1),
+                "api_ms": api_ms,
+                "api_bytes": api_bytes,
+                "console_errors": len(errors),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -145,8 +145,11 @@ def main() -> int:
     config = load_config("tiny")
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="agora-bench-throughput-"))
     before = run_in_process(config, args.local_seconds)
-    print(f"one process (before): {before['tokens_per_s']:.0f} tokens/s, {before['tokens_per_cpu_s']:.0f} per CPU-second, "
-          f"over {before['microbatches']} microbatches", flush=True)
+    print(
+        f"one process (before): {before['tokens_per_s']:.0f} tokens/s, {before['tokens_per_cpu_s']:.0f} per CPU-second, "
+        f"over {before['microbatches']} microbatches",
+        flush=True,
+    )
     swarm = run_swarm(config, args, run_dir)
     print(
         f"swarm: {swarm['tokens_per_s']:.0f} tokens/s, {swarm['tokens_per_cpu_s']:.0f} per CPU-second, over "
@@ -156,8 +159,11 @@ def main() -> int:
         flush=True,
     )
     after = run_in_process(config, args.local_seconds)
-    print(f"one process (after): {after['tokens_per_s']:.0f} tokens/s, {after['tokens_per_cpu_s']:.0f} per CPU-second, "
-          f"over {after['microbatches']} microbatches", flush=True)
+    print(
+        f"one process (after): {after['tokens_per_s']:.0f} tokens/s, {after['tokens_per_cpu_s']:.0f} per CPU-second, "
+        f"over {after['microbatches']} microbatches",
+        flush=True,
+    )
     local = (before["tokens_per_s"] + after["tokens_per_s"]) / 2
     local_cpu = (before["tokens_per_cpu_s"] + after["tokens_per_cpu_s"]) / 2
     load = psutil.getloadavg()[0]

@@ -28,13 +28,13 @@ from pathlib import Path
 
 import torch
 import yaml
+from _widened import widened_config  # noqa: E402  (bench/ is on sys.path: this script's own folder)
 from hivemind.compression import serialize_torch_tensor
 
 from agora_client.config import load_config
 from agora_client.discovery.dht import connect_dht
 from agora_client.engine.expert_calls import call_expert, close_replica, replicate_p2p, server_stub
 from agora_client.model import build_stage
-from _widened import widened_config  # noqa: E402  (bench/ is on sys.path: this script's own folder)
 
 STAGE, UID = "body1", "body1.0.0"
 CLI = [sys.executable, "-c", "import sys; from agora_client.cli import main; sys.exit(main())"]
@@ -57,8 +57,23 @@ def stage_params(preset_path: Path) -> int:
 
 
 def start_worker(seeds: list[str], preset_path: Path, run_dir: Path, name: str, publish: list[str]) -> subprocess.Popen:
-    args = [*CLI, "worker", "--stage", STAGE, "--index", "0", "--seeds", *seeds, "--preset", str(preset_path),
-            "--device", "cpu", "--events", str(run_dir / f"{name}.events.jsonl"), *publish]
+    args = [
+        *CLI,
+        "worker",
+        "--stage",
+        STAGE,
+        "--index",
+        "0",
+        "--seeds",
+        *seeds,
+        "--preset",
+        str(preset_path),
+        "--device",
+        "cpu",
+        "--events",
+        str(run_dir / f"{name}.events.jsonl"),
+        *publish,
+    ]
     output = run_dir / f"{name}.log"
     with open(output, "w") as log:
         worker = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -101,7 +116,9 @@ def run_phase(name: str, seed, p2p, args, preset_path: Path, run_dir: Path, publ
     events = run_dir / f"{name}.events.jsonl"
     worker = start_worker([str(a) for a in seed.get_visible_maddrs()], preset_path, run_dir, name, publish)
     try:
-        peer_id = next(json.loads(line)["peer_id"] for line in events.read_text().splitlines() if '"kind":"stage"' in line)
+        peer_id = next(
+            json.loads(line)["peer_id"] for line in events.read_text().splitlines() if '"kind":"stage"' in line
+        )
         latencies = serve_stream(p2p, peer_id, preset_path, args.batch, args.seconds, args.warmup)
     finally:
         worker.terminate()
@@ -109,8 +126,12 @@ def run_phase(name: str, seed, p2p, args, preset_path: Path, run_dir: Path, publ
     log = events.read_text()
     holds = [float(hold) for hold in LOCK_HOLD.findall(log)]
     figures = {
-        "requests": len(latencies), "p50_s": round(quantile(latencies, 0.5), 3), "p99_s": round(quantile(latencies, 0.99), 3),
-        "max_s": round(max(latencies), 3), "publications": len(holds), "skipped_runs": log.count("skipped the body1 snapshot"),
+        "requests": len(latencies),
+        "p50_s": round(quantile(latencies, 0.5), 3),
+        "p99_s": round(quantile(latencies, 0.99), 3),
+        "max_s": round(max(latencies), 3),
+        "publications": len(holds),
+        "skipped_runs": log.count("skipped the body1 snapshot"),
         "publication_lock_hold_max_s": round(max(holds), 3) if holds else None,
         "request_lock_wait_max_s": next((float(wait) for wait in LOCK_WAIT.findall(log)), None),
     }
@@ -120,7 +141,9 @@ def run_phase(name: str, seed, p2p, args, preset_path: Path, run_dir: Path, publ
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--body-params", type=int, default=300_000_000, help="body1's size in parameters (300M: the issue's)")
+    parser.add_argument(
+        "--body-params", type=int, default=300_000_000, help="body1's size in parameters (300M: the issue's)"
+    )
     parser.add_argument("--seconds", type=float, default=90.0, help="length of each phase's request stream")
     parser.add_argument("--publish-every", type=int, default=3, help="epochs between snapshots in the publishing phase")
     parser.add_argument("--epoch-requests", type=int, default=2, help="backward passes per stage epoch")
@@ -144,11 +167,18 @@ def main() -> None:
         finally:
             close_replica(p2p)
             seed.shutdown()
-    print(json.dumps({
-        "p99_ratio": round(on["p99_s"] / off["p99_s"], 3), "stage_params": params, "off": off, "on": on,
-        "publication_lock_hold_max_s": on["publication_lock_hold_max_s"],
-        "max_latency_excess_s": round(on["max_s"] - off["max_s"], 3),
-    }))
+    print(
+        json.dumps(
+            {
+                "p99_ratio": round(on["p99_s"] / off["p99_s"], 3),
+                "stage_params": params,
+                "off": off,
+                "on": on,
+                "publication_lock_hold_max_s": on["publication_lock_hold_max_s"],
+                "max_latency_excess_s": round(on["max_s"] - off["max_s"], 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -57,7 +57,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the namespace he
 
 from _trainer_progress import ProgressRecorder, served_by, tokens_per_second  # noqa: E402
 from home_link import (  # noqa: E402
-    MEASURED_MICROBATCHES, PRESET, REFERENCE, REPORT_EVERY, bytes_per_token, link_tokens_per_s, wait_for_microbatches,
+    MEASURED_MICROBATCHES,
+    PRESET,
+    REFERENCE,
+    REPORT_EVERY,
+    bytes_per_token,
+    link_tokens_per_s,
+    wait_for_microbatches,
     wait_for_progress,
 )
 
@@ -70,7 +76,9 @@ from agora_client.trainer.rpc import StageClient, TrafficCounter  # noqa: E402
 from tests.netns import BridgedHosts, Host, unavailable  # noqa: E402
 
 TARGET_RATIO = 0.8
-LINK_BINDS_ABOVE = 0.7  # direct tokens/s above this share of what the shaped uplink carries: the link limits, not the CPUs
+LINK_BINDS_ABOVE = (
+    0.7  # direct tokens/s above this share of what the shaped uplink carries: the link limits, not the CPUs
+)
 HANDOVER_S = 30.0  # how long a new worker is given to serve before the one it replaces stops anyway
 ROSTER_TIMEOUT = 60.0
 RELAY_SERVES = re.compile(r"serving through the relay \S+: the swarm reaches this worker at (\S+),")
@@ -80,15 +88,28 @@ RELAY_RELEASED = re.compile(r"released (\S+) for .*?: held \d+ s, (\d+) bytes re
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", default="body1", help="the stage served from the home host (default: body1)")
-    parser.add_argument("--home-mbit", type=float, default=50.0,
-                        help="home uplink (Mbit/s) whose 8b compressed traffic is scaled onto tiny's (default: 50)")
-    parser.add_argument("--seconds", type=float, default=45.0,
-                        help=f"measured seconds per phase (direct twice that; longer until {MEASURED_MICROBATCHES} "
-                             "microbatches finished)")
-    parser.add_argument("--warmup", type=float, default=10.0,
-                        help="seconds after each worker change not measured (longer until the microbatches in flight finished)")
-    parser.add_argument("--max-seconds", type=float, default=180.0,
-                        help="longest a warm-up or a measurement waits for its microbatches")
+    parser.add_argument(
+        "--home-mbit",
+        type=float,
+        default=50.0,
+        help="home uplink (Mbit/s) whose 8b compressed traffic is scaled onto tiny's (default: 50)",
+    )
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=45.0,
+        help=f"measured seconds per phase (direct twice that; longer until {MEASURED_MICROBATCHES} "
+        "microbatches finished)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=10.0,
+        help="seconds after each worker change not measured (longer until the microbatches in flight finished)",
+    )
+    parser.add_argument(
+        "--max-seconds", type=float, default=180.0, help="longest a warm-up or a measurement waits for its microbatches"
+    )
     parser.add_argument("--probes", type=int, default=20, help="timed forward calls per worker for the latency")
     parser.add_argument("--inflight", type=int, default=3, help="microbatches in flight in the trainer")
     parser.add_argument("--run-dir", type=Path, default=None, help="logs go here (default: a temporary folder)")
@@ -142,7 +163,9 @@ class Prober:
         tokens, labels = batch[:, :-1], batch[:, 1:]
         boundary = None
         for name in config.model.stage_names:
-            inputs = (tokens,) if name == "head" else (boundary, tokens, labels) if name == "tail" else (boundary, tokens)
+            inputs = (
+                (tokens,) if name == "head" else (boundary, tokens, labels) if name == "tail" else (boundary, tokens)
+            )
             if name == stage:
                 return inputs
             boundary = self.client.forward(self.record(name, f"{name}.0.0"), inputs)[0]
@@ -179,8 +202,9 @@ def start_worker(swarm: LocalSwarm, stage: str, relay: str | None) -> tuple[Mana
     return worker, ready_uid(worker)
 
 
-def hand_over(swarm: LocalSwarm, watcher: Watcher, stage: str, old: ManagedProcess, relay: str | None
-              ) -> tuple[ManagedProcess, str]:
+def hand_over(
+    swarm: LocalSwarm, watcher: Watcher, stage: str, old: ManagedProcess, relay: str | None
+) -> tuple[ManagedProcess, str]:
     """Start the next worker of ``stage``, give the trainer until it routes to it, then stop ``old``."""
     worker, uid = start_worker(swarm, stage, relay)
     since = time.monotonic()
@@ -193,7 +217,9 @@ def hand_over(swarm: LocalSwarm, watcher: Watcher, stage: str, old: ManagedProce
     return worker, uid
 
 
-def measure(swarm: LocalSwarm, watcher: Watcher, stage: str, uid: str, seconds: float, args: argparse.Namespace) -> dict:
+def measure(
+    swarm: LocalSwarm, watcher: Watcher, stage: str, uid: str, seconds: float, args: argparse.Namespace
+) -> dict:
     """Tokens/s once the microbatches in flight at the change have finished, and who served the stage meanwhile."""
     recorder = watcher.progress
     wait_for_microbatches(swarm, recorder, args.warmup, args.inflight, args)
@@ -204,8 +230,11 @@ def measure(swarm: LocalSwarm, watcher: Watcher, stage: str, uid: str, seconds: 
     if served - {uid}:
         raise RuntimeError(f"{stage} was served by {sorted(served)} while only {uid} should have; see the logs")
     tokens = swarm.config.optim.microbatch_size * swarm.config.model.seq_len
-    return {"uid": uid, "tokens_per_s": round(tokens_per_second(points, tokens), 1),
-            "measured_s": round(time.monotonic() - measured_from, 1)}
+    return {
+        "uid": uid,
+        "tokens_per_s": round(tokens_per_second(points, tokens), 1),
+        "measured_s": round(time.monotonic() - measured_from, 1),
+    }
 
 
 def released_bytes(relay: ManagedProcess, address: str, before: int) -> int:
@@ -228,10 +257,15 @@ def relayed_share(swarm: LocalSwarm, watcher: Watcher, stage: str, worker: Manag
     worker.stop()
     relayed = released_bytes(swarm.relay, address, before)
     per_token = sum(value for key, value in watcher.traffic.items() if key.startswith(f"{stage}."))
-    tokens = served / 2 * swarm.config.optim.microbatch_size * swarm.config.model.seq_len  # a forward and a backward each
+    tokens = (
+        served / 2 * swarm.config.optim.microbatch_size * swarm.config.model.seq_len
+    )  # a forward and a backward each
     expected = per_token * tokens
-    return {"relayed_mbytes": round(relayed / 1e6, 2), "stage_mbytes": round(expected / 1e6, 2),
-            "relayed_bytes_ratio": round(relayed / expected, 2) if expected else None}
+    return {
+        "relayed_mbytes": round(relayed / 1e6, 2),
+        "stage_mbytes": round(expected / 1e6, 2),
+        "relayed_bytes_ratio": round(relayed / expected, 2) if expected else None,
+    }
 
 
 def port_of(address: str) -> int:
@@ -248,26 +282,56 @@ def let_out_only(home: Host, operator: str, ports: list[int]) -> None:
     allowed = "{ " + ", ".join(str(port) for port in ports) + " }"
     home.run("nft", "add", "table", "inet", table)
     home.run("nft", "add", "chain", "inet", table, "output", "{ type filter hook output priority 0; policy accept; }")
-    home.run("nft", "add", "rule", "inet", table, "output", "ip", "daddr", operator, "tcp", "dport", "!=", allowed,
-             "ct", "state", "new", "reject", "with", "tcp", "reset")
+    home.run(
+        "nft",
+        "add",
+        "rule",
+        "inet",
+        table,
+        "output",
+        "ip",
+        "daddr",
+        operator,
+        "tcp",
+        "dport",
+        "!=",
+        allowed,
+        "ct",
+        "state",
+        "new",
+        "reject",
+        "with",
+        "tcp",
+        "reset",
+    )
 
 
 def run(args: argparse.Namespace, hosts: BridgedHosts, mbit: float, run_dir: Path) -> dict:
     """Start the swarm, time the probes, measure the phases; every figure of the JSON line but the link's."""
     operator, home = hosts[0], hosts[1]
     watcher = Watcher()
-    options = SwarmOptions(preset=PRESET, workers_per_stage=1, trainers=0, run_dir=run_dir, report_every=REPORT_EVERY,
-                           trainer_args=("--inflight", str(args.inflight)), host=operator.address)
-    swarm = LocalSwarm(options, on_line=watcher,
-                       place_worker=lambda stage, index: home if stage == args.stage else operator)
+    options = SwarmOptions(
+        preset=PRESET,
+        workers_per_stage=1,
+        trainers=0,
+        run_dir=run_dir,
+        report_every=REPORT_EVERY,
+        trainer_args=("--inflight", str(args.inflight)),
+        host=operator.address,
+    )
+    swarm = LocalSwarm(
+        options, on_line=watcher, place_worker=lambda stage, index: home if stage == args.stage else operator
+    )
     try:
         with operator.entered():  # seeds, relay and the other stages' workers; the measured stage's goes home
             swarm.start()
             relay = swarm.start_relay()
         home.shape_uplink(mbit)
         let_out_only(home, operator.address, [port_of(address) for address in (*swarm.seed_addrs, relay)])
-        print(f"swarm up after {time.monotonic() - swarm.started_at:.0f}s, relay {relay}; logs in {run_dir / 'logs'}",
-              flush=True)
+        print(
+            f"swarm up after {time.monotonic() - swarm.started_at:.0f}s, relay {relay}; logs in {run_dir / 'logs'}",
+            flush=True,
+        )
         direct, relayed = swarm.workers[args.stage][0], start_worker(swarm, args.stage, relay)
         latency = timed_probes(args, swarm, operator, {"direct": ready_uid(direct), "relayed": relayed[1]})
         direct.stop()
@@ -275,8 +339,11 @@ def run(args: argparse.Namespace, hosts: BridgedHosts, mbit: float, run_dir: Pat
             swarm.start_trainer()
         wait_for_progress(swarm, watcher.progress)
         phases = measure_phases(args, swarm, watcher, relay, relayed)
-        return {"latency": latency, "phases": phases[0],
-                "relay_traffic": relayed_share(swarm, watcher, args.stage, *phases[1])}
+        return {
+            "latency": latency,
+            "phases": phases[0],
+            "relay_traffic": relayed_share(swarm, watcher, args.stage, *phases[1]),
+        }
     finally:
         swarm.stop()
         home.unshape_uplink()
@@ -288,17 +355,25 @@ def timed_probes(args: argparse.Namespace, swarm: LocalSwarm, operator: Host, ui
         times = probe_latency(prober, args.stage, uids, args.probes)
     finally:
         prober.close()
-    latency = {path: {"median_ms": round(statistics.median(seconds) * 1000, 1),
-                      "p90_ms": round(sorted(seconds)[int(0.9 * (len(seconds) - 1))] * 1000, 1)}
-               for path, seconds in times.items()}
+    latency = {
+        path: {
+            "median_ms": round(statistics.median(seconds) * 1000, 1),
+            "p90_ms": round(sorted(seconds)[int(0.9 * (len(seconds) - 1))] * 1000, 1),
+        }
+        for path, seconds in times.items()
+    }
     for path, figures in latency.items():
-        print(f"forward of one microbatch to the {path} worker ({uids[path]}): median {figures['median_ms']} ms, "
-              f"p90 {figures['p90_ms']} ms over {args.probes} calls", flush=True)
+        print(
+            f"forward of one microbatch to the {path} worker ({uids[path]}): median {figures['median_ms']} ms, "
+            f"p90 {figures['p90_ms']} ms over {args.probes} calls",
+            flush=True,
+        )
     return latency
 
 
-def measure_phases(args: argparse.Namespace, swarm: LocalSwarm, watcher: Watcher, relay: str,
-                   relayed: tuple[ManagedProcess, str]) -> tuple[list[dict], tuple[ManagedProcess, str]]:
+def measure_phases(
+    args: argparse.Namespace, swarm: LocalSwarm, watcher: Watcher, relay: str, relayed: tuple[ManagedProcess, str]
+) -> tuple[list[dict], tuple[ManagedProcess, str]]:
     """Relayed, direct (twice as long), relayed; the figures of each, and the last relayed worker (still up)."""
     stage, worker, uid = args.stage, *relayed
     phases = []
@@ -308,7 +383,9 @@ def measure_phases(args: argparse.Namespace, swarm: LocalSwarm, watcher: Watcher
         seconds = args.seconds * (2 if path == "direct" else 1)
         phase = {"path": path, **measure(swarm, watcher, stage, uid, seconds, args)}
         phases.append(phase)
-        print(f"  {path:8s} {uid:10s} {phase['tokens_per_s']:8.1f} tokens/s over {phase['measured_s']:.0f}s", flush=True)
+        print(
+            f"  {path:8s} {uid:10s} {phase['tokens_per_s']:8.1f} tokens/s over {phase['measured_s']:.0f}s", flush=True
+        )
     return phases, (worker, uid)
 
 
@@ -319,15 +396,26 @@ def summary(args: argparse.Namespace, mbit: float, link_capacity: float, result:
     ratio = relayed / direct if direct > 0 else 0.0
     added = latency["relayed"]["median_ms"] - latency["direct"]["median_ms"]
     return {
-        "bench": "relay_link", "preset": PRESET, "stage": args.stage, "home_mbit": args.home_mbit,
-        "rate_mbit": round(mbit, 3), "link_tokens_per_s": round(link_capacity),
-        "link_binds": direct >= LINK_BINDS_ABOVE * link_capacity, "cpus": os.cpu_count(),
-        "load_avg_1m": round(os.getloadavg()[0], 2), "tokens_per_s_direct": round(direct, 1),
-        "tokens_per_s_relayed": round(relayed, 1), "ratio": round(ratio, 3),
+        "bench": "relay_link",
+        "preset": PRESET,
+        "stage": args.stage,
+        "home_mbit": args.home_mbit,
+        "rate_mbit": round(mbit, 3),
+        "link_tokens_per_s": round(link_capacity),
+        "link_binds": direct >= LINK_BINDS_ABOVE * link_capacity,
+        "cpus": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "tokens_per_s_direct": round(direct, 1),
+        "tokens_per_s_relayed": round(relayed, 1),
+        "ratio": round(ratio, 3),
         "request_latency_ms_direct": latency["direct"]["median_ms"],
-        "request_latency_ms_relayed": latency["relayed"]["median_ms"], "added_latency_ms": round(added, 1),
+        "request_latency_ms_relayed": latency["relayed"]["median_ms"],
+        "added_latency_ms": round(added, 1),
         "latency_p90_ms": {path: figures["p90_ms"] for path, figures in latency.items()},
-        "phases": phases, **result["relay_traffic"], "target_ratio": TARGET_RATIO, "meets_target": ratio >= TARGET_RATIO,
+        "phases": phases,
+        **result["relay_traffic"],
+        "target_ratio": TARGET_RATIO,
+        "meets_target": ratio >= TARGET_RATIO,
     }
 
 
@@ -339,19 +427,25 @@ def main() -> int:
     tiny, big = bytes_per_token(PRESET), bytes_per_token(REFERENCE)
     mbit = args.home_mbit * tiny["compressed"] / big["compressed"]
     capacity = link_tokens_per_s(mbit, tiny["compressed"], 1)
-    print(f"{REFERENCE} compressed ({big['compressed']:,} B/token) on a {args.home_mbit:g} Mbit/s home uplink spends as "
-          f"long per token on the link as {PRESET} ({tiny['compressed']:,} B/token) at {mbit:.2f} Mbit/s: the home "
-          f"uplink alone carries at most ~{capacity:,.0f} tokens/s of {args.stage}", flush=True)
+    print(
+        f"{REFERENCE} compressed ({big['compressed']:,} B/token) on a {args.home_mbit:g} Mbit/s home uplink spends as "
+        f"long per token on the link as {PRESET} ({tiny['compressed']:,} B/token) at {mbit:.2f} Mbit/s: the home "
+        f"uplink alone carries at most ~{capacity:,.0f} tokens/s of {args.stage}",
+        flush=True,
+    )
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="agora-bench-relay-link-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     with BridgedHosts(f"agrl-{os.getpid()}", 2) as hosts:
         result = run(args, hosts, mbit, run_dir)
     figures = summary(args, mbit, capacity, result)
-    print(f"tokens/s direct {figures['tokens_per_s_direct']}, relayed {figures['tokens_per_s_relayed']}: ratio "
-          f"{figures['ratio']} (target >= {TARGET_RATIO}: {'met' if figures['meets_target'] else 'NOT met'}); "
-          f"a request takes {figures['added_latency_ms']} ms more through the relay; the relay carried "
-          f"{figures['relayed_bytes_ratio']} x the stage's traffic the trainer counted; the shaped uplink "
-          f"{'limits throughput' if figures['link_binds'] else 'does not limit throughput: the CPUs do'}", flush=True)
+    print(
+        f"tokens/s direct {figures['tokens_per_s_direct']}, relayed {figures['tokens_per_s_relayed']}: ratio "
+        f"{figures['ratio']} (target >= {TARGET_RATIO}: {'met' if figures['meets_target'] else 'NOT met'}); "
+        f"a request takes {figures['added_latency_ms']} ms more through the relay; the relay carried "
+        f"{figures['relayed_bytes_ratio']} x the stage's traffic the trainer counted; the shaped uplink "
+        f"{'limits throughput' if figures['link_binds'] else 'does not limit throughput: the CPUs do'}",
+        flush=True,
+    )
     print(json.dumps(figures))
     return 0
 

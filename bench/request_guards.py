@@ -51,10 +51,17 @@ def main() -> None:
     forward_protos = [serialize_torch_tensor(t) for t in (hidden, tokens)]
     backward_protos = [*forward_protos, serialize_torch_tensor(grads)]
     magnitudes = {"forward": MagnitudeGuard("forward"), "backward": MagnitudeGuard("backward")}
-    ticket = issue_ticket(key, identity="op", peer_id=CALLER, stage="trainer", slot=0, ttl_s=3600, role="trainer").encode()
+    ticket = issue_ticket(
+        key, identity="op", peer_id=CALLER, stage="trainer", slot=0, ttl_s=3600, role="trainer"
+    ).encode()
 
     def fresh_ticket() -> None:
-        gate.check(issue_ticket(key, identity="op", peer_id=CALLER, stage="trainer", slot=0, ttl_s=3600, role="trainer").encode(), CALLER)
+        gate.check(
+            issue_ticket(
+                key, identity="op", peer_id=CALLER, stage="trainer", slot=0, ttl_s=3600, role="trainer"
+            ).encode(),
+            CALLER,
+        )
 
     def guards(kind: str, protos, tensors, flat_schema) -> None:
         gate.check(ticket, CALLER)
@@ -70,13 +77,17 @@ def main() -> None:
         leaf = hidden.clone().requires_grad_(True)
         torch.autograd.backward(module(leaf, tokens), grads)
 
-    figures: dict[str, list[float]] = {name: [] for name in ("forward", "forward_guards", "backward", "backward_guards", "ticket_first_seen")}
+    figures: dict[str, list[float]] = {
+        name: [] for name in ("forward", "forward_guards", "backward", "backward_guards", "ticket_first_seen")
+    }
     for round_no in range(args.rounds):
         print(f"round {round_no + 1}/{args.rounds}", flush=True)
         figures["forward"].append(timed(forward, 5))
         figures["forward_guards"].append(timed(lambda: guards("forward", forward_protos, (hidden, tokens), schema), 20))
         figures["backward"].append(timed(backward, 3))
-        figures["backward_guards"].append(timed(lambda: guards("backward", backward_protos, (hidden, tokens, grads), backward_schema), 20))
+        figures["backward_guards"].append(
+            timed(lambda: guards("backward", backward_protos, (hidden, tokens, grads), backward_schema), 20)
+        )
         figures["ticket_first_seen"].append(timed(fresh_ticket, 20))
     medians = {name: statistics.median(values) * 1e3 for name, values in figures.items()}
     result = {

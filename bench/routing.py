@@ -56,15 +56,23 @@ SLOW_STAGE = "body1"
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--slower", type=float, default=3.0, help="how many times slower the slow worker is (default 3)")
+    parser.add_argument(
+        "--slower", type=float, default=3.0, help="how many times slower the slow worker is (default 3)"
+    )
     parser.add_argument("--seconds", type=float, default=45.0, help="measured seconds per policy per round")
     parser.add_argument("--warmup", type=float, default=15.0, help="seconds of each trainer not measured")
     parser.add_argument("--rounds", type=int, default=1, help="rounds of (least-loaded, round-robin)")
     parser.add_argument("--inflight", type=int, default=8, help="microbatches in flight per trainer (default 8)")
     parser.add_argument("--others", type=int, default=2, help="fast workers in each stage but body1 (default 2)")
-    parser.add_argument("--body1-layers", type=int, default=3, help="transformer layers in body1 (default 3; tiny has 1)")
-    parser.add_argument("--cpus", type=float, default=0.2,
-                        help="CPU cores each worker may use, a cgroup quota per worker (default 0.2; 0: no quotas)")
+    parser.add_argument(
+        "--body1-layers", type=int, default=3, help="transformer layers in body1 (default 3; tiny has 1)"
+    )
+    parser.add_argument(
+        "--cpus",
+        type=float,
+        default=0.2,
+        help="CPU cores each worker may use, a cgroup quota per worker (default 0.2; 0: no quotas)",
+    )
     parser.add_argument("--run-dir", type=Path, default=None, help="logs go here (default: a temporary folder)")
     return parser.parse_args()
 
@@ -107,25 +115,35 @@ def measure_policies(
     swarm = LocalSwarm(options, on_line=recorder, place_worker=place)
     try:
         swarm.start()
-        launching = [swarm.start_worker(stage, wait=False) for stage in swarm.workers if stage != SLOW_STAGE
-                     for _ in range(args.others - 1)]
+        launching = [
+            swarm.start_worker(stage, wait=False)
+            for stage in swarm.workers
+            if stage != SLOW_STAGE
+            for _ in range(args.others - 1)
+        ]
         slow = swarm.start_worker(SLOW_STAGE, program=faulty(slower=args.slower))
         for worker in launching:
             worker.wait_for(WORKER_READY, START_TIMEOUT)
         fast_uid, slow_uid = f"{SLOW_STAGE}.0.0", f"{SLOW_STAGE}.0.{slow.name.rsplit('-', 1)[1]}"
         workers = sum(len(stage_workers) for stage_workers in swarm.workers.values())
-        print(f"swarm up in {time.monotonic() - swarm.started_at:.0f}s; {SLOW_STAGE}: fast {fast_uid}, slow {slow_uid} "
-              f"({args.slower:g}x slower); {args.cpus:g} cores per worker, {workers * args.cpus:g} of {os.cpu_count()} "
-              f"for {workers} workers; logs in {options.run_dir / 'logs'}", flush=True)
+        print(
+            f"swarm up in {time.monotonic() - swarm.started_at:.0f}s; {SLOW_STAGE}: fast {fast_uid}, slow {slow_uid} "
+            f"({args.slower:g}x slower); {args.cpus:g} cores per worker, {workers * args.cpus:g} of {os.cpu_count()} "
+            f"for {workers} workers; logs in {options.run_dir / 'logs'}",
+            flush=True,
+        )
         for round_index in range(args.rounds):
             for policy in POLICIES if round_index % 2 == 0 else POLICIES[::-1]:
                 result = measure(swarm, recorder, policy, args)
                 results[policy].append(result)
                 served = result["served"]
                 total = max(sum(served.values()), 1)
-                print(f"round {round_index + 1} {policy:12s}: {result['tokens_per_s']:7.1f} tokens/s; {SLOW_STAGE} "
-                      f"requests fast {served.get(fast_uid, 0)} ({served.get(fast_uid, 0) / total:.0%}), "
-                      f"slow {served.get(slow_uid, 0)} ({served.get(slow_uid, 0) / total:.0%})", flush=True)
+                print(
+                    f"round {round_index + 1} {policy:12s}: {result['tokens_per_s']:7.1f} tokens/s; {SLOW_STAGE} "
+                    f"requests fast {served.get(fast_uid, 0)} ({served.get(fast_uid, 0) / total:.0%}), "
+                    f"slow {served.get(slow_uid, 0)} ({served.get(slow_uid, 0) / total:.0%})",
+                    flush=True,
+                )
     finally:
         swarm.stop()
     return fast_uid, slow_uid
@@ -133,24 +151,44 @@ def measure_policies(
 
 def main() -> int:
     args = parse_args()
-    if args.slower <= 1 or min(args.seconds, args.warmup + 1, args.rounds, args.inflight, args.others, args.body1_layers) <= 0:
-        print("--slower must be above 1; --seconds, --rounds, --inflight, --others and --body1-layers positive", file=sys.stderr)
+    if (
+        args.slower <= 1
+        or min(args.seconds, args.warmup + 1, args.rounds, args.inflight, args.others, args.body1_layers) <= 0
+    ):
+        print(
+            "--slower must be above 1; --seconds, --rounds, --inflight, --others and --body1-layers positive",
+            file=sys.stderr,
+        )
         return 2
     if args.cpus > 0 and unavailable() is not None:
-        print(f"--cpus {args.cpus:g} needs CPU quotas, and {unavailable()}; run as root, or pass --cpus 0", file=sys.stderr)
+        print(
+            f"--cpus {args.cpus:g} needs CPU quotas, and {unavailable()}; run as root, or pass --cpus 0",
+            file=sys.stderr,
+        )
         return 2
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="agora-bench-routing-"))
-    options = SwarmOptions(preset=str(heavier_body1(run_dir, args.body1_layers)), workers_per_stage=1, trainers=0,
-                           run_dir=run_dir, report_every=2.0)
+    options = SwarmOptions(
+        preset=str(heavier_body1(run_dir, args.body1_layers)),
+        workers_per_stage=1,
+        trainers=0,
+        run_dir=run_dir,
+        report_every=2.0,
+    )
     results: dict[str, list[dict]] = {policy: [] for policy in POLICIES}
     with CpuQuotas(f"agora-routing-{os.getpid()}") if args.cpus > 0 else nullcontext() as quotas:
         fast_uid, slow_uid = measure_policies(args, options, quotas, results)
         # seconds the quotas held the workers back: above 0 shows they bound (read before the groups go)
         throttled_s = 0.0 if quotas is None else round(sum(group.throttled_s() for group in quotas.groups), 1)
-    summary: dict[str, object] = {"bench": "routing", "preset": f"tiny, body1 with {args.body1_layers} layers",
-                                  "slower": args.slower, "cpus_per_worker": args.cpus, "worker_throttled_s": throttled_s,
-                                  "seconds_per_policy": args.seconds * args.rounds, "inflight": args.inflight,
-                                  "other_stages_workers": args.others}
+    summary: dict[str, object] = {
+        "bench": "routing",
+        "preset": f"tiny, body1 with {args.body1_layers} layers",
+        "slower": args.slower,
+        "cpus_per_worker": args.cpus,
+        "worker_throttled_s": throttled_s,
+        "seconds_per_policy": args.seconds * args.rounds,
+        "inflight": args.inflight,
+        "other_stages_workers": args.others,
+    }
     for policy, runs in results.items():
         key = policy.replace("-", "_")
         fast = sum(run["served"].get(fast_uid, 0) for run in runs)
@@ -160,7 +198,8 @@ def main() -> int:
         summary[f"{key}_slow_requests"] = slow_count
         summary[f"{key}_slow_share"] = round(slow_count / max(fast + slow_count, 1), 3)
     summary["throughput_ratio_least_loaded_over_round_robin"] = round(
-        summary["least_loaded_tokens_per_s"] / max(summary["round_robin_tokens_per_s"], 1e-9), 3  # type: ignore[operator]
+        summary["least_loaded_tokens_per_s"] / max(summary["round_robin_tokens_per_s"], 1e-9),
+        3,  # type: ignore[operator]
     )
     print(json.dumps(summary))
     return 0

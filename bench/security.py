@@ -75,11 +75,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1, help="rounds over every configuration")
     parser.add_argument("--inflight", type=int, default=3, help="microbatches in flight per trainer")
     parser.add_argument("--run-dir", type=Path, default=None, help="logs go here (default: a temporary folder)")
-    parser.add_argument("--calibration", action="store_true",
-                        help="measure the calibrated tolerances on an honest swarm (3 workers per stage) instead")
-    parser.add_argument("--calibration-fraction", type=float, default=0.3, help="spot-check share of the --calibration run")
-    parser.add_argument("--receipts-cost", action="store_true",
-                        help="measure trainer throughput with receipts on against off (two trainers side by side) instead")
+    parser.add_argument(
+        "--calibration",
+        action="store_true",
+        help="measure the calibrated tolerances on an honest swarm (3 workers per stage) instead",
+    )
+    parser.add_argument(
+        "--calibration-fraction", type=float, default=0.3, help="spot-check share of the --calibration run"
+    )
+    parser.add_argument(
+        "--receipts-cost",
+        action="store_true",
+        help="measure trainer throughput with receipts on against off (two trainers side by side) instead",
+    )
     return parser.parse_args()
 
 
@@ -110,16 +118,21 @@ def measure(swarm: LocalSwarm, recorder: ProgressRecorder, trainer_args: list[st
     tokens = swarm.config.optim.microbatch_size * swarm.config.model.seq_len
     checks = [int(m.group(1)) for line in trainer.lines() if (m := SPOT_STATS.search(line))]
     microbatches = points[-1].microbatches if points else 0
-    return {"tokens_per_s": tokens_per_second(points, tokens), "spot_checks": checks[-1] if checks else 0,
-            "microbatches": microbatches}
+    return {
+        "tokens_per_s": tokens_per_second(points, tokens),
+        "spot_checks": checks[-1] if checks else 0,
+        "microbatches": microbatches,
+    }
 
 
 def main() -> int:
     args = parse_args()
     fractions = [*args.fractions, args.calibration_fraction]
     if min(args.seconds, args.warmup + 1, args.rounds, args.inflight) <= 0 or not all(0 < f <= 1 for f in fractions):
-        print("--seconds, --rounds and --inflight must be positive, --fractions and --calibration-fraction in (0, 1]",
-              file=sys.stderr)
+        print(
+            "--seconds, --rounds and --inflight must be positive, --fractions and --calibration-fraction in (0, 1]",
+            file=sys.stderr,
+        )
         return 2
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="agora-bench-security-"))
     if args.calibration:
@@ -134,25 +147,36 @@ def main() -> int:
         modes = list(configs) if round_index % 2 == 0 else list(configs)[::-1]
         for tickets in modes:
             names = list(configs[tickets]) if round_index % 2 == 0 else list(configs[tickets])[::-1]
-            for name, result in measure_swarm(tickets, {name: configs[tickets][name] for name in names},
-                                              run_dir / f"round{round_index + 1}-{'tickets' if tickets else 'no-tickets'}",
-                                              args).items():
+            for name, result in measure_swarm(
+                tickets,
+                {name: configs[tickets][name] for name in names},
+                run_dir / f"round{round_index + 1}-{'tickets' if tickets else 'no-tickets'}",
+                args,
+            ).items():
                 results[name].append(result)
-                print(f"round {round_index + 1} {name:10s}: {result['tokens_per_s']:7.1f} tokens/s, "
-                      f"{result['spot_checks']} spot checks in {result['microbatches']} microbatches", flush=True)
+                print(
+                    f"round {round_index + 1} {name:10s}: {result['tokens_per_s']:7.1f} tokens/s, "
+                    f"{result['spot_checks']} spot checks in {result['microbatches']} microbatches",
+                    flush=True,
+                )
     print(json.dumps(summarize(results, args)))
     return 0
 
 
-def measure_swarm(tickets: bool, configs: dict[str, list[str]], run_dir: Path, args: argparse.Namespace) -> dict[str, dict]:
+def measure_swarm(
+    tickets: bool, configs: dict[str, list[str]], run_dir: Path, args: argparse.Namespace
+) -> dict[str, dict]:
     """One swarm, its workers checking tickets or not, serving one trainer per configuration in turn."""
     recorder = ProgressRecorder()
     options = SwarmOptions(workers_per_stage=2, trainers=0, run_dir=run_dir, report_every=2.0, worker_tickets=tickets)
     swarm = LocalSwarm(options, on_line=recorder)
     try:
         swarm.start()
-        print(f"swarm {'with' if tickets else 'without'} ticket checks up in {time.monotonic() - swarm.started_at:.0f}s "
-              f"(2 workers per stage); logs in {run_dir / 'logs'}", flush=True)
+        print(
+            f"swarm {'with' if tickets else 'without'} ticket checks up in {time.monotonic() - swarm.started_at:.0f}s "
+            f"(2 workers per stage); logs in {run_dir / 'logs'}",
+            flush=True,
+        )
         return {name: measure(swarm, recorder, trainer_args, args) for name, trainer_args in configs.items()}
     finally:
         swarm.stop()
@@ -164,10 +188,14 @@ def measure_calibration(run_dir: Path, args: argparse.Namespace) -> dict[str, ob
     swarm = LocalSwarm(options)
     try:
         swarm.start()
-        print(f"swarm up in {time.monotonic() - swarm.started_at:.0f}s (3 honest workers per stage); logs in "
-              f"{run_dir / 'logs'}", flush=True)
-        trainer = swarm.start_trainer("--spot-check-fraction", str(args.calibration_fraction), "--shard", "0/1",
-                                      "--inflight", str(args.inflight))
+        print(
+            f"swarm up in {time.monotonic() - swarm.started_at:.0f}s (3 honest workers per stage); logs in "
+            f"{run_dir / 'logs'}",
+            flush=True,
+        )
+        trainer = swarm.start_trainer(
+            "--spot-check-fraction", str(args.calibration_fraction), "--shard", "0/1", "--inflight", str(args.inflight)
+        )
         time.sleep(args.seconds)
         lines = trainer.lines()
     finally:
@@ -186,37 +214,57 @@ def measure_calibration(run_dir: Path, args: argparse.Namespace) -> dict[str, ob
 def measure_receipts_cost(run_dir: Path, args: argparse.Namespace) -> dict[str, object]:
     """One swarm, a trainer with receipts and one without side by side each round (order and shards swapped per round)."""
     recorder = ProgressRecorder()
-    swarm = LocalSwarm(SwarmOptions(workers_per_stage=1, trainers=0, run_dir=run_dir, report_every=2.0), on_line=recorder)
+    swarm = LocalSwarm(
+        SwarmOptions(workers_per_stage=1, trainers=0, run_dir=run_dir, report_every=2.0), on_line=recorder
+    )
     rates: dict[str, list[float]] = {"on": [], "off": []}
     try:
         swarm.start()
-        print(f"swarm up in {time.monotonic() - swarm.started_at:.0f}s (1 worker per stage); logs in {run_dir / 'logs'}",
-              flush=True)
+        print(
+            f"swarm up in {time.monotonic() - swarm.started_at:.0f}s (1 worker per stage); logs in {run_dir / 'logs'}",
+            flush=True,
+        )
         for round_index in range(args.rounds):
             modes = ["on", "off"] if round_index % 2 == 0 else ["off", "on"]
             measured = measure_side_by_side(swarm, recorder, modes, args)
             for mode in modes:
                 rates[mode].append(measured[mode])
-            print(f"round {round_index + 1}: receipts on {measured['on']:.3f}, off {measured['off']:.3f} microbatches/s "
-                  f"(ratio {measured['on'] / max(measured['off'], 1e-9):.3f})", flush=True)
+            print(
+                f"round {round_index + 1}: receipts on {measured['on']:.3f}, off {measured['off']:.3f} microbatches/s "
+                f"(ratio {measured['on'] / max(measured['off'], 1e-9):.3f})",
+                flush=True,
+            )
     finally:
         swarm.stop()
     ratios = [on / max(off, 1e-9) for on, off in zip(rates["on"], rates["off"])]
-    return {"bench": "security_receipts", "preset": "tiny", "workers_per_stage": 1, "rounds": args.rounds,
-            "seconds_per_round": args.seconds, "inflight": args.inflight,
-            "receipts_on_microbatches_per_s": round(statistics.mean(rates["on"]), 3),
-            "receipts_off_microbatches_per_s": round(statistics.mean(rates["off"]), 3),
-            "round_ratios": [round(ratio, 3) for ratio in ratios],
-            "receipts_throughput_ratio": round(statistics.mean(ratios), 3), "target": 0.98}
+    return {
+        "bench": "security_receipts",
+        "preset": "tiny",
+        "workers_per_stage": 1,
+        "rounds": args.rounds,
+        "seconds_per_round": args.seconds,
+        "inflight": args.inflight,
+        "receipts_on_microbatches_per_s": round(statistics.mean(rates["on"]), 3),
+        "receipts_off_microbatches_per_s": round(statistics.mean(rates["off"]), 3),
+        "round_ratios": [round(ratio, 3) for ratio in ratios],
+        "receipts_throughput_ratio": round(statistics.mean(ratios), 3),
+        "target": 0.98,
+    }
 
 
 RECEIPTS_LINE = {"on": "[RECEIPTS] what each worker serves", "off": "[RECEIPTS] off"}
 
 
-def measure_side_by_side(swarm: LocalSwarm, recorder: ProgressRecorder, modes: list[str], args: argparse.Namespace) -> dict[str, float]:
+def measure_side_by_side(
+    swarm: LocalSwarm, recorder: ProgressRecorder, modes: list[str], args: argparse.Namespace
+) -> dict[str, float]:
     """Microbatches/s of one trainer per receipts mode, started in ``modes``' order, over the same measured seconds."""
-    trainers = {mode: swarm.start_trainer("--receipts", mode, *NO_SPOT_CHECKS, "--shard", f"{index}/{len(modes)}",
-                                          "--inflight", str(args.inflight)) for index, mode in enumerate(modes)}
+    trainers = {
+        mode: swarm.start_trainer(
+            "--receipts", mode, *NO_SPOT_CHECKS, "--shard", f"{index}/{len(modes)}", "--inflight", str(args.inflight)
+        )
+        for index, mode in enumerate(modes)
+    }
     try:
         deadline = time.monotonic() + 180
         while not all(recorder.of(trainer.name) for trainer in trainers.values()):
@@ -232,33 +280,58 @@ def measure_side_by_side(swarm: LocalSwarm, recorder: ProgressRecorder, modes: l
     for mode, trainer in trainers.items():  # each trainer really ran as its mode says
         if not any(RECEIPTS_LINE[mode] in line for line in trainer.lines()):
             raise RuntimeError(f"{trainer.name} never said {RECEIPTS_LINE[mode]!r}; see {trainer.log_path}")
-    return {mode: microbatches_per_second([point for point in recorder.of(trainer.name)
-                                           if measured_from <= point.at <= measured_to + 0.5])
-            for mode, trainer in trainers.items()}
+    return {
+        mode: microbatches_per_second(
+            [point for point in recorder.of(trainer.name) if measured_from <= point.at <= measured_to + 0.5]
+        )
+        for mode, trainer in trainers.items()
+    }
 
 
 def summarize_calibration(stages: dict[str, dict], banned: int, args: argparse.Namespace) -> dict[str, object]:
     margin = SpotCheckConfig().margin
-    print(f"stage    checks strikes bans  kind      state         tolerance (unverifiable from {RANDOM_DISTANCE - margin:.3f})")
-    summary: dict[str, object] = {"bench": "security_calibration", "preset": "tiny", "workers_per_stage": 3,
-                                  "fraction": args.calibration_fraction, "seconds": args.seconds, "banned_lines": banned,
-                                  "random_distance": round(RANDOM_DISTANCE, 4), "margin": margin}
+    print(
+        f"stage    checks strikes bans  kind      state         tolerance (unverifiable from {RANDOM_DISTANCE - margin:.3f})"
+    )
+    summary: dict[str, object] = {
+        "bench": "security_calibration",
+        "preset": "tiny",
+        "workers_per_stage": 3,
+        "fraction": args.calibration_fraction,
+        "seconds": args.seconds,
+        "banned_lines": banned,
+        "random_distance": round(RANDOM_DISTANCE, 4),
+        "margin": margin,
+    }
     for stage, report in stages.items():
-        summary.update({f"{stage}_checks": report["checks"], f"{stage}_strikes": report["strikes"], f"{stage}_bans": report["bans"]})
+        summary.update(
+            {
+                f"{stage}_checks": report["checks"],
+                f"{stage}_strikes": report["strikes"],
+                f"{stage}_bans": report["bans"],
+            }
+        )
         for kind in ("forward", "backward"):
             standing = report[kind]
             tolerance = standing["tolerance"]
             shown = "-" if tolerance is None else f"{tolerance:.3f}"
-            print(f"{stage:8s} {report['checks']:6d} {report['strikes']:7d} {report['bans']:4d}  {kind:9s} "
-                  f"{standing['state']:13s} {shown} ({standing['samples']} honest distances)")
+            print(
+                f"{stage:8s} {report['checks']:6d} {report['strikes']:7d} {report['bans']:4d}  {kind:9s} "
+                f"{standing['state']:13s} {shown} ({standing['samples']} honest distances)"
+            )
             summary[f"{stage}_{kind}_state"] = standing["state"]
             summary[f"{stage}_{kind}_tolerance"] = None if tolerance is None else round(tolerance, 4)
     return summary
 
 
 def summarize(results: dict[str, list[dict]], args: argparse.Namespace) -> dict[str, object]:
-    summary: dict[str, object] = {"bench": "security", "preset": "tiny", "workers_per_stage": 2,
-                                  "seconds_per_configuration": args.seconds * args.rounds, "inflight": args.inflight}
+    summary: dict[str, object] = {
+        "bench": "security",
+        "preset": "tiny",
+        "workers_per_stage": 2,
+        "seconds_per_configuration": args.seconds * args.rounds,
+        "inflight": args.inflight,
+    }
     for name, runs in results.items():
         summary[f"{name}_tokens_per_s"] = round(statistics.mean(run["tokens_per_s"] for run in runs), 1)
         summary[f"{name}_spot_checks"] = sum(run["spot_checks"] for run in runs)

@@ -62,10 +62,21 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository
 from agora_client.auth import (  # noqa: E402
-    AdmissionPolicy, AuthServer, AuthService, ServiceSettings, TokenFileIdentity, write_demo_token_file,
+    AdmissionPolicy,
+    AuthServer,
+    AuthService,
+    ServiceSettings,
+    TokenFileIdentity,
+    write_demo_token_file,
 )
 from agora_client.auth.server import JOIN_RATE, POLL_RATE  # noqa: E402
-from agora_client.deploy.firewall import DEFAULT_BURST, DEFAULT_PER_MINUTE, apply_ruleset, remove_ruleset, render_ruleset  # noqa: E402
+from agora_client.deploy.firewall import (
+    DEFAULT_BURST,
+    DEFAULT_PER_MINUTE,
+    apply_ruleset,
+    remove_ruleset,
+    render_ruleset,
+)  # noqa: E402
 
 HONEST_TIMEOUT_S = 10.0
 OPEN_TIMEOUT_S = 3.0  # an attacker's connect whose SYN the kernel dropped: given up, as a real attacker would
@@ -82,11 +93,17 @@ def pin(cpus: set[int] | None) -> None:
 def serve(state: Path, conn, cpus: set[int] | None) -> None:
     """The auth service under test, in its own process; the loopback exemption off (see the docstring)."""
     pin(cpus)
-    settings = ServiceSettings(policy=AdmissionPolicy(
-        stages=("head", "body1", "tail"), max_workers_per_stage=100, pacing_s=0.0, max_pending_per_stage=100))
+    settings = ServiceSettings(
+        policy=AdmissionPolicy(
+            stages=("head", "body1", "tail"), max_workers_per_stage=100, pacing_s=0.0, max_pending_per_stage=100
+        )
+    )
     service = AuthService(settings, TokenFileIdentity(state / "tokens.json"), state / "service")
-    server = AuthServer(service, join_rate=dataclasses.replace(JOIN_RATE, exempt_loopback=False),
-                        poll_rate=dataclasses.replace(POLL_RATE, exempt_loopback=False))
+    server = AuthServer(
+        service,
+        join_rate=dataclasses.replace(JOIN_RATE, exempt_loopback=False),
+        poll_rate=dataclasses.replace(POLL_RATE, exempt_loopback=False),
+    )
     with server:
         conn.send(server.url)
         conn.recv()
@@ -96,7 +113,9 @@ def honest_request(host: str, port: int) -> float | None:
     """Seconds for one GET /v1/status on a fresh connection from 127.0.0.1; None if it failed."""
     started = time.perf_counter()
     try:
-        with socket.create_connection((host, port), timeout=HONEST_TIMEOUT_S, source_address=("127.0.0.1", 0)) as client:
+        with socket.create_connection(
+            (host, port), timeout=HONEST_TIMEOUT_S, source_address=("127.0.0.1", 0)
+        ) as client:
             client.sendall(f"GET /v1/status HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
             answer = b""
             while chunk := client.recv(65536):
@@ -125,8 +144,10 @@ def summary(measured: dict, label: str) -> dict:
     times = measured["times"]
     figures = {"requests": len(times) + measured["failures"], "failures": measured["failures"]}
     if len(times) >= 2:
-        figures.update(p50_ms=round(statistics.median(times) * 1e3, 2),
-                       p99_ms=round(statistics.quantiles(times, n=100, method="inclusive")[98] * 1e3, 2))
+        figures.update(
+            p50_ms=round(statistics.median(times) * 1e3, 2),
+            p99_ms=round(statistics.quantiles(times, n=100, method="inclusive")[98] * 1e3, 2),
+        )
     print(f"{label:>12s}: {figures}", flush=True)
     return figures
 
@@ -149,8 +170,9 @@ async def _attack(host: str, port: int, connections: int, trickle_s: float, conn
 
     async def open_one(index: int) -> None:
         try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port, local_addr=("127.0.0.2", 0)),
-                                               OPEN_TIMEOUT_S)
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port, local_addr=("127.0.0.2", 0)), OPEN_TIMEOUT_S
+            )
             writer.write(f"GET /v1/status HTTP/1.1\r\nHost: {host}\r\n".encode())
             writers[index] = writer
             stats["opened"] += 1
@@ -160,7 +182,7 @@ async def _attack(host: str, port: int, connections: int, trickle_s: float, conn
     async def refill() -> None:
         missing = [index for index, writer in enumerate(writers) if writer is None or writer.is_closing()]
         for start in range(0, len(missing), 500):  # in batches: the listen backlog is finite
-            await asyncio.gather(*(open_one(index) for index in missing[start:start + 500]))
+            await asyncio.gather(*(open_one(index) for index in missing[start : start + 500]))
 
     await refill()
     first_round = True
@@ -186,7 +208,9 @@ async def _attack(host: str, port: int, connections: int, trickle_s: float, conn
 class Attacker:
     def __init__(self, host: str, port: int, connections: int, trickle_s: float, cpus: set[int] | None):
         self._conn, child = CONTEXT.Pipe()
-        self._process = CONTEXT.Process(target=attack, args=(host, port, connections, trickle_s, child, cpus), daemon=True)
+        self._process = CONTEXT.Process(
+            target=attack, args=(host, port, connections, trickle_s, child, cpus), daemon=True
+        )
         self._process.start()
         self.holding = self._conn.recv()
 
@@ -209,7 +233,9 @@ def storm(url: str, tokens: list[str], sources: int, threads: int, conn, cpus: s
         source = f"127.0.1.{1 + index % sources}"
         with httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=30) as client:
             try:
-                return client.post(f"{url}/v1/join", json={"token": tokens[index], "peer_id": f"peer{index}"}).status_code
+                return client.post(
+                    f"{url}/v1/join", json={"token": tokens[index], "peer_id": f"peer{index}"}
+                ).status_code
             except httpx.HTTPError:
                 return -1
 
@@ -221,15 +247,21 @@ def storm(url: str, tokens: list[str], sources: int, threads: int, conn, cpus: s
 
 def run_storm(url: str, host: str, port: int, tokens: list[str], args, cpus: set[int] | None) -> tuple[dict, dict]:
     conn, child = CONTEXT.Pipe()
-    process = CONTEXT.Process(target=storm, args=(url, tokens, args.join_sources, args.storm_threads, child, cpus),
-                              daemon=True)
+    process = CONTEXT.Process(
+        target=storm, args=(url, tokens, args.join_sources, args.storm_threads, child, cpus), daemon=True
+    )
     process.start()
     honest = summary(measure(host, port, 1.0, args.every_s, until=conn.poll), "join storm")
     codes, duration = conn.recv()
     process.join(10)
     served = sum(code == 200 for code in codes)
-    joins = {"joins_served": served, "rate_limited": codes.count(429), "join_failures": len(codes) - served - codes.count(429),
-             "storm_s": round(duration, 2), "joins_per_s": round(served / duration, 1)}
+    joins = {
+        "joins_served": served,
+        "rate_limited": codes.count(429),
+        "join_failures": len(codes) - served - codes.count(429),
+        "storm_s": round(duration, 2),
+        "joins_per_s": round(served / duration, 1),
+    }
     print(f"{'join storm':>12s}: {joins}, answers {dict(sorted(Counter(codes).items()))}", flush=True)
     return honest, joins
 
@@ -243,9 +275,14 @@ def main() -> int:
     parser.add_argument("--joins", type=int, default=200)
     parser.add_argument("--join-sources", type=int, default=20, help="client addresses the joins come from")
     parser.add_argument("--storm-threads", type=int, default=16)
-    parser.add_argument("--no-pin", action="store_true", help="run the attacker and the storm on the service's CPUs too")
-    parser.add_argument("--firewall", action="store_true",
-                        help="limit new connections per address in the kernel (agora deploy firewall's rules; root, nftables)")
+    parser.add_argument(
+        "--no-pin", action="store_true", help="run the attacker and the storm on the service's CPUs too"
+    )
+    parser.add_argument(
+        "--firewall",
+        action="store_true",
+        help="limit new connections per address in the kernel (agora deploy firewall's rules; root, nftables)",
+    )
     args = parser.parse_args()
     if args.firewall:
         enter_own_network_namespace()  # before any process or socket: they all live in it
@@ -278,7 +315,9 @@ def main() -> int:
         conn.send("stop")
         server.join(15)
     phases = {"baseline": summary(baseline, "baseline"), **phases}
-    print(json.dumps({**figures(phases, attackers, joins), "pinned": service_cpus is not None, "firewall": args.firewall}))
+    print(
+        json.dumps({**figures(phases, attackers, joins), "pinned": service_cpus is not None, "firewall": args.firewall})
+    )
     return 0
 
 
@@ -299,8 +338,11 @@ def kernel_limit(port: int, enabled: bool) -> Iterator[None]:
         yield
         return
     apply_ruleset(render_ruleset([port]))
-    print(f"{'firewall':>12s}: the kernel drops new connections to port {port} from an address beyond {DEFAULT_BURST} "
-          f"at once and {DEFAULT_PER_MINUTE} a minute", flush=True)
+    print(
+        f"{'firewall':>12s}: the kernel drops new connections to port {port} from an address beyond {DEFAULT_BURST} "
+        f"at once and {DEFAULT_PER_MINUTE} a minute",
+        flush=True,
+    )
     try:
         yield
     finally:

@@ -49,7 +49,12 @@ from agora_client.config import SpartaConfig, load_config  # noqa: E402
 from agora_client.model.stages import param_counts  # noqa: E402
 from tests.netns import BridgedHosts, unavailable  # noqa: E402
 from tests.sparta_peer import (  # noqa: E402
-    PeerFailed, close_averagers, open_averagers, run_round, start_peers, stop_peers,
+    PeerFailed,
+    close_averagers,
+    open_averagers,
+    run_round,
+    start_peers,
+    stop_peers,
 )
 
 PRESET = "8b"
@@ -107,8 +112,11 @@ class Combination:
 
 def timeouts_for(link_s: float) -> dict[str, float]:
     """Generous SPARTA timeouts for a round whose bytes take link_s over the uplink (link-derived ones replace these)."""
-    return {"allreduce_timeout": round(2 * link_s + 30), "sender_timeout": round(10 + link_s / 2),
-            "reducer_timeout": round(10 + link_s / 2)}
+    return {
+        "allreduce_timeout": round(2 * link_s + 30),
+        "sender_timeout": round(10 + link_s / 2),
+        "reducer_timeout": round(10 + link_s / 2),
+    }
 
 
 def sparta_fields(combination: Combination, payload_switch: bool) -> dict:
@@ -182,14 +190,19 @@ def summarize(combination: Combination, reports: list[dict], peak_rss: list[dict
     # the reason without its numbers, so that alike failures add up
     failures = Counter(re.sub(r"\d+(\.\d+)?", "N", r["reason"] or "") for r in reports if not r["ok"])
     return {
-        "stage": combination.stage, "peers": combination.peers, "mbit": combination.mbit,
-        "payload": combination.payload, "values": combination.values, "rounds": len(reports) // combination.peers,
+        "stage": combination.stage,
+        "peers": combination.peers,
+        "mbit": combination.mbit,
+        "payload": combination.payload,
+        "values": combination.values,
+        "rounds": len(reports) // combination.peers,
         "timeouts": timeouts_for(combination.link_s),
         "success_rate": round(len(ok) / len(reports), 3),
         "full_groups": sum(1 for r in ok if r["group_size"] == combination.peers and r["fraction"] == 1.0),
         "median_round_s": round(statistics.median(r["duration_s"] for r in ok), 2) if ok else None,
-        "median_allreduce_s": (round(statistics.median(r["allreduce_s"] for r in ok), 2)
-                               if ok and "allreduce_s" in ok[0] else None),
+        "median_allreduce_s": (
+            round(statistics.median(r["allreduce_s"] for r in ok), 2) if ok and "allreduce_s" in ok[0] else None
+        ),
         "expected_link_s": round(combination.link_s, 1),
         "bytes_sent_per_peer": round(sent) if ok else None,
         "bytes_received_per_peer": round(statistics.mean(r["bytes_received"] for r in ok)) if ok else None,
@@ -200,8 +213,9 @@ def summarize(combination: Combination, reports: list[dict], peak_rss: list[dict
     }
 
 
-def measure(peers: list, hosts: BridgedHosts, combination: Combination, rounds: int, payload_switch: bool,
-            first_round: int) -> dict:
+def measure(
+    peers: list, hosts: BridgedHosts, combination: Combination, rounds: int, payload_switch: bool, first_round: int
+) -> dict:
     """``rounds`` rounds of one combination on the group's running peers."""
     for host in hosts.hosts:
         host.shape_uplink(combination.mbit)
@@ -220,17 +234,28 @@ def measure(peers: list, hosts: BridgedHosts, combination: Combination, rounds: 
 def print_row(combination: Combination, row: dict) -> None:
     median = "-" if row["median_round_s"] is None else f"{row['median_round_s']:.1f}s"
     sent = "-" if row["sent_over_butterfly"] is None else f"{row['sent_over_butterfly']:.3f}"
-    print(f"  {combination.label:28s} {row['success_rate']:6.0%} of {row['rounds']:2d} rounds x {combination.peers}"
-          f"  median {median:>7} (link alone {row['expected_link_s']:.1f}s)  sent/butterfly {sent}"
-          f"  timeouts {row['timeouts']}  peak RSS/peer {row['peak_rss_mb_per_peer']:.0f} MB"
-          f"  failures {row['failures'] or '-'}", flush=True)
+    print(
+        f"  {combination.label:28s} {row['success_rate']:6.0%} of {row['rounds']:2d} rounds x {combination.peers}"
+        f"  median {median:>7} (link alone {row['expected_link_s']:.1f}s)  sent/butterfly {sent}"
+        f"  timeouts {row['timeouts']}  peak RSS/peer {row['peak_rss_mb_per_peer']:.0f} MB"
+        f"  failures {row['failures'] or '-'}",
+        flush=True,
+    )
     if row["sent_over_butterfly"] is not None and row["sent_over_butterfly"] > 1.5:
-        print(f"    {combination.payload}: {row['sent_over_butterfly']:.1f}x the butterfly's bytes for this payload were "
-              "sent: it is not compressed on the wire", flush=True)
+        print(
+            f"    {combination.payload}: {row['sent_over_butterfly']:.1f}x the butterfly's bytes for this payload were "
+            "sent: it is not compressed on the wire",
+            flush=True,
+        )
 
 
-def run_group(group: list[Combination], rounds: dict[Combination, int], args: argparse.Namespace,
-              deadline: float, skipped: list[dict]) -> list[dict]:
+def run_group(
+    group: list[Combination],
+    rounds: dict[Combination, int],
+    args: argparse.Namespace,
+    deadline: float,
+    skipped: list[dict],
+) -> list[dict]:
     """Every planned combination of one stage and group size, on one set of peers; rows measured."""
     first = group[0]
     need, have = group_memory_mb(first.peers, first.values), available_memory_mb()
@@ -253,7 +278,10 @@ def run_group(group: list[Combination], rounds: dict[Combination, int], args: ar
                 try:
                     row = measure(peers, hosts, combination, count, args.payload_switch, round_no)
                 except PeerFailed as error:  # e.g. killed for memory: this group's peers cannot go on
-                    print(f"  {combination.label}: {error} (the kernel's log says whether it ran out of memory)", flush=True)
+                    print(
+                        f"  {combination.label}: {error} (the kernel's log says whether it ran out of memory)",
+                        flush=True,
+                    )
                     skipped += [skip(c, f"a peer of the group failed: {error}") for c in ordered[index:]]
                     break
                 round_no += count
@@ -268,7 +296,9 @@ def run_group(group: list[Combination], rounds: dict[Combination, int], args: ar
 def remove_leaked_shared_memory(before: set[Path]) -> None:
     """Delete the shared-memory files this group's peers made and left: hivemind shares tensors through files
     (torch's file_system strategy), which stay when a process is stopped hard, and the next group needs that memory."""
-    made = {path: path.name.split("_")[1] for path in set(SHARED_MEMORY.glob("torch_*")) - before}  # torch_<pid>_<random>_<n>
+    made = {
+        path: path.name.split("_")[1] for path in set(SHARED_MEMORY.glob("torch_*")) - before
+    }  # torch_<pid>_<random>_<n>
     leaked = [path for path, pid in made.items() if pid.isdigit() and not psutil.pid_exists(int(pid))]
     size = sum(path.stat().st_size for path in leaked if path.exists())
     for path in leaked:
@@ -286,23 +316,36 @@ def grid(args: argparse.Namespace, payloads: list[str], values: dict[str, int]) 
     if args.quick:
         chosen = payloads[:1] + sorted(payloads[1:], key=BYTES_PER_VALUE.get)[:1]
         return [Combination(2, "body", values["body"], 100.0, payload) for payload in chosen]
-    return [Combination(peers, stage, values[stage], mbit, payload) for peers in args.group_sizes
-            for stage in args.stages for payload in payloads for mbit in RATES_MBIT]
+    return [
+        Combination(peers, stage, values[stage], mbit, payload)
+        for peers in args.group_sizes
+        for stage in args.stages
+        for payload in payloads
+        for mbit in RATES_MBIT
+    ]
 
 
-def print_plan(combinations: list[Combination], rounds: dict[Combination, int], values: dict[str, int],
-               budget_s: float) -> None:
+def print_plan(
+    combinations: list[Combination], rounds: dict[Combination, int], values: dict[str, int], budget_s: float
+) -> None:
     print(f"8b SPARTA slices (float32 values): {values}; payloads: {sorted({c.payload for c in combinations})}")
     planned = sum(n * c.estimate_s for c, n in rounds.items())
-    print(f"plan: {len(rounds)} of {len(combinations)} combinations, ~{planned / 60:.0f} min of rounds "
-          f"(budget {budget_s / 60:.0f} min)", flush=True)
+    print(
+        f"plan: {len(rounds)} of {len(combinations)} combinations, ~{planned / 60:.0f} min of rounds "
+        f"(budget {budget_s / 60:.0f} min)",
+        flush=True,
+    )
     for combination in combinations:
         count = rounds.get(combination)
-        print(f"  {combination.label:28s} est. {combination.estimate_s:6.1f}s/round  "
-              f"{'skipped' if count is None else f'{count} rounds'}  timeouts {timeouts_for(combination.link_s)}")
+        print(
+            f"  {combination.label:28s} est. {combination.estimate_s:6.1f}s/round  "
+            f"{'skipped' if count is None else f'{count} rounds'}  timeouts {timeouts_for(combination.link_s)}"
+        )
     for peers, stage in sorted({(c.peers, c.stage) for c in rounds}):
-        print(f"  memory, {stage} x{peers}: ~{group_memory_mb(peers, values[stage]):,.0f} MB "
-              f"({available_memory_mb():,.0f} MB available)")
+        print(
+            f"  memory, {stage} x{peers}: ~{group_memory_mb(peers, values[stage]):,.0f} MB "
+            f"({available_memory_mb():,.0f} MB available)"
+        )
 
 
 def target_checks(rows: list[dict], payloads: list[str]) -> dict[str, bool | None]:
@@ -311,20 +354,32 @@ def target_checks(rows: list[dict], payloads: list[str]) -> dict[str, bool | Non
     for payload in payloads:
         at = [row for row in rows if row["payload"] == payload and row["mbit"] == TARGET_MBIT[payload]]
         checks[f"{payload}_at_{TARGET_MBIT[payload]:g}_mbit"] = (
-            all(row["success_rate"] >= TARGET_SUCCESS for row in at) if at else None)
+            all(row["success_rate"] >= TARGET_SUCCESS for row in at) if at else None
+        )
     return checks
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="one body at 100 Mbit/s, 2 peers, fp32 and the "
-                        "smallest compressed payload, 5 rounds each")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="one body at 100 Mbit/s, 2 peers, fp32 and the smallest compressed payload, 5 rounds each",
+    )
     parser.add_argument("--budget-min", type=float, default=40.0, help="minutes the whole bench may take")
     parser.add_argument("--run-dir", type=Path, default=None, help="peer logs go here (default: a temporary folder)")
-    parser.add_argument("--stages", type=_choices(STAGES, str), default=STAGES,
-                        help=f"the stages to measure, comma-separated (default {','.join(STAGES)})")
-    parser.add_argument("--group-sizes", type=_choices(GROUP_SIZES, int), default=GROUP_SIZES,
-                        help=f"the group sizes to measure, comma-separated (default {','.join(map(str, GROUP_SIZES))})")
+    parser.add_argument(
+        "--stages",
+        type=_choices(STAGES, str),
+        default=STAGES,
+        help=f"the stages to measure, comma-separated (default {','.join(STAGES)})",
+    )
+    parser.add_argument(
+        "--group-sizes",
+        type=_choices(GROUP_SIZES, int),
+        default=GROUP_SIZES,
+        help=f"the group sizes to measure, comma-separated (default {','.join(map(str, GROUP_SIZES))})",
+    )
     args = parser.parse_args()
     if args.budget_min <= 0:
         parser.error("--budget-min must be positive")
@@ -333,6 +388,7 @@ def parse_args() -> argparse.Namespace:
 
 def _choices(allowed: tuple, kind: type):
     """An argparse type: a comma-separated subset of ``allowed``."""
+
     def parse(text: str) -> tuple:
         try:
             chosen = tuple(kind(item) for item in text.split(",") if item)
@@ -341,6 +397,7 @@ def _choices(allowed: tuple, kind: type):
         if not chosen or not set(chosen) <= set(allowed):
             raise argparse.ArgumentTypeError(f"{text!r}: give some of {','.join(map(str, allowed))}")
         return chosen
+
     return parse
 
 
@@ -371,15 +428,23 @@ def main() -> int:
     return 0
 
 
-def print_summary(args: argparse.Namespace, rows: list[dict], skipped: list[dict], payloads: list[str],
-                  elapsed_s: float) -> None:
+def print_summary(
+    args: argparse.Namespace, rows: list[dict], skipped: list[dict], payloads: list[str], elapsed_s: float
+) -> None:
     for entry in skipped:
         print(f"  skipped {entry['label']} (est. {entry['estimated_round_s']}s/round): {entry['why']}")
     result = {
-        "bench": "sparta_8b", "mode": "quick" if args.quick else "full", "preset": PRESET, "cpus": os.cpu_count(),
-        "payloads": payloads, "elapsed_s": round(elapsed_s, 1), "budget_s": args.budget_min * 60,
+        "bench": "sparta_8b",
+        "mode": "quick" if args.quick else "full",
+        "preset": PRESET,
+        "cpus": os.cpu_count(),
+        "payloads": payloads,
+        "elapsed_s": round(elapsed_s, 1),
+        "budget_s": args.budget_min * 60,
         "timeouts": "chosen by the bench per rate: allreduce 2T+30 s, sender and reducer 10+T/2 s, T = the "
-                    "butterfly's bytes over the shaped uplink", "rows": rows, "skipped": skipped,
+        "butterfly's bytes over the shaped uplink",
+        "rows": rows,
+        "skipped": skipped,
         "targets": target_checks(rows, payloads),
     }
     if args.quick:

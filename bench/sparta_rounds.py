@@ -75,15 +75,20 @@ def main() -> int:
     kills = []
     try:
         swarm.start()
-        print(f"swarm up in {time.monotonic() - swarm.started_at:.0f}s: {args.workers} workers per stage; "
-              f"logs in {run_dir / 'logs'}", flush=True)
+        print(
+            f"swarm up in {time.monotonic() - swarm.started_at:.0f}s: {args.workers} workers per stage; "
+            f"logs in {run_dir / 'logs'}",
+            flush=True,
+        )
         time.sleep(args.warmup)
         quiet_from = time.time()
         time.sleep(args.quiet)
         quiet_load = os.getloadavg()[0]
         churn_from = time.time()
-        print(f"quiet phase done (load {quiet_load:.2f}); churn phase: a worker replaced every {args.kill_every:.0f}s",
-              flush=True)
+        print(
+            f"quiet phase done (load {quiet_load:.2f}); churn phase: a worker replaced every {args.kill_every:.0f}s",
+            flush=True,
+        )
         while time.time() < churn_from + args.churn:
             time.sleep(min(args.kill_every, max(0.0, churn_from + args.churn - time.time())))
             if time.time() >= churn_from + args.churn:
@@ -105,13 +110,25 @@ def main() -> int:
     churn = summarize(events, churn_from, churn_until)
     for name, phase, load in (("quiet", quiet, quiet_load), ("churn", churn, churn_load)):
         rate = f"{phase['success_rate']:.1%}" if phase["success_rate"] is not None else "-"
-        print(f"{name}: {phase['ok']}/{phase['rounds']} rounds ok ({rate}), {phase['full_groups']} with every peer, "
-              f"median {phase['median_duration_s']}s, load {load:.2f}; failures {phase['failures']}")
-    print(json.dumps({
-        "bench": "sparta_rounds", "preset": swarm.config.name, "workers_per_stage": args.workers,
-        "cpus": os.cpu_count(), "quiet_seconds": args.quiet, "churn_seconds": args.churn, "kills": len(kills),
-        "quiet": {**quiet, "load_avg_1m": round(quiet_load, 2)}, "churn": {**churn, "load_avg_1m": round(churn_load, 2)},
-    }))
+        print(
+            f"{name}: {phase['ok']}/{phase['rounds']} rounds ok ({rate}), {phase['full_groups']} with every peer, "
+            f"median {phase['median_duration_s']}s, load {load:.2f}; failures {phase['failures']}"
+        )
+    print(
+        json.dumps(
+            {
+                "bench": "sparta_rounds",
+                "preset": swarm.config.name,
+                "workers_per_stage": args.workers,
+                "cpus": os.cpu_count(),
+                "quiet_seconds": args.quiet,
+                "churn_seconds": args.churn,
+                "kills": len(kills),
+                "quiet": {**quiet, "load_avg_1m": round(quiet_load, 2)},
+                "churn": {**churn, "load_avg_1m": round(churn_load, 2)},
+            }
+        )
+    )
     return 0
 
 

@@ -51,7 +51,9 @@ def _peer(conn: Connection, index: int, initial_peers: list[str], rounds: int) -
     conn.send([str(addr) for addr in dht.get_visible_maddrs()])
     averagers = {
         "sparse": SpartaAverager(dht, "bench_sparse", parameters, config.sparta, lock=lock),
-        "full": SpartaAverager(dht, "bench_full", parameters, config.sparta.model_copy(update={"fraction": 1.0}), lock=lock),
+        "full": SpartaAverager(
+            dht, "bench_full", parameters, config.sparta.model_copy(update={"fraction": 1.0}), lock=lock
+        ),
     }
     conn.send(sum(p.numel() for p in parameters))
     try:
@@ -140,8 +142,12 @@ def main() -> int:
     measured = measure(args.peers, args.rounds)
     rows = summarize(measured["params"], measured["reports"], fraction, args.peers)
 
-    print(f"tiny {STAGE}: {measured['params']:,} trainable parameters, {args.peers} peers, {args.rounds} rounds per mode")
-    print(f"{'mode':<7} {'ok':>5} {'sent/peer':>12} {'recv/peer':>12} {'butterfly':>12} {'formula':>12} {'duration':>9}")
+    print(
+        f"tiny {STAGE}: {measured['params']:,} trainable parameters, {args.peers} peers, {args.rounds} rounds per mode"
+    )
+    print(
+        f"{'mode':<7} {'ok':>5} {'sent/peer':>12} {'recv/peer':>12} {'butterfly':>12} {'formula':>12} {'duration':>9}"
+    )
     for mode, row in rows.items():
         sent = f"{row['bytes_sent_per_peer']:,.0f}" if row["bytes_sent_per_peer"] is not None else "-"
         received = f"{row['bytes_received_per_peer']:,.0f}" if row["bytes_received_per_peer"] is not None else "-"
@@ -168,17 +174,21 @@ def main() -> int:
     for name, count in counts.items():
         print(f"  {name:<6} {count:>14,} params  {formula_8b[name] / 1e6:>8.1f} MB")
 
-    print(json.dumps(dict(
-        stage=STAGE,
-        params=measured["params"],
-        peers=args.peers,
-        rounds=args.rounds,
-        fraction=fraction,
-        sparse=sparse,
-        full=full,
-        sparse_over_full_bytes=ratio,
-        formula_8b_bytes=formula_8b,
-    )))
+    print(
+        json.dumps(
+            dict(
+                stage=STAGE,
+                params=measured["params"],
+                peers=args.peers,
+                rounds=args.rounds,
+                fraction=fraction,
+                sparse=sparse,
+                full=full,
+                sparse_over_full_bytes=ratio,
+                formula_8b_bytes=formula_8b,
+            )
+        )
+    )
     return 0
 
 

@@ -23,11 +23,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agora_client.config import load_config  # noqa: E402
-from agora_client.model import FullModel, build_full_model, trainable_parameter_count  # noqa: E402
 from agora_client.data.heldout import held_out_sample  # noqa: E402
 from agora_client.data.sources import Shard  # noqa: E402
 from agora_client.data.stream import TokenStream  # noqa: E402
 from agora_client.data.tokenizer import load_run_tokenizer  # noqa: E402
+from agora_client.model import FullModel, build_full_model, trainable_parameter_count  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -72,7 +72,9 @@ def main() -> int:
         return 2
     torch.set_num_threads(args.threads)
     # The tiny run's data and tokenizer; its held-out documents never enter the training stream.
-    run = load_config("tiny", {"model": {"seq_len": args.seq_len}, "eval": {"sequences": args.eval_batches * args.batch}})
+    run = load_config(
+        "tiny", {"model": {"seq_len": args.seq_len}, "eval": {"sequences": args.eval_batches * args.batch}}
+    )
     tokenizer = load_run_tokenizer(run)
     train = TokenStream(run.data, run.eval, tokenizer, args.seq_len, Shard(0, 1), seed=args.seed).batches(args.batch)
     eval_batches = list(held_out_sample(run, tokenizer).split(args.batch))

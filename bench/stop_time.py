@@ -29,15 +29,22 @@ from pathlib import Path
 import hivemind
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository
+from _widened import widened_config  # noqa: E402  (bench/ is on sys.path: this script's own folder)
+
 from agora_client.auth import (  # noqa: E402
-    AdmissionPolicy, AuthServer, AuthService, ServiceSettings, TokenFileIdentity, swarm_status, write_demo_token_file,
+    AdmissionPolicy,
+    AuthServer,
+    AuthService,
+    ServiceSettings,
+    TokenFileIdentity,
+    swarm_status,
+    write_demo_token_file,
 )
 from agora_client.auth.run_description import TokenizerSummary, describe_run  # noqa: E402
 from agora_client.data.tokenizer import load_run_tokenizer  # noqa: E402
 from agora_client.frontend.stream import EventLine, StderrLine, read_runtime  # noqa: E402
 from agora_client.frontend.supervisor import RUNTIME_STOP_S, RuntimeProcess, runtime_command  # noqa: E402
 from agora_client.model.stages import param_counts  # noqa: E402
-from _widened import widened_config  # noqa: E402  (bench/ is on sys.path: this script's own folder)
 
 STAGE = "body1"
 SERVING_TIMEOUT_S = 900.0  # building a 300M stage on a loaded CPU takes minutes
@@ -65,8 +72,11 @@ async def measure(auth_url: str, token: str, config_dir: Path) -> dict:
 
     reader = asyncio.create_task(relay())
     started = time.monotonic()
-    await asyncio.wait([asyncio.create_task(serving.wait()), asyncio.create_task(ended.wait())],
-                       timeout=SERVING_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait(
+        [asyncio.create_task(serving.wait()), asyncio.create_task(ended.wait())],
+        timeout=SERVING_TIMEOUT_S,
+        return_when=asyncio.FIRST_COMPLETED,
+    )
     if not serving.is_set():
         await process.stop()
         raise SystemExit(f"the runtime never served its stage within {SERVING_TIMEOUT_S:.0f}s: {notable[-3:]}")
@@ -93,7 +103,10 @@ def main() -> None:
     args = parser.parse_args()
     config = widened_config(args.stage_params, args.layers)
     stage_params = param_counts(config.model)[STAGE]
-    print(f"{STAGE}: {stage_params / 1e6:.1f}M parameters (d_model {config.model.d_model}, {args.layers} layers)", flush=True)
+    print(
+        f"{STAGE}: {stage_params / 1e6:.1f}M parameters (d_model {config.model.d_model}, {args.layers} layers)",
+        flush=True,
+    )
     seed = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         seeds = tuple(str(maddr) for maddr in seed.get_visible_maddrs())
@@ -101,15 +114,22 @@ def main() -> None:
         run = describe_run(config, seeds, None, None, TokenizerSummary.of(tokenizer))
         with tempfile.TemporaryDirectory(prefix="stop_time_") as folder:
             token = write_demo_token_file(Path(folder) / "tokens.json", "alice")
-            settings = ServiceSettings(policy=AdmissionPolicy(stages=(STAGE,), pacing_s=0.0), seeds=seeds, run=run,
-                                       tokenizer_json=tokenizer.content)
+            settings = ServiceSettings(
+                policy=AdmissionPolicy(stages=(STAGE,), pacing_s=0.0),
+                seeds=seeds,
+                run=run,
+                tokenizer_json=tokenizer.content,
+            )
             service = AuthService(settings, TokenFileIdentity(Path(folder) / "tokens.json"), Path(folder) / "state")
             with AuthServer(service) as auth:
                 figures = asyncio.run(measure(auth.url, token, Path(folder) / "client"))
     finally:
         seed.shutdown()
-    figures.update(stage_params=stage_params, target_s=RUNTIME_STOP_S,
-                   stop_over_target=round(figures["stop_s"] / RUNTIME_STOP_S, 3))
+    figures.update(
+        stage_params=stage_params,
+        target_s=RUNTIME_STOP_S,
+        stop_over_target=round(figures["stop_s"] / RUNTIME_STOP_S, 3),
+    )
     print(json.dumps(figures))
 
 

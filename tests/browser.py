@@ -11,8 +11,15 @@ from pathlib import Path
 from typing import Any
 
 CHROMIUM_ARGS = (
-    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-    "--disable-extensions", "--disable-sync", "--disable-default-apps", "--disable-component-update",
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--no-first-run",
+    "--disable-extensions",
+    "--disable-sync",
+    "--disable-default-apps",
+    "--disable-component-update",
     "--disable-background-networking",  # the browser's own calls home: the tests watch the page's requests only
 )
 
@@ -21,8 +28,10 @@ def browser_missing() -> str | None:
     """Why no headless browser can run here; None if one can."""
     missing = [name for name in ("chromium", "chromedriver") if shutil.which(name) is None]
     if missing:
-        return (f"{' and '.join(missing)} not installed: `apt-get install chromium chromium-driver` "
-                "(.ci/run does) to test the page in a real browser")
+        return (
+            f"{' and '.join(missing)} not installed: `apt-get install chromium chromium-driver` "
+            "(.ci/run does) to test the page in a real browser"
+        )
     if importlib.util.find_spec("selenium") is None:
         return "selenium not installed: `pip install -r requirements-dev.txt`"
     return None
@@ -43,8 +52,9 @@ def start_chromium(width: int = 1280, height: int = 900) -> Any:
 
 
 def emulate_phone(driver: Any, width: int = 390, height: int = 844) -> None:
-    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
-                           {"width": width, "height": height, "deviceScaleFactor": 2, "mobile": True})
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride", {"width": width, "height": height, "deviceScaleFactor": 2, "mobile": True}
+    )
 
 
 def emulate_desktop(driver: Any) -> None:

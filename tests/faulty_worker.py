@@ -100,8 +100,12 @@ def parse(argv: list[str]) -> tuple[Faults, list[str]]:
     parser = argparse.ArgumentParser(prog="faulty_worker", description="agora with a faulty stage backend injected")
     parser.add_argument("--lie", action="store_true", help="answer random tensors of the right shape and scale")
     parser.add_argument("--slowdown", type=float, default=0.0, metavar="S", help="seconds added to every request")
-    parser.add_argument("--slower", type=float, default=1.0, metavar="F", help="every request takes F times its own time")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="the agora command line, e.g. worker --stage body1 ...")
+    parser.add_argument(
+        "--slower", type=float, default=1.0, metavar="F", help="every request takes F times its own time"
+    )
+    parser.add_argument(
+        "command", nargs=argparse.REMAINDER, help="the agora command line, e.g. worker --stage body1 ..."
+    )
     args = parser.parse_args(argv)
     if not args.command:
         parser.error("give the agora command to run after the fault flags, e.g. worker --stage body1 ...")

@@ -78,8 +78,9 @@ class Host:
     device: str
 
     def run(self, *command: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run(["ip", "netns", "exec", self.namespace, *command], check=check, capture_output=True,
-                              text=True, timeout=30)
+        return subprocess.run(
+            ["ip", "netns", "exec", self.namespace, *command], check=check, capture_output=True, text=True, timeout=30
+        )
 
     @contextmanager
     def entered(self) -> Iterator[None]:
@@ -109,8 +110,12 @@ class Host:
         table = f"agora_drop_{port}"
         self.run("nft", "add", "table", "inet", table)
         try:
-            self.run("nft", "add", "chain", "inet", table, "input", "{ type filter hook input priority 0; policy accept; }")
-            self.run("nft", "add", "rule", "inet", table, "input", "tcp", "dport", str(port), "ct", "state", "new", "drop")
+            self.run(
+                "nft", "add", "chain", "inet", table, "input", "{ type filter hook input priority 0; policy accept; }"
+            )
+            self.run(
+                "nft", "add", "rule", "inet", table, "input", "tcp", "dport", str(port), "ct", "state", "new", "drop"
+            )
             yield
         finally:
             self.run("nft", "delete", "table", "inet", table, check=False)
@@ -118,8 +123,21 @@ class Host:
     def shape_uplink(self, mbit: float) -> None:
         """Limit what this host sends to ``mbit`` Mbit/s (a token bucket on its interface; replaces an earlier limit)."""
         burst = max(TBF_MIN_BURST_BYTES, int(mbit * 1e6 / 8 / 100))  # at least 10 ms of traffic at the rate
-        self.run("tc", "qdisc", "replace", "dev", self.device, "root", "tbf", "rate", f"{round(mbit * 1000)}kbit",
-                 "burst", str(burst), "latency", TBF_LATENCY)
+        self.run(
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            self.device,
+            "root",
+            "tbf",
+            "rate",
+            f"{round(mbit * 1000)}kbit",
+            "burst",
+            str(burst),
+            "latency",
+            TBF_LATENCY,
+        )
 
     def unshape_uplink(self) -> None:
         self.run("tc", "qdisc", "del", "dev", self.device, "root", check=False)  # fails harmlessly when not shaped
@@ -163,8 +181,20 @@ class TwoHosts:
         try:
             for host in (self.a, self.b):
                 _add_namespace(host.namespace)
-            _ip("link", "add", self.a.device, "netns", self.a.namespace, "type", "veth",
-                "peer", "name", self.b.device, "netns", self.b.namespace)
+            _ip(
+                "link",
+                "add",
+                self.a.device,
+                "netns",
+                self.a.namespace,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                self.b.device,
+                "netns",
+                self.b.namespace,
+            )
             for host in (self.a, self.b):
                 host.bring_up()
         except BaseException:
@@ -208,7 +238,9 @@ class BridgedHosts:
 
     def _plug(self, host: Host, port: str) -> None:
         _add_namespace(host.namespace)
-        _ip("link", "add", host.device, "netns", host.namespace, "type", "veth", "peer", "name", port, "netns", self.hub)
+        _ip(
+            "link", "add", host.device, "netns", host.namespace, "type", "veth", "peer", "name", port, "netns", self.hub
+        )
         _ip("-n", self.hub, "link", "set", port, "master", self.bridge, "up")
         host.bring_up()
 

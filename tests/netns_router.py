@@ -120,10 +120,34 @@ class HomeRouter:
     def _build_links(self) -> None:
         for host in (self.internet, self.router, self.home):
             _add_namespace(host.namespace)
-        _ip("link", "add", self.wan_device, "netns", self.router.namespace, "type", "veth",
-            "peer", "name", self.internet.device, "netns", self.internet.namespace)
-        _ip("link", "add", self.router.device, "netns", self.router.namespace, "type", "veth",
-            "peer", "name", self.home.device, "netns", self.home.namespace)
+        _ip(
+            "link",
+            "add",
+            self.wan_device,
+            "netns",
+            self.router.namespace,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            self.internet.device,
+            "netns",
+            self.internet.namespace,
+        )
+        _ip(
+            "link",
+            "add",
+            self.router.device,
+            "netns",
+            self.router.namespace,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            self.home.device,
+            "netns",
+            self.home.namespace,
+        )
         for host in (self.internet, self.router, self.home):
             host.bring_up()
         _ip("-n", self.router.namespace, "addr", "add", f"{self.wan_address}/24", "dev", self.wan_device)
@@ -160,25 +184,33 @@ table inet filter {{
     chain postrouting_miniupnpd {{ }}
 }}
 """
-        subprocess.run(["ip", "netns", "exec", self.router.namespace, "nft", "-f", "-"], input=ruleset, text=True,
-                       check=True, capture_output=True, timeout=30)
+        subprocess.run(
+            ["ip", "netns", "exec", self.router.namespace, "nft", "-f", "-"],
+            input=ruleset,
+            text=True,
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
 
     def _miniupnpd_config(self) -> str:
-        return "\n".join([
-            f"ext_ifname={self.wan_device}",
-            f"listening_ip={self.router.device}",
-            "http_port=0",  # any free port: the SSDP answer names it
-            f"enable_upnp={'yes' if self._upnp else 'no'}",
-            "enable_natpmp=yes",
-            "ipv6_disable=yes",
-            "secure_mode=yes",  # a client maps ports to its own address only, like a home router
-            f"lease_file={self._files / 'leases'}",
-            f"minissdpdsocket={self._files / 'minissdpd.sock'}",  # never a system minissdpd
-            f"uuid={uuid.uuid4()}",
-            *([f"allow 1024-65535 {LAN_SUBNET}.0/24 1024-65535"] if self._allow_lan else []),
-            "deny 0-65535 0.0.0.0/0 0-65535",
-            "",
-        ])
+        return "\n".join(
+            [
+                f"ext_ifname={self.wan_device}",
+                f"listening_ip={self.router.device}",
+                "http_port=0",  # any free port: the SSDP answer names it
+                f"enable_upnp={'yes' if self._upnp else 'no'}",
+                "enable_natpmp=yes",
+                "ipv6_disable=yes",
+                "secure_mode=yes",  # a client maps ports to its own address only, like a home router
+                f"lease_file={self._files / 'leases'}",
+                f"minissdpdsocket={self._files / 'minissdpd.sock'}",  # never a system minissdpd
+                f"uuid={uuid.uuid4()}",
+                *([f"allow 1024-65535 {LAN_SUBNET}.0/24 1024-65535"] if self._allow_lan else []),
+                "deny 0-65535 0.0.0.0/0 0-65535",
+                "",
+            ]
+        )
 
     @contextmanager
     def blocked(self, address: str, port: int) -> Iterator[None]:
@@ -186,10 +218,33 @@ table inet filter {{
         table = f"agora_block_{port}"
         self.router.run("nft", "add", "table", "inet", table)
         try:
-            self.router.run("nft", "add", "chain", "inet", table, "forward",
-                            "{ type filter hook forward priority -10; policy accept; }")
-            self.router.run("nft", "add", "rule", "inet", table, "forward", "ip", "daddr", address, "tcp", "dport", str(port),
-                            "reject", "with", "tcp", "reset")
+            self.router.run(
+                "nft",
+                "add",
+                "chain",
+                "inet",
+                table,
+                "forward",
+                "{ type filter hook forward priority -10; policy accept; }",
+            )
+            self.router.run(
+                "nft",
+                "add",
+                "rule",
+                "inet",
+                table,
+                "forward",
+                "ip",
+                "daddr",
+                address,
+                "tcp",
+                "dport",
+                str(port),
+                "reject",
+                "with",
+                "tcp",
+                "reset",
+            )
             yield
         finally:
             self.router.run("nft", "delete", "table", "inet", table, check=False)
@@ -211,9 +266,22 @@ table inet filter {{
         config.write_text(self._miniupnpd_config())
         with open(self._files / "miniupnpd.log", "wb") as log:
             self._daemon = subprocess.Popen(
-                ["ip", "netns", "exec", self.router.namespace, "miniupnpd", "-d", "-f", str(config),
-                 "-P", str(self._files / "miniupnpd.pid")],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    self.router.namespace,
+                    "miniupnpd",
+                    "-d",
+                    "-f",
+                    str(config),
+                    "-P",
+                    str(self._files / "miniupnpd.pid"),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         deadline = time.monotonic() + MINIUPNPD_START_S
         while MINIUPNPD_READY not in self.router_log():
             if self._daemon.poll() is not None or time.monotonic() > deadline:

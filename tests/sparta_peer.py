@@ -67,8 +67,9 @@ class _Peer:
             self.parameter = None  # the old one goes before the new one is allocated
             self.parameter = _flat_parameter(values, self.args.index)
         stage_size = self.args.stage_size
-        self.averager = SpartaAverager(self.dht, prefix, [self.parameter], SpartaConfig(**sparta), lock=self.lock,
-                                       stage_size=lambda: stage_size)
+        self.averager = SpartaAverager(
+            self.dht, prefix, [self.parameter], SpartaConfig(**sparta), lock=self.lock, stage_size=lambda: stage_size
+        )
 
     def round(self, round_no: int) -> dict:
         return dataclasses.asdict(self.averager.begin_round(round_no, 1.0).result())
@@ -132,17 +133,32 @@ class PeerFailed(RuntimeError):
 class SpartaPeer:
     """The parent's side of one peer process started in ``namespace``; its stderr goes to ``log_path``."""
 
-    def __init__(self, namespace: str, address: str, index: int, stage_size: int, initial_peers: list[str],
-                 log_path: Path):
+    def __init__(
+        self, namespace: str, address: str, index: int, stage_size: int, initial_peers: list[str], log_path: Path
+    ):
         self.index, self.log_path = index, log_path
-        command = ["ip", "netns", "exec", namespace, sys.executable, "-m", "tests.sparta_peer", "--address", address,
-                   "--index", str(index), "--stage-size", str(stage_size)]
+        command = [
+            "ip",
+            "netns",
+            "exec",
+            namespace,
+            sys.executable,
+            "-m",
+            "tests.sparta_peer",
+            "--address",
+            address,
+            "--index",
+            str(index),
+            "--stage-size",
+            str(stage_size),
+        ]
         for maddr in initial_peers:
             command += ["--initial-peer", maddr]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         with open(log_path, "w") as log:
-            self.process = subprocess.Popen(command, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            stderr=log, text=True)
+            self.process = subprocess.Popen(
+                command, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True
+            )
         self._events: queue.Queue[dict | None] = queue.Queue()
         threading.Thread(target=self._read, name=f"sparta-peer-{index}", daemon=True).start()
 
@@ -167,8 +183,9 @@ class SpartaPeer:
         except queue.Empty:
             raise PeerFailed(f"peer {self.index} did not say {event!r} within {timeout:.0f}s; see {self.log_path}")
         if got is None:
-            raise PeerFailed(f"peer {self.index} exited (status {self.process.poll()}) before saying {event!r}:\n"
-                             f"{self._log_tail()}")
+            raise PeerFailed(
+                f"peer {self.index} exited (status {self.process.poll()}) before saying {event!r}:\n{self._log_tail()}"
+            )
         if got["event"] != event:
             raise PeerFailed(f"peer {self.index} said {got['event']!r} where {event!r} was expected")
         return got
@@ -197,8 +214,9 @@ def start_peers(hosts: list, log_dir: Path, timeout: float = 120.0) -> list[Spar
         peers.append(first)
         maddrs = first.expect("dht", timeout)["maddrs"]
         for index, host in enumerate(hosts[1:], start=1):
-            peers.append(SpartaPeer(host.namespace, host.address, index, len(hosts), maddrs,
-                                    log_dir / f"peer{index}.log"))
+            peers.append(
+                SpartaPeer(host.namespace, host.address, index, len(hosts), maddrs, log_dir / f"peer{index}.log")
+            )
         for peer in peers[1:]:
             peer.expect("dht", timeout)
     except BaseException:

@@ -56,8 +56,11 @@ def auth_service(
     stages = run.config.model.stage_names if run is not None else STAGES
     policy = {"stages": stages, "pacing_s": 0.0, "max_pending_per_stage": 100, **policy}
     settings = ServiceSettings(
-        policy=AdmissionPolicy(**policy), snapshot_url=snapshot_url, seeds=("/ip4/127.0.0.1/tcp/4001/p2p/QmSeed",),
-        poll_every_s=0.05, run=run,
+        policy=AdmissionPolicy(**policy),
+        snapshot_url=snapshot_url,
+        seeds=("/ip4/127.0.0.1/tcp/4001/p2p/QmSeed",),
+        poll_every_s=0.05,
+        run=run,
     )
     service = AuthService(settings, TokenFileIdentity(token_file), tmp_path / "state")
     with AuthServer(service) as server:
@@ -84,7 +87,9 @@ def test_ticket_round_trip_and_rejections(tmp_path: Path):
     assert claims.expires_at == pytest.approx(claims.issued_at + 60)
 
     payload, signature = ticket.split(".")
-    forged = issue_ticket(key, identity="mallory", peer_id="12D3KooWpeer", stage="body1", slot=3, ttl_s=60).split(".")[0]
+    forged = issue_ticket(key, identity="mallory", peer_id="12D3KooWpeer", stage="body1", slot=3, ttl_s=60).split(".")[
+        0
+    ]
     with pytest.raises(InvalidTicket, match="signature") as tampered:
         verify_ticket(public, f"{forged}.{signature}")
     assert tampered.value.reason == "bad_signature"
@@ -148,23 +153,34 @@ def test_stage_assignment_picks_the_emptiest_stage(tmp_path: Path):
 
 def test_a_gpu_is_given_only_a_stage_it_can_hold(tmp_path: Path):
     config = load_config("8b")
-    llama3 = TokenizerSummary("0" * 64, config.model.vocab_size, config.tokenizer.eos_token)  # offline: not fetched from the hub
+    llama3 = TokenizerSummary(
+        "0" * 64, config.model.vocab_size, config.tokenizer.eos_token
+    )  # offline: not fetched from the hub
     run = describe_run(config, ("/ip4/127.0.0.1/tcp/4001/p2p/QmSeed",), None, None, llama3)
     gib = 1 << 30
     users = ["small", "mid1", "mid2", "large", "cpu"]
     with auth_service(tmp_path, users=users, run=run, max_workers_per_stage=1) as (server, tokens):
-        with pytest.raises(AuthRejected, match=r"a GPU with 8\.00 GiB holds none of this swarm's stages: the smallest, body1, needs"):
+        with pytest.raises(
+            AuthRejected, match=r"a GPU with 8\.00 GiB holds none of this swarm's stages: the smallest, body1, needs"
+        ):
             join(server, tokens["small"], "peerS", gpu_memory=8 * gib)
         # the 8b tail plans a 36 GiB peak: a 24 GiB card is given the head, then a body, never the tail
         assert join(server, tokens["mid1"], "peerM1", gpu_memory=24 * gib).stage == "head"
         assert join(server, tokens["mid2"], "peerM2", gpu_memory=24 * gib).stage == "body1"
         assert join(server, tokens["large"], "peerL", gpu_memory=80 * gib).stage == "body2"
         assert join(server, tokens["cpu"], "peerC").stage == "body3"  # no GPU named: any stage (CPU demo workers)
-    with auth_service(tmp_path / "full", users=["a", "b", "c", "d", "e", "f", "g"], run=run, max_workers_per_stage=1,
-                      per_identity_cap=8) as (server, tokens):
+    with auth_service(
+        tmp_path / "full",
+        users=["a", "b", "c", "d", "e", "f", "g"],
+        run=run,
+        max_workers_per_stage=1,
+        per_identity_cap=8,
+    ) as (server, tokens):
         for index, user in enumerate("abcdef"):  # head and the five bodies
             join(server, tokens[user], f"peer{index}", gpu_memory=24 * gib)
-        with pytest.raises(AuthRejected, match=r"every stage your GPU can hold \(head, body1, body2, body3, body4, body5\) is full"):
+        with pytest.raises(
+            AuthRejected, match=r"every stage your GPU can hold \(head, body1, body2, body3, body4, body5\) is full"
+        ):
             join(server, tokens["g"], "peer7", gpu_memory=24 * gib)
         assert join(server, tokens["g"], "peer8", gpu_memory=48 * gib).stage == "tail"
 
@@ -224,8 +240,10 @@ def test_invalid_and_malformed_requests_get_clear_errors(tmp_path: Path):
 
 def test_queue_keeps_place_and_admits_later(tmp_path: Path):
     pacing = 1.5
-    with auth_service(tmp_path, stages=("head",), pacing_s=pacing, max_workers_per_stage=4) as (server, tokens), \
-            httpx.Client() as client:
+    with (
+        auth_service(tmp_path, stages=("head",), pacing_s=pacing, max_workers_per_stage=4) as (server, tokens),
+        httpx.Client() as client,
+    ):
         first = join(server, tokens["alice"], "first")
         assert first.stage == "head"
         # Two more joiners while the first is being integrated: they queue in order.
@@ -235,21 +253,33 @@ def test_queue_keeps_place_and_admits_later(tmp_path: Path):
         assert second["stage"] == "head" and second["snapshot_url"].endswith("/head/latest.json")
         assert 0 < second["estimated_wait_s"] <= pacing and third["estimated_wait_s"] > second["estimated_wait_s"]
         # Polling and re-joining keep the place.
-        poll = client.post(f"{server.url}/v1/join/poll", json={"queue_id": second["queue_id"], "peer_id": "second"}).json()
+        poll = client.post(
+            f"{server.url}/v1/join/poll", json={"queue_id": second["queue_id"], "peer_id": "second"}
+        ).json()
         assert (poll["status"], poll["position"]) == ("queued", 1)
         again = client.post(f"{server.url}/v1/join", json={"token": tokens["bob"], "peer_id": "second"}).json()
         assert (again["queue_id"], again["position"]) == (second["queue_id"], 1)
-        third_poll = client.post(f"{server.url}/v1/join/poll", json={"queue_id": third["queue_id"], "peer_id": "third"}).json()
+        third_poll = client.post(
+            f"{server.url}/v1/join/poll", json={"queue_id": third["queue_id"], "peer_id": "third"}
+        ).json()
         assert third_poll["position"] == 2
-        wrong_peer = client.post(f"{server.url}/v1/join/poll", json={"queue_id": second["queue_id"], "peer_id": "third"})
+        wrong_peer = client.post(
+            f"{server.url}/v1/join/poll", json={"queue_id": second["queue_id"], "peer_id": "third"}
+        )
         assert wrong_peer.status_code == 404
 
         # The client waits with its place, logging position, and is admitted once pacing allows.
         buffer = io.StringIO()
         assigned: list[StageAssignment] = []
         started = time.monotonic()
-        granted = join(server, tokens["bob"], "second", events=EventWriter(buffer), queue_log_every=0.2,
-                       on_assigned=assigned.append)
+        granted = join(
+            server,
+            tokens["bob"],
+            "second",
+            events=EventWriter(buffer),
+            queue_log_every=0.2,
+            on_assigned=assigned.append,
+        )
         waited = time.monotonic() - started
         assert granted.stage == "head" and granted.identity == "bob" and granted.queued_s > 0
         assert waited >= pacing - 0.5
@@ -260,7 +290,9 @@ def test_queue_keeps_place_and_admits_later(tmp_path: Path):
         assert len(queue_events) <= waited / 0.2 + 2  # throttled to one per queue_log_every
         assert isinstance(events[-1], AuthEvent) and events[-1].status == "authorized"
         # The third joiner moved up to the front.
-        third_poll = client.post(f"{server.url}/v1/join/poll", json={"queue_id": third["queue_id"], "peer_id": "third"}).json()
+        third_poll = client.post(
+            f"{server.url}/v1/join/poll", json={"queue_id": third["queue_id"], "peer_id": "third"}
+        ).json()
         assert third_poll["status"] == "queued" and third_poll["position"] == 1
         assert join(server, tokens["carol"], "third").identity == "carol"
 
@@ -323,7 +355,12 @@ class WhoamiHandler(BaseHTTPRequestHandler):
         if self.path != "/api/whoami-v2" or name is None:
             body, status = json.dumps({"error": "Invalid credentials in Authorization header"}).encode(), 401
         else:
-            body, status = json.dumps({"type": "user", "name": name, "fullname": "Alice", "auth": {"type": "access_token"}}).encode(), 200
+            body, status = (
+                json.dumps(
+                    {"type": "user", "name": name, "fullname": "Alice", "auth": {"type": "access_token"}}
+                ).encode(),
+                200,
+            )
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))

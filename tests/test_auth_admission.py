@@ -8,8 +8,16 @@ from agora_client.auth.admission import AdmissionPolicy, Admitted, Queued, Rejec
 
 
 def book(**overrides) -> SlotBook:
-    policy = {"stages": ("head", "tail"), "max_workers_per_stage": 3, "per_identity_cap": 5, "pacing_s": 10.0,
-              "max_pending_per_stage": 1, "integration_timeout_s": 100.0, "queue_stale_s": 30.0, **overrides}
+    policy = {
+        "stages": ("head", "tail"),
+        "max_workers_per_stage": 3,
+        "per_identity_cap": 5,
+        "pacing_s": 10.0,
+        "max_pending_per_stage": 1,
+        "integration_timeout_s": 100.0,
+        "queue_stale_s": 30.0,
+        **overrides,
+    }
     return SlotBook(AdmissionPolicy(**policy))
 
 

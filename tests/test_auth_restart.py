@@ -25,8 +25,16 @@ from agora_client.auth.state_store import AuthStateStore, open_book
 from agora_client.auth.tickets import verify_ticket
 
 REPO = Path(__file__).resolve().parents[1]
-POLICY = AdmissionPolicy(stages=("head", "tail"), max_workers_per_stage=4, per_identity_cap=4, pacing_s=10.0,
-                         max_pending_per_stage=5, integration_timeout_s=100.0, ticket_ttl_s=50.0, queue_stale_s=30.0)
+POLICY = AdmissionPolicy(
+    stages=("head", "tail"),
+    max_workers_per_stage=4,
+    per_identity_cap=4,
+    pacing_s=10.0,
+    max_pending_per_stage=5,
+    integration_timeout_s=100.0,
+    ticket_ttl_s=50.0,
+    queue_stale_s=30.0,
+)
 
 
 def reopened(path: Path, now: float) -> SlotBook:
@@ -34,10 +42,14 @@ def reopened(path: Path, now: float) -> SlotBook:
 
 
 def by_key(state):
-    return (sorted((slot.stage, slot.index, slot.identity, slot.peer_id, slot.admitted_at, slot.expires_at, slot.active)
-                   for slot in state.slots),
-            [(entry.queue_id, entry.stage, entry.peer_id, entry.joined_at) for entry in state.queue],
-            state.last_admissions)
+    return (
+        sorted(
+            (slot.stage, slot.index, slot.identity, slot.peer_id, slot.admitted_at, slot.expires_at, slot.active)
+            for slot in state.slots
+        ),
+        [(entry.queue_id, entry.stage, entry.peer_id, entry.joined_at) for entry in state.queue],
+        state.last_admissions,
+    )
 
 
 # -- the store -------------------------------------------------------------------------------------------
@@ -100,8 +112,13 @@ for n in itertools.count():
     book.join(f"id{{n}}", f"peer{{n}}", now=float(n))
     print(n, flush=True)
 """
-    child = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    child = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         answered = [int(child.stdout.readline()) for _ in range(30)]
         child.send_signal(signal.SIGKILL)  # mid-decision, most likely mid-transaction
@@ -121,7 +138,9 @@ def test_the_old_binding_file_is_imported_once_and_the_database_wins(tmp_path: P
     legacy.write_text(json.dumps({"PeerX": "alice", "PeerY": "carol"}))
     bindings = PeerBindings(store, legacy_file=legacy)
     assert bindings.owner("PeerX") == "alice" and bindings.owner("PeerY") == "bob"
-    assert not legacy.exists() and json.loads((tmp_path / "peer_bindings.json.migrated").read_text())["PeerX"] == "alice"
+    assert (
+        not legacy.exists() and json.loads((tmp_path / "peer_bindings.json.migrated").read_text())["PeerX"] == "alice"
+    )
     assert bindings.claim("PeerX", "mallory") == "alice"
     assert PeerBindings(AuthStateStore(tmp_path / "auth_state.sqlite3"), legacy_file=legacy).owner("PeerX") == "alice"
     legacy.write_text("{not json")
@@ -132,7 +151,9 @@ def test_the_old_binding_file_is_imported_once_and_the_database_wins(tmp_path: P
 def test_a_damaged_database_is_one_clear_error(tmp_path: Path):
     path = tmp_path / "auth_state.sqlite3"
     path.write_bytes(b"this is not a database" * 100)
-    with pytest.raises(ValueError, match="cannot be read as the auth service's state database.*restore it from a backup"):
+    with pytest.raises(
+        ValueError, match="cannot be read as the auth service's state database.*restore it from a backup"
+    ):
         AuthStateStore(path)
 
 
@@ -147,13 +168,31 @@ def free_port() -> int:
 
 def start_service(tmp_path: Path, port: int) -> tuple[subprocess.Popen, str]:
     command = [
-        sys.executable, str(REPO / "agora_cli.py"), "auth", "--identity", "token-file", "--token-file",
-        str(tmp_path / "tokens.json"), "--state-dir", str(tmp_path / "state"), "--config", "tiny", "--no-dial-back",
-        "--port", str(port), "--pacing", "600", "--max-workers-per-stage", "2", "--snapshot-url", "http://127.0.0.1:9/s",
+        sys.executable,
+        str(REPO / "agora_cli.py"),
+        "auth",
+        "--identity",
+        "token-file",
+        "--token-file",
+        str(tmp_path / "tokens.json"),
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--config",
+        "tiny",
+        "--no-dial-back",
+        "--port",
+        str(port),
+        "--pacing",
+        "600",
+        "--max-workers-per-stage",
+        "2",
+        "--snapshot-url",
+        "http://127.0.0.1:9/s",
     ]
     log = open(tmp_path / "auth.log", "a")
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    process = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     log.close()
     ready = process.stdout.readline()
     assert ready.startswith("[AUTH] listening on "), ready + (tmp_path / "auth.log").read_text()
@@ -193,7 +232,9 @@ def test_a_killed_auth_service_restarts_with_its_slots_queue_and_tickets(tmp_pat
         claims = verify_ticket(before["public_key"], renewed["ticket"])
         assert (claims.peer_id, claims.stage, claims.slot) == (peers["ann"], "head", granted["ann"]["slot"])
         assert renewed["expires_at"] >= granted["ann"]["expires_at"]
-        polled = httpx.post(f"{url}/v1/join/poll", json={"queue_id": queued["queue_id"], "peer_id": peers["eve"]}).json()
+        polled = httpx.post(
+            f"{url}/v1/join/poll", json={"queue_id": queued["queue_id"], "peer_id": peers["eve"]}
+        ).json()
         assert (polled["status"], polled["queue_id"], polled["position"]) == ("queued", queued["queue_id"], 1)
         assert 0 < polled["estimated_wait_s"] <= queued["estimated_wait_s"]  # pacing still counts from the first run
     finally:

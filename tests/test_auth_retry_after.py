@@ -37,7 +37,8 @@ def auth_server(tmp_path: Path, *, pacing_s: float = 0.0, **rates):
     token_file = tmp_path / "tokens.json"
     tokens = {name: write_demo_token_file(token_file, name) for name in ("alice", "bob")}
     settings = ServiceSettings(
-        policy=AdmissionPolicy(stages=("head",), pacing_s=pacing_s, max_pending_per_stage=100), snapshot_url=None,
+        policy=AdmissionPolicy(stages=("head",), pacing_s=pacing_s, max_pending_per_stage=100),
+        snapshot_url=None,
         poll_every_s=0.05,
     )
     service = AuthService(settings, TokenFileIdentity(token_file), tmp_path / "state")
@@ -49,7 +50,9 @@ def auth_server(tmp_path: Path, *, pacing_s: float = 0.0, **rates):
 def recording_client():
     """An httpx client that notes (path, status) of every answer it gets."""
     answers: list[tuple[str, int]] = []
-    with httpx.Client(event_hooks={"response": [lambda r: answers.append((r.request.url.path, r.status_code))]}) as http:
+    with httpx.Client(
+        event_hooks={"response": [lambda r: answers.append((r.request.url.path, r.status_code))]}
+    ) as http:
         yield http, answers
 
 
@@ -81,8 +84,13 @@ def test_retry_after_is_read_as_seconds_with_a_default_and_bounds():
 
 
 def test_a_client_polling_faster_than_the_limit_keeps_its_queue_place_and_is_authorized(tmp_path: Path, caplog):
-    poll_rate = RateLimit(per_minute=60, burst=1, exempt_loopback=False)  # Retry-After 1 s; the client polls every 0.05 s
-    with auth_server(tmp_path, pacing_s=2.0, poll_rate=poll_rate) as (server, tokens), recording_client() as (http, answers):
+    poll_rate = RateLimit(
+        per_minute=60, burst=1, exempt_loopback=False
+    )  # Retry-After 1 s; the client polls every 0.05 s
+    with (
+        auth_server(tmp_path, pacing_s=2.0, poll_rate=poll_rate) as (server, tokens),
+        recording_client() as (http, answers),
+    ):
         join(server, tokens["alice"], "first", io.StringIO())  # admitted: the stage takes the next one 2 s later
         buffer = io.StringIO()
         with caplog.at_level(logging.INFO, logger=CLIENT_LOG):

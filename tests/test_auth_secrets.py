@@ -34,7 +34,6 @@ from agora_client.auth import (
 from agora_client.auth.key_proof import peer_id_of_public_key
 from agora_client.events import EventWriter
 from agora_client.snapshots import download_snapshot, save_stage_snapshot, serve_directory
-
 from tests.test_auth import WhoamiHandler
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,9 +87,14 @@ def test_token_never_leaks_from_service_or_client(tmp_path: Path, caplog, capsys
     threading.Thread(target=hub.serve_forever, args=(0.05,), daemon=True).start()
     try:
         with serve_directory(tmp_path / "store") as store:
-            policy = AdmissionPolicy(stages=("head",), max_workers_per_stage=2, per_identity_cap=1, pacing_s=5.0)  # long enough to queue under load
+            policy = AdmissionPolicy(
+                stages=("head",), max_workers_per_stage=2, per_identity_cap=1, pacing_s=5.0
+            )  # long enough to queue under load
             settings = ServiceSettings(policy=policy, snapshot_url=store.url, poll_every_s=0.05)
-            for source in (TokenFileIdentity(token_file), HuggingFaceIdentity(f"http://127.0.0.1:{hub.server_address[1]}")):
+            for source in (
+                TokenFileIdentity(token_file),
+                HuggingFaceIdentity(f"http://127.0.0.1:{hub.server_address[1]}"),
+            ):
                 good = demo_token if isinstance(source, TokenFileIdentity) else HF_TOKEN
                 with AuthServer(AuthService(settings, source, state_dir)) as server:
                     granted = authorize(server.url, good, f"p1-{id(source)}", events=events, poll_every=0.05)
@@ -104,7 +108,9 @@ def test_token_never_leaks_from_service_or_client(tmp_path: Path, caplog, capsys
                     leave(server.url, granted.ticket)
                     queued = authorize(server.url, good, f"p6-{id(source)}", events=events, poll_every=0.05)
                     errors.append(repr(queued))
-                    leave(server.url, queued.ticket)  # the next service reads this state dir: it starts with a free stage
+                    leave(
+                        server.url, queued.ticket
+                    )  # the next service reads this state dir: it starts with a free stage
                 # The service is gone: the connection error must not quote the request either.
                 try:
                     authorize(server.url, good, "p5", events=events)
@@ -129,19 +135,43 @@ def test_auth_command_runs_and_keeps_the_token_out_of_its_output(tmp_path: Path)
     token_file = tmp_path / "tokens.yaml"
     token = write_demo_token_file(token_file, "demo")
     command = [
-        sys.executable, str(REPO / "agora_cli.py"), "auth", "--identity", "token-file", "--token-file", str(token_file),
-        "--state-dir", str(tmp_path / "state"), "--log-level", "DEBUG", "--pacing", "0", "--config", "tiny", "--no-dial-back",
-        "--snapshot-url", "http://127.0.0.1:9/snapshots", "--seed", "/ip4/127.0.0.1/tcp/4001/p2p/QmSeed",
+        sys.executable,
+        str(REPO / "agora_cli.py"),
+        "auth",
+        "--identity",
+        "token-file",
+        "--token-file",
+        str(token_file),
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--log-level",
+        "DEBUG",
+        "--pacing",
+        "0",
+        "--config",
+        "tiny",
+        "--no-dial-back",
+        "--snapshot-url",
+        "http://127.0.0.1:9/snapshots",
+        "--seed",
+        "/ip4/127.0.0.1/tcp/4001/p2p/QmSeed",
     ]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         ready = process.stdout.readline()
         assert ready.startswith("[AUTH] listening on "), ready + process.stderr.read()
         url = ready.removeprefix("[AUTH] listening on ").strip()
         key = RSAPrivateKey()  # the CLI's service admits only joins signed with the key of their peer id
-        granted = authorize(url, token, peer_id_of_public_key(key.get_public_key().to_bytes()), events=EventWriter(),
-                            peer_key=key)
+        granted = authorize(
+            url, token, peer_id_of_public_key(key.get_public_key().to_bytes()), events=EventWriter(), peer_key=key
+        )
         assert granted.stage == "head" and granted.snapshot_url == "http://127.0.0.1:9/snapshots/head/latest.json"
         assert granted.seeds == ("/ip4/127.0.0.1/tcp/4001/p2p/QmSeed",)
         rejected = httpx.post(f"{url}/v1/join", json={"token": token + "x", "peer_id": "peerBad"})
@@ -163,9 +193,21 @@ def test_auth_command_runs_and_keeps_the_token_out_of_its_output(tmp_path: Path)
 
 def test_auth_command_bad_configuration_is_one_clear_line(tmp_path: Path):
     result = subprocess.run(
-        [sys.executable, str(REPO / "agora_cli.py"), "auth", "--identity", "token-file", "--token-file",
-         str(tmp_path / "missing.yaml"), "--state-dir", str(tmp_path / "state")],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            str(REPO / "agora_cli.py"),
+            "auth",
+            "--identity",
+            "token-file",
+            "--token-file",
+            str(tmp_path / "missing.yaml"),
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert "cannot start the auth service" in result.stderr and "does not exist" in result.stderr

@@ -24,8 +24,8 @@ from agora_client.snapshots import LocalStore, StoredSnapshot, latest_snapshot, 
 from agora_client.snapshots.background import BackgroundWriter, HostCopy
 from agora_client.snapshots.format import StageState, live_state
 from agora_client.snapshots.publisher import SnapshotPublisher
-from agora_client.worker.main import _warn_if_host_memory_short
 from agora_client.worker.epochs import StageLock
+from agora_client.worker.main import _warn_if_host_memory_short
 from agora_client.worker.node import WorkerNode, WorkerOptions
 from agora_client.worker.optimizer import build_optimizer
 
@@ -90,7 +90,9 @@ def forward(node: WorkerNode) -> torch.Tensor:
     p2p = replicate_p2p(client)
     try:
         inputs = (torch.randn(BATCH, SEQ, WIDTH), torch.randint(0, 256, (BATCH, SEQ)))
-        call = call_unary(server_stub(p2p, node.peer_id), "forward", node.uid, [serialize_torch_tensor(t) for t in inputs], b"")
+        call = call_unary(
+            server_stub(p2p, node.peer_id), "forward", node.uid, [serialize_torch_tensor(t) for t in inputs], b""
+        )
         return run_coroutine(asyncio.wait_for(call, WAIT_S))[0]
     finally:
         close_replica(p2p)
@@ -106,8 +108,10 @@ def take_and_release(lock: StageLock) -> None:
 @pytest.mark.timeout(240)
 def test_a_publication_in_the_background_does_not_block_a_forward_or_a_backward(tmp_path) -> None:
     sink = Recorder()
-    node = WorkerNode(WorkerOptions(load_config("tiny"), "body1", [], index=0, publish_dir=tmp_path, publish_every=1000),
-                      EventWriter(sink))
+    node = WorkerNode(
+        WorkerOptions(load_config("tiny"), "body1", [], index=0, publish_dir=tmp_path, publish_every=1000),
+        EventWriter(sink),
+    )
     store = node.snapshots.store = HeldStore(tmp_path)
     copy = node.state_writer.copy = HeldCopy()
     try:
@@ -202,13 +206,20 @@ def test_the_host_copy_is_taken_under_the_state_lock_into_reused_buffers() -> No
         assert tensor.data_ptr() != moments[key].data_ptr() and torch.equal(tensor, moments[key])
     held = sum(tensor.numel() * tensor.element_size() for tensor in [*first.params.values(), *first.optimizer.values()])
     planned = plan_stage(config, "body1")
-    assert planned.snapshot <= held <= planned.snapshot * 1.01  # the plan's "+ writing" host memory (step counters aside)
+    assert (
+        planned.snapshot <= held <= planned.snapshot * 1.01
+    )  # the plan's "+ writing" host memory (step counters aside)
 
 
-def test_an_operators_worker_says_when_the_host_lacks_memory_for_its_state_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_operators_worker_says_when_the_host_lacks_memory_for_its_state_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     options = WorkerOptions(load_config("tiny"), "body1", [], publish_dir="snapshots")
     plan = plan_stage(options.config, "body1")
-    for available, warned in ((plan.host_need(False, writes_state=True) - 1, 1), (10 * plan.host_need(False, writes_state=True), 0)):
+    for available, warned in (
+        (plan.host_need(False, writes_state=True) - 1, 1),
+        (10 * plan.host_need(False, writes_state=True), 0),
+    ):
         sink = Recorder()
         monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
         _warn_if_host_memory_short(options, EventWriter(sink))

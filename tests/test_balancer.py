@@ -32,8 +32,9 @@ def worker(n: int, stage: str = "body1", phase: int = 0) -> WorkerRecord:
     return WorkerRecord(uid=f"{stage}.0.{n}", peer_id=f"peer{n}", stage=stage, sync_phase=phase)
 
 
-def simulate(balancer: StageBalancer, clock: FakeClock, seconds_per_unit: dict[str, float], requests: int,
-             concurrency: int = 4) -> tuple[dict[str, int], float]:
+def simulate(
+    balancer: StageBalancer, clock: FakeClock, seconds_per_unit: dict[str, float], requests: int, concurrency: int = 4
+) -> tuple[dict[str, int], float]:
     """Drive the balancer like a pipeline with `concurrency` microbatches in flight.
 
     Each worker serves its requests one after another (a queue on the worker), so sending more to a
@@ -404,10 +405,14 @@ def test_router_reports_empty_stages_and_window_stats() -> None:
         (asyncio.TimeoutError(), ErrorClass.RETRY_SAME),
         (concurrent.futures.TimeoutError(), ErrorClass.RETRY_SAME),
         (P2PDaemonError("context deadline exceeded"), ErrorClass.RETRY_SAME),
-        (P2PDaemonError("failed to dial: failed to dial 12D3: all dials failed\n * connection refused"),
-         ErrorClass.RETRY_OTHER),
-        (ControlFailure("Connect failed. msg=failed to dial: all dials failed\n * dial backoff"),
-         ErrorClass.RETRY_OTHER),
+        (
+            P2PDaemonError("failed to dial: failed to dial 12D3: all dials failed\n * connection refused"),
+            ErrorClass.RETRY_OTHER,
+        ),
+        (
+            ControlFailure("Connect failed. msg=failed to dial: all dials failed\n * dial backoff"),
+            ErrorClass.RETRY_OTHER,
+        ),
         (P2PDaemonError("failed to find any peer in table"), ErrorClass.RETRY_OTHER),
         (P2PDaemonError("stream reset"), ErrorClass.RETRY_OTHER),
         (P2PDaemonError("failed to negotiate protocol: protocols not supported: [x]"), ErrorClass.RETRY_OTHER),
@@ -416,15 +421,20 @@ def test_router_reports_empty_stages_and_window_stats() -> None:
         (BrokenPipeError(), ErrorClass.RETRY_OTHER),
         (asyncio.IncompleteReadError(b"", 8), ErrorClass.RETRY_OTHER),
         (WorkerVanishedError("no tensors in reply"), ErrorClass.RETRY_OTHER),
-        (ValueError("asingle() expected an iterable with exactly one item, but got an empty iterable"),
-         ErrorClass.RETRY_OTHER),
+        (
+            ValueError("asingle() expected an iterable with exactly one item, but got an empty iterable"),
+            ErrorClass.RETRY_OTHER,
+        ),
         (P2PHandlerError("ValueError('shape mismatch: expected [8, 127, 32]')"), ErrorClass.FATAL),
         (P2PHandlerError("Failed to call handler `rpc_forward` at 12D3: expected dtype int64"), ErrorClass.FATAL),
         (P2PHandlerError("RuntimeError('CUDA out of memory. Tried to allocate 2 GiB')"), ErrorClass.RETRY_OTHER),
         (P2PHandlerError("KeyError('body1.0.3')"), ErrorClass.RETRY_OTHER),
         # a worker that is stopping: never a reason to give the microbatch up
         (P2PHandlerError("RuntimeError('cannot schedule new futures after shutdown')"), ErrorClass.RETRY_OTHER),
-        (P2PHandlerError("Failed to call handler `rpc_backward` at 12D3: Event loop is closed"), ErrorClass.RETRY_OTHER),
+        (
+            P2PHandlerError("Failed to call handler `rpc_backward` at 12D3: Event loop is closed"),
+            ErrorClass.RETRY_OTHER,
+        ),
         (P2PHandlerError("CancelledError()"), ErrorClass.RETRY_OTHER),
         (P2PHandlerError("TimeoutError('task pool timed out')"), ErrorClass.RETRY_SAME),
         (TypeError("unsupported operand"), ErrorClass.FATAL),

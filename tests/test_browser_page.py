@@ -63,11 +63,15 @@ def wait_for(driver, script: str, what: str):
         if value:
             return value
         time.sleep(0.1)
-    raise AssertionError(f"{what} within {WAIT_S:g} s; the page says: {driver.find_element('tag name', 'body').text[:500]}")
+    raise AssertionError(
+        f"{what} within {WAIT_S:g} s; the page says: {driver.find_element('tag name', 'body').text[:500]}"
+    )
 
 
 def leaderboard_names(driver) -> list[str]:
-    return driver.execute_script("return [...document.querySelectorAll('#leaderboard tbody td.name a')].map(a => a.textContent)")
+    return driver.execute_script(
+        "return [...document.querySelectorAll('#leaderboard tbody td.name a')].map(a => a.textContent)"
+    )
 
 
 def no_dialog(driver) -> bool:
@@ -131,8 +135,11 @@ def test_browser_page_refreshes_itself(page, monitor):
     wait_for(page, "document.querySelectorAll('#leaderboard tbody tr').length", "no leaderboard row appeared")
     now = time.time()
     monitor.store.record_scrape([Observation("QmNewcomer", "erin", "head", "r1", "sync1", 60.0, 0.0, now)], {}, now)
-    wait_for(page, "[...document.querySelectorAll('#leaderboard td.name a')].some(a => a.textContent === 'erin')",
-             "the newcomer did not appear without a reload")
+    wait_for(
+        page,
+        "[...document.querySelectorAll('#leaderboard td.name a')].some(a => a.textContent === 'erin')",
+        "the newcomer did not appear without a reload",
+    )
 
 
 def test_browser_screenshots_at_desktop_and_phone_width(page, monitor, tmp_path):

@@ -44,7 +44,9 @@ def test_bundle_holds_logs_config_and_report_without_the_token(planted, tmp_path
     report = system_report(planted)
     report["env_dump"] = f"HF_TOKEN={TOKEN}\nAGORA_API_KEY=sk-{TOKEN}"
     extra = [f"12:00 [AUTH] using {TOKEN}", LogEvent(message=f"Bearer {TOKEN}").model_dump_json()]
-    path = build_bundle(tmp_path / "out", config_dir=planted, logs_dir=planted / "logs", extra_lines=extra, report=report)
+    path = build_bundle(
+        tmp_path / "out", config_dir=planted, logs_dir=planted / "logs", extra_lines=extra, report=report
+    )
     with zipfile.ZipFile(path) as bundle:
         names = set(bundle.namelist())
         assert {"README.txt", "system.json", "config.json", "logs/gpu0.jsonl", "logs/gpu1.jsonl", "recent.txt"} <= names
@@ -73,12 +75,16 @@ def test_redaction_rules():
     assert redact_text(f"x HF_TOKEN={TOKEN} y") == f"x HF_TOKEN={REDACTED} y"
     assert TOKEN not in redact_text(f"Authorization: Bearer {TOKEN}")
     assert redact_text("Authorization: Basic dXNlcjpwYXNzd29yZA==") == f"Authorization: {REDACTED}"
-    assert redact_text("AGORA_API_KEY=sk-abc123 db_password: hunter2") == f"AGORA_API_KEY={REDACTED} db_password: {REDACTED}"
+    assert (
+        redact_text("AGORA_API_KEY=sk-abc123 db_password: hunter2")
+        == f"AGORA_API_KEY={REDACTED} db_password: {REDACTED}"
+    )
     assert redact_text('{"ticket": "eyJhbGciOi.x.y"}') == f'{{"ticket": "{REDACTED}"}}'
     assert redact_text(f"{PEM}\nafter") == f"{REDACTED}\nafter"
     assert redact_text("loss 3.2141 at epoch 12, 24.0 MB/s") == "loss 3.2141 at epoch 12, 24.0 MB/s"
     assert json.loads(redact_line(json.dumps({"private_key": "abc", "stage": "body1"}))) == {
-        "private_key": REDACTED, "stage": "body1",
+        "private_key": REDACTED,
+        "stage": "body1",
     }
     assert redact_text("plain secret value", ["secret value"]) == f"plain {REDACTED}"
 
@@ -103,7 +109,9 @@ def test_harmless_text_is_kept(harmless):
 
 def test_a_flag_about_a_token_is_not_a_token():
     assert redact_data({"hf_token_from_env": False, "tokens": 3, "hf_token": "hf_x"}) == {
-        "hf_token_from_env": False, "tokens": 3, "hf_token": REDACTED,
+        "hf_token_from_env": False,
+        "tokens": 3,
+        "hf_token": REDACTED,
     }
 
 
@@ -122,19 +130,25 @@ def test_export_logs_finds_the_most_recent_run(tmp_path, monkeypatch, capsys):
     assert main(["export-logs", "--output", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     assert "most recent run, in runs/demo/20260101-000000/client/logs" in out
-    path = next(line for line in out.splitlines() if line.startswith("Support bundle written to ")).removeprefix("Support bundle written to ")
+    path = next(line for line in out.splitlines() if line.startswith("Support bundle written to ")).removeprefix(
+        "Support bundle written to "
+    )
     with zipfile.ZipFile(path) as bundle:
         assert b"the demo just now" in bundle.read("logs/cpu.jsonl")
 
 
 def test_bundle_holds_the_newest_network_diagnosis(planted, tmp_path):
-    network = diagnose(NetworkFacts("192.168.1.20", 49200, "refused", "Action not authorized", "81.2.69.142",
-                                    "81.2.69.142"))
+    network = diagnose(
+        NetworkFacts("192.168.1.20", 49200, "refused", "Action not authorized", "81.2.69.142", "81.2.69.142")
+    )
     older = diagnose(NetworkFacts("192.168.1.20", 49200, "not offered", seen_address="81.2.69.142"))
     log = EventLog(planted / "logs", "gpu0")
     log.write_event(ReachabilityEvent(status="unreachable", address="81.2.69.142:49200", network=older))
-    log.write_event(ReachabilityEvent(status="reachable", address="11.77.0.2:47000", path="relayed",
-                                      relay="11.77.0.2:42581", network=network))
+    log.write_event(
+        ReachabilityEvent(
+            status="reachable", address="11.77.0.2:47000", path="relayed", relay="11.77.0.2:42581", network=network
+        )
+    )
     log.close()
     path = build_bundle(tmp_path / "out", config_dir=planted, logs_dir=planted / "logs", report={"os": "test"})
     with zipfile.ZipFile(path) as bundle:

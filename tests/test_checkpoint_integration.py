@@ -35,11 +35,16 @@ def _trainer_losses(swarm: LocalSwarm, *, running: bool = True) -> list[float]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("checkpoints")
-    preset_path = tiny_variant(run_dir / "tiny-checkpoints.yaml",
-                               {"checkpoint": {"period_s": CHECKPOINT_PERIOD_S}, "eval": {"every_s": EVAL_EVERY_S}})
+    preset_path = tiny_variant(
+        run_dir / "tiny-checkpoints.yaml",
+        {"checkpoint": {"period_s": CHECKPOINT_PERIOD_S}, "eval": {"every_s": EVAL_EVERY_S}},
+    )
     store = str(run_dir / "checkpoints")
-    swarm = LocalSwarm(SwarmOptions(preset=preset_path, workers_per_stage=1, run_dir=run_dir / "first",
-                                    report_every=3.0, checkpoint_store=store))
+    swarm = LocalSwarm(
+        SwarmOptions(
+            preset=preset_path, workers_per_stage=1, run_dir=run_dir / "first", report_every=3.0, checkpoint_store=store
+        )
+    )
 
     def trained_enough() -> bool:  # every stage steps on its own epoch boundary: each must have stepped 3 times
         losses = _trainer_losses(swarm)
@@ -47,18 +52,36 @@ def trained(tmp_path_factory):
 
     try:
         swarm.start()
-        wait_until(trained_enough, timeout=500, what=f"the loss to fall by {LOSS_DROP} nat while every stage steps 3 times")
+        wait_until(
+            trained_enough, timeout=500, what=f"the loss to fall by {LOSS_DROP} nat while every stage steps 3 times"
+        )
     finally:
         swarm.stop()
     losses = _trainer_losses(swarm, running=False)
-    return {"preset": preset_path, "store": store, "run_dir": run_dir, "fresh": losses[0], "last": losses[-1],
-            "losses": losses, "stage_epochs": _stage_epochs(swarm)}
+    return {
+        "preset": preset_path,
+        "store": store,
+        "run_dir": run_dir,
+        "fresh": losses[0],
+        "last": losses[-1],
+        "losses": losses,
+        "stage_epochs": _stage_epochs(swarm),
+    }
 
 
 def _stage_epochs(swarm: LocalSwarm) -> dict[str, int]:
     """The local epoch each stage's worker last stepped to, from its events."""
-    return {stage: max((event["local_epoch"] for event in events(swarm.options.run_dir / "events" / f"{stage}-0.jsonl")
-                        if event["kind"] == "step"), default=0) for stage in swarm.config.model.stage_names}
+    return {
+        stage: max(
+            (
+                event["local_epoch"]
+                for event in events(swarm.options.run_dir / "events" / f"{stage}-0.jsonl")
+                if event["kind"] == "step"
+            ),
+            default=0,
+        )
+        for stage in swarm.config.model.stage_names
+    }
 
 
 def test_the_loss_fell_by_a_nat_while_every_stage_stepped(trained):
@@ -91,16 +114,27 @@ def test_the_trainer_recorded_its_data_position_and_eval_loss_with_the_checkpoin
 
 def test_a_stopped_swarm_resumes_near_its_last_loss_and_continues_its_data(trained):
     position = select_set(open_store(trained["store"])).trainers["0/1"]["position"]
-    swarm = LocalSwarm(SwarmOptions(preset=trained["preset"], workers_per_stage=1, run_dir=trained["run_dir"] / "resumed",
-                                    report_every=3.0, checkpoint_store=trained["store"], resume=True))
+    swarm = LocalSwarm(
+        SwarmOptions(
+            preset=trained["preset"],
+            workers_per_stage=1,
+            run_dir=trained["run_dir"] / "resumed",
+            report_every=3.0,
+            checkpoint_store=trained["store"],
+            resume=True,
+        )
+    )
     try:
         swarm.start()
         wait_until(lambda: len(_trainer_losses(swarm)) >= 2, timeout=300, what="two loss reports after the resume")
         resumed = _trainer_losses(swarm)[:2]
     finally:
         swarm.stop()
-    restored = [event for event in events(trained["run_dir"] / "resumed" / "events" / "tail-0.jsonl")
-                if event["kind"] == "log" and "restored tail" in event["message"]]
+    restored = [
+        event
+        for event in events(trained["run_dir"] / "resumed" / "events" / "tail-0.jsonl")
+        if event["kind"] == "log" and "restored tail" in event["message"]
+    ]
     assert restored, "the tail worker did not start from its checkpoint"
     resumed_at = f"resumed at pass {position['pass']}, sequence {position['sequences']}"
     assert any(line.startswith("[DATA]") and resumed_at in line for line in swarm.trainers[0].lines()), resumed_at

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from agora_client.checkpoints import CheckpointError, Retention, list_sets, parse_time, run_record, select_set
 from agora_client.checkpoints.export import export_set, load_set
 from agora_client.checkpoints.writer import CheckpointWriter
-from agora_client.snapshots.background import BackgroundWriter
 from agora_client.cli import main
 from agora_client.config import load_config
 from agora_client.data.byte_tokenizer import byte_tokenizer_json
@@ -25,6 +24,7 @@ from agora_client.data.tokenizer import load_run_tokenizer
 from agora_client.events import EventWriter
 from agora_client.model import build_stage
 from agora_client.snapshots import LocalStore, StoredSnapshot
+from agora_client.snapshots.background import BackgroundWriter
 from agora_client.snapshots.store import ABANDONED_STAGING_S
 
 T0 = 1_790_000_000.0  # a fixed wall-clock origin for the tests
@@ -41,8 +41,17 @@ def perturbed_stage(stage: str, seed: int, config=CONFIG):
     return module, torch.optim.AdamW(module.parameters())
 
 
-def save(store: LocalStore, stage: str, at: float, *, epoch: int = 1, seed: int = 0, loss: float | None = None, config=CONFIG,
-         record: dict | None = None):
+def save(
+    store: LocalStore,
+    stage: str,
+    at: float,
+    *,
+    epoch: int = 1,
+    seed: int = 0,
+    loss: float | None = None,
+    config=CONFIG,
+    record: dict | None = None,
+):
     """A checkpoint of ``stage``; ``record`` replaces the run record run_record(config) would write."""
     module, optimizer = perturbed_stage(stage, seed, config)
     extra = {"run": record or run_record(config), "training": {"loss": loss}}
@@ -83,7 +92,7 @@ def test_retention_keeps_all_young_then_hourly_then_daily():
 def test_prune_removes_what_retention_drops_and_never_the_newest(tmp_path):
     store = LocalStore(tmp_path)
     old = [save(store, "head", T0 + 600 * i, epoch=i) for i in range(4)]  # every 10 min, one UTC hour or two
-    removed = store.prune("head", Retention(keep_all_s=0, keep_hourly_s=10 ** 9), now=T0 + 10 * 86400)
+    removed = store.prune("head", Retention(keep_all_s=0, keep_hourly_s=10**9), now=T0 + 10 * 86400)
     left = store.list("head")
     assert old[-1] in left and {s.name for s in removed}.isdisjoint(s.name for s in left)
     assert len(left) == len({int(s.timestamp // 3600) for s in old})
@@ -101,7 +110,7 @@ def test_prune_removes_staging_a_dead_writer_left_and_spares_one_being_written(t
     for path in (abandoned / "params.safetensors", abandoned):
         os.utime(path, (now - ABANDONED_STAGING_S - 1, now - ABANDONED_STAGING_S - 1))
     os.utime(writing / "params.safetensors", (now - 5, now - 5))  # its writer wrote a moment ago
-    store.prune("head", Retention(keep_all_s=10 ** 9, keep_hourly_s=10 ** 9), now=now)
+    store.prune("head", Retention(keep_all_s=10**9, keep_hourly_s=10**9), now=now)
     assert not abandoned.exists() and writing.exists() and store.list("head") == [kept]
 
 
@@ -113,8 +122,12 @@ def test_each_stage_gets_its_checkpoint_nearest_t_when_stages_checkpoint_at_diff
     times = {"head": [0, 100, 200], "body1": [30, 130, 230], "body2": [90, 160], "tail": [10, 110, 210]}
     written = {stage: [save(store, stage, T0 + t, epoch=t) for t in offsets] for stage, offsets in times.items()}
     chosen = select_set(store, T0 + 120)
-    assert chosen.members == {"head": written["head"][1], "body1": written["body1"][1],
-                              "body2": written["body2"][0], "tail": written["tail"][1]}
+    assert chosen.members == {
+        "head": written["head"][1],
+        "body1": written["body1"][1],
+        "body2": written["body2"][0],
+        "tail": written["tail"][1],
+    }
     newest = select_set(store)
     assert newest.members == {stage: found[-1] for stage, found in written.items()}
     # a tie goes to the later checkpoint: 150 is 50 from body1's 100 and 200 in head
@@ -226,14 +239,18 @@ def test_writer_checkpoints_every_period_with_run_and_training_stats(tmp_path):
     assert store.manifest(overdue)["training"]["loss"] == 1.0
     manifest = store.manifest(first)
     assert manifest["training"]["loss"] == pytest.approx(3.0)  # mean of the epochs since the last checkpoint
-    assert manifest["training"]["clip_norm"] == config.clip_norm("tail") and manifest["training"]["last_grad_norm"] == 0.5
+    assert (
+        manifest["training"]["clip_norm"] == config.clip_norm("tail") and manifest["training"]["last_grad_norm"] == 0.5
+    )
     assert manifest["run"] == run_record(config)
     assert any("checkpoint" in message and "written" in message for message in messages)
 
 
 def test_worker_runtime_imports_neither_boto3_nor_transformers():
-    code = ("import sys, agora_client.runtime, agora_client.worker.node, agora_client.joining.contributor; "
-            "print(sorted(m for m in ('boto3', 'transformers', 'moto') if m in sys.modules))")
+    code = (
+        "import sys, agora_client.runtime, agora_client.worker.node, agora_client.joining.contributor; "
+        "print(sorted(m for m in ('boto3', 'transformers', 'moto') if m in sys.modules))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 
@@ -248,7 +265,9 @@ SAMPLE_TEXTS = [
     "    \n\n\n        indented\t\t tabs   and  runs   ",
     "",
 ]
-BYTES_CONFIG = load_config("tiny", {"model": {"vocab_size": 256}, "tokenizer": {"source": "bytes", "sha256": None, "eos_token": None}})
+BYTES_CONFIG = load_config(
+    "tiny", {"model": {"vocab_size": 256}, "tokenizer": {"source": "bytes", "sha256": None, "eos_token": None}}
+)
 
 
 def pipeline_boundary(stages: dict, tokens: torch.Tensor) -> torch.Tensor:
@@ -351,13 +370,22 @@ def test_export_gives_the_same_logits_tokens_and_held_out_loss_as_the_stages(tmp
         assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == byte_tokenizer_json()
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"tokenizer": {"source": "no-such-tokenizer.json", "sha256": None}}, "tokenizer file no-such-tokenizer.json not found"),
-    ({"tokenizer": {"source": "agora-test/no-such-tokenizer", "sha256": None}}, "this machine looks offline"),
-    ({"tokenizer": {"sha256": "0" * 64}}, "but the run config pins 0000"),
-    ({"model": {"vocab_size": 4096}}, "has 2,048 tokens but model.vocab_size is 4,096"),
-], ids=["missing file", "hub offline", "sha256 pin", "vocab size"])
-def test_export_fails_before_writing_anything_when_the_tokenizer_cannot_be_used(tmp_path, capsys, hub_offline, overrides, message):
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"tokenizer": {"source": "no-such-tokenizer.json", "sha256": None}},
+            "tokenizer file no-such-tokenizer.json not found",
+        ),
+        ({"tokenizer": {"source": "agora-test/no-such-tokenizer", "sha256": None}}, "this machine looks offline"),
+        ({"tokenizer": {"sha256": "0" * 64}}, "but the run config pins 0000"),
+        ({"model": {"vocab_size": 4096}}, "has 2,048 tokens but model.vocab_size is 4,096"),
+    ],
+    ids=["missing file", "hub offline", "sha256 pin", "vocab size"],
+)
+def test_export_fails_before_writing_anything_when_the_tokenizer_cannot_be_used(
+    tmp_path, capsys, hub_offline, overrides, message
+):
     store = LocalStore(tmp_path / "store")
     full_set(store, T0, config=load_config("tiny", overrides))
     assert main(["export", "--store", str(tmp_path / "store"), "--out", str(tmp_path / "out" / "hf")]) == 2
@@ -371,7 +399,10 @@ def test_export_refuses_stages_that_record_different_tokenizers(tmp_path):
     full_set(store, T0)
     unpinned = load_config("tiny", {"tokenizer": {"sha256": None}})  # the same model, another tokenizer record
     save(store, "body2", T0 + 1, config=unpinned)
-    with pytest.raises(CheckpointError, match=r"body2 checkpoint records the tokenizer .*'sha256': None.* but the head checkpoint .*'sha256': 'f2290bf2"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"body2 checkpoint records the tokenizer .*'sha256': None.* but the head checkpoint .*'sha256': 'f2290bf2",
+    ):
         export_set(store, select_set(store, T0 + 1), tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -380,12 +411,22 @@ def test_export_command_picks_the_set_at_t(tmp_path, capsys):
     store = LocalStore(tmp_path / "store")
     older = full_set(store, T0)
     full_set(store, T0 + 3600)
-    assert main(["export", "--store", str(tmp_path / "store"), "--at", str(T0 + 60), "--out", str(tmp_path / "hf")]) == 0
+    assert (
+        main(["export", "--store", str(tmp_path / "store"), "--at", str(T0 + 60), "--out", str(tmp_path / "hf")]) == 0
+    )
     assert f"tokenizer {CONFIG.tokenizer.source}" in capsys.readouterr().out
     provenance = json.loads((tmp_path / "hf" / "agora_export.json").read_text())
-    assert {stage: entry["checkpoint"] for stage, entry in provenance["stages"].items()} == {s: c.name for s, c in older.items()}
+    assert {stage: entry["checkpoint"] for stage, entry in provenance["stages"].items()} == {
+        s: c.name for s, c in older.items()
+    }
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
-        "agora_export.json", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+        "agora_export.json",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
 
 
 def test_a_model_field_added_later_with_its_default_still_matches():

@@ -41,7 +41,12 @@ class Answers:
 def resolve(tmp_path, answers: Answers, *, env=None, login=None, gpus=(), **kwargs):
     kwargs.setdefault("need_swarm", False)
     return resolve_client(
-        tmp_path, env=env or {}, prompts=answers.prompts(), login_token=lambda: login, list_gpus=lambda: list(gpus), **kwargs
+        tmp_path,
+        env=env or {},
+        prompts=answers.prompts(),
+        login_token=lambda: login,
+        list_gpus=lambda: list(gpus),
+        **kwargs,
     )
 
 
@@ -81,14 +86,22 @@ def test_reconfigure_asks_again(tmp_path):
 
 
 def test_overrides_and_bad_input_give_one_clear_error(tmp_path):
-    client = resolve(tmp_path, Answers(), env={"HF_TOKEN": ENV}, swarm="https://auth.example:8470/", gpu=1, gpus=TWO_GPUS)
+    client = resolve(
+        tmp_path, Answers(), env={"HF_TOKEN": ENV}, swarm="https://auth.example:8470/", gpu=1, gpus=TWO_GPUS
+    )
     assert (client.config.swarm_url, client.config.gpu_index) == ("https://auth.example:8470", 1)
     with pytest.raises(ClientConfigError, match="--gpu 5 does not exist: GPUs 0..1 are visible"):
         resolve(tmp_path, Answers(), env={"HF_TOKEN": ENV}, gpu=5, gpus=TWO_GPUS)
     with pytest.raises(ClientConfigError, match="not an http"):
         resolve(tmp_path, Answers(), env={"HF_TOKEN": ENV}, swarm="auth.example")
     with pytest.raises(ClientConfigError, match="set HF_TOKEN"):
-        resolve_client(tmp_path / "none", env={}, prompts=Answers().prompts(interactive=False), login_token=lambda: None, list_gpus=list)
+        resolve_client(
+            tmp_path / "none",
+            env={},
+            prompts=Answers().prompts(interactive=False),
+            login_token=lambda: None,
+            list_gpus=list,
+        )
     (tmp_path / "config.json").write_text("{broken")
     with pytest.raises(ClientConfigError, match="run with --reconfigure"):
         resolve(tmp_path, Answers(), env={"HF_TOKEN": ENV})
@@ -115,11 +128,18 @@ def test_no_saved_swarm_asks_for_its_address_and_saves_it(tmp_path):
     assert len(answers.asked) == 2 and "auth service URL" in answers.asked[0]
     assert "is not an http(s) URL" in answers.said[0]
     again = Answers()
-    assert resolve(tmp_path, again, env={"HF_TOKEN": ENV}, need_swarm=True).config.swarm_url == "https://auth.example:8470"
+    assert (
+        resolve(tmp_path, again, env={"HF_TOKEN": ENV}, need_swarm=True).config.swarm_url == "https://auth.example:8470"
+    )
     assert again.asked == []
 
 
 def test_no_swarm_without_a_terminal_says_what_to_pass(tmp_path):
     with pytest.raises(ClientConfigError, match="no swarm to join: pass --swarm URL"):
-        resolve_client(tmp_path, env={"HF_TOKEN": ENV}, prompts=Answers().prompts(interactive=False),
-                       login_token=lambda: None, list_gpus=lambda: [])
+        resolve_client(
+            tmp_path,
+            env={"HF_TOKEN": ENV},
+            prompts=Answers().prompts(interactive=False),
+            login_token=lambda: None,
+            list_gpus=lambda: [],
+        )

@@ -28,8 +28,11 @@ if child:
 
 
 def _cpu_cgroup(pid: int | str = "self") -> str:
-    return next(line.split(":", 2)[2] for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-                if "cpu" in line.split(":")[1].split(","))
+    return next(
+        line.split(":", 2)[2]
+        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+        if "cpu" in line.split(":")[1].split(",")
+    )
 
 
 def test_a_quota_caps_a_process_and_the_children_it_forks():

@@ -19,7 +19,9 @@ from agora_client.data.stream import TokenStream
 from agora_client.data.tokenizer import load_run_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-BYTES = load_run_tokenizer(load_config("tiny", {"model": {"vocab_size": 256}, "tokenizer": {"source": "bytes", "sha256": None}}))
+BYTES = load_run_tokenizer(
+    load_config("tiny", {"model": {"vocab_size": 256}, "tokenizer": {"source": "bytes", "sha256": None}})
+)
 BPE = load_run_tokenizer(load_config("tiny"))
 NO_HOLDOUT = EvalConfig(split="validation")  # held-out data comes from a split: the training stream filters nothing
 SEQ_LEN = 31  # a window is 32 byte tokens: each test document plus its blank line fills exactly one
@@ -35,7 +37,9 @@ def _hub_like(root: Path, texts: list[str], files: int = 4, field: str = "conten
     (root / "sample").mkdir(parents=True)
     for part in range(files):
         rows = texts[part::files]
-        pq.write_table(pa.table({field: rows, "id": list(range(len(rows)))}), root / "sample" / f"train-{part:05d}.parquet")
+        pq.write_table(
+            pa.table({field: rows, "id": list(range(len(rows)))}), root / "sample" / f"train-{part:05d}.parquet"
+        )
     pq.write_table(pa.table({field: ["held out " * 20], "id": [0]}), root / "sample" / "validation-00000.parquet")
     (root / "README.md").write_text(
         "---\nconfigs:\n- config_name: sample\n  data_files:\n  - split: train\n    path: sample/train-*.parquet\n"
@@ -44,7 +48,9 @@ def _hub_like(root: Path, texts: list[str], files: int = 4, field: str = "conten
     return root
 
 
-def _stream(spec: DataConfig, shard: Shard = Shard(0, 1), *, tokenizer=BYTES, held_out=NO_HOLDOUT, seed=0, position=None):
+def _stream(
+    spec: DataConfig, shard: Shard = Shard(0, 1), *, tokenizer=BYTES, held_out=NO_HOLDOUT, seed=0, position=None
+):
     return TokenStream(spec, held_out, tokenizer, SEQ_LEN, shard, seed=seed, position=position)
 
 
@@ -68,8 +74,9 @@ def test_dataset_hub_like_subset_and_text_field_are_read_through_load_dataset(tm
 @pytest.mark.parametrize("files", [4, 3], ids=["file-level", "example-level"])
 def test_dataset_two_trainers_shards_are_disjoint_and_cover_the_dataset(tmp_path, files):
     texts = [_document(n) for n in range(101)]  # odd count: the shards differ in size
-    spec = DataConfig(source=str(_hub_like(tmp_path / "hub", texts, files)), subset="sample", text_field="content",
-                      shuffle_buffer=8)
+    spec = DataConfig(
+        source=str(_hub_like(tmp_path / "hub", texts, files)), subset="sample", text_field="content", shuffle_buffer=8
+    )
     documents = [list(open_documents(spec, Shard(index, 2))) for index in range(2)]
     assert set(documents[0]).isdisjoint(documents[1]) and sorted(documents[0] + documents[1]) == sorted(texts)
     counts = [len(part) for part in documents]
@@ -86,7 +93,11 @@ def test_dataset_missing_field_subset_and_split_list_what_exists(tmp_path):
     with pytest.raises(DataError, match=r"no subset 'nope'.*sample"):
         list(open_documents(DataConfig(source=str(root), subset="nope", text_field="content"), Shard(0, 1)))
     with pytest.raises(DataError, match=r"no split 'test'; splits: .*train.*validation"):
-        list(open_documents(DataConfig(source=str(root), subset="sample", split="test", text_field="content"), Shard(0, 1)))
+        list(
+            open_documents(
+                DataConfig(source=str(root), subset="sample", split="test", text_field="content"), Shard(0, 1)
+            )
+        )
 
 
 def test_dataset_txt_jsonl_and_parquet_files_are_read(tmp_path):
@@ -97,11 +108,17 @@ def test_dataset_txt_jsonl_and_parquet_files_are_read(tmp_path):
     pq.write_table(pa.table({"text": ["parquet row one", "parquet row two"], "n": [1, 2]}), tmp_path / "c.parquet")
 
     assert list(open_documents(DataConfig(source=str(tmp_path / "txt")), Shard(0, 1))) == [
-        "plain text file\nwith two lines", "second file"]  # a .txt file is one document
+        "plain text file\nwith two lines",
+        "second file",
+    ]  # a .txt file is one document
     assert list(open_documents(DataConfig(source=str(tmp_path / "b.jsonl"), text_field="body"), Shard(0, 1))) == [
-        "first json record", "second json record"]
+        "first json record",
+        "second json record",
+    ]
     assert list(open_documents(DataConfig(source=str(tmp_path / "c.parquet")), Shard(0, 1))) == [
-        "parquet row one", "parquet row two"]
+        "parquet row one",
+        "parquet row two",
+    ]
 
 
 def test_dataset_bad_input_gets_one_clear_error(tmp_path):
@@ -130,7 +147,9 @@ def test_dataset_documents_are_packed_with_the_end_of_document_token(tmp_path):
 
 
 def test_dataset_shuffle_is_seeded_and_differs_between_passes(tmp_path):
-    spec = DataConfig(source=str(_write_jsonl(tmp_path / "corpus.jsonl", [_document(n) for n in range(40)])), shuffle_buffer=8)
+    spec = DataConfig(
+        source=str(_write_jsonl(tmp_path / "corpus.jsonl", [_document(n) for n in range(40)])), shuffle_buffer=8
+    )
     one_seed = [_texts(_stream(spec, seed=3), 80) for _ in range(2)]
     assert one_seed[0] == one_seed[1]
     first, second = one_seed[0][:40], one_seed[0][40:]
@@ -167,8 +186,14 @@ def test_dataset_a_position_from_another_shard_tokenizer_or_data_is_refused(tmp_
 
 def test_dataset_held_out_documents_never_enter_training(tmp_path):
     texts = [f"document number {n}: " + "z" * 40 for n in range(200)]
-    config = load_config("tiny", {"model": {"seq_len": SEQ_LEN}, "data": {"source": str(_write_jsonl(tmp_path / "c.jsonl", texts))},
-                                  "eval": {"holdout_fraction": 0.2, "sequences": 4}})
+    config = load_config(
+        "tiny",
+        {
+            "model": {"seq_len": SEQ_LEN},
+            "data": {"source": str(_write_jsonl(tmp_path / "c.jsonl", texts))},
+            "eval": {"holdout_fraction": 0.2, "sequences": 4},
+        },
+    )
     held = [text for text in texts if is_held_out(text, 0.2)]
     assert 10 < len(held) < 70
     stream = TokenStream(config.data, config.eval, BPE, 1000, Shard(0, 1))

@@ -26,8 +26,11 @@ CONNECT_TIMEOUT_S = 0.5  # a dropped SYN is retried after 1 s: a connect that ha
 
 def _deploy_file(tmp_path: Path, trusted_proxies: list[str]) -> Path:
     data = yaml.safe_load(EXAMPLE.read_text())
-    data.update(secrets=str(tmp_path / "secrets"), run={"config": "tiny", "dir": str(tmp_path / "run")},
-                stores={"snapshots": str(tmp_path / "snapshots")})
+    data.update(
+        secrets=str(tmp_path / "secrets"),
+        run={"config": "tiny", "dir": str(tmp_path / "run")},
+        stores={"snapshots": str(tmp_path / "snapshots")},
+    )
     operator = data["hosts"]["operator"]
     operator["trusted_proxies"] = trusted_proxies
     operator["roles"]["monitor"]["port"] = 8091  # not a default: the port must come from the file
@@ -46,7 +49,9 @@ def _firewall(path: Path, host: str, capsys, *flags: str) -> tuple[int, str, str
 
 
 def test_the_ruleset_names_the_hosts_http_ports_the_limits_and_its_trusted_proxies(tmp_path, capsys):
-    code, script, _ = _firewall(_deploy_file(tmp_path, ["127.0.0.1", "10.1.0.0/16", "2001:db8::/48"]), "operator", capsys)
+    code, script, _ = _firewall(
+        _deploy_file(tmp_path, ["127.0.0.1", "10.1.0.0/16", "2001:db8::/48"]), "operator", capsys
+    )
     assert code == 0
     lines = [line.strip() for line in script.splitlines()]
     assert lines[:3] == ["table inet agora_guard", "delete table inet agora_guard", "table inet agora_guard {"]
@@ -81,12 +86,12 @@ def test_missing_nft_says_how_to_install_it(tmp_path, monkeypatch):
         apply_ruleset(render_ruleset([8080]))
 
 
-
 @pytest.mark.skipif(shutil.which("nft") is None, reason="nft (nftables) is not installed: apt-get install nftables")
 def test_a_caller_other_than_root_is_told_to_use_sudo(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(FirewallError, match="needs root: run this again with sudo"):
         remove_ruleset()
+
 
 # -- the kernel drops what is over the limit ---------------------------------------------------------------
 
@@ -129,7 +134,9 @@ def test_the_kernel_drops_an_address_beyond_its_burst_until_the_table_is_removed
         held += [_connect(namespace, port, "127.0.0.3")]
         assert held[-1] is not None, "another address must still connect"
         held += [_connect(namespace, port, "127.0.0.4") for _ in range(BURST + 2)]
-        assert all(connection is not None for connection in held[-(BURST + 2):]), "an exempt address must not be limited"
+        assert all(connection is not None for connection in held[-(BURST + 2) :]), (
+            "an exempt address must not be limited"
+        )
         with namespace.entered():
             remove_ruleset()
             remove_ruleset()  # a second time: nothing to remove, no error

@@ -18,8 +18,8 @@ from agora_client.auth.identity import write_demo_token_file
 from agora_client.events import json_objects
 from agora_client.swarm.processes import CLI, ManagedProcess, stop_all
 from tests.netns import BridgedHosts, Host, unavailable
-from tests.test_operator_metrics import scrape, value
 from tests.swarm_helpers import wait_until
+from tests.test_operator_metrics import scrape, value
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 _SKIP = unavailable()
@@ -33,14 +33,25 @@ def _deploy_file(tmp_path: Path, operator: Host) -> Path:
         "run": {"config": "tiny2", "dir": "run"},
         "secrets": "secrets",
         "stores": {"snapshots": "snapshots"},
-        "hosts": {"operator": {"address": operator.address, "metrics": {"port": METRICS_PORT, "listen": operator.address}, "roles": {
-            "seeds": {"count": 2},
-            "snapshot_server": {"port": 8080},
-            "auth": {"port": AUTH_PORT, "identity": "token-file", "token_file": "secrets/tokens.json", "pacing": 1.0},
-            "monitor": {"port": MONITOR_PORT, "interval": 3.0},
-            "workers": {"per_stage": 1, "publish_every": 1, "device": "cpu"},
-            "trainers": {"count": 1, "report_every": 3.0},
-        }}},
+        "hosts": {
+            "operator": {
+                "address": operator.address,
+                "metrics": {"port": METRICS_PORT, "listen": operator.address},
+                "roles": {
+                    "seeds": {"count": 2},
+                    "snapshot_server": {"port": 8080},
+                    "auth": {
+                        "port": AUTH_PORT,
+                        "identity": "token-file",
+                        "token_file": "secrets/tokens.json",
+                        "pacing": 1.0,
+                    },
+                    "monitor": {"port": MONITOR_PORT, "interval": 3.0},
+                    "workers": {"per_stage": 1, "publish_every": 1, "device": "cpu"},
+                    "trainers": {"count": 1, "report_every": 3.0},
+                },
+            }
+        },
     }
     path = tmp_path / "deploy.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -64,8 +75,9 @@ def _leaderboard_names(operator: Host) -> set[str]:
 def _check_metrics(operator: Host) -> None:
     """Seeds, then the operator's first worker (head-0), take the first metrics ports; auth serves its own."""
     with operator.entered():
-        seed, head, auth = (scrape(f"http://{operator.address}:{port}/metrics")
-                            for port in (METRICS_PORT, METRICS_PORT + 2, AUTH_PORT))
+        seed, head, auth = (
+            scrape(f"http://{operator.address}:{port}/metrics") for port in (METRICS_PORT, METRICS_PORT + 2, AUTH_PORT)
+        )
     assert value(seed, "agora_seed_dht_peers") >= 1
     assert value(head, "agora_worker_rpc_requests_total", stage="head", kind="forward") > 0
     assert value(auth, "agora_auth_joins_total", outcome="authorized") >= len(USERS)
@@ -81,24 +93,40 @@ def test_operator_host_from_a_deploy_file_and_contributors_with_only_the_url(tmp
         runtimes: list[ManagedProcess] = []
         try:
             with operator.entered():  # the roles start in the operator's namespace, where `up` runs
-                up = subprocess.run([*CLI, "deploy", "up", str(deploy_file), "--detach"], capture_output=True,
-                                    text=True, timeout=240)
+                up = subprocess.run(
+                    [*CLI, "deploy", "up", str(deploy_file), "--detach"], capture_output=True, text=True, timeout=240
+                )
             assert up.returncode == 0, up.stdout + up.stderr
             assert f"[DEPLOY] auth ready: http://{operator.address}:{AUTH_PORT}\n" in up.stdout
             for home, user in zip(homes, USERS):
                 with home.entered():  # only the URL and the CPU opt-in: everything else comes from the swarm
-                    runtimes.append(ManagedProcess(
-                        user, ["runtime", "--cpu", "--swarm", f"http://{operator.address}:{AUTH_PORT}",
-                               "--config-dir", str(tmp_path / user)],
-                        tmp_path / f"{user}.log", env={"HF_TOKEN": tokens[user]}))
+                    runtimes.append(
+                        ManagedProcess(
+                            user,
+                            [
+                                "runtime",
+                                "--cpu",
+                                "--swarm",
+                                f"http://{operator.address}:{AUTH_PORT}",
+                                "--config-dir",
+                                str(tmp_path / user),
+                            ],
+                            tmp_path / f"{user}.log",
+                            env={"HF_TOKEN": tokens[user]},
+                        )
+                    )
             for runtime in runtimes:
-                wait_until(lambda: _processed_a_batch(runtime) or not runtime.alive, 240, f"{runtime.name} to process a batch")
+                wait_until(
+                    lambda: _processed_a_batch(runtime) or not runtime.alive, 240, f"{runtime.name} to process a batch"
+                )
                 assert runtime.alive, f"{runtime.name} exited; see {runtime.log_path}"
             wait_until(lambda: set(USERS) <= _leaderboard_names(operator), 90, "every contributor on the leaderboard")
             _check_metrics(operator)
         finally:
             stop_all(runtimes, grace=20)
-            down = subprocess.run([*CLI, "deploy", "down", str(deploy_file)], capture_output=True, text=True, timeout=120)
+            down = subprocess.run(
+                [*CLI, "deploy", "down", str(deploy_file)], capture_output=True, text=True, timeout=120
+            )
         assert down.returncode == 0, down.stdout + down.stderr
         assert "[DEPLOY] stopped seed0, seed1, snapshot-server, auth" in down.stdout
         supervisor_log = tmp_path / "run" / "logs" / "deploy-operator.log"

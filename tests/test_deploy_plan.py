@@ -42,21 +42,30 @@ def _error(tmp_path: Path, data: dict) -> str:
 
 def test_the_shipped_example_is_valid():
     spec = load_spec(EXAMPLE)
-    assert list(spec.hosts) == ["operator", "trainers"] and spec.trainer_names() == ["operator-trainer0", "trainers-trainer0"]
+    assert list(spec.hosts) == ["operator", "trainers"] and spec.trainer_names() == [
+        "operator-trainer0",
+        "trainers-trainer0",
+    ]
     assert spec.role_url("auth") == "https://agora.example.org:8440"
 
 
-@pytest.mark.parametrize("change, named", [
-    (lambda d: d["hosts"]["operator"]["roles"]["auth"].update(prot=1), "hosts.operator.roles.auth.prot: unknown key"),
-    (lambda d: d["hosts"]["operator"]["roles"]["auth"].update(identity="token-file"), "needs token_file"),
-    (lambda d: d["hosts"]["operator"].update(address="agora.example.org"), "is not an IPv4 address"),
-    (lambda d: d["hosts"]["trainers"]["roles"].update(auth={"port": 1}), "all run auth: a swarm has one"),
-    (lambda d: d["hosts"]["trainers"]["roles"].update(workers={}), "host trainers runs workers"),
-    (lambda d: d["hosts"]["operator"]["roles"].pop("snapshot_server"), "add a snapshot_server role"),
-    (lambda d: d["stores"].update(snapshots="s3://bucket/snapshots"), "remove snapshot_server from operator"),
-    (lambda d: d.update(this_host="nowhere"), "this_host 'nowhere' is not one of hosts"),
-    (lambda d: d["hosts"]["operator"]["roles"]["seeds"].update(port=70000), "hosts.operator.roles.seeds.port"),
-])
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (
+            lambda d: d["hosts"]["operator"]["roles"]["auth"].update(prot=1),
+            "hosts.operator.roles.auth.prot: unknown key",
+        ),
+        (lambda d: d["hosts"]["operator"]["roles"]["auth"].update(identity="token-file"), "needs token_file"),
+        (lambda d: d["hosts"]["operator"].update(address="agora.example.org"), "is not an IPv4 address"),
+        (lambda d: d["hosts"]["trainers"]["roles"].update(auth={"port": 1}), "all run auth: a swarm has one"),
+        (lambda d: d["hosts"]["trainers"]["roles"].update(workers={}), "host trainers runs workers"),
+        (lambda d: d["hosts"]["operator"]["roles"].pop("snapshot_server"), "add a snapshot_server role"),
+        (lambda d: d["stores"].update(snapshots="s3://bucket/snapshots"), "remove snapshot_server from operator"),
+        (lambda d: d.update(this_host="nowhere"), "this_host 'nowhere' is not one of hosts"),
+        (lambda d: d["hosts"]["operator"]["roles"]["seeds"].update(port=70000), "hosts.operator.roles.seeds.port"),
+    ],
+)
 def test_a_wrong_deploy_file_is_refused_naming_what_to_change(tmp_path, change, named):
     data = _spec_dict(tmp_path)
     change(data)
@@ -80,31 +89,47 @@ def test_operator_plan_starts_roles_in_order_and_keeps_secrets_off_command_lines
     store = prepare_secrets(spec, "operator")
     steps = plan_roles(spec, "operator", store)
     assert [[launch.name for launch in step] for step in steps] == [
-        ["seed0", "seed1"], ["snapshot-server", "auth", "head-0", "body1-0", "body2-0", "tail-0"],
+        ["seed0", "seed1"],
+        ["snapshot-server", "auth", "head-0", "body1-0", "body2-0", "tail-0"],
         ["monitor", "operator-trainer0"],
     ]
     launches = {launch.name: launch for step in steps for launch in step}
     seed0, seed1 = launches["seed0"].address, launches["seed1"].address
     assert seed0.startswith("/ip4/203.0.113.10/tcp/31330/p2p/") and seed1.startswith("/ip4/203.0.113.10/tcp/31331/p2p/")
-    assert plan_roles(spec, "operator", prepare_secrets(spec, "operator"))[0][0].address == seed0  # the same after a restart
+    assert (
+        plan_roles(spec, "operator", prepare_secrets(spec, "operator"))[0][0].address == seed0
+    )  # the same after a restart
     auth = launches["auth"].args
     assert auth[:2] == ("auth", "--state-dir") and _flag(auth, "--snapshot-url") == "https://agora.example.org:8080"
-    assert _flag(auth, "--monitor-url") == "https://agora.example.org:8090" and _flag(auth, "--tls-cert") == "/etc/agora/tls/fullchain.pem"
+    assert (
+        _flag(auth, "--monitor-url") == "https://agora.example.org:8090"
+        and _flag(auth, "--tls-cert") == "/etc/agora/tls/fullchain.pem"
+    )
     assert [auth[i + 1] for i, arg in enumerate(auth) if arg == "--seed"] == [seed0, seed1]
     trainer = launches["operator-trainer0"]
     assert "--ticket-key" not in trainer.args and trainer.ready == TRAINER_READY
     assert _flag(trainer.args, "--credential-file") == str(store.trainer_credential("operator-trainer0"))
-    assert _flag(trainer.args, "--auth-url") == "https://agora.example.org:8440" and _flag(trainer.args, "--shard") == "0/2"
+    assert (
+        _flag(trainer.args, "--auth-url") == "https://agora.example.org:8440"
+        and _flag(trainer.args, "--shard") == "0/2"
+    )
     head = launches["head-0"]
     assert head.ready == WORKER_READY and _flag(head.args, "--ticket-key") == str(store.signing_key)
     assert _flag(head.args, "--publish-snapshots") == str(tmp_path / "snapshots")
     assert launches["snapshot-server"].ready == SNAPSHOTS_READY
     _assert_no_secret_on(steps, store)
     # Prometheus: the roles without an HTTP port of their own take the metrics ports in start order
-    served = {name: (_flag(launch.args, "--metrics-port"), _flag(launch.args, "--metrics-host"))
-              for name, launch in launches.items() if "--metrics-port" in launch.args}
-    assert served == {name: (str(port), "203.0.113.10") for port, name in enumerate(
-        ["seed0", "seed1", "head-0", "body1-0", "body2-0", "tail-0", "operator-trainer0"], start=9400)}
+    served = {
+        name: (_flag(launch.args, "--metrics-port"), _flag(launch.args, "--metrics-host"))
+        for name, launch in launches.items()
+        if "--metrics-port" in launch.args
+    }
+    assert served == {
+        name: (str(port), "203.0.113.10")
+        for port, name in enumerate(
+            ["seed0", "seed1", "head-0", "body1-0", "body2-0", "tail-0", "operator-trainer0"], start=9400
+        )
+    }
 
 
 def _flag(args: tuple[str, ...], flag: str) -> str:
@@ -147,8 +172,14 @@ def test_units_run_the_plan_in_order_without_secrets(tmp_path):
     spec = load_spec(_write(tmp_path, _spec_dict(tmp_path)))
     store = prepare_secrets(spec, "operator")
     steps = plan_roles(spec, "operator", store)
-    paths = write_units(steps, tmp_path / "units", python="/usr/bin/python3", checkout=Path("/opt/agora"),
-                        secrets=store.root, user="agora")
+    paths = write_units(
+        steps,
+        tmp_path / "units",
+        python="/usr/bin/python3",
+        checkout=Path("/opt/agora"),
+        secrets=store.root,
+        user="agora",
+    )
     names = [path.name for path in paths]
     assert names[0] == "agora-seed0.service" and names[-1] == "agora.target" and len(names) == 11
     auth = (tmp_path / "units" / "agora-auth.service").read_text()
@@ -165,11 +196,17 @@ def test_snapshot_server_role_serves_ranges_head_and_etags(tmp_path):
     store = tmp_path / "snapshots"
     (store / "head").mkdir(parents=True)
     (store / "head" / "latest.json").write_bytes(b"0123456789")
-    server = ManagedProcess("snapshot-server", ["snapshot-server", "--dir", str(store), "--port", "0"], tmp_path / "s.log")
+    server = ManagedProcess(
+        "snapshot-server", ["snapshot-server", "--dir", str(store), "--port", "0"], tmp_path / "s.log"
+    )
     try:
         url = server.wait_for(SNAPSHOTS_READY, 60).split()[-1]
         head = httpx.head(f"{url}/head/latest.json", timeout=10)
-        assert head.status_code == 200 and head.headers["content-length"] == "10" and head.headers["accept-ranges"] == "bytes"
+        assert (
+            head.status_code == 200
+            and head.headers["content-length"] == "10"
+            and head.headers["accept-ranges"] == "bytes"
+        )
         part = httpx.get(f"{url}/head/latest.json", headers={"Range": "bytes=2-4"}, timeout=10)
         assert part.status_code == 206 and part.content == b"234"
         same = httpx.get(f"{url}/head/latest.json", headers={"If-None-Match": head.headers["etag"]}, timeout=10)

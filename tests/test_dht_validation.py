@@ -19,18 +19,26 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from agora_client.auth.tickets import generate_signing_key, issue_ticket, public_key_text
 from agora_client.config import load_config
-from agora_client.discovery.signed_records import RECEIPTS_KEY, VERDICTS_KEY, MetricsRecord, Receipt, ServedCounts, Verdict, metrics_key
+from agora_client.discovery.roster import WorkerRecord, announce, fetch_roster, roster_key
+from agora_client.discovery.seed import READY_PREFIX
+from agora_client.discovery.signed_records import (
+    RECEIPTS_KEY,
+    VERDICTS_KEY,
+    MetricsRecord,
+    Receipt,
+    ServedCounts,
+    Verdict,
+    metrics_key,
+)
+from agora_client.discovery.validators import record_validators
 from agora_client.monitor.receipts import fetch_receipts
 from agora_client.monitor.records import create_signed_dht, metrics_subkey, publish_metrics
 from agora_client.monitor.signatures import owner_subkey
-from tests.ticket_helpers import trainer_ticket
 from agora_client.monitor.verdicts import fetch_verdicts, publish_verdict, trainer_peer_id
 from agora_client.swarm.processes import ManagedProcess
-from agora_client.discovery.roster import WorkerRecord, announce, fetch_roster, roster_key
-from agora_client.discovery.seed import READY_PREFIX
-from agora_client.discovery.validators import record_validators
 from agora_client.trainer.receipts import publish_receipt
 from agora_client.worker.metrics import WorkerMetrics
+from tests.ticket_helpers import trainer_ticket
 
 pytestmark = pytest.mark.integration
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -69,32 +77,64 @@ def forgeries(victim: DHT, victim_validator: RSASignatureValidator, seeds: list[
     try:
         roster = WorkerRecord(uid="body1.0.0", peer_id=victim_id, stage="body1").model_dump()
         trainer = RSASignatureValidator(RSAPrivateKey())
-        verdict = Verdict(trainer=trainer_peer_id(trainer), ticket=trainer_ticket(auth_key, trainer), peer_id=victim_id,
-                          uid="body1.0.0", stage="body1", checks=5, disagreements=5, ts=get_dht_time())
-        receipt = Receipt(trainer=trainer_peer_id(trainer), ticket=trainer_ticket(auth_key, trainer), run_id="r1",
-                          served={victim_id: ServedCounts(stage="body1", forwards=1, backwards=1, flops=1e21)},
-                          ts=get_dht_time())
+        verdict = Verdict(
+            trainer=trainer_peer_id(trainer),
+            ticket=trainer_ticket(auth_key, trainer),
+            peer_id=victim_id,
+            uid="body1.0.0",
+            stage="body1",
+            checks=5,
+            disagreements=5,
+            ts=get_dht_time(),
+        )
+        receipt = Receipt(
+            trainer=trainer_peer_id(trainer),
+            ticket=trainer_ticket(auth_key, trainer),
+            run_id="r1",
+            served={victim_id: ServedCounts(stage="body1", forwards=1, backwards=1, flops=1e21)},
+            ts=get_dht_time(),
+        )
         return {
             "metrics signed by another key": forger.store(
-                metrics_key("body1"), inflated, later(), subkey=metrics_subkey(victim_id, victim_validator)),
+                metrics_key("body1"), inflated, later(), subkey=metrics_subkey(victim_id, victim_validator)
+            ),
             "unsigned metrics": raw.store(metrics_key("body1"), inflated, later(), subkey=victim_id.encode()),
             "roster entry with an unknown phase": raw.store(
-                roster_key("body1"), {**roster, "sync_phase": 7}, later(), subkey=victim_id),
+                roster_key("body1"), {**roster, "sync_phase": 7}, later(), subkey=victim_id
+            ),
             "roster entry under another peer's subkey": raw.store(
-                roster_key("body1"), roster, later(), subkey="someone-else"),
+                roster_key("body1"), roster, later(), subkey="someone-else"
+            ),
             "roster as a bare value": raw.store(roster_key("body1"), roster, later()),
             "roster entry of random bytes": raw.store(roster_key("body1"), b"\x00\xff" * 64, later(), subkey=victim_id),
-            "unsigned verdict": raw.store(VERDICTS_KEY, verdict.model_dump(mode="json"), later(),
-                                          subkey=verdict.subkey_name.encode()),
+            "unsigned verdict": raw.store(
+                VERDICTS_KEY, verdict.model_dump(mode="json"), later(), subkey=verdict.subkey_name.encode()
+            ),
             "verdict signed by a key it does not name": forger.store(
-                VERDICTS_KEY, verdict.model_dump(mode="json"), later(), subkey=owner_subkey(verdict.subkey_name, trainer)),
+                VERDICTS_KEY,
+                verdict.model_dump(mode="json"),
+                later(),
+                subkey=owner_subkey(verdict.subkey_name, trainer),
+            ),
             "receipt signed by a key it does not name": forger.store(
-                RECEIPTS_KEY, receipt.model_dump(mode="json"), later(), subkey=owner_subkey(receipt.subkey_name, trainer)),
+                RECEIPTS_KEY,
+                receipt.model_dump(mode="json"),
+                later(),
+                subkey=owner_subkey(receipt.subkey_name, trainer),
+            ),
             "unsigned stage progress": raw.store(
                 "agora.progress.body1_progress",
-                {"peer_id": victim.peer_id.to_bytes(), "epoch": 1000, "samples_accumulated": 10**9,
-                 "samples_per_second": 1.0, "time": get_dht_time(), "client_mode": False},
-                later(), subkey=PeerID.from_base58(victim_id).to_bytes()),
+                {
+                    "peer_id": victim.peer_id.to_bytes(),
+                    "epoch": 1000,
+                    "samples_accumulated": 10**9,
+                    "samples_per_second": 1.0,
+                    "time": get_dht_time(),
+                    "client_mode": False,
+                },
+                later(),
+                subkey=PeerID.from_base58(victim_id).to_bytes(),
+            ),
         }
     finally:
         raw.shutdown()
@@ -112,8 +152,9 @@ def seed(tmp_path_factory):
 
 def test_a_seed_refuses_every_forged_record_and_keeps_honest_ones(seed, tmp_path: Path):
     auth_key = generate_signing_key()
-    victim, victim_validator = create_signed_dht(tmp_path / "victim.id", RSAPrivateKey(), initial_peers=seed,
-                                                 host_maddrs=LOOPBACK, client_mode=True)
+    victim, victim_validator = create_signed_dht(
+        tmp_path / "victim.id", RSAPrivateKey(), initial_peers=seed, host_maddrs=LOOPBACK, client_mode=True
+    )
     raw_reader = client(seed)  # sees whatever the seed kept (signed values it cannot decode: those need a validator)
     reader = client(seed, record_validators=record_validators())
     try:
@@ -140,8 +181,9 @@ def test_a_seed_without_the_validators_stores_the_same_forgeries(tmp_path: Path)
     """The control: hivemind's defaults accept these writes, so the test above can fail."""
     bare_seed = DHT(start=True, host_maddrs=LOOPBACK)
     seeds = [str(addr) for addr in bare_seed.get_visible_maddrs()]
-    victim, victim_validator = create_signed_dht(tmp_path / "victim.id", RSAPrivateKey(), initial_peers=seeds,
-                                                 host_maddrs=LOOPBACK, client_mode=True)
+    victim, victim_validator = create_signed_dht(
+        tmp_path / "victim.id", RSAPrivateKey(), initial_peers=seeds, host_maddrs=LOOPBACK, client_mode=True
+    )
     try:
         accepted = forgeries(victim, victim_validator, seeds, generate_signing_key())
         assert all(accepted.values()), f"refused even without validators: {[n for n, ok in accepted.items() if not ok]}"
@@ -155,12 +197,22 @@ def test_the_monitor_keeps_only_verdicts_of_ticketed_trainers(seed):
     worker_id = "12D3KooWworker"
 
     def verdict_of(validator: RSASignatureValidator, ticket: str, worker: str = worker_id) -> Verdict:
-        return Verdict(trainer=trainer_peer_id(validator), ticket=ticket, peer_id=worker,
-                       uid="body1.0.1", stage="body1", checks=4, disagreements=3, ts=get_dht_time())
+        return Verdict(
+            trainer=trainer_peer_id(validator),
+            ticket=ticket,
+            peer_id=worker,
+            uid="body1.0.1",
+            stage="body1",
+            checks=4,
+            disagreements=3,
+            ts=get_dht_time(),
+        )
 
     honest = RSASignatureValidator(RSAPrivateKey())
     stranger = RSASignatureValidator(RSAPrivateKey())
-    worker_ticket = issue_ticket(auth_key, identity="bob", peer_id=trainer_peer_id(stranger), stage="body1", slot=0, ttl_s=60)
+    worker_ticket = issue_ticket(
+        auth_key, identity="bob", peer_id=trainer_peer_id(stranger), stage="body1", slot=0, ttl_s=60
+    )
     other_service = trainer_ticket(generate_signing_key(), stranger)
     nodes = [client(seed, record_validators=record_validators(key._private_key)) for key in (honest, stranger)]
     monitor = client(seed, record_validators=record_validators())
@@ -189,7 +241,9 @@ def test_the_monitor_keeps_only_receipts_of_ticketed_trainers(seed):
 
     honest = RSASignatureValidator(RSAPrivateKey())
     worker = RSASignatureValidator(RSAPrivateKey())  # a worker vouching for itself with its own (worker) ticket
-    worker_ticket = issue_ticket(auth_key, identity="bob", peer_id=trainer_peer_id(worker), stage="body1", slot=0, ttl_s=60)
+    worker_ticket = issue_ticket(
+        auth_key, identity="bob", peer_id=trainer_peer_id(worker), stage="body1", slot=0, ttl_s=60
+    )
     nodes = [client(seed, record_validators=record_validators(key._private_key)) for key in (honest, worker)]
     monitor = client(seed, record_validators=record_validators())
     try:

@@ -114,36 +114,72 @@ MEMBERS = (
 )
 
 SOURCE_FACTS = (
-    SourceFact(AllReduceRunner, "__init__", "self.tensor_part_reducer = TensorPartReducer(",
-               "the reducer ScreenedAllReduce replaces is built by name in __init__"),
+    SourceFact(
+        AllReduceRunner,
+        "__init__",
+        "self.tensor_part_reducer = TensorPartReducer(",
+        "the reducer ScreenedAllReduce replaces is built by name in __init__",
+    ),
     SourceFact(AllReduceRunner, "__init__", "self.parts_for_local_averaging = ", "the parts this peer reduces"),
     SourceFact(AllReduceRunner, "__init__", "self.tensor_part_container = TensorPartContainer(", "the part layout"),
     SourceFact(AllReduceRunner, "__init__", "self.sender_peer_ids = ", "reducer sender indices name these peers"),
     SourceFact(TensorPartReducer, "__init__", "self.sender_failed_after = ", "lonely_elements reads it"),
-    SourceFact(DecentralizedAverager, "_run_allreduce_inplace_", "self._running_groups[group_id].set_result(runner)",
-               "the engine's copy registers its runner the same way"),
+    SourceFact(
+        DecentralizedAverager,
+        "_run_allreduce_inplace_",
+        "self._running_groups[group_id].set_result(runner)",
+        "the engine's copy registers its runner the same way",
+    ),
     SourceFact(DecentralizedAverager, "_run_allreduce_inplace_", "p2p=self._p2p", "the runner's p2p"),
-    SourceFact(DecentralizedAverager, "step", "self.serializer.dumps([self.bandwidth, self.mode.value, user_data_for_gather])",
-               "RoundAverager.user_data decodes this gather layout"),
-    SourceFact(DecentralizedAverager, "_aggregate_with_group", "await self._run_allreduce_inplace_(",
-               "the group is averaged through the engine's override"),
-    SourceFact(DecentralizedAverager, "_aggregate_with_group", "download_bandwidths = [",
-               "announce_bandwidth: the gathered bandwidths size each peer's share of the parts"),
-    SourceFact(DecentralizedAverager, "_step", "**self.allreduce_kwargs,",
-               "group_timeouts: the sender and reducer timeouts reach _aggregate_with_group as keyword arguments"),
-    SourceFact(DecentralizedAverager, "_step", "timeout=self._allreduce_timeout",
-               "group_timeouts: with allreduce_timeout None, the group's own bound is the only one"),
+    SourceFact(
+        DecentralizedAverager,
+        "step",
+        "self.serializer.dumps([self.bandwidth, self.mode.value, user_data_for_gather])",
+        "RoundAverager.user_data decodes this gather layout",
+    ),
+    SourceFact(
+        DecentralizedAverager,
+        "_aggregate_with_group",
+        "await self._run_allreduce_inplace_(",
+        "the group is averaged through the engine's override",
+    ),
+    SourceFact(
+        DecentralizedAverager,
+        "_aggregate_with_group",
+        "download_bandwidths = [",
+        "announce_bandwidth: the gathered bandwidths size each peer's share of the parts",
+    ),
+    SourceFact(
+        DecentralizedAverager,
+        "_step",
+        "**self.allreduce_kwargs,",
+        "group_timeouts: the sender and reducer timeouts reach _aggregate_with_group as keyword arguments",
+    ),
+    SourceFact(
+        DecentralizedAverager,
+        "_step",
+        "timeout=self._allreduce_timeout",
+        "group_timeouts: with allreduce_timeout None, the group's own bound is the only one",
+    ),
     SourceFact(DecentralizedAverager, "_step", "could not find a group", "found_no_group reads this text"),
     SourceFact(DecentralizedAverager, "__init__", "self.schema_hash = ", "RoundAverager folds its layout into it"),
-    SourceFact(DecentralizedAverager, "_run_internal", "self._matchmaking = Matchmaking(", "set_round reaches the matchmaking"),
-    SourceFact(DecentralizedAverager, "_run_internal", "self.schema_hash", "read after __init__, in the averager's process"),
+    SourceFact(
+        DecentralizedAverager, "_run_internal", "self._matchmaking = Matchmaking(", "set_round reaches the matchmaking"
+    ),
+    SourceFact(
+        DecentralizedAverager, "_run_internal", "self.schema_hash", "read after __init__, in the averager's process"
+    ),
     SourceFact(Matchmaking, "rpc_join_group", "self.target_group_size", "a leader reads the target size at every join"),
     SourceFact(Matchmaking, "__init__", "self.group_key_manager = GroupKeyManager(", "set_group_bits reaches it"),
     SourceFact(Server, "__init__", "self.conn_handlers = [", "HostedServer replaces the handlers after __init__"),
-    SourceFact(Server, "__init__", "self.dht_handler_thread = DHTHandlerThread(", "HostedServer replaces the announcer"),
+    SourceFact(
+        Server, "__init__", "self.dht_handler_thread = DHTHandlerThread(", "HostedServer replaces the announcer"
+    ),
     SourceFact(Server, "run", "self.dht_handler_thread.start()", "the announcer is started like upstream's"),
     SourceFact(Server, "shutdown", "self.dht_handler_thread.stop.set()", "the announcer is stopped through .stop"),
-    SourceFact(ConnectionHandler, "rpc_forward", "await self._process_inputs(", "every plain request reaches the check"),
+    SourceFact(
+        ConnectionHandler, "rpc_forward", "await self._process_inputs(", "every plain request reaches the check"
+    ),
     SourceFact(ConnectionHandler, "rpc_forward_stream", "await self._process_inputs(", "every streamed request too"),
     SourceFact(RSAPrivateKey, "process_wide", "cls._process_wide_key", "use_as_process_key sets what it returns"),
     SourceFact(DHTNode, "create", "self.protocol = await DHTProtocol.create(", "known_peers reads the node's protocol"),
@@ -221,8 +257,9 @@ def test_the_part_layout_decodes(compression: Any) -> None:
     part_size_bytes counts bytes after compression)."""
     tensor = torch.arange(10_000, dtype=torch.float32)
     peers = [PeerID(bytes([0, 2, index, index])) for index in range(3)]
-    container = TensorPartContainer([tensor], peer_fractions=(0.5, 0.2, 0.3), part_size_bytes=4 * 700,
-                                    compression=compression)
+    container = TensorPartContainer(
+        [tensor], peer_fractions=(0.5, 0.2, 0.3), part_size_bytes=4 * 700, compression=compression
+    )
     decoded = list(parts_by_reducer(container, peers, tensor, tensor * 2))
     for index, peer in enumerate(peers):
         upstream = [part.view(-1) for part in container.get_raw_input_parts(index)]
@@ -312,7 +349,9 @@ def test_libp2p_errors_still_say_what_routing_reads() -> None:
             for peer in (second.peer_id, PeerID.from_identity(_identity_bytes())):
                 try:
                     await asyncio.wait_for(
-                        first.call_protobuf_handler(peer, "Nobody.rpc", runtime_pb2.ExpertRequest(), runtime_pb2.ExpertResponse),
+                        first.call_protobuf_handler(
+                            peer, "Nobody.rpc", runtime_pb2.ExpertRequest(), runtime_pb2.ExpertResponse
+                        ),
                         30,
                     )
                 except P2PDaemonError as error:
@@ -375,9 +414,17 @@ def test_nothing_outside_the_engine_touches_a_hivemind_internal() -> None:
 
 def test_our_subclasses_set_no_private_attribute_upstream_uses() -> None:
     """A private attribute of ours that an upstream base class also uses would silently replace its state."""
-    subclasses = [RoundAverager, ScreenedAllReduce, engine_averaging._ScreenedPartReducer, CheckedConnectionHandler,
-                  HostedServer, sparta._GroupAverager, server.GuardedConnectionHandler, server.StageServer,
-                  backend.StageBackend]
+    subclasses = [
+        RoundAverager,
+        ScreenedAllReduce,
+        engine_averaging._ScreenedPartReducer,
+        CheckedConnectionHandler,
+        HostedServer,
+        sparta._GroupAverager,
+        server.GuardedConnectionHandler,
+        server.StageServer,
+        backend.StageBackend,
+    ]
     clashes = []
     for cls in subclasses:
         upstream = {

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from agora_client.checkpoints import select_set
 from agora_client.checkpoints import export as export_module
+from agora_client.checkpoints import select_set
 from agora_client.checkpoints.export import export_set, load_set
 from agora_client.checkpoints.olmo2 import olmo2_parameter_count
 from agora_client.checkpoints.shards import INDEX_FILE, parse_size
@@ -55,7 +55,9 @@ def test_a_sharded_export_loads_in_transformers_with_the_unsharded_logits(store,
     assert [path.name for path in (tmp_path / "whole").glob("model*.safetensors")] == ["model.safetensors"]
     index = json.loads((tmp_path / "sharded" / INDEX_FILE).read_text())
     shards = sorted(path.name for path in (tmp_path / "sharded").glob("model*.safetensors"))
-    assert len(shards) > 3 and shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    assert len(shards) > 3 and shards == [
+        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
+    ]
     whole, sharded = tensors(tmp_path / "whole"), tensors(tmp_path / "sharded")
     assert set(index["weight_map"]) == set(sharded) == set(whole)
     assert set(index["weight_map"].values()) == set(shards)

@@ -70,8 +70,9 @@ def admitted(tmp_path):
     seeds = tuple(str(maddr) for maddr in seed.get_visible_maddrs())
     tokenizer = load_run_tokenizer(config)
     run = describe_run(config, seeds, None, None, TokenizerSummary.of(tokenizer))
-    settings = ServiceSettings(policy=AdmissionPolicy(stages=(STAGE,), pacing_s=0.0), seeds=seeds, run=run,
-                               tokenizer_json=tokenizer.content)
+    settings = ServiceSettings(
+        policy=AdmissionPolicy(stages=(STAGE,), pacing_s=0.0), seeds=seeds, run=run, tokenizer_json=tokenizer.content
+    )
     try:
         with AuthServer(AuthService(settings, TokenFileIdentity(tmp_path / "tokens.json"), tmp_path / "state")) as auth:
             options = ContributorOptions(swarm_url=auth.url, run=run, config_dir=tmp_path / "client", host_port=0)
@@ -101,7 +102,9 @@ def test_a_stop_frees_the_slot_and_leaves_the_roster_before_the_slow_part(admitt
     try:
         assert held_averager.reached.wait(60), "the stop never reached its slow part"
         assert swarm_status(auth_url)["occupied"] == 0, "the slot was still held when the slow part began"
-        assert node.peer_id not in fetch_roster(seed, STAGE), "the worker was still in the roster when the slow part began"
+        assert node.peer_id not in fetch_roster(seed, STAGE), (
+            "the worker was still in the roster when the slow part began"
+        )
         assert not held_server.reached.is_set()
     finally:
         held_averager.release.set()

@@ -36,9 +36,19 @@ def body1() -> PreparedStage:
 def backend(cls: type[StageBackend], prepared: PreparedStage) -> StageBackend:
     noop = lambda *_: None  # noqa: E731
     return cls(
-        "body1.0.0", prepared.module, lock=threading.Lock(), on_samples=noop, device=torch.device("cpu"),
-        mixed_precision=False, on_forward=noop, on_backward=noop, on_unhealthy=noop,
-        args_schema=prepared.args_schema, outputs_schema=prepared.outputs_schema, min_batch_size=1, max_batch_size=8,
+        "body1.0.0",
+        prepared.module,
+        lock=threading.Lock(),
+        on_samples=noop,
+        device=torch.device("cpu"),
+        mixed_precision=False,
+        on_forward=noop,
+        on_backward=noop,
+        on_unhealthy=noop,
+        args_schema=prepared.args_schema,
+        outputs_schema=prepared.outputs_schema,
+        min_batch_size=1,
+        max_batch_size=8,
     )
 
 
@@ -99,7 +109,8 @@ def test_a_slow_backend_sleeps_its_fixed_delay_plus_the_extra_time_of_a_slower_g
 def test_fault_flags_come_before_the_agora_command_and_are_checked(capsys) -> None:
     assert faulty(slowdown=12) == [sys.executable, str(Path(faulty_worker.__file__).resolve()), "--slowdown", "12"]
     assert parse([*faulty(lie=True, slower=2.5)[2:], "worker", "--stage", "body1"]) == (
-        Faults(lie=True, slower=2.5), ["worker", "--stage", "body1"]
+        Faults(lie=True, slower=2.5),
+        ["worker", "--stage", "body1"],
     )
     for argv, says in [
         (["--slowdown", "-1", "worker"], "--slowdown must be >= 0 and --slower >= 1 (got -1, 1)"),
@@ -112,6 +123,8 @@ def test_fault_flags_come_before_the_agora_command_and_are_checked(capsys) -> No
 
 
 def test_the_faulty_program_runs_the_agora_cli_from_any_directory(tmp_path: Path) -> None:
-    done = subprocess.run([*faulty(lie=True), "worker", "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [*faulty(lie=True), "worker", "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert "usage: agora worker" in done.stdout and "--lie" not in done.stdout

@@ -61,7 +61,9 @@ def test_formula_equals_flop_counter_forward_and_backward(stage: str, subspace: 
 def test_default_cpu_attention_kernel_is_the_only_gap():
     config = tiny(True)
     measured_forward, _ = measure(config, "body1", SDPBackend.FLASH_ATTENTION)
-    attention = sum(p.forward for p in stage_matmuls(config, "body1", BATCH, SEQ) if p.name.endswith((".scores", ".values")))
+    attention = sum(
+        p.forward for p in stage_matmuls(config, "body1", BATCH, SEQ) if p.name.endswith((".scores", ".values"))
+    )
     assert attention > 0
     assert measured_forward == forward_flops(config, "body1", BATCH, SEQ) - attention
 

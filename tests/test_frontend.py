@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from agora_client.events import AuthEvent, ErrorEvent, ExitEvent
 from agora_client.frontend import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_REJECTED, EXIT_USAGE, client_exit_code
 from agora_client.frontend.lines import LineFormatter
 from agora_client.frontend.stream import TracebackFolder
-from agora_client.events import AuthEvent, ErrorEvent, ExitEvent
 from agora_client.swarm.demo import client_arguments, prune_runs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,8 +36,12 @@ def imported_by(packages: tuple[str, ...], watched: tuple[str, ...]) -> tuple[in
     """In a fresh interpreter, import agora_cli and every submodule of ``packages``: (submodules imported,
     which of the ``watched`` top-level modules got loaded)."""
     result = subprocess.run(
-        [sys.executable, "-c", _IMPORT_PACKAGES, ",".join(packages), ",".join(watched)], capture_output=True,
-        text=True, timeout=110, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+        [sys.executable, "-c", _IMPORT_PACKAGES, ",".join(packages), ",".join(watched)],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr
     count, loaded = result.stdout.split(" ", 1)
@@ -90,7 +94,10 @@ def test_a_traceback_becomes_one_line_and_the_log_keeps_it_whole():
     assert len(out) == 2
     folder.feed("Traceback (most recent call last):")
     folder.feed('  File "x.py", line 1, in <module>')
-    assert folder.flush() == ('File "x.py", line 1, in <module>', 'Traceback (most recent call last):\n  File "x.py", line 1, in <module>')
+    assert folder.flush() == (
+        'File "x.py", line 1, in <module>',
+        'Traceback (most recent call last):\n  File "x.py", line 1, in <module>',
+    )
 
 
 def test_a_failure_is_said_once():
@@ -99,7 +106,9 @@ def test_a_failure_is_said_once():
         *formatter.format(AuthEvent(status="failed", message="could not reach the auth service at http://x")),
         *formatter.format(ExitEvent(code=1, reason="could not reach the auth service at http://x")),
     ]
-    assert [line.render() for line in lines] == ["[ERROR] Authorization failed: could not reach the auth service at http://x"]
+    assert [line.render() for line in lines] == [
+        "[ERROR] Authorization failed: could not reach the auth service at http://x"
+    ]
     fresh = LineFormatter()
     assert [line.render() for line in fresh.format(ExitEvent(code=1, reason="killed"))] == [
         "[ERROR] The runtime exited with code 1: killed"
@@ -136,7 +145,12 @@ def test_the_demo_joins_with_every_client_option_set(tmp_path):
     configure(every)
     args = client_arguments(True, "http://127.0.0.1:1", "http://127.0.0.1:2", tmp_path / "client")
     assert vars(args).keys() == vars(every.parse_args([])).keys()  # an option added to the client reaches the demo
-    assert (args.headless, args.swarm, args.monitor, args.config_dir) == (True, "http://127.0.0.1:1", "http://127.0.0.1:2", tmp_path / "client")
+    assert (args.headless, args.swarm, args.monitor, args.config_dir) == (
+        True,
+        "http://127.0.0.1:1",
+        "http://127.0.0.1:2",
+        tmp_path / "client",
+    )
     assert (args.host_port, args.retry_every, args.gpu) == (0, DEFAULT_RETRY_EVERY_S, None)
 
 
@@ -146,7 +160,9 @@ def test_retry_every_reaches_the_runtime_with_a_default(monkeypatch, tmp_path):
     from agora_client.frontend.supervisor import runtime_command
 
     def runtime_argv(*flags: str) -> tuple[str, ...]:
-        args = build_parser().parse_args(["--headless", "--swarm", "http://127.0.0.1:9", "--config-dir", str(tmp_path), *flags])
+        args = build_parser().parse_args(
+            ["--headless", "--swarm", "http://127.0.0.1:9", "--config-dir", str(tmp_path), *flags]
+        )
         session = prepare(args)
         assert not isinstance(session, int)
         return session.command.argv
@@ -156,7 +172,9 @@ def test_retry_every_reaches_the_runtime_with_a_default(monkeypatch, tmp_path):
     assert argv[argv.index("runtime") :][-2:] == ("--retry-every", "5.0")
     argv = runtime_argv()
     assert argv[argv.index("--retry-every") + 1] == repr(DEFAULT_RETRY_EVERY_S)
-    assert "--retry-every" not in runtime_command(token="hf_abcdefghijkl", swarm="http://x").argv  # the runtime's own default
+    assert (
+        "--retry-every" not in runtime_command(token="hf_abcdefghijkl", swarm="http://x").argv
+    )  # the runtime's own default
     for bad in ("0", "-3", "soon", "nan"):
         with pytest.raises(SystemExit) as caught:
             build_parser().parse_args(["--retry-every", bad])

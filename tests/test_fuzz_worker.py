@@ -25,11 +25,17 @@ from hivemind.utils.asyncio import iter_as_aiter
 from agora_client.auth.ticket_source import SelfIssuedTickets
 from agora_client.auth.tickets import generate_signing_key, issue_ticket
 from agora_client.engine.expert_calls import (
-    DEFAULT_MAX_MSG_SIZE, call_stream, call_unary, close_replica, replicate_p2p, run_coroutine, server_stub,
+    DEFAULT_MAX_MSG_SIZE,
+    call_stream,
+    call_unary,
+    close_replica,
+    replicate_p2p,
+    run_coroutine,
+    server_stub,
 )
-from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
 from agora_client.serving.rejections import LOG_INTERVAL_S
 from agora_client.serving.validation import WARMUP_REQUESTS
+from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
 from tests.swarm_helpers import events, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -60,7 +66,13 @@ class Attacker:
         return run_coroutine(asyncio.wait_for(coroutine, timeout))
 
     def call(
-        self, kind: str, tensors, *, metadata: bytes | None = None, stream: bool = False, part_bytes: int = DEFAULT_MAX_MSG_SIZE
+        self,
+        kind: str,
+        tensors,
+        *,
+        metadata: bytes | None = None,
+        stream: bool = False,
+        part_bytes: int = DEFAULT_MAX_MSG_SIZE,
     ) -> list[torch.Tensor]:
         serialized = [t if isinstance(t, runtime_pb2.Tensor) else serialize_torch_tensor(t) for t in tensors]
         metadata = self.ticket if metadata is None else metadata
@@ -126,6 +138,7 @@ def test_a_ticketed_trainer_is_served_unary_and_streamed(attacker: Attacker) -> 
 
 # tickets ------------------------------------------------------------------------------------------
 
+
 def test_no_ticket(attacker: Attacker) -> None:
     attacker.refused("carries no ticket", metadata=b"")
     attacker.refused("carries no ticket", kind="backward", tensors=valid_backward(), metadata=b"", stream=True)
@@ -135,8 +148,9 @@ def test_a_caller_refused_while_still_sending_hears_why(attacker: Attacker) -> N
     # 8 KB parts: the refusal of the first part comes while dozens more are on their way, and closing a stream
     # the caller still writes would lose the reason (before the fix the caller saw an empty reply or a broken pipe)
     for _ in range(5):
-        attacker.refused("carries no ticket", kind="backward", tensors=valid_backward(), metadata=b"", stream=True,
-                         part_bytes=8192)
+        attacker.refused(
+            "carries no ticket", kind="backward", tensors=valid_backward(), metadata=b"", stream=True, part_bytes=8192
+        )
 
 
 def test_the_ticket_is_checked_before_any_tensor(attacker: Attacker) -> None:
@@ -148,23 +162,43 @@ def test_the_ticket_is_checked_before_any_tensor(attacker: Attacker) -> None:
 
 
 def test_expired_ticket(attacker: Attacker) -> None:
-    expired = issue_ticket(attacker.key, identity="op", peer_id=attacker.peer_id, stage="trainer", slot=0,
-                           ttl_s=60, now=time.time() - 3600, role="trainer")
+    expired = issue_ticket(
+        attacker.key,
+        identity="op",
+        peer_id=attacker.peer_id,
+        stage="trainer",
+        slot=0,
+        ttl_s=60,
+        now=time.time() - 3600,
+        role="trainer",
+    )
     attacker.refused("ticket expired", metadata=expired.encode())
 
 
 def test_forged_ticket(attacker: Attacker) -> None:
-    forged = issue_ticket(generate_signing_key(), identity="mallory", peer_id=attacker.peer_id, stage="trainer",
-                          slot=0, ttl_s=600, role="trainer")
+    forged = issue_ticket(
+        generate_signing_key(),
+        identity="mallory",
+        peer_id=attacker.peer_id,
+        stage="trainer",
+        slot=0,
+        ttl_s=600,
+        role="trainer",
+    )
     attacker.refused("signature does not match", metadata=forged.encode())
     attacker.refused("not ASCII", metadata=os.urandom(64) + b"\xff")
 
 
 def test_ticket_for_another_role(attacker: Attacker) -> None:
-    worker_ticket = issue_ticket(attacker.key, identity="op", peer_id=attacker.peer_id, stage=STAGE, slot=0,
-                                 ttl_s=600, role="worker")
-    attacker.refused("a worker ticket may not make this call", kind="backward", tensors=valid_backward(),
-                     metadata=worker_ticket.encode())
+    worker_ticket = issue_ticket(
+        attacker.key, identity="op", peer_id=attacker.peer_id, stage=STAGE, slot=0, ttl_s=600, role="worker"
+    )
+    attacker.refused(
+        "a worker ticket may not make this call",
+        kind="backward",
+        tensors=valid_backward(),
+        metadata=worker_ticket.encode(),
+    )
 
 
 def test_ticket_of_another_peer(attacker: Attacker) -> None:
@@ -173,6 +207,7 @@ def test_ticket_of_another_peer(attacker: Attacker) -> None:
 
 
 # shapes, dtypes, arity ----------------------------------------------------------------------------
+
 
 def test_wrong_shapes_dtypes_and_arity(attacker: Attacker) -> None:
     hidden, tokens = valid_forward()
@@ -187,6 +222,7 @@ def test_wrong_shapes_dtypes_and_arity(attacker: Attacker) -> None:
 
 
 # values -------------------------------------------------------------------------------------------
+
 
 def test_nan_inf_huge_and_empty(attacker: Attacker) -> None:
     hidden, tokens = valid_forward()
@@ -211,11 +247,16 @@ def test_random_bytes(attacker: Attacker) -> None:
     attacker.refused("short of its declared shape", tensors=(garbage, tokens))
     started = time.monotonic()
     with pytest.raises(Exception):  # not even a protobuf message: hivemind's parser refuses it
-        attacker.run(attacker.p2p._client.call_unary_handler(attacker.worker_peer, "ConnectionHandler.rpc_forward", os.urandom(4096)))
+        attacker.run(
+            attacker.p2p._client.call_unary_handler(
+                attacker.worker_peer, "ConnectionHandler.rpc_forward", os.urandom(4096)
+            )
+        )
     assert time.monotonic() - started < ANSWER_WITHIN
 
 
 # sizes --------------------------------------------------------------------------------------------
+
 
 def test_oversized_requests_are_refused_from_their_headers(attacker: Attacker) -> None:
     attacker.refused("outside 1..8, the stage's largest microbatch", tensors=valid_forward(batch=64))
@@ -243,7 +284,9 @@ def _huge_stream(attacker: Attacker, declared_batch: int, megabytes: int):
     "declared_batch, says",
     [(6400, "outside 1..8, the stage's largest microbatch"), (BATCH, "more bytes than its declared shape")],
 )
-def test_a_200_mb_stream_is_refused_without_being_read(target, attacker: Attacker, declared_batch: int, says: str) -> None:
+def test_a_200_mb_stream_is_refused_without_being_read(
+    target, attacker: Attacker, declared_batch: int, says: str
+) -> None:
     swarm, _ = target
     streamer = Attacker(swarm, attacker.worker_peer.to_base58())  # a fresh peer: its refusal gets its own log line
     try:
@@ -255,7 +298,9 @@ def test_a_200_mb_stream_is_refused_without_being_read(target, attacker: Attacke
         # either that error or the reset of a stream the worker stopped reading. The worker's log says which check hit.
         assert says in str(failure.value) or isinstance(failure.value, ConnectionError)
         path = swarm.options.run_dir / "events" / f"{STAGE}-0.jsonl"
-        wait_until(lambda: any(streamer.peer_id in e.get("message", "") for e in events(path)), 10, "the refusal's log line")
+        wait_until(
+            lambda: any(streamer.peer_id in e.get("message", "") for e in events(path)), 10, "the refusal's log line"
+        )
         line = next(e["message"] for e in events(path) if streamer.peer_id in e.get("message", ""))
         assert "(oversized)" in line and says in line
     finally:
@@ -263,6 +308,7 @@ def test_a_200_mb_stream_is_refused_without_being_read(target, attacker: Attacke
 
 
 # the stage's running statistics, optimizer steps, health ------------------------------------------
+
 
 def test_outlier_gradients_are_refused_and_the_weights_stay_finite(target, attacker: Attacker) -> None:
     swarm, _ = target

@@ -19,7 +19,14 @@ from agora_client.model.layers import native_bf16
 from agora_client.model.memory import plan_stage, usable_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
-CUDA_IMAGE = ("torch", "numpy", "safetensors", "PyYAML", "psutil", "nvidia-ml-py")  # with python3, what the issue assumes
+CUDA_IMAGE = (
+    "torch",
+    "numpy",
+    "safetensors",
+    "PyYAML",
+    "psutil",
+    "nvidia-ml-py",
+)  # with python3, what the issue assumes
 
 sys.path.append(str(ROOT / "bench"))  # last: bench/ holds names like memory.py and download.py
 import gpu_check  # noqa: E402
@@ -28,8 +35,9 @@ from _gpu_stage_run import peak_bf16_flops  # noqa: E402
 
 @pytest.fixture(scope="module")
 def dry_report() -> dict:
-    result = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=240)
+    result = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--dry"], cwd=ROOT, capture_output=True, text=True, timeout=240
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -88,13 +96,20 @@ def test_dry_run_judges_only_what_the_cpu_measures(dry_report: dict) -> None:
 
 
 def test_the_budget_cuts_the_running_section_and_skips_the_rest() -> None:
-    result = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry", "--budget-s", "0.5"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--dry", "--budget-s", "0.5"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 3, result.stdout[-4000:] + result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     cut = [name for name, section in report["sections"].items() if "cut when the budget" in section.get("error", "")]
     assert len(cut) == 1 and report["pass"] is False
-    assert [*report["sections"], *report["skipped"]] == list(gpu_check.SECTIONS)  # every section accounted for, in order
+    assert [*report["sections"], *report["skipped"]] == list(
+        gpu_check.SECTIONS
+    )  # every section accounted for, in order
     assert "bandwidth" in report["skipped"]
 
 
@@ -114,7 +129,9 @@ def _with_requirements(names: list[str]) -> set[str]:
             requires = importlib.metadata.requires(name) or []
         except importlib.metadata.PackageNotFoundError:
             continue
-        todo += [_normal(re.split(r"[\s;<>=!~\[(]", line, maxsplit=1)[0]) for line in requires if "extra ==" not in line]
+        todo += [
+            _normal(re.split(r"[\s;<>=!~\[(]", line, maxsplit=1)[0]) for line in requires if "extra ==" not in line
+        ]
     return found
 
 
@@ -141,13 +158,21 @@ print(json.dumps({"hivemind": "hivemind" in sys.modules, "refused": refused}))
 
 
 def test_the_checks_imports_need_only_the_cuda_image_and_its_wheels() -> None:
-    wheels = [line.split("==")[0] for line in (ROOT / "bench" / "gpu_requirements.txt").read_text().splitlines()
-              if line.strip() and not line.startswith("#")]
+    wheels = [
+        line.split("==")[0]
+        for line in (ROOT / "bench" / "gpu_requirements.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert "pydantic" in wheels
     allowed = _with_requirements([*CUDA_IMAGE, *wheels]) | {"agora"}  # agora: this checkout, on the path there too
     assert "hivemind" not in allowed
-    result = subprocess.run([sys.executable, "-c", IMPORT_ONLY_THE_IMAGE, json.dumps(sorted(allowed))], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORT_ONLY_THE_IMAGE, json.dumps(sorted(allowed))],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     imported = json.loads(result.stdout.strip().splitlines()[-1])
     assert imported["hivemind"] is False
@@ -165,19 +190,42 @@ def test_card_peaks_by_name() -> None:
 
 
 def _stage_run(stage: str, section: str, ratio: float, mfu: float | None) -> dict:
-    return {"stage": stage, "microbatch": 4, "peak_vs_plan": ratio, "peak_allocated": int(ratio * 2**33),
-            "planned_peak": 2**33, "mfu": mfu, "mfu_note": "H100", "section": section}
+    return {
+        "stage": stage,
+        "microbatch": 4,
+        "peak_vs_plan": ratio,
+        "peak_allocated": int(ratio * 2**33),
+        "planned_peak": 2**33,
+        "mfu": mfu,
+        "mfu_note": "H100",
+        "section": section,
+    }
 
 
 def test_a_miss_says_which_stage_and_by_how_much() -> None:
     report = {
-        "body_stage": "body1", "imports": {"hivemind": False}, "skipped": [],
+        "body_stage": "body1",
+        "imports": {"hivemind": False},
+        "skipped": [],
         "sections": {
-            "stages": {"ok": True, "runs": [_stage_run("head", "stages", 1.02, 0.4), _stage_run("body1", "stages", 1.17, 0.29)]},
-            "small_card": {"ok": True, "card": "H100 held to 24.00 GiB", "runs": [_stage_run("head", "small_card", 0.85, 0.4),
-                           {"stage": "body1", "error": "OutOfMemoryError: CUDA out of memory"}],
-                           "tail": {"refused": False, "microbatch": 1}},
-            "numerics": {"ok": True, "bf16_forward": {"stage": "body1", "relative_error": 0.01}, "ef_rows": {"close": True}},
+            "stages": {
+                "ok": True,
+                "runs": [_stage_run("head", "stages", 1.02, 0.4), _stage_run("body1", "stages", 1.17, 0.29)],
+            },
+            "small_card": {
+                "ok": True,
+                "card": "H100 held to 24.00 GiB",
+                "runs": [
+                    _stage_run("head", "small_card", 0.85, 0.4),
+                    {"stage": "body1", "error": "OutOfMemoryError: CUDA out of memory"},
+                ],
+                "tail": {"refused": False, "microbatch": 1},
+            },
+            "numerics": {
+                "ok": True,
+                "bf16_forward": {"stage": "body1", "relative_error": 0.01},
+                "ef_rows": {"close": True},
+            },
         },
     }
     targets, misses = gpu_check.judge(report, on_gpu=True)

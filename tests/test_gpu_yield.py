@@ -19,13 +19,22 @@ from agora_client.joining.yield_control import YieldControl, wait_until_free
 from agora_client.system.energy import MJ_PER_KWH, EnergyMeter
 from agora_client.system.gpu_users import own_pids
 from agora_client.system.gpu_yield import (
-    ActiveHours, GpuUser, YieldPolicy, configure_yield, parse_active_hours, yield_argv,
+    ActiveHours,
+    GpuUser,
+    YieldPolicy,
+    configure_yield,
+    parse_active_hours,
+    yield_argv,
 )
 
 NOON = datetime(2025, 1, 6, 12, 0)
 GAME = GpuUser(4242, "Cyberpunk2077.exe", graphics=True)
 TRAINING = GpuUser(777, "python3", graphics=False)
-DESKTOP = [GpuUser(900, "Xorg", graphics=True), GpuUser(901, "firefox", graphics=True), GpuUser(902, "dwm.exe", graphics=True)]
+DESKTOP = [
+    GpuUser(900, "Xorg", graphics=True),
+    GpuUser(901, "firefox", graphics=True),
+    GpuUser(902, "dwm.exe", graphics=True),
+]
 
 
 def reason(policy: YieldPolicy, users, now: float = 0.0, own: set[int] = frozenset(), when: datetime = NOON):
@@ -60,7 +69,9 @@ def test_it_rejoins_only_once_the_gpu_has_been_free_for_a_while() -> None:
     assert reason(policy, [], now=211) is None
 
 
-@pytest.mark.parametrize("text, start, end", [("22-08", 22, 8), ("9-17", 9, 17), ("22:00-08:00", 22, 8), ("24-6", 0, 6)])
+@pytest.mark.parametrize(
+    "text, start, end", [("22-08", 22, 8), ("9-17", 9, 17), ("22:00-08:00", 22, 8), ("24-6", 0, 6)]
+)
 def test_active_hours_parse(text: str, start: int, end: int) -> None:
     assert parse_active_hours(text) == ActiveHours(start, end)
 
@@ -74,10 +85,16 @@ def test_active_hours_wrap_midnight() -> None:
     assert office.contains(datetime(2025, 1, 6, 9)) and not office.contains(datetime(2025, 1, 6, 17))
 
 
-@pytest.mark.parametrize("text, says", [
-    ("22", "not START-END in whole hours, e.g. 22-08"), ("10pm-8am", "e.g. 22-08"), ("25-08", "hours run from 0 to 24"),
-    ("8-8", "leave the option out to contribute all day"), ("22:30-08", "whole hours"),
-])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("22", "not START-END in whole hours, e.g. 22-08"),
+        ("10pm-8am", "e.g. 22-08"),
+        ("25-08", "hours run from 0 to 24"),
+        ("8-8", "leave the option out to contribute all day"),
+        ("22:30-08", "whole hours"),
+    ],
+)
 def test_bad_active_hours_say_what_to_write(text: str, says: str) -> None:
     with pytest.raises(ValueError, match=says):
         parse_active_hours(text)
@@ -86,8 +103,11 @@ def test_bad_active_hours_say_what_to_write(text: str, says: str) -> None:
 def test_the_options_refuse_bad_input_and_reach_the_runtime(capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()
     configure_yield(parser)
-    for bad, says in ((["--active-hours", "25-3"], "hours run from 0 to 24"), (["--yield", "sometimes"], "invalid choice"),
-                      (["--yield-grace", "-5"], "give 0 or more seconds")):
+    for bad, says in (
+        (["--active-hours", "25-3"], "hours run from 0 to 24"),
+        (["--yield", "sometimes"], "invalid choice"),
+        (["--yield-grace", "-5"], "give 0 or more seconds"),
+    ):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
         assert says in capsys.readouterr().err
@@ -152,8 +172,15 @@ def events_of(sink: io.StringIO) -> list:
 
 def test_the_control_drains_keeps_the_slot_for_the_grace_and_then_leaves() -> None:
     card, worker, clock, sink = Card(), Worker(), [0.0], io.StringIO()
-    control = YieldControl(YieldPolicy("games", free_for_s=60), card, worker, EventWriter(sink), grace_s=300,
-                           clock=lambda: clock[0], local_time=lambda: NOON)
+    control = YieldControl(
+        YieldPolicy("games", free_for_s=60),
+        card,
+        worker,
+        EventWriter(sink),
+        grace_s=300,
+        clock=lambda: clock[0],
+        local_time=lambda: NOON,
+    )
     assert control.tick() and worker.told == []
     card.listed, card.energy = [GAME], int(MJ_PER_KWH)  # the serving interval used 1 kWh
     assert control.tick() and worker.told == ["yield"]
@@ -198,7 +225,9 @@ def test_before_a_join_it_waits_while_the_policy_says_yield() -> None:
     timer = threading.Timer(0.3, stop.set)
     timer.start()
     assert not wait_until_free(quiet, card, EventWriter(sink), stop, local_time=lambda: NOON)
-    assert [event.reason for event in events_of(sink)] == ["outside active hours 22-08; the worker joins once it may use the GPU"]
+    assert [event.reason for event in events_of(sink)] == [
+        "outside active hours 22-08; the worker joins once it may use the GPU"
+    ]
 
 
 def test_headless_lines_say_each_change_once() -> None:

@@ -15,8 +15,8 @@ import psutil
 import pytest
 
 from agora_client.events import PointsEvent, SyncEvent
-from agora_client.frontend.supervisor import INTERRUPT_TIMEOUT_S
 from agora_client.frontend.lines import LineFormatter
+from agora_client.frontend.supervisor import INTERRUPT_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "events"
@@ -26,18 +26,33 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def client(tmp_path: Path, fixture: str, *replay_args: str, log_format: str = "text") -> list[str]:
-    runtime = shlex.join([sys.executable, "-m", "agora_client.frontend.replay", str(FIXTURES / f"{fixture}.jsonl"), *replay_args])
+    runtime = shlex.join(
+        [sys.executable, "-m", "agora_client.frontend.replay", str(FIXTURES / f"{fixture}.jsonl"), *replay_args]
+    )
     return [
-        sys.executable, str(ROOT / "agora_cli.py"), "--headless", "--log-format", log_format,
-        "--config-dir", str(tmp_path / "config"), "--runtime-cmd", runtime,
+        sys.executable,
+        str(ROOT / "agora_cli.py"),
+        "--headless",
+        "--log-format",
+        log_format,
+        "--config-dir",
+        str(tmp_path / "config"),
+        "--runtime-cmd",
+        runtime,
     ]
 
 
-def run_client(tmp_path: Path, fixture: str, *replay_args: str, log_format: str = "text") -> subprocess.CompletedProcess:
+def run_client(
+    tmp_path: Path, fixture: str, *replay_args: str, log_format: str = "text"
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         client(tmp_path, fixture, *replay_args, log_format=log_format),
-        env=env, capture_output=True, text=True, timeout=50, stdin=subprocess.DEVNULL,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=50,
+        stdin=subprocess.DEVNULL,
     )
 
 
@@ -48,18 +63,31 @@ def test_recorded_stream_prints_the_golden_tagged_lines(tmp_path):
 
 
 def test_the_points_line_gives_verified_compute_of_claimed_and_says_when_the_claim_exceeds_the_receipts():
-    flagged = PointsEvent(presence=1.0, compute=40.0, confirmed=5.0, claimed_compute=40.0, verified_compute=4.0, flagged=True)
+    flagged = PointsEvent(
+        presence=1.0, compute=40.0, confirmed=5.0, claimed_compute=40.0, verified_compute=4.0, flagged=True
+    )
     assert [line.render() for line in LineFormatter().format(flagged)] == [
         "[POINTS] Presence 1.0, compute 40.0, 0.0 per hour, confirmed 5.0; compute verified 4.0 of 40.0 claimed "
-        "(the claim exceeds the trainers' receipts: only receipted compute earns points)"]
+        "(the claim exceeds the trainers' receipts: only receipted compute earns points)"
+    ]
     assert [line.render() for line in LineFormatter().format(PointsEvent(presence=1.0, compute=4.0))] == [
-        "[POINTS] Presence 1.0, compute 4.0, 0.0 per hour"]
+        "[POINTS] Presence 1.0, compute 4.0, 0.0 per hour"
+    ]
 
 
 def test_sync_lines_are_the_runtime_messages_exactly():
-    lines = LineFormatter().format(SyncEvent(phase="sync2", steps_left=100, steps_total=100, target_epoch=7, message=(
-        "Synchronising optimizer state. Node is now processing batches, but doesn't contribute to weight averaging yet.\n"
-        "This phase will last 100 steps (until local epoch 7).")))
+    lines = LineFormatter().format(
+        SyncEvent(
+            phase="sync2",
+            steps_left=100,
+            steps_total=100,
+            target_epoch=7,
+            message=(
+                "Synchronising optimizer state. Node is now processing batches, but doesn't contribute to weight averaging yet.\n"
+                "This phase will last 100 steps (until local epoch 7)."
+            ),
+        )
+    )
     assert [line.render() for line in lines] == [
         "[SYNC] Synchronising optimizer state. Node is now processing batches, but doesn't contribute to weight averaging yet.",
         "[SYNC] This phase will last 100 steps (until local epoch 7).",
@@ -88,8 +116,20 @@ def test_json_lines_and_malformed_input(tmp_path):
 def test_bad_usage_exits_2_with_one_clear_line(tmp_path):
     env = {**os.environ, "HF_TOKEN": TOKEN}
     result = subprocess.run(
-        [sys.executable, str(ROOT / "agora_cli.py"), "--headless", "--swarm", "ftp://nowhere", "--config-dir", str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
+        [
+            sys.executable,
+            str(ROOT / "agora_cli.py"),
+            "--headless",
+            "--swarm",
+            "ftp://nowhere",
+            "--config-dir",
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        stdin=subprocess.DEVNULL,
     )
     assert result.returncode == 2
     assert result.stderr.strip().startswith("agora: --swarm 'ftp://nowhere' is not an http(s) URL")
@@ -99,8 +139,12 @@ def test_bad_usage_exits_2_with_one_clear_line(tmp_path):
 def test_ctrl_c_stops_the_child_gracefully_and_exits_130(tmp_path):
     env = {**os.environ, "HF_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)}
     process = subprocess.Popen(
-        client(tmp_path, "sync1", "--hold", "--spawn-grandchild"), env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+        client(tmp_path, "sync1", "--hold", "--spawn-grandchild"),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
     )
     try:
         deadline = time.monotonic() + 30
@@ -131,8 +175,12 @@ def test_a_second_ctrl_c_stops_the_runtime_at_once(tmp_path):
     gives the runtime its second stop signal at once."""
     env = {**os.environ, "HF_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)}
     process = subprocess.Popen(
-        client(tmp_path, "sync1", "--hold", "--ignore-sigint"), env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+        client(tmp_path, "sync1", "--hold", "--ignore-sigint"),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
     )
     try:
         assert "[SYNC]" in _first_line_with(process, "[SYNC]", timeout=30)  # the runtime is up and replaying
@@ -171,7 +219,10 @@ def test_the_runtime_stops_when_the_front_end_dies_without_stopping_it(tmp_path)
     """A closed terminal kills the front end (SIGHUP) before any cleanup: the runtime must not live on."""
     env = {**os.environ, "HF_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)}
     process = subprocess.Popen(
-        client(tmp_path, "sync1", "--hold"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        client(tmp_path, "sync1", "--hold"),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         stdin=subprocess.DEVNULL,
     )
     try:
@@ -193,9 +244,23 @@ def test_retry_every_is_a_client_option_the_runtime_accepts(tmp_path):
     parser) and, with no swarm at the address, fails on that, once, with exit code 1."""
     env = {**os.environ, "HF_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
-        [sys.executable, str(ROOT / "agora_cli.py"), "--headless", "--cpu", "--retry-every", "5", "--swarm", "http://127.0.0.1:9",
-         "--config-dir", str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=50, stdin=subprocess.DEVNULL,
+        [
+            sys.executable,
+            str(ROOT / "agora_cli.py"),
+            "--headless",
+            "--cpu",
+            "--retry-every",
+            "5",
+            "--swarm",
+            "http://127.0.0.1:9",
+            "--config-dir",
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=50,
+        stdin=subprocess.DEVNULL,
     )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "usage:" not in result.stderr and "unrecognized arguments" not in result.stderr

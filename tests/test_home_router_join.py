@@ -40,13 +40,24 @@ def router_and_swarm(tmp_path_factory):
         pytest.skip(_SKIP)
     run_dir = tmp_path_factory.mktemp("home-router")
     with HomeRouter(f"agi25-{os.getpid()}") as net:
-        swarm = LocalSwarm(SwarmOptions(preset="tiny2", workers_per_stage=1, run_dir=run_dir, publish_snapshots=True,
-                                        publish_every=1, report_every=3, host=net.internet.address))
+        swarm = LocalSwarm(
+            SwarmOptions(
+                preset="tiny2",
+                workers_per_stage=1,
+                run_dir=run_dir,
+                publish_snapshots=True,
+                publish_every=1,
+                report_every=3,
+                host=net.internet.address,
+            )
+        )
         try:
             with net.internet.entered():  # every role of the swarm lives on the internet side
                 swarm.start()
                 auth_url, _ = swarm.start_join_services(
-                    pacing=1.0, users=("alice", "bob"), relay=True,
+                    pacing=1.0,
+                    users=("alice", "bob"),
+                    relay=True,
                     auth_args=("--presence-every", "5", "--vanish-after", str(VANISH_S)),
                 )
             yield net, swarm, auth_url
@@ -58,15 +69,28 @@ def _runtime(net: HomeRouter, name: str, auth_url: str, token: str, config_dir: 
     with net.home.entered():  # the contributor lives at home, behind the router
         return ManagedProcess(
             name,
-            ["runtime", "--cpu", "--swarm", auth_url, "--config-dir", str(config_dir), "--host-port", "0",
-             "--retry-every", str(RETRY_S), "--insecure"],  # the swarm's plain http:// is on the internet side (11.77.0.x)
+            [
+                "runtime",
+                "--cpu",
+                "--swarm",
+                auth_url,
+                "--config-dir",
+                str(config_dir),
+                "--host-port",
+                "0",
+                "--retry-every",
+                str(RETRY_S),
+                "--insecure",
+            ],  # the swarm's plain http:// is on the internet side (11.77.0.x)
             log_dir / f"{name}.log",
             env={"HF_TOKEN": token},
         )
 
 
 def _events(process: ManagedProcess, kind: str, **match) -> list[dict]:
-    return [e for e in json_objects(process.lines()) if e["kind"] == kind and all(e.get(k) == v for k, v in match.items())]
+    return [
+        e for e in json_objects(process.lines()) if e["kind"] == kind and all(e.get(k) == v for k, v in match.items())
+    ]
 
 
 def _logs(process: ManagedProcess, tag: str) -> list[str]:
@@ -83,8 +107,12 @@ def _occupied(net: HomeRouter, auth_url: str) -> int:
 
 
 def _wait_active(runtime: ManagedProcess) -> None:
-    wait_until(lambda: bool(_events(runtime, "sync", phase="active")) or not runtime.alive, 300,
-               "the contributor to reach active", poll=0.5)
+    wait_until(
+        lambda: bool(_events(runtime, "sync", phase="active")) or not runtime.alive,
+        300,
+        "the contributor to reach active",
+        poll=0.5,
+    )
     assert runtime.alive, f"the runtime exited; see {runtime.log_path}"
 
 
@@ -104,8 +132,12 @@ def _refused(net: HomeRouter, address: str) -> bool:
 
 
 def _wait_batches(runtime: ManagedProcess) -> None:
-    wait_until(lambda: any(e["backward_total"] > 0 for e in _events(runtime, "traffic")) or not runtime.alive, 300,
-               f"{runtime.name} to process a batch", poll=1.0)
+    wait_until(
+        lambda: any(e["backward_total"] > 0 for e in _events(runtime, "traffic")) or not runtime.alive,
+        300,
+        f"{runtime.name} to process a batch",
+        poll=1.0,
+    )
     assert runtime.alive, f"the runtime exited; see {runtime.log_path}"
 
 
@@ -120,8 +152,12 @@ def test_relay_and_upnp_contributor_behind_a_home_router_joins_without_a_manual_
             first = _runtime(net, "alice-1", auth_url, swarm.tokens["alice"], config_dir, tmp_path)
             runtimes.append(first)
             # after the failed dial-back (and the retry's wait) the client tries the relay, out of reach: one line
-            wait_until(lambda: any(line.startswith(f"Relay {relay}:") for line in _logs(first, "NETWORK"))
-                       or not first.alive, 180, "a failed dial-back, then the relay out of reach", poll=0.5)
+            wait_until(
+                lambda: any(line.startswith(f"Relay {relay}:") for line in _logs(first, "NETWORK")) or not first.alive,
+                180,
+                "a failed dial-back, then the relay out of reach",
+                poll=0.5,
+            )
         assert first.alive and _events(first, "auth", status="authorized") == [] and _occupied(net, auth_url) == 0
         _check_diagnosis(net, first, relay)
 
@@ -129,7 +165,9 @@ def test_relay_and_upnp_contributor_behind_a_home_router_joins_without_a_manual_
         net.switch_upnp("denied")
         _wait_active(first)
         reached = _events(first, "reachability", status="reachable")[0]
-        assert (reached["path"], reached["relay"]) == ("relayed", relay) and "ms more per round trip" in reached["relay_cost"]
+        assert (reached["path"], reached["relay"]) == ("relayed", relay) and "ms more per round trip" in reached[
+            "relay_cost"
+        ]
         relayed_at = reached["address"]
         assert relayed_at.startswith(relay.split(":")[0] + ":") and net.mappings() == []
         assert any("refused to forward" in line for line in _logs(first, "NETWORK"))

@@ -13,7 +13,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agora_client.auth import AdmissionPolicy, AuthServer, AuthService, ServiceSettings, TokenFileIdentity, write_demo_token_file
+from agora_client.auth import (
+    AdmissionPolicy,
+    AuthServer,
+    AuthService,
+    ServiceSettings,
+    TokenFileIdentity,
+    write_demo_token_file,
+)
 from agora_client.http_service import RateLimit, ServiceLimits
 
 pytestmark = pytest.mark.timeout(60)
@@ -105,7 +112,9 @@ def test_joins_over_the_rate_limit_get_429_with_retry_after(tmp_path: Path):
 
 def test_loopback_clients_are_not_rate_limited_by_default(tmp_path: Path):
     with auth_server(tmp_path, join_rate=RateLimit(per_minute=6, burst=2)) as server:
-        answers = [httpx.post(f"{server.url}/v1/join", json={"token": "wrong", "peer_id": "p"}, timeout=5) for _ in range(4)]
+        answers = [
+            httpx.post(f"{server.url}/v1/join", json={"token": "wrong", "peer_id": "p"}, timeout=5) for _ in range(4)
+        ]
         assert {answer.status_code for answer in answers} == {401}
 
 
@@ -115,7 +124,7 @@ def test_an_oversized_body_gets_413_and_a_slow_body_408(tmp_path: Path):
         assert big.status_code == 413 and big.json()["status"] == "error"
         slow = connect(server, "127.0.0.2")
         started = time.monotonic()
-        slow.sendall(b"POST /v1/join HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"token\": ")
+        slow.sendall(b'POST /v1/join HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"token": ')
         answer = slow.recv(65536)
         assert answer.startswith(b"HTTP/1.1 408") and 0.9 <= time.monotonic() - started <= 3.0
         assert closed_by_server(slow, 2.0)

@@ -74,7 +74,7 @@ def find_cycle(graph: Mapping[str, set[str]]) -> list[str] | None:
         path.append(node)
         for target in sorted(graph.get(node, ())):
             if state.get(target) == "open":
-                return [*path[path.index(target):], target]
+                return [*path[path.index(target) :], target]
             if target not in state and (cycle := visit(target)):
                 return cycle
         path.pop()
@@ -115,7 +115,10 @@ def test_no_cycle_between_packages() -> None:
 
 def test_no_cycle_between_the_modules_of_a_package() -> None:
     graph = import_graph()
-    within = {module: {imported for imported in imports if group_of(imported) == group_of(module)} for module, imports in graph.items()}
+    within = {
+        module: {imported for imported in imports if group_of(imported) == group_of(module)}
+        for module, imports in graph.items()
+    }
     cycle = find_cycle(within)
     assert cycle is None, "modules import each other: " + " -> ".join(cycle or [])
 
@@ -123,7 +126,9 @@ def test_no_cycle_between_the_modules_of_a_package() -> None:
 def test_agora_client_never_imports_tui() -> None:
     offenders = sorted(
         f"{module} imports {imported}"
-        for module, imports in import_graph().items() if module.startswith("agora_client")
-        for imported in imports if package_of(imported) == "tui"
+        for module, imports in import_graph().items()
+        if module.startswith("agora_client")
+        for imported in imports
+        if package_of(imported) == "tui"
     )
     assert offenders == []

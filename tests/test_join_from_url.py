@@ -21,34 +21,56 @@ import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from agora_client.auth import (
-    AdmissionPolicy, AuthFailed, AuthRejected, AuthServer, AuthService, PeerUnreachable, Secret, ServiceSettings,
-    TokenFileIdentity, authorize, write_demo_token_file,
+    AdmissionPolicy,
+    AuthFailed,
+    AuthRejected,
+    AuthServer,
+    AuthService,
+    PeerUnreachable,
+    Secret,
+    ServiceSettings,
+    TokenFileIdentity,
+    authorize,
+    write_demo_token_file,
 )
 from agora_client.auth.admission import Admitted, Queued, Rejected, SlotBook
-from agora_client.auth.presence import PresenceWatcher
 from agora_client.auth.key_proof import peer_id_of_public_key, sign_join
+from agora_client.auth.presence import PresenceWatcher
 from agora_client.auth.reachability import AnnounceError, advice, default_host_port, dial_back, parse_announce
 from agora_client.auth.run_description import (
-    RunChanged, RunDescription, RunDescriptionError, TokenizerSummary, check_unchanged, describe_run, fetch_description,
+    RunChanged,
+    RunDescription,
+    RunDescriptionError,
+    TokenizerSummary,
+    check_unchanged,
+    describe_run,
+    fetch_description,
     parse_description,
 )
 from agora_client.config import load_config
 from agora_client.data.tokenizer import load_run_tokenizer
 from agora_client.events import MACHINE_CHECKS, EventWriter, PreflightEvent, ReachabilityEvent
 from agora_client.frontend.lines import LineFormatter
-from agora_client.snapshots import save_stage_snapshot, serve_directory
-from agora_client.system.gpu import CardId, _parse_bus_id, match_cuda_index
 from agora_client.joining.peer_key import PeerKeyError, key_path, load_or_create_peer_key, peer_id_of
 from agora_client.joining.preflight import (
-    check_disk, check_download_rate, check_gpu, check_host_ram, check_seed_rtt, machine_checks, reachability_result,
+    check_disk,
+    check_download_rate,
+    check_gpu,
+    check_host_ram,
+    check_seed_rtt,
+    machine_checks,
+    reachability_result,
 )
+from agora_client.snapshots import save_stage_snapshot, serve_directory
+from agora_client.system.gpu import CardId, _parse_bus_id, match_cuda_index
 
 REPO = Path(__file__).resolve().parent.parent
 SEEDS = ("/ip4/127.0.0.1/tcp/4001/p2p/QmSeedA", "/ip4/127.0.0.1/tcp/4002/p2p/QmSeedB")
 
 
-def describe(preset: str, seeds: tuple[str, ...] = SEEDS, snapshot_url: str | None = None,
-             monitor_url: str | None = None) -> RunDescription:
+def describe(
+    preset: str, seeds: tuple[str, ...] = SEEDS, snapshot_url: str | None = None, monitor_url: str | None = None
+) -> RunDescription:
     """The preset's run description as the auth service makes it, with the preset's tokenizer."""
     config = load_config(preset)
     return describe_run(config, seeds, snapshot_url, monitor_url, TokenizerSummary.of(load_run_tokenizer(config)))
@@ -60,9 +82,16 @@ def service(tmp_path: Path, *, dial_back_on: bool = False, key_proof_on: bool = 
     tokens = {name: write_demo_token_file(token_file, name) for name in ("alice", "bob")}
     run = describe(config, SEEDS, "http://127.0.0.1:1/snaps", "http://127.0.0.1:2")
     policy = {"stages": run.config.model.stage_names, "pacing_s": 0.0, "max_pending_per_stage": 100, **policy}
-    settings = ServiceSettings(policy=AdmissionPolicy(**policy), seeds=SEEDS, poll_every_s=0.05, run=run,
-                               dial_back=dial_back_on, dial_timeout_s=2.0, key_proof=key_proof_on,
-                               tokenizer_json=load_run_tokenizer(run.config).content)
+    settings = ServiceSettings(
+        policy=AdmissionPolicy(**policy),
+        seeds=SEEDS,
+        poll_every_s=0.05,
+        run=run,
+        dial_back=dial_back_on,
+        dial_timeout_s=2.0,
+        key_proof=key_proof_on,
+        tokenizer_json=load_run_tokenizer(run.config).content,
+    )
     auth = AuthService(settings, TokenFileIdentity(token_file), tmp_path / "state")
     with AuthServer(auth) as server:
         yield server, tokens
@@ -89,8 +118,14 @@ def test_description_carries_the_full_run_and_a_hash(tmp_path):
     with service(tmp_path) as (server, _):
         run = fetch_description(server.url)
     assert run.config == load_config("tiny2") and run.config != load_config("tiny")
-    assert run.seeds == SEEDS and run.snapshot_url == "http://127.0.0.1:1/snaps" and run.monitor_url == "http://127.0.0.1:2"
-    assert run.hash.startswith("sha256:") and run.hash == describe("tiny2", SEEDS, run.snapshot_url, run.monitor_url).hash
+    assert (
+        run.seeds == SEEDS
+        and run.snapshot_url == "http://127.0.0.1:1/snaps"
+        and run.monitor_url == "http://127.0.0.1:2"
+    )
+    assert (
+        run.hash.startswith("sha256:") and run.hash == describe("tiny2", SEEDS, run.snapshot_url, run.monitor_url).hash
+    )
     other = describe("tiny", SEEDS, run.snapshot_url, run.monitor_url)
     assert other.hash != run.hash
 
@@ -160,8 +195,14 @@ signed_dht_kwargs({str(path)!r})
 owner = RSASignatureValidator().local_public_key
 print(peer_id_of({str(path)!r}), peer_id_of_public_key(owner.split(b"[owner:")[1].rstrip(b"]")))
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr
     stored, signer = out.stdout.split()
     assert stored == signer == peer_id_of(path)
@@ -169,7 +210,10 @@ print(peer_id_of({str(path)!r}), peer_id_of_public_key(owner.split(b"[owner:")[1
 
 def test_a_key_belongs_to_the_account_that_first_used_it_across_service_restarts(tmp_path):
     with service(tmp_path) as (server, tokens):
-        assert authorize(server.url, tokens["alice"], "PeerAlice", events=EventWriter(), poll_every=0.05).identity == "alice"
+        assert (
+            authorize(server.url, tokens["alice"], "PeerAlice", events=EventWriter(), poll_every=0.05).identity
+            == "alice"
+        )
         buffer = io.StringIO()
         with pytest.raises(AuthRejected, match="belongs to another Hugging Face account, not to bob"):
             authorize(server.url, tokens["bob"], "PeerAlice", events=EventWriter(buffer), poll_every=0.05)
@@ -218,8 +262,15 @@ def test_a_join_must_be_signed_by_the_key_of_its_peer_id(tmp_path):
 
 
 def book(**overrides) -> SlotBook:
-    policy = {"stages": ("head", "tail"), "max_workers_per_stage": 3, "per_identity_cap": 2, "pacing_s": 10.0,
-              "max_pending_per_stage": 1, "integration_timeout_s": 100.0, **overrides}
+    policy = {
+        "stages": ("head", "tail"),
+        "max_workers_per_stage": 3,
+        "per_identity_cap": 2,
+        "pacing_s": 10.0,
+        "max_pending_per_stage": 1,
+        "integration_timeout_s": 100.0,
+        **overrides,
+    }
     return SlotBook(AdmissionPolicy(**policy))
 
 
@@ -291,8 +342,14 @@ def test_the_service_admits_only_a_peer_it_can_dial_back(tmp_path):
         with pytest.raises(AuthFailed, match="not the address your join came from"):
             authorize(server.url, tokens["alice"], "PeerA", events=EventWriter(), announce="192.0.2.1:40000")
         with listening() as open_port:
-            granted = authorize(server.url, tokens["alice"], "PeerA", events=EventWriter(), poll_every=0.05,
-                                announce=f"127.0.0.1:{open_port}")
+            granted = authorize(
+                server.url,
+                tokens["alice"],
+                "PeerA",
+                events=EventWriter(),
+                poll_every=0.05,
+                announce=f"127.0.0.1:{open_port}",
+            )
         assert granted.identity == "alice" and granted.dial.reachable and granted.dial.port == open_port
     audit = (tmp_path / "state" / "joins.jsonl").read_text()
     assert '"event": "unreachable"' in audit
@@ -327,7 +384,9 @@ def test_preflight_checks_measure_for_real(tmp_path):
         rate = check_download_rate(replace(run, snapshot_url=store.url))
     assert rate.status in ("pass", "warn") and "/s over" in rate.value and not rate.value.startswith("0 B/s")
     with listening() as port:
-        rtt = check_seed_rtt(replace(run, seeds=(f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/QmX", f"/ip4/127.0.0.1/tcp/{port}/p2p/QmY")))
+        rtt = check_seed_rtt(
+            replace(run, seeds=(f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/QmX", f"/ip4/127.0.0.1/tcp/{port}/p2p/QmY"))
+        )
     assert rtt.status == "pass" and "1 of 2 seeds answering" in rtt.value
     dead = check_seed_rtt(replace(run, seeds=(f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/QmX",)))
     assert dead.status == "fail" and "outbound" in dead.reason
@@ -344,8 +403,15 @@ def test_preflight_and_reachability_lines_for_headless_and_the_app():
     lines = formatter.format(PreflightEvent(check="disk", status="fail", value="1.0 GB free", reason="not enough disk"))
     assert [line.render() for line in lines] == ["[PREFLIGHT] disk: FAIL 1.0 GB free (not enough disk)"]
     result = dial_back("127.0.0.1", closed_port(), timeout_s=2.0)
-    event = ReachabilityEvent(status="unreachable", address=result.address, port=result.port, tested_from=result.tested_from,
-                              error=result.error, advice=advice(result, announced=False), retry_in_s=30)
+    event = ReachabilityEvent(
+        status="unreachable",
+        address=result.address,
+        port=result.port,
+        tested_from=result.tested_from,
+        error=result.error,
+        advice=advice(result, announced=False),
+        retry_in_s=30,
+    )
     rendered = [line.render() for line in formatter.format(event)]
     assert rendered[0].startswith(f"[REACHABILITY] The swarm could not connect to your worker at {result.address}")
     assert rendered[-1] == "[REACHABILITY] Not joining while unreachable; trying again in 30s"
@@ -353,8 +419,14 @@ def test_preflight_and_reachability_lines_for_headless_and_the_app():
 
 
 def _runtime_exit(*args: str) -> tuple[int, list[dict]]:
-    out = subprocess.run([sys.executable, str(REPO / "agora_cli.py"), "runtime", *args], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "PYTHONPATH": str(REPO), "HF_TOKEN": "hf_test"}, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "agora_cli.py"), "runtime", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO), "HF_TOKEN": "hf_test"},
+        cwd=REPO,
+    )
     return out.returncode, [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
@@ -362,13 +434,17 @@ def test_the_runtime_exits_cleanly_when_the_description_cannot_be_read_or_the_an
     code, events = _runtime_exit("--cpu", "--swarm", f"http://127.0.0.1:{closed_port()}", "--config-dir", str(tmp_path))
     assert code == 1 and events[-1]["kind"] == "exit"
     assert "could not read the run description" in events[-1]["reason"] and "hf_test" not in json.dumps(events)
-    code, events = _runtime_exit("--cpu", "--swarm", "http://127.0.0.1:1", "--announce-addr", "nowhere", "--config-dir", str(tmp_path))
+    code, events = _runtime_exit(
+        "--cpu", "--swarm", "http://127.0.0.1:1", "--announce-addr", "nowhere", "--config-dir", str(tmp_path)
+    )
     assert code == 2 and "is not HOST:PORT" in events[-1]["reason"]
 
 
 def test_the_runtime_refuses_to_fall_back_to_the_cpu(tmp_path):
     """Without a usable CUDA GPU the runtime stops with the reason; only --cpu (the demo, the tests) runs on the CPU."""
-    cases = [((), "no GPU chosen")] + ([] if torch.cuda.is_available() else [(("--gpu", "0"), "CUDA is not available to torch")])
+    cases = [((), "no GPU chosen")] + (
+        [] if torch.cuda.is_available() else [(("--gpu", "0"), "CUDA is not available to torch")]
+    )
     for device_args, why in cases:
         code, events = _runtime_exit(*device_args, "--swarm", "http://127.0.0.1:1", "--config-dir", str(tmp_path))
         assert code == 1 and events[-1]["kind"] == "exit", events
@@ -382,7 +458,9 @@ def test_the_app_tracker_offers_a_retry_while_unreachable():
     from tui.state import JoinTracker
 
     tracker = JoinTracker()
-    assert tracker.apply(ReachabilityEvent(status="unreachable", address="10.0.0.2:49200", port=49200, advice=["open it"]))
+    assert tracker.apply(
+        ReachabilityEvent(status="unreachable", address="10.0.0.2:49200", port=49200, advice=["open it"])
+    )
     assert tracker.unreachable and "10.0.0.2:49200" in tracker.status and "r retries now" in tracker.status
     tracker.apply(ReachabilityEvent(status="checking", port=49200))
     assert tracker.unreachable and "Asking the swarm" in tracker.status  # the diagnosis stays up while it retries

@@ -14,14 +14,13 @@ import httpx
 import psutil
 import pytest
 import yaml
-
 from hivemind.dht.crypto import RSASignatureValidator
 
-from agora_client.events import json_objects
 from agora_client.discovery.dht import connect_dht
+from agora_client.discovery.roster import fetch_roster
+from agora_client.events import json_objects
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
 from agora_client.swarm.processes import ManagedProcess
-from agora_client.discovery.roster import fetch_roster
 from tests.swarm_helpers import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -40,7 +39,9 @@ def join_swarm(tmp_path_factory):
     preset_path = run_dir / "join.yaml"
     preset_path.write_text(yaml.safe_dump(preset))
     swarm = LocalSwarm(
-        SwarmOptions(preset=str(preset_path), workers_per_stage=1, run_dir=run_dir, publish_snapshots=True, report_every=3)
+        SwarmOptions(
+            preset=str(preset_path), workers_per_stage=1, run_dir=run_dir, publish_snapshots=True, report_every=3
+        )
     )
     try:
         swarm.start()
@@ -71,7 +72,18 @@ def test_joiner_passes_every_phase_in_order(join_swarm, tmp_path):
     client_dir = tmp_path / "client"
     runtime = ManagedProcess(
         "runtime",
-        ["runtime", "--cpu", "--swarm", auth_url, "--config-dir", str(client_dir), "--host-port", "0", "--monitor", monitor_url],
+        [
+            "runtime",
+            "--cpu",
+            "--swarm",
+            auth_url,
+            "--config-dir",
+            str(client_dir),
+            "--host-port",
+            "0",
+            "--monitor",
+            monitor_url,
+        ],
         tmp_path / "runtime.log",
         env={"HF_TOKEN": token},
     )
@@ -111,7 +123,9 @@ def test_joiner_passes_every_phase_in_order(join_swarm, tmp_path):
             60,
             "the client to show its confirmed points",
         )
-        wait_until(lambda: _compute_grew(_events(runtime)), 90, "compute points to grow between two estimates once active")
+        wait_until(
+            lambda: _compute_grew(_events(runtime)), 90, "compute points to grow between two estimates once active"
+        )
     finally:
         runtime.stop(grace=30)
         observer.shutdown()
@@ -142,7 +156,7 @@ def test_joiner_passes_every_phase_in_order(join_swarm, tmp_path):
     phase1_steps = [e for e in events if e["kind"] == "step" and index[id(sync[0])] < index[id(e)] < index[id(sync[1])]]
     assert phase1_steps and all(e["forward_per_min"] == 0 and e["backward_per_min"] == 0 for e in phase1_steps)
     # each step event counts the requests since the previous one: an epoch shorter than a request has none
-    assert any(e["forward_per_min"] > 0 for e in events[index[id(sync[1])]:] if e["kind"] == "step")
+    assert any(e["forward_per_min"] > 0 for e in events[index[id(sync[1])] :] if e["kind"] == "step")
 
     # Its samples count toward the stage batch only once active.
     syncing = [samples for before, samples, after in observations if before in (1, 2) and after in (1, 2)]
@@ -159,9 +173,9 @@ def test_joiner_passes_every_phase_in_order(join_swarm, tmp_path):
 
 
 def test_app_on_a_real_runtime_reaches_active_and_quits_clean(join_swarm, tmp_path):
+    from agora_client.frontend.supervisor import INTERRUPT_TIMEOUT_S, runtime_command
     from tui.app import AgoraApp
     from tui.state import JoinStep
-    from agora_client.frontend.supervisor import INTERRUPT_TIMEOUT_S, runtime_command
 
     swarm, auth_url, token, preset_path, _ = join_swarm
     command = runtime_command(token=token, swarm=auth_url, cpu=True, config_dir=tmp_path / "client", host_port=0)
@@ -237,7 +251,9 @@ def _check_counts_and_points(events: list[dict], stage: str, preset_path) -> Non
         if not before or not after:
             continue
         bound = lambda t: t["forward_total"] * per_request["forward"] + t["backward_total"] * per_request["backward"]  # noqa: E731
-        assert bound(before[-1]) <= event["compute"] * PFLOP * (1 + 1e-9) and event["compute"] * PFLOP <= bound(after[0]) * (1 + 1e-9)
+        assert bound(before[-1]) <= event["compute"] * PFLOP * (1 + 1e-9) and event["compute"] * PFLOP <= bound(
+            after[0]
+        ) * (1 + 1e-9)
 
     swarm = [e for e in events if e["kind"] == "swarm" and e["loss"] is not None]
     assert swarm and swarm[-1]["trainers"] >= 1 and len(swarm[-1]["loss_history"]) >= 2

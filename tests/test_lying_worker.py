@@ -15,7 +15,6 @@ from importlib import resources
 import httpx
 import pytest
 import yaml
-
 from hivemind.utils.crypto import RSAPrivateKey
 
 from agora_client.auth.client import authorize
@@ -36,8 +35,16 @@ def test_a_lying_worker_is_banned_loses_its_points_and_the_loss_still_falls(tmp_
     preset["spot_checks"] = SPOT_CHECKS
     preset_path = tmp_path / "spot.yaml"
     preset_path.write_text(yaml.safe_dump(preset))
-    swarm = LocalSwarm(SwarmOptions(preset=str(preset_path), workers_per_stage=1, trainers=0, run_dir=tmp_path / "run",
-                                    publish_snapshots=True, report_every=3))
+    swarm = LocalSwarm(
+        SwarmOptions(
+            preset=str(preset_path),
+            workers_per_stage=1,
+            trainers=0,
+            run_dir=tmp_path / "run",
+            publish_snapshots=True,
+            report_every=3,
+        )
+    )
     liar = None
     try:
         swarm.start()
@@ -46,21 +53,34 @@ def test_a_lying_worker_is_banned_loses_its_points_and_the_loss_still_falls(tmp_
         auth_url, token = swarm.start_join_services(pacing=1.0, auth_args=("--no-dial-back",))  # fillers open no port
         for filler in (fillers[0], fillers[0], fillers[1]):  # admitted, never active: head, body1, body2 are taken
             key = RSAPrivateKey()
-            authorize(auth_url, filler, peer_id_of_public_key(key.get_public_key().to_bytes()), events=EventWriter(),
-                      peer_key=key)
+            authorize(
+                auth_url,
+                filler,
+                peer_id_of_public_key(key.get_public_key().to_bytes()),
+                events=EventWriter(),
+                peer_key=key,
+            )
         monitor_url = swarm.start_monitor(auth_url, interval=2.0)
         trainer = swarm.start_trainer()  # the launcher gives it the auth service's key: it can name the liar
         liar = ManagedProcess(
-            "liar", ["runtime", "--cpu", "--swarm", auth_url, "--config-dir", str(tmp_path / "liar"), "--host-port", "0"],
-            tmp_path / "liar.log", env={"HF_TOKEN": token}, program=faulty(lie=True),
+            "liar",
+            ["runtime", "--cpu", "--swarm", auth_url, "--config-dir", str(tmp_path / "liar"), "--host-port", "0"],
+            tmp_path / "liar.log",
+            env={"HF_TOKEN": token},
+            program=faulty(lie=True),
         )
-        wait_until(lambda: any(e["kind"] == "stage" for e in json_objects(liar.lines())), 240, "the liar's worker to start")
+        wait_until(
+            lambda: any(e["kind"] == "stage" for e in json_objects(liar.lines())), 240, "the liar's worker to start"
+        )
         stage_event = next(e for e in json_objects(liar.lines()) if e["kind"] == "stage")
         assert stage_event["stage"] == "tail"
         liar_id = stage_event["peer_id"]
 
-        wait_until(lambda: any("[SPOTCHECK] banned" in line and liar_id in line for line in trainer.lines()), 400,
-                   "the trainer to ban the liar")
+        wait_until(
+            lambda: any("[SPOTCHECK] banned" in line and liar_id in line for line in trainer.lines()),
+            400,
+            "the trainer to ban the liar",
+        )
         banned = [line for line in trainer.lines() if "[SPOTCHECK] banned" in line]
         assert len(banned) == 1, banned  # the liar, and no honest worker
 
@@ -69,7 +89,9 @@ def test_a_lying_worker_is_banned_loses_its_points_and_the_loss_still_falls(tmp_
             return reply.json() if reply.status_code == 200 else {}
 
         # Its metrics claim the work it did; the monitor credits none of it.
-        wait_until(lambda: liar_points().get("withheld_compute", 0) > 0, 120, "the monitor to withhold the liar's compute")
+        wait_until(
+            lambda: liar_points().get("withheld_compute", 0) > 0, 120, "the monitor to withhold the liar's compute"
+        )
         points = liar_points()
         assert points["withheld"] and points["compute"] == 0.0
 

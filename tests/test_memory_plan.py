@@ -14,12 +14,15 @@ import psutil
 import pytest
 import torch
 
+from agora_client import describe
 from agora_client.auth.client import StageAssignment
 from agora_client.auth.run_description import TokenizerSummary, describe_run
 from agora_client.config import ConfigError, load_config
 from agora_client.events import EventWriter
 from agora_client.frontend.lines import human_bytes
-from agora_client import describe
+from agora_client.joining import gpu_fit
+from agora_client.joining.gpu_fit import GpuRefused, HostRefused, JoinFit, check_capability, check_host, fit_stage
+from agora_client.joining.preflight import check_disk, check_gpu, check_host_ram
 from agora_client.model import build_stage, param_counts
 from agora_client.model.memory import (
     CUDA_RESERVED_BYTES,
@@ -29,9 +32,6 @@ from agora_client.model.memory import (
     usable_bytes,
 )
 from agora_client.system.gpu import GpuSpec
-from agora_client.joining import gpu_fit
-from agora_client.joining.gpu_fit import GpuRefused, HostRefused, JoinFit, check_capability, check_host, fit_stage
-from agora_client.joining.preflight import check_disk, check_gpu, check_host_ram
 from agora_client.worker.optimizer import OffloadAdamW
 
 GB = 10**9
@@ -106,7 +106,9 @@ def _saved_bytes(config, stage: str, batch: int, mixed: bool) -> int:
     return sum(saved.values())
 
 
-@pytest.mark.parametrize("overrides", [{"n_kv_heads": 2}, {"subspace": {"enabled": False}}], ids=["gqa-subspace", "dense"])
+@pytest.mark.parametrize(
+    "overrides", [{"n_kv_heads": 2}, {"subspace": {"enabled": False}}], ids=["gqa-subspace", "dense"]
+)
 @pytest.mark.parametrize("mixed", [True, False], ids=["bf16", "fp32"])
 def test_planned_saved_activations_equal_what_autograd_keeps(overrides: dict, mixed: bool) -> None:
     # The attention kernel decides what attention saves: measured on the CPU's real kernels
@@ -185,7 +187,9 @@ def test_compute_capability_below_8_is_refused_with_the_reason() -> None:
 def test_preflight_applies_the_fit_checks_capability_rule(monkeypatch: pytest.MonkeyPatch, capability) -> None:
     """The preflight fails the card the fit check would refuse, with the same reason, before anything else runs."""
     card = _card(80, capability, "card")
-    properties = SimpleNamespace(name=card.name, total_memory=card.memory_total, major=capability[0], minor=capability[1])
+    properties = SimpleNamespace(
+        name=card.name, total_memory=card.memory_total, major=capability[0], minor=capability[1]
+    )
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
     result = check_gpu("cuda:0", "GPU 0 is cuda:0")
     if capability < (8, 0):
@@ -200,7 +204,9 @@ def test_preflight_applies_the_fit_checks_capability_rule(monkeypatch: pytest.Mo
 def test_preflight_needs_come_from_the_plan_of_the_smallest_stage(tmp_path: Path) -> None:
     """Before its stage is assigned, a joiner is refused only if it cannot hold even the smallest stage."""
     config = load_config("8b")
-    llama3 = TokenizerSummary("0" * 64, config.model.vocab_size, config.tokenizer.eos_token)  # offline: not fetched from the hub
+    llama3 = TokenizerSummary(
+        "0" * 64, config.model.vocab_size, config.tokenizer.eos_token
+    )  # offline: not fetched from the hub
     run = describe_run(config, (), None, None, llama3)
     plans = [plan_stage(run.config, stage) for stage in run.config.model.stage_names]
     smallest = min(plans, key=lambda plan: plan.snapshot)
@@ -228,7 +234,11 @@ def test_the_fit_plans_with_the_cards_free_memory_and_an_explicit_capacity() -> 
     run = load_config("8b")
     idle, busy = _card(48), GpuSpec("desktop card", 48 * GIB, (8, 9), memory_free=26 * GIB)
     assert busy.capacity == 26 * GIB
-    assert fit_stage(run, "body1", busy).largest == largest_microbatch(run, "body1", 26 * GIB) < fit_stage(run, "body1", idle).largest
+    assert (
+        fit_stage(run, "body1", busy).largest
+        == largest_microbatch(run, "body1", 26 * GIB)
+        < fit_stage(run, "body1", idle).largest
+    )
     held = idle.limited_to(24 * GIB)  # a 48 GB card held to half by a torch memory fraction is judged as a 24 GB one
     assert fit_stage(run, "body1", held).largest == fit_stage(run, "body1", _card(24)).largest
     with pytest.raises(GpuRefused, match=r"48\.00 GiB \(20\.00 GiB free\)"):
@@ -246,8 +256,12 @@ def test_batch_size_override_may_only_lower_the_microbatch() -> None:
 
 
 def test_join_check_refuses_before_the_download_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=64 * GB))  # a host that holds any stage
-    monkeypatch.setattr(gpu_fit.shutil, "disk_usage", lambda path: SimpleNamespace(free=256 * GB))  # whatever this disk has
+    monkeypatch.setattr(
+        psutil, "virtual_memory", lambda: SimpleNamespace(available=64 * GB)
+    )  # a host that holds any stage
+    monkeypatch.setattr(
+        gpu_fit.shutil, "disk_usage", lambda path: SimpleNamespace(free=256 * GB)
+    )  # whatever this disk has
     out = io.StringIO()
     started: list[StageAssignment] = []
     fit = JoinFit(load_config("8b"), 0, None, EventWriter(out), disk_dir=tmp_path, probe=lambda index: _card(24))
@@ -256,15 +270,28 @@ def test_join_check_refuses_before_the_download_starts(tmp_path: Path, monkeypat
         start(StageAssignment("tail", "http://127.0.0.1:1/snapshot"))
     assert started == []  # no download for a stage this GPU cannot hold
     start(StageAssignment("body1", "http://127.0.0.1:1/snapshot"))
-    assert [a.stage for a in started] == ["body1"] and fit.max_batch_size == largest_microbatch(load_config("8b"), "body1", 24 * GIB)
+    assert [a.stage for a in started] == ["body1"] and fit.max_batch_size == largest_microbatch(
+        load_config("8b"), "body1", 24 * GIB
+    )
     logged = [json.loads(line) for line in out.getvalue().splitlines()]
     assert any(event["kind"] == "log" and "holds stage body1" in event["message"] for event in logged)
     with pytest.raises(GpuRefused, match="compute capability 6.1"):
-        JoinFit(load_config("8b"), 0, None, EventWriter(out), disk_dir=tmp_path, probe=lambda index: _card(24, (6, 1), "GTX 1080"))
-    assert JoinFit(load_config("tiny"), None, None, EventWriter(out), disk_dir=tmp_path).gpu is None  # a CPU worker: nothing to check
+        JoinFit(
+            load_config("8b"),
+            0,
+            None,
+            EventWriter(out),
+            disk_dir=tmp_path,
+            probe=lambda index: _card(24, (6, 1), "GTX 1080"),
+        )
+    assert (
+        JoinFit(load_config("tiny"), None, None, EventWriter(out), disk_dir=tmp_path).gpu is None
+    )  # a CPU worker: nothing to check
 
 
-def test_describe_8b_prints_counts_beside_the_documents_and_the_memory_plan(capsys: pytest.CaptureFixture[str], hub_offline) -> None:
+def test_describe_8b_prints_counts_beside_the_documents_and_the_memory_plan(
+    capsys: pytest.CaptureFixture[str], hub_offline
+) -> None:
     assert describe.run(argparse.Namespace(preset="8b", json=True)) == 0
     info = json.loads(capsys.readouterr().out)
     run = load_config("8b")

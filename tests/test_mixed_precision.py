@@ -10,15 +10,16 @@ import torch
 import torch.nn.functional as F
 
 from agora_client.config import load_config
-from agora_client.model import build_full_model
-from agora_client.model import layers
+from agora_client.model import build_full_model, layers
 from agora_client.model.layers import RMSNorm, autocast_context
 from agora_client.model.loss import per_token_loss
 from agora_client.worker.optimizer import OffloadAdamW, build_optimizer
 
 
 def _train(mixed: bool, steps: int) -> list[float]:
-    config = load_config("tiny", {"model": {"seq_len": 32, "vocab_size": 256}, "tokenizer": {"source": "bytes", "sha256": None}}).model
+    config = load_config(
+        "tiny", {"model": {"seq_len": 32, "vocab_size": 256}, "tokenizer": {"source": "bytes", "sha256": None}}
+    ).model
     model = build_full_model(config, seed=3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(0)

@@ -118,7 +118,9 @@ def test_init_depends_on_seed_and_stage_only() -> None:
     config = tiny(True)
     first, again = build_stage(config, "body1", seed=3), build_stage(config, "body1", seed=3)
     other_seed = build_stage(config, "body1", seed=4)
-    for (name, a), b, c in zip(first.state_dict().items(), again.state_dict().values(), other_seed.state_dict().values()):
+    for (name, a), b, c in zip(
+        first.state_dict().items(), again.state_dict().values(), other_seed.state_dict().values()
+    ):
         assert torch.equal(a, b), name
         if "norm" not in name:  # norm gains all start at 1
             assert not torch.equal(a, c), name
@@ -127,7 +129,9 @@ def test_init_depends_on_seed_and_stage_only() -> None:
 def test_a_stage_built_for_a_snapshot_computes_as_the_seeded_one_once_loaded(tmp_path) -> None:
     config = tiny(True)
     seeded = build_stage(config, "head", seed=SEED)
-    directory = save_stage_snapshot(tmp_path, "head", seeded, torch.optim.SGD(seeded.parameters(), lr=0.1), epoch=1, keep=1)
+    directory = save_stage_snapshot(
+        tmp_path, "head", seeded, torch.optim.SGD(seeded.parameters(), lr=0.1), epoch=1, keep=1
+    )
     for_load = build_stage(config, "head", seed=SEED, seeded_weights=False)
     assert torch.equal(for_load.subspace.basis, seeded.subspace.basis)  # derived from the seed, never saved
     load_stage_snapshot(directory, for_load, stage="head")

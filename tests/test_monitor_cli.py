@@ -22,7 +22,10 @@ SEED = "/ip4/127.0.0.1/tcp/9/p2p/QmYUgdgkmr98ZE6P6xGHgnVEpmH596jSUnWCeQB4Ha2SwW"
 def run_monitor(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(REPO / "agora_cli.py"), "monitor", "--db", str(tmp_path / "p.sqlite"), *args],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
 
 

@@ -31,9 +31,6 @@ from agora_client.discovery.signed_records import Receipt, ServedCounts
 from agora_client.monitor.estimate import fetch_confirmed
 from agora_client.monitor.http_api import LeaderboardServer
 from agora_client.monitor.points import PFLOP
-from tests.ticket_helpers import trainer_ticket
-from agora_client.monitor.verdicts import trainer_peer_id
-from agora_client.trainer.receipts import ReceiptBook, publish_receipt
 from agora_client.monitor.records import (
     MetricsRecord,
     check_entry,
@@ -47,8 +44,11 @@ from agora_client.monitor.records import (
 )
 from agora_client.monitor.scraper import Scraper
 from agora_client.monitor.store import PointsStore
+from agora_client.monitor.verdicts import trainer_peer_id
 from agora_client.trainer.progress import ProgressPublisher
+from agora_client.trainer.receipts import ReceiptBook, publish_receipt
 from agora_client.worker.metrics import WorkerMetrics
+from tests.ticket_helpers import trainer_ticket
 
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -74,28 +74,46 @@ class Swarm:
         self.dhts: list[DHT] = []
         self.auth_key = generate_signing_key()
         self.public_key = public_key_text(self.auth_key)
-        self.seed = self._keep(DHT(start=True, host_maddrs=LOOPBACK, record_validators=[RSASignatureValidator(RSAPrivateKey())]))
+        self.seed = self._keep(
+            DHT(start=True, host_maddrs=LOOPBACK, record_validators=[RSASignatureValidator(RSAPrivateKey())])
+        )
         self.initial_peers = [str(addr) for addr in self.seed.get_visible_maddrs()]
         self.alice_body, self.alice_body_validator = self._signed(tmp / "alice-body.id")
         self.alice_head, self.alice_head_validator = self._signed(tmp / "alice-head.id")
         self.mallory, self.mallory_validator = self._signed(tmp / "mallory.id")
         self.trainer, self.trainer_validator = self._signed(tmp / "trainer.id")  # receipts vouch for the work
         self.unsigned = self._keep(DHT(start=True, initial_peers=self.initial_peers, host_maddrs=LOOPBACK))
-        self.forger = self._keep(DHT(start=True, initial_peers=self.initial_peers, host_maddrs=LOOPBACK,
-                                     record_validators=[ForgingValidator(RSAPrivateKey())]))
-        self.monitor = self._keep(DHT(start=True, initial_peers=self.initial_peers, client_mode=True,
-                                      record_validators=[RSASignatureValidator(RSAPrivateKey())]))
+        self.forger = self._keep(
+            DHT(
+                start=True,
+                initial_peers=self.initial_peers,
+                host_maddrs=LOOPBACK,
+                record_validators=[ForgingValidator(RSAPrivateKey())],
+            )
+        )
+        self.monitor = self._keep(
+            DHT(
+                start=True,
+                initial_peers=self.initial_peers,
+                client_mode=True,
+                record_validators=[RSASignatureValidator(RSAPrivateKey())],
+            )
+        )
 
     def _keep(self, dht: DHT) -> DHT:
         self.dhts.append(dht)
         return dht
 
     def _signed(self, path: Path) -> tuple[DHT, RSASignatureValidator]:
-        dht, validator = create_signed_dht(path, RSAPrivateKey(), initial_peers=self.initial_peers, host_maddrs=LOOPBACK)
+        dht, validator = create_signed_dht(
+            path, RSAPrivateKey(), initial_peers=self.initial_peers, host_maddrs=LOOPBACK
+        )
         return self._keep(dht), validator
 
     def ticket(self, dht: DHT, stage: str, identity: str = "alice") -> str:
-        return issue_ticket(self.auth_key, identity=identity, peer_id=dht.peer_id.to_base58(), stage=stage, slot=0, ttl_s=3600)
+        return issue_ticket(
+            self.auth_key, identity=identity, peer_id=dht.peer_id.to_base58(), stage=stage, slot=0, ttl_s=3600
+        )
 
     def shutdown(self) -> None:
         for dht in reversed(self.dhts):
@@ -112,7 +130,9 @@ def swarm(tmp_path_factory):
 
 
 def worker_metrics(swarm: Swarm, dht: DHT, stage: str) -> WorkerMetrics:
-    metrics = WorkerMetrics(MODEL, stage, peer_id=dht.peer_id.to_base58(), identity="alice", ticket=swarm.ticket(dht, stage))
+    metrics = WorkerMetrics(
+        MODEL, stage, peer_id=dht.peer_id.to_base58(), identity="alice", ticket=swarm.ticket(dht, stage)
+    )
     metrics.set_phase("active")
     return metrics
 
@@ -134,8 +154,15 @@ def plant_forgeries(swarm: Swarm, victim: MetricsRecord, victim_validator: RSASi
     # 5. mallory's own peer with a ticket from another auth service (for the head stage, not taken by anyone)
     other_service = generate_signing_key()
     fake_ticket = issue_ticket(other_service, identity="mallory", peer_id=mallory_id, stage="head", slot=0, ttl_s=3600)
-    fake = victim.model_copy(update={"peer_id": mallory_id, "identity": "mallory", "stage": "head", "ticket": fake_ticket,
-                                     "compute_flops": 1e21})
+    fake = victim.model_copy(
+        update={
+            "peer_id": mallory_id,
+            "identity": "mallory",
+            "stage": "head",
+            "ticket": fake_ticket,
+            "compute_flops": 1e21,
+        }
+    )
     assert publish_metrics(swarm.mallory, fake, swarm.mallory_validator, TTL)
 
 
@@ -174,9 +201,28 @@ def test_an_unsigned_entry_is_refused_whatever_node_kept_it(swarm):
 class MonitorProcess:
     def __init__(self, swarm: Swarm, db: Path) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, str(REPO / "agora_cli.py"), "monitor", "--initial-peers", *swarm.initial_peers,
-             "--auth-public-key", swarm.public_key, "--db", str(db), "--port", "0", "--interval", "1", "--log-level", "WARNING"],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            [
+                sys.executable,
+                str(REPO / "agora_cli.py"),
+                "monitor",
+                "--initial-peers",
+                *swarm.initial_peers,
+                "--auth-public-key",
+                swarm.public_key,
+                "--db",
+                str(db),
+                "--port",
+                "0",
+                "--interval",
+                "1",
+                "--log-level",
+                "WARNING",
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -234,10 +280,19 @@ def test_monitor_killed_mid_run_keeps_every_total_and_never_counts_forgeries(swa
             head.on_backward((8, 128))
         assert publish_metrics(swarm.alice_body, body.snapshot(), swarm.alice_body_validator, TTL)
         assert publish_metrics(swarm.alice_head, head.snapshot(), swarm.alice_head_validator, TTL)
-        served = {metrics.peer_id: ServedCounts(stage=metrics.stage, forwards=0, backwards=metrics.batches,
-                                                flops=metrics.flops_total) for metrics in (body, head)}
-        receipt = Receipt(trainer=trainer_peer_id(swarm.trainer_validator), run_id="trainer-run-1", served=served,
-                          ticket=trainer_ticket(swarm.auth_key, swarm.trainer_validator), ts=time.time())
+        served = {
+            metrics.peer_id: ServedCounts(
+                stage=metrics.stage, forwards=0, backwards=metrics.batches, flops=metrics.flops_total
+            )
+            for metrics in (body, head)
+        }
+        receipt = Receipt(
+            trainer=trainer_peer_id(swarm.trainer_validator),
+            run_id="trainer-run-1",
+            served=served,
+            ticket=trainer_ticket(swarm.auth_key, swarm.trainer_validator),
+            ts=time.time(),
+        )
         assert publish_receipt(swarm.trainer, receipt, swarm.trainer_validator)
 
     work_and_publish(3)
@@ -248,8 +303,10 @@ def test_monitor_killed_mid_run_keeps_every_total_and_never_counts_forgeries(swa
     monitor = MonitorProcess(swarm, db)
     try:
         expected = (body.compute_flops / PFLOP, head.compute_flops / PFLOP)
-        wait_for(lambda: (peer_compute(monitor.url, body_id), peer_compute(monitor.url, head_id)) == pytest.approx(expected),
-                 message="first run of the monitor never credited both peers")
+        wait_for(
+            lambda: (peer_compute(monitor.url, body_id), peer_compute(monitor.url, head_id)) == pytest.approx(expected),
+            message="first run of the monitor never credited both peers",
+        )
     finally:
         monitor.kill()
 
@@ -257,8 +314,10 @@ def test_monitor_killed_mid_run_keeps_every_total_and_never_counts_forgeries(swa
     monitor = MonitorProcess(swarm, db)
     try:
         expected = (body.compute_flops / PFLOP, head.compute_flops / PFLOP)
-        wait_for(lambda: (peer_compute(monitor.url, body_id), peer_compute(monitor.url, head_id)) == pytest.approx(expected),
-                 message="restarted monitor did not reach the workers' totals")
+        wait_for(
+            lambda: (peer_compute(monitor.url, body_id), peer_compute(monitor.url, head_id)) == pytest.approx(expected),
+            message="restarted monitor did not reach the workers' totals",
+        )
         time.sleep(2.5)  # a few more scrapes of the same records change nothing
         rows = httpx.get(f"{monitor.url}/leaderboard", timeout=5).json()["rows"]
     finally:
@@ -282,8 +341,15 @@ def test_a_signed_worker_dht_keeps_the_progress_tracker_working(swarm, tmp_path)
     tracker = None
     try:
         assert dht.peer_id.to_base58() == write_identity_file(tmp_path / "again.id")
-        tracker = ProgressTracker(dht, "agora.progress.test", target_batch_size=100, start=True,
-                                  min_refresh_period=0.2, max_refresh_period=0.5, default_refresh_period=0.2)
+        tracker = ProgressTracker(
+            dht,
+            "agora.progress.test",
+            target_batch_size=100,
+            start=True,
+            min_refresh_period=0.2,
+            max_refresh_period=0.5,
+            default_refresh_period=0.2,
+        )
         tracker.report_local_progress(0, 40)
         wait_for(lambda: tracker.global_progress.samples_accumulated == 40, timeout=30, message="progress not reported")
         metrics = worker_metrics(swarm, dht, "body2")
@@ -303,8 +369,11 @@ def test_each_scrape_keeps_the_trainers_loss_and_eval_points_once(swarm, tmp_pat
     store = PointsStore(tmp_path / "points.sqlite")
     scraper = Scraper(swarm.monitor, ["head"], store, swarm.public_key)
     try:
-        wait_for(lambda: scraper.scrape_once() is not None and len(store.learning()["loss"]) == 2, timeout=30,
-                 message="the scraper never stored the trainer's two loss points")
+        wait_for(
+            lambda: scraper.scrape_once() is not None and len(store.learning()["loss"]) == 2,
+            timeout=30,
+            message="the scraper never stored the trainer's two loss points",
+        )
         scraper.scrape_once()  # the same record read again adds nothing
         curves = store.learning()
     finally:
@@ -323,29 +392,47 @@ def test_a_worker_signing_ten_times_its_flops_earns_no_more_than_an_honest_one_s
     requests = (torch.zeros(8, 128, MODEL.d_model), torch.zeros(8, 128, dtype=torch.long))
     workers = {}
     for dht, validator, identity in ((honest_dht, honest_validator, "carol"), (liar_dht, liar_validator, "dave")):
-        metrics = WorkerMetrics(MODEL, "tail", peer_id=dht.peer_id.to_base58(), identity=identity,
-                                ticket=swarm.ticket(dht, "tail", identity))
+        metrics = WorkerMetrics(
+            MODEL,
+            "tail",
+            peer_id=dht.peer_id.to_base58(),
+            identity=identity,
+            ticket=swarm.ticket(dht, "tail", identity),
+        )
         metrics.set_phase("active")
         for _ in range(200):  # enough that a 10x claim is past the monitor's slack
             metrics.on_backward((8, 128))
             book.count("tail", "backward", metrics.peer_id, requests)
         record = metrics.snapshot()
         if identity == "dave":
-            record = record.model_copy(update={"compute_flops": 10 * record.compute_flops, "flops_total": 10 * record.flops_total})
+            record = record.model_copy(
+                update={"compute_flops": 10 * record.compute_flops, "flops_total": 10 * record.flops_total}
+            )
         assert publish_metrics(dht, record, validator, TTL)
         workers[identity] = record
     trainer = trainer_peer_id(swarm.trainer_validator)
-    assert publish_receipt(swarm.trainer, book.receipt(trainer, trainer_ticket(swarm.auth_key, swarm.trainer_validator)),
-                           swarm.trainer_validator)
+    assert publish_receipt(
+        swarm.trainer,
+        book.receipt(trainer, trainer_ticket(swarm.auth_key, swarm.trainer_validator)),
+        swarm.trainer_validator,
+    )
 
     store = PointsStore(tmp_path / "points.sqlite")
     scraper = Scraper(swarm.monitor, ["tail"], store, swarm.public_key)
     honest_id, liar_id = workers["carol"].peer_id, workers["dave"].peer_id
     server = LeaderboardServer(store).start()
     try:
-        wait_for(lambda: scraper.scrape_once() is not None and all(
-            (peer := store.peer(peer_id)) is not None and peer.receipted_flops > 0 for peer_id in (honest_id, liar_id)),
-            timeout=30, message="the scrape never credited both workers against the trainer's receipt")
+        wait_for(
+            lambda: (
+                scraper.scrape_once() is not None
+                and all(
+                    (peer := store.peer(peer_id)) is not None and peer.receipted_flops > 0
+                    for peer_id in (honest_id, liar_id)
+                )
+            ),
+            timeout=30,
+            message="the scrape never credited both workers against the trainer's receipt",
+        )
         honest, liar = store.peer(honest_id), store.peer(liar_id)
         rows = {row.username: row for row in store.leaderboard(time.time())}
         heard = fetch_confirmed(server.url, liar_id)
@@ -360,4 +447,8 @@ def test_a_worker_signing_ten_times_its_flops_earns_no_more_than_an_honest_one_s
     assert liar.claimed_points == pytest.approx(10 * served)
     assert rows["dave"].flagged and not rows["carol"].flagged
     assert rows["dave"].score == pytest.approx(rows["carol"].score, abs=1e-3)  # presence: moments apart
-    assert heard.flagged and heard.verified_compute == pytest.approx(served) and heard.claimed_compute == pytest.approx(10 * served)
+    assert (
+        heard.flagged
+        and heard.verified_compute == pytest.approx(served)
+        and heard.claimed_compute == pytest.approx(10 * served)
+    )

@@ -24,7 +24,9 @@ class FakeClock:
 
 
 def make(clock: FakeClock) -> WorkerMetrics:
-    return WorkerMetrics(MODEL, "tail", peer_id="peer", identity="alice", ticket="ticket", clock=clock, wall_clock=clock)
+    return WorkerMetrics(
+        MODEL, "tail", peer_id="peer", identity="alice", ticket="ticket", clock=clock, wall_clock=clock
+    )
 
 
 def test_active_time_runs_from_phase_1_and_stops_when_the_worker_leaves():
@@ -66,7 +68,10 @@ def test_counters_are_exact_under_concurrent_updates():
     metrics = make(FakeClock())
     metrics.set_phase("active")
     per_request = request_flops(MODEL, "tail", "backward", 2, 16)
-    threads = [threading.Thread(target=lambda: [metrics.on_backward((2, 16), busy_seconds=0.001) for _ in range(200)]) for _ in range(4)]
+    threads = [
+        threading.Thread(target=lambda: [metrics.on_backward((2, 16), busy_seconds=0.001) for _ in range(200)])
+        for _ in range(4)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -16,7 +16,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agora_client.auth import AdmissionPolicy, AuthServer, AuthService, ServiceSettings, TokenFileIdentity, write_demo_token_file
+from agora_client.auth import (
+    AdmissionPolicy,
+    AuthServer,
+    AuthService,
+    ServiceSettings,
+    TokenFileIdentity,
+    write_demo_token_file,
+)
 from agora_client.auth import operator_metrics as auth_metrics
 from agora_client.averaging.sparta import RoundReport
 from agora_client.discovery import operator_metrics as seed_metrics
@@ -43,8 +50,14 @@ from agora_client.worker.operator_metrics import WorkerCollector
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO / "deploy" / "grafana" / "agora-dashboard.json"
 EXPORTED: tuple[Series, ...] = (
-    *auth_metrics.SERIES, *monitor_metrics.SERIES, *worker_metrics.SERIES, *trainer_metrics.SERIES,
-    *seed_metrics.SERIES, *relay_metrics.SERIES, BYTES_SENT, OPEN_CONNECTIONS,
+    *auth_metrics.SERIES,
+    *monitor_metrics.SERIES,
+    *worker_metrics.SERIES,
+    *trainer_metrics.SERIES,
+    *seed_metrics.SERIES,
+    *relay_metrics.SERIES,
+    BYTES_SENT,
+    OPEN_CONNECTIONS,
 )
 
 
@@ -82,8 +95,10 @@ def test_the_auth_service_counts_joins_and_reports_queues_and_slots_as_its_statu
     policy = AdmissionPolicy(stages=("head", "tail"), max_workers_per_stage=4, pacing_s=3600.0, max_pending_per_stage=1)
     service = AuthService(ServiceSettings(policy=policy), TokenFileIdentity(token_file), tmp_path / "state")
     with AuthServer(service) as server:
-        answers = [httpx.post(f"{server.url}/v1/join", json={"token": tokens[name], "peer_id": f"Qm{name}"}).json()["status"]
-                   for name in ("alice", "bob", "carol")]
+        answers = [
+            httpx.post(f"{server.url}/v1/join", json={"token": tokens[name], "peer_id": f"Qm{name}"}).json()["status"]
+            for name in ("alice", "bob", "carol")
+        ]
         assert httpx.post(f"{server.url}/v1/join", json={"token": "wrong", "peer_id": "QmEve"}).status_code == 401
         assert answers == ["authorized", "authorized", "queued"]
         status = httpx.get(f"{server.url}/v1/status").json()
@@ -106,8 +121,16 @@ def test_the_monitor_reports_points_contributors_and_the_swarm_as_its_leaderboar
     now = time.time()
 
     def seen(peer: str, identity: str, at: float, active: float) -> Observation:
-        return Observation(peer_id=peer, identity=identity, stage="head", run_id="r1", sync_phase="active",
-                           active_seconds=active, compute_flops=0.0, seen_at=at)
+        return Observation(
+            peer_id=peer,
+            identity=identity,
+            stage="head",
+            run_id="r1",
+            sync_phase="active",
+            active_seconds=active,
+            compute_flops=0.0,
+            seen_at=at,
+        )
 
     store.record_scrape([seen("p1", "alice", now - 3600, 0), seen("p2", "bob", now - 3600, 0)], {}, now - 3600)
     store.record_scrape([seen("p1", "alice", now, 3600), seen("p2", "bob", now - 1800, 1800)], {}, now)
@@ -115,8 +138,18 @@ def test_the_monitor_reports_points_contributors_and_the_swarm_as_its_leaderboar
     try:
         samples = scrape(f"{server.url}/metrics")
         assert "agora_monitor_stage_workers" not in samples  # no swarm summary before the monitor's first scrape
-        store.set_summary(SwarmSummary(updated_at=now, tokens_per_s=512.0, tokens_seen=10_000, stages=(
-            StageSummary("head", active=2, syncing=1, queued=3, sparta_rounds=7, sparta_success=1.0, spot_checks=None),)))
+        store.set_summary(
+            SwarmSummary(
+                updated_at=now,
+                tokens_per_s=512.0,
+                tokens_seen=10_000,
+                stages=(
+                    StageSummary(
+                        "head", active=2, syncing=1, queued=3, sparta_rounds=7, sparta_success=1.0, spot_checks=None
+                    ),
+                ),
+            )
+        )
         with_summary = scrape(f"{server.url}/metrics")
         rows = httpx.get(f"{server.url}/leaderboard").json()["rows"]
         peers = [httpx.get(f"{server.url}/peers/{peer}").json() for peer in ("p1", "p2")]
@@ -126,8 +159,12 @@ def test_the_monitor_reports_points_contributors_and_the_swarm_as_its_leaderboar
     assert value(samples, "agora_monitor_contributors") == len(rows) == 2
     assert value(samples, "agora_monitor_contributors_online") == sum(row["online"] for row in rows) == 1
     for row in rows:
-        assert value(samples, "agora_monitor_contributor_points", contributor=row["username"]) == pytest.approx(row["score"])
-    assert value(samples, "agora_monitor_points", kind="presence") == pytest.approx(sum(peer["presence"] for peer in peers))
+        assert value(samples, "agora_monitor_contributor_points", contributor=row["username"]) == pytest.approx(
+            row["score"]
+        )
+    assert value(samples, "agora_monitor_points", kind="presence") == pytest.approx(
+        sum(peer["presence"] for peer in peers)
+    )
     assert value(samples, "agora_monitor_points", kind="presence") == pytest.approx(1.5, rel=1e-3)
     assert value(samples, "agora_monitor_points", kind="compute") == 0
     assert value(with_summary, "agora_monitor_stage_workers", stage="head", state="queued") == 3
@@ -176,9 +213,21 @@ def test_a_worker_serves_its_requests_refusals_rounds_drift_and_phase(endpoint: 
     assert "agora_worker_sparta_drift" not in scrape(endpoint.url)  # no round has averaged yet
     # two rounds that averaged, then one that failed: the drift is the latest measured round's
     for ok, drift in ((True, (0.05, 0.01)), (True, (0.03, 0.002)), (False, (None, None))):
-        collector.on_round(RoundReport(round=1, partition=0, group_size=2 if ok else 0, fraction=1.0 if ok else 0.0,
-                                       bytes_sent=0, bytes_received=0, duration_s=1.0, weight=1.0, ok=ok,
-                                       drift_before=drift[0], drift_after=drift[1]))
+        collector.on_round(
+            RoundReport(
+                round=1,
+                partition=0,
+                group_size=2 if ok else 0,
+                fraction=1.0 if ok else 0.0,
+                bytes_sent=0,
+                bytes_received=0,
+                duration_s=1.0,
+                weight=1.0,
+                ok=ok,
+                drift_before=drift[0],
+                drift_after=drift[1],
+            )
+        )
     samples = scrape(endpoint.url)
     assert value(samples, "agora_worker_rpc_requests_total", stage="body1", kind="forward") == 2
     assert value(samples, "agora_worker_rpc_requests_total", stage="body1", kind="backward") == 1
@@ -189,10 +238,12 @@ def test_a_worker_serves_its_requests_refusals_rounds_drift_and_phase(endpoint: 
     assert value(samples, "agora_worker_sparta_rounds_total", stage="body1", outcome="averaged") == 2
     assert value(samples, "agora_worker_sparta_rounds_total", stage="body1", outcome="failed") == 1
     assert samples["agora_worker_sparta_drift"] == {
-        (("stage", "body1"), ("when", "before")): 0.03, (("stage", "body1"), ("when", "after")): 0.002,
+        (("stage", "body1"), ("when", "before")): 0.03,
+        (("stage", "body1"), ("when", "after")): 0.002,
     }
     assert samples["agora_worker_sync_phase"] == {
-        (("phase", "sync1"), ("stage", "body1")): 0, (("phase", "sync2"), ("stage", "body1")): 1,
+        (("phase", "sync1"), ("stage", "body1")): 0,
+        (("phase", "sync2"), ("stage", "body1")): 1,
         (("phase", "active"), ("stage", "body1")): 0,
     }
     assert value(samples, "agora_worker_epoch", stage="body1") == 41
@@ -201,8 +252,13 @@ def test_a_worker_serves_its_requests_refusals_rounds_drift_and_phase(endpoint: 
 
 def test_a_trainer_serves_microbatches_requests_and_errors_per_stage(endpoint: MetricsEndpoint):
     router = Router(["head", "tail"])
-    router.update_roster([WorkerRecord(uid=f"{stage}.0.{index}", peer_id=f"Qm{stage}{index}", stage=stage)
-                          for stage in ("head", "tail") for index in (0, 1)])
+    router.update_roster(
+        [
+            WorkerRecord(uid=f"{stage}.0.{index}", peer_id=f"Qm{stage}{index}", stage=stage)
+            for stage in ("head", "tail")
+            for index in (0, 1)
+        ]
+    )
     for _ in range(3):
         router["head"].report_success(router["head"].choose("forward"))
     router["tail"].report_failure(router["tail"].choose("forward"), TimeoutError("the worker took too long"))
@@ -221,7 +277,9 @@ def test_a_trainer_serves_microbatches_requests_and_errors_per_stage(endpoint: M
 
 def test_a_relay_serves_the_reservations_it_holds(endpoint: MetricsEndpoint):
     low = random.randrange(40000, 59000)  # ports in use are skipped by the relay
-    settings = RelaySettings(host="127.0.0.1", public_host="127.0.0.1", port_lo=low, port_hi=low + 30, max_reservations=5)
+    settings = RelaySettings(
+        host="127.0.0.1", public_host="127.0.0.1", port_lo=low, port_hi=low + 30, max_reservations=5
+    )
     with RelayServer(settings) as relay:
         endpoint.add(relay_metrics.relay_collector(relay))
         assert value(scrape(endpoint.url), "agora_relay_reservations") == 0
@@ -254,7 +312,9 @@ def test_metrics_port_is_off_by_default_and_a_taken_port_says_what_to_do():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with pytest.raises(MetricsUnavailable, match=f"cannot serve metrics on 127.0.0.1:{port}.*pick another --metrics-port"):
+        with pytest.raises(
+            MetricsUnavailable, match=f"cannot serve metrics on 127.0.0.1:{port}.*pick another --metrics-port"
+        ):
             MetricsEndpoint(**_endpoint_arguments(parser.parse_args(["--metrics-port", str(port)])))
 
 
@@ -262,12 +322,15 @@ def _endpoint_arguments(args: argparse.Namespace) -> dict:
     return {"host": args.metrics_host, "port": args.metrics_port}
 
 
-@pytest.mark.parametrize("module, required", [
-    ("agora_client.discovery.seed", []),
-    ("agora_client.worker.main", ["--stage", "head", "--seeds", "/ip4/127.0.0.1/tcp/1"]),
-    ("agora_client.trainer.main", ["--seeds", "/ip4/127.0.0.1/tcp/1"]),
-    ("agora_client.relay.main", ["--public-host", "relay.example", "--ports", "50000-50010"]),
-])
+@pytest.mark.parametrize(
+    "module, required",
+    [
+        ("agora_client.discovery.seed", []),
+        ("agora_client.worker.main", ["--stage", "head", "--seeds", "/ip4/127.0.0.1/tcp/1"]),
+        ("agora_client.trainer.main", ["--seeds", "/ip4/127.0.0.1/tcp/1"]),
+        ("agora_client.relay.main", ["--public-host", "relay.example", "--ports", "50000-50010"]),
+    ],
+)
 def test_every_role_without_an_http_server_takes_a_metrics_port(module: str, required: list[str]):
     parser = argparse.ArgumentParser()
     __import__(module, fromlist=["configure"]).configure(parser)
@@ -283,8 +346,10 @@ _PROMQL_WORDS = {"sum", "max", "min", "avg", "count", "topk", "by", "without", "
 def dashboard_queries() -> list[str]:
     dashboard = json.loads(DASHBOARD.read_text())
     assert dashboard["schemaVersion"] >= 39 and dashboard["uid"] == "agora-swarm"
-    assert any(variable["name"] == "DS_PROMETHEUS" and variable["type"] == "datasource"
-               for variable in dashboard["templating"]["list"])
+    assert any(
+        variable["name"] == "DS_PROMETHEUS" and variable["type"] == "datasource"
+        for variable in dashboard["templating"]["list"]
+    )
     queries = []
     for panel in dashboard["panels"]:
         if panel["type"] == "row":

@@ -34,7 +34,7 @@ def _reference_targets(rounds: list[tuple[torch.Tensor, torch.Tensor]], mu: floa
 
 def test_the_first_round_over_a_slice_adopts_the_average() -> None:
     outer = OuterMomentum(0.9, 0.7)
-    (sent, average), = _rounds(0, 1)
+    ((sent, average),) = _rounds(0, 1)
     assert torch.equal(outer.delta(0, sent, average), average - sent)
 
 

@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from agora_client.discovery.signed_records import MetricsRecord
-from agora_client.monitor.history import HISTORY_BUCKET_S, HISTORY_SPAN_S
 from agora_client.monitor import leaderboard_cli
+from agora_client.monitor.history import HISTORY_BUCKET_S, HISTORY_SPAN_S
 from agora_client.monitor.http_api import LeaderboardServer
 from agora_client.monitor.points import Observation
 from agora_client.monitor.store import PointsStore
@@ -39,8 +39,13 @@ def monitor(tmp_path):
 
 
 def test_page_is_served_with_a_strict_content_security_policy(monitor):
-    for path, kind in (("/", "text/html"), ("/contributors/alice", "text/html"), ("/static/common.js", "text/javascript"),
-                       ("/static/page.css", "text/css"), ("/static/favicon.svg", "image/svg+xml")):
+    for path, kind in (
+        ("/", "text/html"),
+        ("/contributors/alice", "text/html"),
+        ("/static/common.js", "text/javascript"),
+        ("/static/page.css", "text/css"),
+        ("/static/favicon.svg", "image/svg+xml"),
+    ):
         reply = httpx.get(f"{monitor.url}{path}", timeout=5)
         assert reply.status_code == 200 and reply.headers["content-type"].startswith(kind), path
         policy = reply.headers["content-security-policy"]
@@ -53,7 +58,9 @@ def test_page_is_served_with_a_strict_content_security_policy(monitor):
 def test_page_files_load_nothing_from_elsewhere_and_hold_no_inline_script():
     for path in STATIC.iterdir():
         text = path.read_text()
-        assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", text.replace("http://www.w3.org/2000/svg", "")), path
+        assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", text.replace("http://www.w3.org/2000/svg", "")), (
+            path
+        )
         if path.suffix == ".html":
             assert re.findall(r"<script[^>]*>", text) == re.findall(r'<script src="/static/[a-z]+\.js" defer>', text)
             assert not re.search(r"<style|<[^>]+\s(style|on[a-z]+)=", text), path  # inline styles and handlers
@@ -63,7 +70,9 @@ def test_page_files_are_package_data():
     globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["agora_client"]
     for path in STATIC.iterdir():
         relative = str(path.relative_to(REPO / "agora_client"))
-        assert any(fnmatch.fnmatch(relative, pattern) for pattern in globs), f"{relative} would be left out of the wheel"
+        assert any(fnmatch.fnmatch(relative, pattern) for pattern in globs), (
+            f"{relative} would be left out of the wheel"
+        )
 
 
 def test_page_swarm_view_gives_run_stages_and_tokens(monitor):
@@ -77,8 +86,13 @@ def test_page_swarm_view_gives_run_stages_and_tokens(monitor):
     assert list(stages) == list(STAGES)
     assert (stages["tail"]["active"], stages["tail"]["syncing"], stages["tail"]["queued"]) == (1, 1, 3)
     assert stages["body1"]["sparta_success"] == 0.75
-    assert stages["tail"]["spot_checks"] == {"checks": 20, "strikes": 4, "bans": 0, "forward": "verifiable",
-                                             "backward": "calibrating"}
+    assert stages["tail"]["spot_checks"] == {
+        "checks": 20,
+        "strikes": 4,
+        "bans": 0,
+        "forward": "verifiable",
+        "backward": "calibrating",
+    }
     assert TICKET not in json.dumps(swarm)
 
 
@@ -114,9 +128,22 @@ def test_page_history_keeps_one_point_per_bucket_and_a_bounded_span(tmp_path):
 
 
 def metrics(run_id: str, tokens: int) -> MetricsRecord:
-    return MetricsRecord(peer_id="QmP", identity="alice", ticket="t", stage="head", run_id=run_id, sync_phase="active",
-                         flops_total=0, compute_flops=0, active_seconds=0, busy_seconds=0, batches=0, forwards=0,
-                         tokens=tokens, ts=0)
+    return MetricsRecord(
+        peer_id="QmP",
+        identity="alice",
+        ticket="t",
+        stage="head",
+        run_id=run_id,
+        sync_phase="active",
+        flops_total=0,
+        compute_flops=0,
+        active_seconds=0,
+        busy_seconds=0,
+        batches=0,
+        forwards=0,
+        tokens=tokens,
+        ts=0,
+    )
 
 
 def test_page_token_tally_keeps_what_a_restarted_worker_had_counted():
@@ -137,7 +164,9 @@ def leaderboard(capsys, *arguments: str) -> str:
 def test_page_leaderboard_cli_prints_each_contributors_page(monitor, capsys):
     printed = leaderboard(capsys, "--url", f"{monitor.url}/leaderboard")
     assert f"The swarm's page: {monitor.url}/\n" in printed
-    assert f"Each contributor's page: {monitor.url}/contributors/<user>, e.g. {monitor.url}/contributors/alice" in printed
+    assert (
+        f"Each contributor's page: {monitor.url}/contributors/<user>, e.g. {monitor.url}/contributors/alice" in printed
+    )
     urls = {row["username"]: row["url"] for row in json.loads(leaderboard(capsys, "--url", monitor.url, "--json"))}
     assert urls[HOSTILE_NAME] == f"{monitor.url}/contributors/%3Cscript%3Ealert%281%29%3C%2Fscript%3E"
     assert httpx.get(urls[HOSTILE_NAME], timeout=5).status_code == 200

@@ -18,10 +18,27 @@ from agora_client.monitor.points import (
 POLICY = PointsPolicy(identity_cap=2, online_window_s=90.0, presence_grace_s=120.0)
 
 
-def obs(peer: str, t: float, *, identity: str = "alice", phase: str = "active", active: float = 0.0,
-        flops: float = 0.0, run: str = "run-1", stage: str = "body1") -> Observation:
-    return Observation(peer_id=peer, identity=identity, stage=stage, run_id=run, sync_phase=phase,
-                       active_seconds=active, compute_flops=flops, seen_at=t)
+def obs(
+    peer: str,
+    t: float,
+    *,
+    identity: str = "alice",
+    phase: str = "active",
+    active: float = 0.0,
+    flops: float = 0.0,
+    run: str = "run-1",
+    stage: str = "body1",
+) -> Observation:
+    return Observation(
+        peer_id=peer,
+        identity=identity,
+        stage=stage,
+        run_id=run,
+        sync_phase=phase,
+        active_seconds=active,
+        compute_flops=flops,
+        seen_at=t,
+    )
 
 
 class Ledger:
@@ -35,7 +52,9 @@ class Ledger:
 
     def scrape(self, now: float, *observations: Observation) -> None:
         updated = apply_observations(self.peers, observations, now, self.policy)
-        self.peers.update({peer_id: replace(peer, receipted_flops=peer.compute_flops) for peer_id, peer in updated.items()})
+        self.peers.update(
+            {peer_id: replace(peer, receipted_flops=peer.compute_flops) for peer_id, peer in updated.items()}
+        )
 
     def score(self, identity: str) -> float:
         return sum(p.score for p in self.peers.values() if p.identity == identity)
@@ -69,7 +88,9 @@ def test_presence_accrues_in_phase_1_and_compute_only_from_phase_2():
 def test_two_peers_of_one_identity_add_up():
     ledger = Ledger()
     ledger.scrape(0, obs("p1", 0), obs("p2", 0, stage="head"))
-    ledger.scrape(3600, obs("p1", 3600, active=3600, flops=2 * PFLOP), obs("p2", 3600, active=3600, flops=3 * PFLOP, stage="head"))
+    ledger.scrape(
+        3600, obs("p1", 3600, active=3600, flops=2 * PFLOP), obs("p2", 3600, active=3600, flops=3 * PFLOP, stage="head")
+    )
     assert ledger.score("alice") == pytest.approx(2 * 1.0 + 2.0 + 3.0)
     rows = leaderboard(ledger.peers.values(), 3600, POLICY)
     assert [(row.username, row.score) for row in rows] == [("alice", pytest.approx(7.0))]
@@ -98,7 +119,9 @@ def test_a_peer_over_the_cap_earns_nothing_and_earns_again_once_a_slot_frees():
 def test_another_identity_is_not_capped_by_alice():
     ledger = Ledger()
     ledger.scrape(0, obs("a1", 0), obs("a2", 0), obs("b1", 0, identity="bob"))
-    ledger.scrape(100, obs("a1", 100, flops=PFLOP), obs("a2", 100, flops=PFLOP), obs("b1", 100, identity="bob", flops=PFLOP))
+    ledger.scrape(
+        100, obs("a1", 100, flops=PFLOP), obs("a2", 100, flops=PFLOP), obs("b1", 100, identity="bob", flops=PFLOP)
+    )
     assert ledger.score("bob") == pytest.approx(1.0)
     assert ledger.score("alice") == pytest.approx(2.0)
 

@@ -15,8 +15,8 @@ from agora_client.discovery.progress_records import TrainerProgress
 from agora_client.discovery.signed_records import Receipt, ServedCounts
 from agora_client.monitor.estimate import fetch_confirmed
 from agora_client.monitor.http_api import LeaderboardServer
-from agora_client.monitor.learning import LearningPoint, learning_points
 from agora_client.monitor.leaderboard_cli import fetch_rows, format_table
+from agora_client.monitor.learning import LearningPoint, learning_points
 from agora_client.monitor.points import PFLOP, Observation, PointsPolicy
 from agora_client.monitor.store import PointsStore
 
@@ -25,13 +25,23 @@ POLICY = PointsPolicy(identity_cap=2, online_window_s=90.0)
 
 
 def obs(peer: str, t: float, active: float, flops: float, identity: str = "alice") -> Observation:
-    return Observation(peer_id=peer, identity=identity, stage="head", run_id="r1", sync_phase="active",
-                       active_seconds=active, compute_flops=flops, seen_at=t)
+    return Observation(
+        peer_id=peer,
+        identity=identity,
+        stage="head",
+        run_id="r1",
+        sync_phase="active",
+        active_seconds=active,
+        compute_flops=flops,
+        seen_at=t,
+    )
 
 
 def vouch(store: PointsStore, **flops_by_peer: float) -> None:
     """A ticketed trainer's receipts for these peers (the monitor checked its signature and ticket)."""
-    served = {peer: ServedCounts(stage="head", forwards=1, backwards=1, flops=flops) for peer, flops in flops_by_peer.items()}
+    served = {
+        peer: ServedCounts(stage="head", forwards=1, backwards=1, flops=flops) for peer, flops in flops_by_peer.items()
+    }
     store.record_receipts([Receipt(trainer="QmTrainer", ticket="t", run_id="r1", served=served, ts=0.0)])
 
 
@@ -95,7 +105,10 @@ def test_leaderboard_endpoint_survives_a_restart_and_the_cli_prints_a_table(tmp_
     assert missing.status_code == 404 and "no verified metrics" in missing.json()["error"]
     assert confirmed[0].score == pytest.approx(peer["score"]) and confirmed[1] is None
     assert (confirmed[0].verified_compute, confirmed[0].claimed_compute, confirmed[0].flagged) == (
-        pytest.approx(3.0), pytest.approx(3.0), False)
+        pytest.approx(3.0),
+        pytest.approx(3.0),
+        False,
+    )
     assert fetch_confirmed(server.url, "a1", timeout=1) is None  # the monitor is down now
 
     store = PointsStore(db, POLICY)  # a new service process on the same file
@@ -104,7 +117,10 @@ def test_leaderboard_endpoint_survives_a_restart_and_the_cli_prints_a_table(tmp_
         again = httpx.get(f"{server.url}/leaderboard", timeout=5).json()["rows"]
         printed = subprocess.run(
             [sys.executable, str(REPO / "agora_cli.py"), "leaderboard", "--url", server.url],
-            capture_output=True, text=True, timeout=60, cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
         )
     finally:
         server.stop()
@@ -142,7 +158,10 @@ def test_the_leaderboard_ranks_by_verified_points_not_by_claims(tmp_path):
 def test_leaderboard_cli_says_what_to_do_when_the_monitor_is_down():
     printed = subprocess.run(
         [sys.executable, str(REPO / "agora_cli.py"), "leaderboard", "--url", "http://127.0.0.1:9", "--timeout", "2"],
-        capture_output=True, text=True, timeout=60, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
     )
     assert printed.returncode == 1
     assert "could not reach the monitor" in printed.stderr and "Traceback" not in printed.stderr
@@ -156,8 +175,11 @@ def learning_point(trainer: str, series: str, ts: float, value: float) -> Learni
 def test_learning_points_are_kept_once_and_survive_a_restart(tmp_path):
     db = tmp_path / "points.sqlite"
     store = PointsStore(db, POLICY)
-    first = [learning_point("t1", "loss", 10.0, 5.0), learning_point("t1", "eval_loss", 12.0, 5.3),
-             learning_point("t2", "loss", 11.0, 4.8)]
+    first = [
+        learning_point("t1", "loss", 10.0, 5.0),
+        learning_point("t1", "eval_loss", 12.0, 5.3),
+        learning_point("t2", "loss", 11.0, 4.8),
+    ]
     assert store.record_learning(first) == 3
     # the next scrape reads the same histories again, with one new point of each series
     again = [*first, learning_point("t1", "loss", 20.0, 4.5), learning_point("t1", "eval_loss", 22.0, 5.1)]
@@ -166,17 +188,30 @@ def test_learning_points_are_kept_once_and_survive_a_restart(tmp_path):
 
     store = PointsStore(db, POLICY)  # the monitor restarted
     assert store.record_learning(again) == 0
-    assert store.learning() == {"loss": [(10.0, 5.0), (11.0, 4.8), (20.0, 4.5)], "eval_loss": [(12.0, 5.3), (22.0, 5.1)]}
+    assert store.learning() == {
+        "loss": [(10.0, 5.0), (11.0, 4.8), (20.0, 4.5)],
+        "eval_loss": [(12.0, 5.3), (22.0, 5.1)],
+    }
     store.close()
 
 
 def test_learning_points_come_from_the_trainers_histories_without_non_finite_losses():
     records = [
-        TrainerProgress(peer_id="t1", microbatches=4, loss=4.0, history=[(1.0, 5.0), (2.0, float("nan"))],
-                        eval_loss=4.2, eval_history=[(1.5, 4.2)], ts=2.0),
+        TrainerProgress(
+            peer_id="t1",
+            microbatches=4,
+            loss=4.0,
+            history=[(1.0, 5.0), (2.0, float("nan"))],
+            eval_loss=4.2,
+            eval_history=[(1.5, 4.2)],
+            ts=2.0,
+        ),
         TrainerProgress(peer_id="t2", microbatches=2, history=[(3.0, float("inf"))], ts=3.0),
     ]
-    assert learning_points(records) == [learning_point("t1", "loss", 1.0, 5.0), learning_point("t1", "eval_loss", 1.5, 4.2)]
+    assert learning_points(records) == [
+        learning_point("t1", "loss", 1.0, 5.0),
+        learning_point("t1", "eval_loss", 1.5, 4.2),
+    ]
 
 
 def test_learning_endpoint_serves_the_stored_curves(tmp_path):
@@ -184,8 +219,13 @@ def test_learning_endpoint_serves_the_stored_curves(tmp_path):
     server = LeaderboardServer(store, "127.0.0.1", 0).start()
     try:
         empty = httpx.get(f"{server.url}/learning", timeout=5)
-        store.record_learning([learning_point("t2", "loss", 11.0, 4.8), learning_point("t1", "loss", 10.0, 5.0),
-                               learning_point("t1", "eval_loss", 12.0, 5.3)])
+        store.record_learning(
+            [
+                learning_point("t2", "loss", 11.0, 4.8),
+                learning_point("t1", "loss", 10.0, 5.0),
+                learning_point("t1", "eval_loss", 12.0, 5.3),
+            ]
+        )
         reply = httpx.get(f"{server.url}/learning", timeout=5)
     finally:
         server.stop()

@@ -75,7 +75,6 @@ def test_a_router_that_takes_only_permanent_forwards_gets_one_and_no_renewals(mo
     assert gateway.added == {}
 
 
-
 class _StandIn:
     """A router protocol that is absent, refuses (as a router with it turned off in its settings does) or grants."""
 
@@ -108,13 +107,17 @@ def test_when_upnp_refuses_nat_pmp_is_asked_and_its_forward_is_the_one_held_and_
 
 
 def test_refusals_are_said_in_the_routers_words_and_absence_is_no_refusal():
-    both = PortMapping(1, lambda reason: None,
-                       gateways=[_StandIn("UPnP", "absent", "no UPnP"), _StandIn("NAT-PMP", "refuses", "NAT-PMP says no")])
+    both = PortMapping(
+        1,
+        lambda reason: None,
+        gateways=[_StandIn("UPnP", "absent", "no UPnP"), _StandIn("NAT-PMP", "refuses", "NAT-PMP says no")],
+    )
     with pytest.raises(MappingUnavailable, match="^NAT-PMP says no$") as refused:
         both.open()
     assert refused.value.offered and both.router_external == "81.2.69.142" and both.protocol == ""
-    neither = PortMapping(1, lambda reason: None,
-                          gateways=[_StandIn("UPnP", "absent", "no UPnP"), _StandIn("NAT-PMP", "absent", "none")])
+    neither = PortMapping(
+        1, lambda reason: None, gateways=[_StandIn("UPnP", "absent", "no UPnP"), _StandIn("NAT-PMP", "absent", "none")]
+    )
     with pytest.raises(MappingUnavailable, match="answered a UPnP search or a NAT-PMP request") as absent:
         neither.open()
     assert not absent.value.offered

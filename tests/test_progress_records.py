@@ -53,8 +53,15 @@ def test_an_old_trainer_record_in_the_dht_is_read(dht):
 
 def test_the_swarm_eval_loss_is_the_mean_over_trainers_that_evaluated_and_the_histories_merge():
     records = [
-        TrainerProgress(peer_id="a", microbatches=10, loss=4.0, history=[(1.0, 5.0)],
-                        eval_loss=4.4, eval_history=[(2.0, 4.9), (6.0, 4.4)], ts=6.0),
+        TrainerProgress(
+            peer_id="a",
+            microbatches=10,
+            loss=4.0,
+            history=[(1.0, 5.0)],
+            eval_loss=4.4,
+            eval_history=[(2.0, 4.9), (6.0, 4.4)],
+            ts=6.0,
+        ),
         TrainerProgress(peer_id="b", microbatches=12, loss=3.0, eval_loss=4.0, eval_history=[(4.0, 4.0)], ts=6.0),
         TrainerProgress(peer_id="c", microbatches=1, loss=3.5, ts=6.0),  # has not evaluated yet
     ]

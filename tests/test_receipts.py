@@ -17,13 +17,22 @@ POLICY = PointsPolicy(identity_cap=2, online_window_s=90.0)
 
 
 def _claim(peer: str, t: float, flops: float, identity: str) -> Observation:
-    return Observation(peer_id=peer, identity=identity, stage="body1", run_id="r1", sync_phase="active",
-                       active_seconds=t, compute_flops=flops, seen_at=t)
+    return Observation(
+        peer_id=peer,
+        identity=identity,
+        stage="body1",
+        run_id="r1",
+        sync_phase="active",
+        active_seconds=t,
+        compute_flops=flops,
+        seen_at=t,
+    )
 
 
 def _receipt(trainer: str, run_id: str, **flops_by_peer: float) -> Receipt:
-    served = {peer: ServedCounts(stage="body1", forwards=1, backwards=1, flops=flops)
-              for peer, flops in flops_by_peer.items()}
+    served = {
+        peer: ServedCounts(stage="body1", forwards=1, backwards=1, flops=flops) for peer, flops in flops_by_peer.items()
+    }
     return Receipt(trainer=trainer, ticket="checked by monitor/receipts.py", run_id=run_id, served=served, ts=0.0)
 
 

@@ -10,8 +10,13 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from agora_client.discovery.roster import WorkerRecord, roster_key
 from agora_client.discovery.signed_records import metrics_key
+from agora_client.discovery.validators import (
+    SwarmSchemaValidator,
+    possible_stage_names,
+    record_validators,
+    swarm_key_schemas,
+)
 from agora_client.monitor.signatures import owner_subkey
-from agora_client.discovery.validators import SwarmSchemaValidator, possible_stage_names, record_validators, swarm_key_schemas
 
 VALIDATOR = SwarmSchemaValidator(swarm_key_schemas(possible_stage_names()))
 pack = DHTProtocol.serializer.dumps
@@ -29,7 +34,9 @@ def test_roster_entries() -> None:
     assert not VALIDATOR.validate(record(roster_key("body7"), "peerA", {**entry, "sync_phase": 3}))
     assert not VALIDATOR.validate(record(roster_key("body7"), "peerA", {**entry, "epoch": "1"}))  # no coercion
     assert not VALIDATOR.validate(record(roster_key("body7"), "peerA", [1, 2]))
-    bare = DHTRecord(DHTID.generate(source=roster_key("body7")).to_bytes(), DHTProtocol.IS_REGULAR_VALUE, pack(entry), 0.0)
+    bare = DHTRecord(
+        DHTID.generate(source=roster_key("body7")).to_bytes(), DHTProtocol.IS_REGULAR_VALUE, pack(entry), 0.0
+    )
     assert not VALIDATOR.validate(bare)
     garbage = DHTRecord(DHTID.generate(source=roster_key("body7")).to_bytes(), b"\xc1\xc1", b"\xc1", 0.0)
     assert not VALIDATOR.validate(garbage)
@@ -37,13 +44,29 @@ def test_roster_entries() -> None:
 
 def test_metrics_need_an_owner_subkey_naming_their_peer() -> None:
     signer = RSASignatureValidator(RSAPrivateKey())
-    value = {"v": 1, "peer_id": "peerA", "identity": "alice", "ticket": "t", "stage": "head", "run_id": "r",
-             "sync_phase": "active", "flops_total": 1.0, "compute_flops": 1.0, "active_seconds": 1.0, "busy_seconds": 1.0,
-             "batches": 1, "forwards": 1, "tokens": 1, "ts": 1.0}
+    value = {
+        "v": 1,
+        "peer_id": "peerA",
+        "identity": "alice",
+        "ticket": "t",
+        "stage": "head",
+        "run_id": "r",
+        "sync_phase": "active",
+        "flops_total": 1.0,
+        "compute_flops": 1.0,
+        "active_seconds": 1.0,
+        "busy_seconds": 1.0,
+        "batches": 1,
+        "forwards": 1,
+        "tokens": 1,
+        "ts": 1.0,
+    }
     assert VALIDATOR.validate(record(metrics_key("head"), owner_subkey("peerA", signer), value))
     assert not VALIDATOR.validate(record(metrics_key("head"), b"peerA", value))
     assert not VALIDATOR.validate(record(metrics_key("head"), owner_subkey("peerB", signer), value))
-    assert not VALIDATOR.validate(record(metrics_key("head"), owner_subkey("peerA", signer), {**value, "compute_flops": -1.0}))
+    assert not VALIDATOR.validate(
+        record(metrics_key("head"), owner_subkey("peerA", signer), {**value, "compute_flops": -1.0})
+    )
 
 
 def test_other_keys_pass_and_the_signature_validator_comes_first() -> None:

@@ -39,8 +39,11 @@ def wait_until(condition: Callable[[], bool], what: str, timeout: float = WAIT_S
 def no_relay_errors(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     """Every test also checks that nothing in the relay or its client logged an error (a swallowed bug)."""
     yield
-    errors = [record.getMessage() for record in caplog.records
-              if record.name.startswith("agora_client.relay") and record.levelno >= logging.ERROR]
+    errors = [
+        record.getMessage()
+        for record in caplog.records
+        if record.name.startswith("agora_client.relay") and record.levelno >= logging.ERROR
+    ]
     assert errors == []
 
 
@@ -63,8 +66,9 @@ def echo_port() -> Iterator[int]:
 
 def settings(**overrides) -> RelaySettings:
     low = random.randrange(40000, 59000)  # ports in use are skipped by the relay
-    return RelaySettings(**{"host": "127.0.0.1", "port": 0, "public_host": "127.0.0.1", "port_lo": low,
-                            "port_hi": low + 30, **overrides})
+    return RelaySettings(
+        **{"host": "127.0.0.1", "port": 0, "public_host": "127.0.0.1", "port_lo": low, "port_hi": low + 30, **overrides}
+    )
 
 
 @pytest.fixture
@@ -127,6 +131,7 @@ def test_five_megabytes_cross_both_ways_intact(relay: RelayServer, echo_port: in
     payload = os.urandom(5 * 1024 * 1024)
     with RelayReservation(control_address(relay), echo_port, on_lost=print) as reservation:
         with connect(reservation.open()) as peer:
+
             def send() -> None:
                 peer.sendall(payload)
                 peer.shutdown(socket.SHUT_WR)  # the echo server sees the end only if the relay passes the half-close
@@ -170,8 +175,9 @@ def test_on_lost_is_called_once_when_the_relay_goes_away(echo_port: int):
     called = threading.Event()
     server = RelayServer(settings()).start()
     try:
-        reservation = RelayReservation(control_address(server), echo_port,
-                                       on_lost=lambda reason: (lost.append(reason), called.set()))
+        reservation = RelayReservation(
+            control_address(server), echo_port, on_lost=lambda reason: (lost.append(reason), called.set())
+        )
         reservation.open()
     finally:
         server.stop()
@@ -196,9 +202,13 @@ def test_a_kept_reservation_gets_its_port_back_after_the_relay_restarts(echo_por
     events: list[tuple] = []
     restored = threading.Event()
     first = RelayServer(settings()).start()
-    kept = KeptReservation(control_address(first), echo_port, waits=[0.05],
-                           on_lost=lambda reason: events.append(("lost", reason)),
-                           on_restored=lambda address, same: (events.append(("restored", address, same)), restored.set()))
+    kept = KeptReservation(
+        control_address(first),
+        echo_port,
+        waits=[0.05],
+        on_lost=lambda reason: events.append(("lost", reason)),
+        on_restored=lambda address, same: (events.append(("restored", address, same)), restored.set()),
+    )
     try:
         address = kept.open()
         first.stop()  # the relay restarts: same control port, same public ports, no memory of the reservation
@@ -215,14 +225,20 @@ def test_a_kept_reservation_gets_its_port_back_after_the_relay_restarts(echo_por
 def test_a_kept_reservation_closed_while_the_relay_is_down_stops_trying(echo_port: int):
     lost = threading.Event()
     server = RelayServer(settings()).start()
-    kept = KeptReservation(control_address(server), echo_port, waits=[0.05],
-                           on_lost=lambda reason: lost.set(), on_restored=lambda address, same: None)
+    kept = KeptReservation(
+        control_address(server),
+        echo_port,
+        waits=[0.05],
+        on_lost=lambda reason: lost.set(),
+        on_restored=lambda address, same: None,
+    )
     kept.open()
     server.stop()
     assert lost.wait(WAIT_S)
     kept.close()
-    wait_until(lambda: "relay-reserve-again" not in [thread.name for thread in threading.enumerate()],
-               "the retries to end")
+    wait_until(
+        lambda: "relay-reserve-again" not in [thread.name for thread in threading.enumerate()], "the retries to end"
+    )
 
 
 def test_a_worker_that_answers_pings_stays_and_a_silent_one_is_released(echo_port: int):
@@ -230,15 +246,19 @@ def test_a_worker_that_answers_pings_stays_and_a_silent_one_is_released(echo_por
         with RelayReservation(control_address(server), echo_port, on_lost=print, peer_id="alive") as alive:
             alive.open()
             silent, address = raw_reserve(server, "silent")
-            wait_until(lambda: [info.peer_id for info in server.reservations()] == ["alive"], "the silent one's release")
+            wait_until(
+                lambda: [info.peer_id for info in server.reservations()] == ["alive"], "the silent one's release"
+            )
             assert read_line(silent) == {"op": "ping"}  # it was pinged before being released
             silent.close()
             assert_refused(address)
 
 
 def test_per_address_and_total_bounds_refuse_clearly(echo_port: int):
-    for bounds, words in (({"per_address": 2}, "too many reservations from 127.0.0.1"),
-                          ({"max_reservations": 2, "per_address": 8}, "the relay is full")):
+    for bounds, words in (
+        ({"per_address": 2}, "too many reservations from 127.0.0.1"),
+        ({"max_reservations": 2, "per_address": 8}, "the relay is full"),
+    ):
         with RelayServer(settings(**bounds)) as server:
             held = [RelayReservation(control_address(server), echo_port, on_lost=print) for _ in range(2)]
             for reservation in held:
@@ -261,13 +281,17 @@ BAD_REQUESTS = {
     "other version": (b'{"v": 2, "op": "reserve", "peer_id": "p"}\n', "version"),
     "unknown op": (b'{"v": 1, "op": "steal"}\n', "unknown op"),
     "empty peer id": (b'{"v": 1, "op": "reserve", "peer_id": ""}\n', "peer_id"),
-    "unknown accept id": (b'{"v": 1, "op": "accept", "id": "00112233445566778899aabbccddeeff"}\n', "unknown or expired"),
+    "unknown accept id": (
+        b'{"v": 1, "op": "accept", "id": "00112233445566778899aabbccddeeff"}\n',
+        "unknown or expired",
+    ),
 }
 
 
 @pytest.mark.parametrize("request_bytes, words", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
-def test_bad_requests_get_an_error_and_the_relay_keeps_serving(relay: RelayServer, echo_port: int,
-                                                               request_bytes: bytes, words: str):
+def test_bad_requests_get_an_error_and_the_relay_keeps_serving(
+    relay: RelayServer, echo_port: int, request_bytes: bytes, words: str
+):
     with connect(control_address(relay)) as sock:
         sock.sendall(request_bytes)
         answer = read_line(sock)
@@ -297,8 +321,9 @@ def test_only_the_reserving_address_may_accept_and_each_id_once():
         control, address = raw_reserve(server)
         with connect(address) as peer:
             accept = accept_line(read_line(control))
-            with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S,
-                                          source_address=("127.0.0.2", 0)) as stranger:
+            with socket.create_connection(
+                ("127.0.0.1", server.port), timeout=WAIT_S, source_address=("127.0.0.2", 0)
+            ) as stranger:
                 stranger.sendall(accept)
                 assert "unknown or expired" in read_line(stranger)["error"]
                 assert read_to_end(stranger) == b""
@@ -354,6 +379,7 @@ def test_an_unreachable_or_silent_or_garbled_relay_is_reported_within_the_timeou
 
 def test_a_garbled_answer_is_reported(echo_port: int):
     with socket.create_server(("127.0.0.1", 0)) as garbled:
+
         def answer_garbage() -> None:
             connection, _ = garbled.accept()
             with connection:
@@ -369,10 +395,27 @@ def test_a_garbled_answer_is_reported(echo_port: int):
 
 def test_the_relay_command_serves_and_stops_on_ctrl_c(echo_port: int):
     low = settings().port_lo
-    command = [sys.executable, str(REPO / "agora_cli.py"), "relay", "--host", "127.0.0.1", "--port", "0",
-               "--public-host", "127.0.0.1", "--ports", f"{low}-{low + 30}"]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    command = [
+        sys.executable,
+        str(REPO / "agora_cli.py"),
+        "relay",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--public-host",
+        "127.0.0.1",
+        "--ports",
+        f"{low}-{low + 30}",
+    ]
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         assert select.select([process.stdout], [], [], 30)[0], "no ready line within 30 s"
         ready = process.stdout.readline()

@@ -19,13 +19,8 @@ from agora_client.auth.ticket_source import HeldTicket, SelfIssuedTickets
 from agora_client.auth.tickets import generate_signing_key, issue_ticket, public_key_text, verify_ticket
 from agora_client.config import SyncConfig
 from agora_client.discovery.roster import WorkerRecord
-from agora_client.trainer.balancer import Router, StageBalancer
-from agora_client.trainer.errors import ErrorClass, classify
-from agora_client.trainer.pipeline import NonFiniteLoss, Pipeline, StallNotice
 from agora_client.serving.backend import WorkerUnhealthy
-from agora_client.worker.epochs import EpochController
 from agora_client.serving.rejections import RejectionLog
-from agora_client.worker.sync import SyncState
 from agora_client.serving.ticket_gate import TicketGate, TicketRejected
 from agora_client.serving.validation import (
     ABSOLUTE_LIMIT,
@@ -35,6 +30,11 @@ from agora_client.serving.validation import (
     MagnitudeGuard,
     check_descriptors,
 )
+from agora_client.trainer.balancer import Router, StageBalancer
+from agora_client.trainer.errors import ErrorClass, classify
+from agora_client.trainer.pipeline import NonFiniteLoss, Pipeline, StallNotice
+from agora_client.worker.epochs import EpochController
+from agora_client.worker.sync import SyncState
 
 CALLER = "12D3KooWcaller"
 KEY = generate_signing_key()
@@ -46,6 +46,7 @@ def ticket(role: str = "trainer", peer_id: str = CALLER, stage: str = "trainer",
 
 
 # tickets -----------------------------------------------------------------------------------------
+
 
 def test_gate_accepts_a_trainer_ticket_from_the_peer_it_names() -> None:
     claims = TicketGate(public_key_text(KEY), roles=("trainer",)).check(ticket(), CALLER)
@@ -125,7 +126,11 @@ def test_headers_of_a_legal_request_pass() -> None:
         ((torch.zeros(9, 16, 4), torch.zeros(9, 16, dtype=torch.int64)), "oversized", "outside 1..8"),
         ((torch.zeros(0, 16, 4), torch.zeros(0, 16, dtype=torch.int64)), "malformed", "outside 1..8"),
         ((torch.zeros(2, 15, 4), torch.zeros(2, 16, dtype=torch.int64)), "malformed", r"expected \(batch, 16, 4\)"),
-        ((torch.zeros(2, 16, 4, dtype=torch.float64), torch.zeros(2, 16, dtype=torch.int64)), "malformed", "dtype float64"),
+        (
+            (torch.zeros(2, 16, 4, dtype=torch.float64), torch.zeros(2, 16, dtype=torch.int64)),
+            "malformed",
+            "dtype float64",
+        ),
         ((torch.zeros(2, 16, 4),), "malformed", "expected 2 tensors, got 1"),
         ((torch.zeros(2, 16, 4), torch.zeros(2, 16, dtype=torch.int64), torch.zeros(2)), "malformed", "got more"),
         ((torch.zeros(2, 16, 4), torch.zeros(3, 16, dtype=torch.int64)), "malformed", "share a leading batch"),
@@ -158,6 +163,7 @@ def test_a_streamed_request_in_parts_passes_and_a_short_buffer_is_refused() -> N
 
 
 # values -------------------------------------------------------------------------------------------
+
 
 def test_a_huge_finite_value_is_refused_from_the_first_request() -> None:
     with pytest.raises(BadRequest, match="over the limit") as refused:
@@ -195,6 +201,7 @@ def test_rejections_are_counted_and_logged_once_per_peer_per_interval() -> None:
 
 # the optimizer step guard -------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def dht():
     node = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -205,8 +212,15 @@ def dht():
 def controller(dht: DHT, parameters, notes: list[str]) -> EpochController:
     sync = SyncState(SyncConfig(), lambda event: None, joining=False)
     return EpochController(
-        dht, f"guard{len(notes)}{time.monotonic_ns()}", parameters, torch.optim.SGD(parameters, lr=0.1),
-        target_batch_size=4, clip_norm=1.0, sync=sync, on_epoch=lambda epoch: None, on_error=notes.append,
+        dht,
+        f"guard{len(notes)}{time.monotonic_ns()}",
+        parameters,
+        torch.optim.SGD(parameters, lr=0.1),
+        target_batch_size=4,
+        clip_norm=1.0,
+        sync=sync,
+        on_epoch=lambda epoch: None,
+        on_error=notes.append,
         on_skipped_step=lambda message: notes.append(f"skipped: {message}"),
         on_corrupt_weights=lambda message: notes.append(f"corrupt: {message}"),
     )
@@ -246,10 +260,16 @@ def test_weights_that_turn_non_finite_in_a_step_are_reported(dht: DHT) -> None:
 
 # routing and the trainer ---------------------------------------------------------------------------
 
+
 def test_unhealthy_workers_leave_routing() -> None:
     balancer = StageBalancer("body1")
     record = dict(peer_id="p", stage="body1", sync_phase=0)
-    balancer.update_roster([WorkerRecord(uid="body1.0.0", healthy=False, **record), WorkerRecord(uid="body1.0.1", **record | {"peer_id": "q"})])
+    balancer.update_roster(
+        [
+            WorkerRecord(uid="body1.0.0", healthy=False, **record),
+            WorkerRecord(uid="body1.0.1", **record | {"peer_id": "q"}),
+        ]
+    )
     assert {balancer.choose().worker.uid for _ in range(4)} == {"body1.0.1"}
 
 
@@ -287,5 +307,10 @@ def test_trainers_move_off_an_unhealthy_worker_and_give_up_on_a_refused_request(
     assert classify(P2PHandlerError(repr(WorkerUnhealthy(WorkerUnhealthy.MESSAGE)))) is ErrorClass.RETRY_OTHER
     refused = TicketRejected("expired_ticket", "ticket expired 12s ago; join the swarm again for a new one")
     assert classify(P2PHandlerError(repr(refused))) is ErrorClass.FATAL
-    oversized = BadRequest("batch size 64 is outside 1..8, the stage's largest microbatch; split the request", "oversized")
-    assert classify(P2PHandlerError(f"Failed to call handler `rpc_forward_stream` at 12D3: {oversized}")) is ErrorClass.FATAL
+    oversized = BadRequest(
+        "batch size 64 is outside 1..8, the stage's largest microbatch; split the request", "oversized"
+    )
+    assert (
+        classify(P2PHandlerError(f"Failed to call handler `rpc_forward_stream` at 12D3: {oversized}"))
+        is ErrorClass.FATAL
+    )

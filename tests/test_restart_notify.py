@@ -66,10 +66,20 @@ def wait_for_runtime(pid: int, other_than: int | None = None, timeout: float = 3
 
 def headless(tmp_path: Path, *flags: str, replay_args: tuple[str, ...] = ()) -> subprocess.Popen:
     runtime = shlex.join(replay_argv(FIXTURES / "sync1.jsonl", "--hold", *replay_args))
-    argv = [sys.executable, str(ROOT / "agora_cli.py"), "--headless", "--config-dir", str(tmp_path / "config"),
-            "--runtime-cmd", runtime, *flags]
+    argv = [
+        sys.executable,
+        str(ROOT / "agora_cli.py"),
+        "--headless",
+        "--config-dir",
+        str(tmp_path / "config"),
+        "--runtime-cmd",
+        runtime,
+        *flags,
+    ]
     env = {**os.environ, "HF_TOKEN": TOKEN, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    return subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL
+    )
 
 
 def test_a_runtime_killed_with_sigkill_is_restarted_after_the_backoff_and_sigterm_then_stops_it(tmp_path):
@@ -124,10 +134,16 @@ def test_restarts_double_their_wait_and_give_up_with_the_last_error(tmp_path, mo
     policy = RestartPolicy("on-failure", limit=3, window_s=60.0, base_s=0.2, cap_s=0.3)
     command = ChildCommand(replay_argv(FIXTURES / "crash.jsonl", "--exit-code", "1"), {"PYTHONPATH": str(ROOT)})
     started = time.monotonic()
-    code = asyncio.run(run_headless(
-        command, HeadlessPrinter(out), err=io.StringIO(), restart=policy,
-        notify_cmd=(sys.executable, "-c", RECORDER), secrets=(TOKEN,),
-    ))
+    code = asyncio.run(
+        run_headless(
+            command,
+            HeadlessPrinter(out),
+            err=io.StringIO(),
+            restart=policy,
+            notify_cmd=(sys.executable, "-c", RECORDER),
+            secrets=(TOKEN,),
+        )
+    )
     assert code == EXIT_ERROR
     assert time.monotonic() - started >= 0.5  # 0.2s, then 0.3s (0.4s capped)
     lines = out.getvalue().splitlines()
@@ -138,14 +154,21 @@ def test_restarts_double_their_wait_and_give_up_with_the_last_error(tmp_path, mo
         f"[RESTART] The worker runtime crashed ({last_error}); starting it again with the same identity in 0.3s "
         "(crash 2; giving up at 3 within 1 minutes)",
     ]
-    assert lines[-1] == f"[ERROR] The worker runtime crashed 3 times within 1 minutes; not starting it again. Last error: {last_error}"
+    assert (
+        lines[-1]
+        == f"[ERROR] The worker runtime crashed 3 times within 1 minutes; not starting it again. Last error: {last_error}"
+    )
     notes = [json.loads(line) for line in (tmp_path / "notes.jsonl").read_text().splitlines()]
     # each run ran out of memory once (its error event) and dropped out once; the last says it gave up
     assert sorted(note["kind"] for note in notes) == ["dropped"] * 3 + ["out_of_memory"] * 3
     dropped = [note["message"].split(": ", 1)[1] for note in notes if note["kind"] == "dropped"]
-    assert sorted(dropped) == sorted([f"the worker runtime dropped out ({last_error}); starting again in 0.2s",
-                                      f"the worker runtime dropped out ({last_error}); starting again in 0.3s",
-                                      f"the worker runtime dropped out ({last_error}); giving up"])
+    assert sorted(dropped) == sorted(
+        [
+            f"the worker runtime dropped out ({last_error}); starting again in 0.2s",
+            f"the worker runtime dropped out ({last_error}); starting again in 0.3s",
+            f"the worker runtime dropped out ({last_error}); giving up",
+        ]
+    )
 
 
 def test_the_give_up_rule_counts_crashes_within_the_window_only():
@@ -158,13 +181,16 @@ def test_the_give_up_rule_counts_crashes_within_the_window_only():
     assert delays == [5.0, 8.0, 5.0, 8.0]  # the wait doubles with the crashes in the window, capped
     now[0] = 706.0
     assert policy.after_end(1, "exit code 1").gives_up  # three within ten minutes
-    assert policy.after_end(3, "rejected") is None and policy.after_end(2, "bad config") is None  # a restart repeats them
+    assert (
+        policy.after_end(3, "rejected") is None and policy.after_end(2, "bad config") is None
+    )  # a restart repeats them
     assert RestartPolicy("never").after_end(-9, "killed by SIGKILL") is None
 
 
 def write_stream(path: Path, *events: dict) -> Path:
-    path.write_text("".join(json.dumps({"v": 1, "ts": 1767225600.0 + index, **event}) + "\n"
-                            for index, event in enumerate(events)))
+    path.write_text(
+        "".join(json.dumps({"v": 1, "ts": 1767225600.0 + index, **event}) + "\n" for index, event in enumerate(events))
+    )
     return path
 
 
@@ -176,12 +202,21 @@ def test_the_notify_command_runs_once_per_event_kind_without_secrets(tmp_path, m
     stream = write_stream(
         tmp_path / "stream.jsonl",
         {"kind": "auth", "status": "authorized", "identity": "alice", "stage": "body1", "slot": 7, "message": ""},
-        active, active, oom, oom, {"kind": "exit", "code": 1, "reason": "unrecoverable error"},
+        active,
+        active,
+        oom,
+        oom,
+        {"kind": "exit", "code": 1, "reason": "unrecoverable error"},
     )
-    code = asyncio.run(run_headless(
-        ChildCommand(replay_argv(stream, "--exit-code", "1"), {"PYTHONPATH": str(ROOT)}), HeadlessPrinter(io.StringIO()),
-        err=io.StringIO(), notify_cmd=(sys.executable, "-c", RECORDER), secrets=(TOKEN,),
-    ))
+    code = asyncio.run(
+        run_headless(
+            ChildCommand(replay_argv(stream, "--exit-code", "1"), {"PYTHONPATH": str(ROOT)}),
+            HeadlessPrinter(io.StringIO()),
+            err=io.StringIO(),
+            notify_cmd=(sys.executable, "-c", RECORDER),
+            secrets=(TOKEN,),
+        )
+    )
     assert code == EXIT_ERROR
     notes = [json.loads(line) for line in (tmp_path / "notes.jsonl").read_text().splitlines()]
     assert sorted(note["kind"] for note in notes) == ["active", "dropped", "out_of_memory"]
@@ -191,11 +226,16 @@ def test_the_notify_command_runs_once_per_event_kind_without_secrets(tmp_path, m
     for note in notes:
         assert TOKEN not in note["message"] and note["message"] == note["env_message"] and not note["token_in_env"]
 
-    refused = asyncio.run(run_headless(
-        ChildCommand(replay_argv(FIXTURES / "rejected.jsonl", "--exit-code", "3"), {"PYTHONPATH": str(ROOT)}),
-        HeadlessPrinter(io.StringIO()), err=io.StringIO(), notify_cmd=(sys.executable, "-c", RECORDER), secrets=(TOKEN,),
-        restart=RestartPolicy("on-failure"),
-    ))
+    refused = asyncio.run(
+        run_headless(
+            ChildCommand(replay_argv(FIXTURES / "rejected.jsonl", "--exit-code", "3"), {"PYTHONPATH": str(ROOT)}),
+            HeadlessPrinter(io.StringIO()),
+            err=io.StringIO(),
+            notify_cmd=(sys.executable, "-c", RECORDER),
+            secrets=(TOKEN,),
+            restart=RestartPolicy("on-failure"),
+        )
+    )
     assert refused == EXIT_REJECTED  # a refusal is no crash: not restarted, and said once, as a refusal
     notes = [json.loads(line) for line in (tmp_path / "notes.jsonl").read_text().splitlines()][3:]
     assert [note["kind"] for note in notes] == ["refused"] and "the swarm is full" in notes[0]["message"]
@@ -212,17 +252,21 @@ async def test_a_failing_or_slow_notify_command_costs_one_line_and_never_blocks(
     assert time.monotonic() - started < 0.2  # sent in the background
     for notifier in (failing, missing, slow):
         await notifier.aclose()
-    assert sorted(said) == sorted([
-        f"Notification (dropped) not sent: {sys.executable} took longer than 0.5s; stopped it",
-        f"Notification (dropped) not sent: {sys.executable} ended with exit code 1: no route to ntfy.sh",
-        "Notification (dropped) not sent: could not run /nonexistent/notify-tool: No such file or directory",
-    ])
+    assert sorted(said) == sorted(
+        [
+            f"Notification (dropped) not sent: {sys.executable} took longer than 0.5s; stopped it",
+            f"Notification (dropped) not sent: {sys.executable} ended with exit code 1: no route to ntfy.sh",
+            "Notification (dropped) not sent: could not run /nonexistent/notify-tool: No such file or directory",
+        ]
+    )
     assert not [child for child in psutil.Process().children() if "time.sleep(30)" in " ".join(child.cmdline())]
 
 
 async def test_the_app_restarts_a_crashed_runtime_by_itself_and_q_during_the_wait_ends_it():
     # --delay: each run lasts about a second, time enough to lengthen the next wait before the second crash
-    app = make_app("crash", "--exit-code", "1", "--delay", "0.02", restart=RestartPolicy("on-failure", base_s=0.2, limit=5))
+    app = make_app(
+        "crash", "--exit-code", "1", "--delay", "0.02", restart=RestartPolicy("on-failure", base_s=0.2, limit=5)
+    )
     async with app.run_test(size=(100, 34)) as pilot:
         await until(pilot, lambda: app.process is not None and app.process.pid)
         first = app.process.pid

@@ -14,11 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+import hivemind
 import psutil
 import pytest
 import torch
-
-import hivemind
 
 from agora_client.auth import (
     AdmissionPolicy,
@@ -76,15 +75,30 @@ def test_ctrl_c_during_the_download_stops_within_5s_and_frees_the_slot(tmp_path)
         with serve_directory(tmp_path / "snaps", handler=Trickle) as snapshots:
             settings = ServiceSettings(
                 policy=AdmissionPolicy(stages=tuple(config.model.stage_names), pacing_s=0.0),
-                snapshot_url=snapshots.url, seeds=seeds, tokenizer_json=tokenizer.content,
+                snapshot_url=snapshots.url,
+                seeds=seeds,
+                tokenizer_json=tokenizer.content,
                 run=describe_run(config, seeds, snapshots.url, None, TokenizerSummary.of(tokenizer)),
             )
             with AuthServer(AuthService(settings, TokenFileIdentity(token_file), tmp_path / "state")) as auth:
                 client = subprocess.Popen(
-                    [sys.executable, str(ROOT / "agora_cli.py"), "--headless", "--cpu", "--swarm", auth.url,
-                     "--config-dir", str(tmp_path / "client"), "--host-port", "0"],
+                    [
+                        sys.executable,
+                        str(ROOT / "agora_cli.py"),
+                        "--headless",
+                        "--cpu",
+                        "--swarm",
+                        auth.url,
+                        "--config-dir",
+                        str(tmp_path / "client"),
+                        "--host-port",
+                        "0",
+                    ],
                     env={**os.environ, "HF_TOKEN": token, "PYTHONPATH": str(ROOT)},
-                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
                 )
                 try:
                     lines = []

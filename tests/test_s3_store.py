@@ -47,8 +47,11 @@ def _free_port() -> int:
 def s3_endpoint():
     """moto's S3 server as a process on loopback, with the AWS_* variables boto3 reads pointing at it."""
     port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     endpoint = f"http://127.0.0.1:{port}"
     patch = pytest.MonkeyPatch()
     try:
@@ -61,8 +64,12 @@ def s3_endpoint():
                 if server.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("moto's S3 server did not start")
                 time.sleep(0.2)
-        for name, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-                            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        for name, value in {
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }.items():
             patch.setenv(name, value)
         import boto3
 
@@ -97,8 +104,9 @@ def test_auth_hands_joiners_presigned_links_and_the_download_resumes_against_the
     snapshot = save(store, "head", T0, epoch=4)
     token_file = tmp_path / "tokens.json"
     token = write_demo_token_file(token_file, "alice")
-    settings = ServiceSettings(policy=AdmissionPolicy(stages=("head",), pacing_s=0.0),
-                               snapshot_links=_object_store_links(store.location))
+    settings = ServiceSettings(
+        policy=AdmissionPolicy(stages=("head",), pacing_s=0.0), snapshot_links=_object_store_links(store.location)
+    )
     with AuthServer(AuthService(settings, TokenFileIdentity(token_file), tmp_path / "auth")) as server:
         url = authorize(server.url, token, "peer-a", events=EventWriter(), poll_every=0.05).snapshot_url
     assert url is not None and "X-Amz-Signature=" in url
@@ -139,12 +147,16 @@ def test_export_and_resume_read_a_set_from_the_bucket(store, tmp_path):
     assert set(stages) == set(CONFIG.model.stage_names)
     swarm = LocalSwarm(SwarmOptions(run_dir=tmp_path / "run", resume=True, resume_from=store.location))
     swarm.prepare_resume()  # fetches and verifies every stage's files; no process is started
-    assert {stage: path.name for stage, path in swarm.resume_dirs.items()} == {s: m.name for s, m in chosen.members.items()}
+    assert {stage: path.name for stage, path in swarm.resume_dirs.items()} == {
+        s: m.name for s, m in chosen.members.items()
+    }
 
 
 def test_an_unreachable_bucket_is_one_clear_error(s3_endpoint):
     store = open_store("s3://no-such-bucket/x")
-    with pytest.raises(SnapshotError, match="S3 store s3://no-such-bucket/x: .*NoSuchBucket.*check the bucket name") as caught:
+    with pytest.raises(
+        SnapshotError, match="S3 store s3://no-such-bucket/x: .*NoSuchBucket.*check the bucket name"
+    ) as caught:
         store.list("head")
     assert os.environ["AWS_SECRET_ACCESS_KEY"] not in str(caught.value)
     with pytest.raises(SnapshotError, match="names no bucket"):

@@ -67,4 +67,3 @@ def test_nothing_remains_after_the_block(ending):
     interfaces = _own_interfaces()
     for name in [hosts.bridge, *hosts.ports, *(host.device for host in hosts.hosts)]:
         assert name not in interfaces
-

@@ -18,9 +18,16 @@ LR = 0.1
 GRAD = torch.tensor([1.0, -2.0, 0.5])
 
 
-@pytest.mark.parametrize("mode, share, scale", [
-    ("none", 0.25, 1.0), ("linear", 0.25, 0.25), ("sqrt", 0.25, 0.5), ("linear", None, 1.0), ("sqrt", 1.0, 1.0),
-])
+@pytest.mark.parametrize(
+    "mode, share, scale",
+    [
+        ("none", 0.25, 1.0),
+        ("linear", 0.25, 0.25),
+        ("sqrt", 0.25, 0.5),
+        ("linear", None, 1.0),
+        ("sqrt", 1.0, 1.0),
+    ],
+)
 def test_the_scale_follows_the_mode_and_the_share(mode: str, share: float | None, scale: float) -> None:
     assert step_scale(mode, share) == scale
 
@@ -72,9 +79,18 @@ def test_the_epoch_controller_scales_its_step_by_the_share_it_measured(dht: DHT)
     weight = torch.nn.Parameter(torch.zeros(3))
     optimizer = torch.optim.SGD([weight], lr=LR)
     epochs = EpochController(
-        dht, f"share{time.monotonic_ns()}", [weight], optimizer, target_batch_size=4, clip_norm=100.0,
-        sync=SyncState(SyncConfig(), lambda event: None, joining=False), on_epoch=lambda epoch: None,
-        on_error=pytest.fail, on_skipped_step=pytest.fail, on_corrupt_weights=pytest.fail, share_scaling="sqrt",
+        dht,
+        f"share{time.monotonic_ns()}",
+        [weight],
+        optimizer,
+        target_batch_size=4,
+        clip_norm=100.0,
+        sync=SyncState(SyncConfig(), lambda event: None, joining=False),
+        on_epoch=lambda epoch: None,
+        on_error=pytest.fail,
+        on_skipped_step=pytest.fail,
+        on_corrupt_weights=pytest.fail,
+        share_scaling="sqrt",
     )
     try:
         weight.grad = 2 * GRAD  # the sum over two samples

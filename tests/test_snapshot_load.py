@@ -59,7 +59,9 @@ def whole_file_load(directory: Path, module: nn.Module, optimizer: torch.optim.O
     for key, tensor in load_file(str(directory / "optimizer.safetensors")).items():
         _, index, name = key.split(".")
         kind = meta["scalars"].get(key)
-        state.setdefault(int(index), {})[name] = {"int": int, "float": float, "bool": bool}[kind](tensor.item()) if kind else tensor
+        state.setdefault(int(index), {})[name] = (
+            {"int": int, "float": float, "bool": bool}[kind](tensor.item()) if kind else tensor
+        )
     groups = [
         {name: tuple(value) if isinstance(current.get(name), tuple) else value for name, value in saved.items()}
         for saved, current in zip(meta["param_groups"], optimizer.param_groups)
@@ -80,13 +82,18 @@ def assert_same(a: tuple[nn.Module, torch.optim.Optimizer], b: tuple[nn.Module, 
         assert entries.keys() == b_state["state"][index].keys()
         for name, value in entries.items():
             other = b_state["state"][index][name]
-            assert type(value) is type(other) and (torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other)
+            assert type(value) is type(other) and (
+                torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+            )
 
 
 @pytest.mark.parametrize("has_state", [False, True], ids=["fresh optimizer", "optimizer with state (a recovery)"])
 def test_a_streamed_load_equals_a_whole_file_load(tmp_path: Path, has_state: bool) -> None:
     directory = save_stage_snapshot(tmp_path, "body1", *trained_stage(seed=1, steps=3), epoch=4, keep=1)
-    streamed, whole = (trained_stage(seed=9) if has_state else fresh_stage()), (trained_stage(seed=9) if has_state else fresh_stage())
+    streamed, whole = (
+        (trained_stage(seed=9) if has_state else fresh_stage()),
+        (trained_stage(seed=9) if has_state else fresh_stage()),
+    )
     assert load_stage_snapshot(directory, *streamed, stage="body1").epoch == 4
     whole_file_load(directory, *whole)
     assert_same(streamed, whole)
@@ -115,7 +122,9 @@ def test_a_streamed_load_into_torch_adamw_equals_a_whole_file_load(tmp_path: Pat
     assert_same(streamed, (module, optimizer))
 
 
-def test_a_load_reads_every_tensor_once_straight_into_the_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_load_reads_every_tensor_once_straight_into_the_stage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """No file-sized buffer and no per-tensor temporary: each tensor's bytes land in the stage's own tensor."""
     directory = save_stage_snapshot(tmp_path, "body1", *trained_stage(seed=1), epoch=1, keep=1)
     reads: list[tuple[str, int, int]] = []  # (entry, destination address, elements)
@@ -128,11 +137,17 @@ def test_a_load_reads_every_tensor_once_straight_into_the_stage(tmp_path: Path, 
     monkeypatch.setattr(TensorFile, "_read", recorded)
     module, optimizer = fresh_stage()
     load_stage_snapshot(directory, module, optimizer)
-    entries = len(load_file(str(directory / "params.safetensors"))) + len(load_file(str(directory / "optimizer.safetensors")))
+    entries = len(load_file(str(directory / "params.safetensors"))) + len(
+        load_file(str(directory / "optimizer.safetensors"))
+    )
     assert len(reads) == entries and len({name for name, _, _ in reads}) <= entries
     held = {tensor.data_ptr() for tensor in module.state_dict().values()}
-    held |= {value.data_ptr() for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)}
-    assert all(address in held for _, address, elements in reads if elements > 1)  # only scalars (step) go through a holder
+    held |= {
+        value.data_ptr() for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)
+    }
+    assert all(
+        address in held for _, address, elements in reads if elements > 1
+    )  # only scalars (step) go through a holder
 
 
 def test_files_verified_by_their_download_are_not_hashed_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -156,7 +171,9 @@ def test_files_verified_by_their_download_are_not_hashed_again(tmp_path: Path, m
         load_stage_snapshot(downloaded, *fresh_stage(), stage="body1")
 
 
-def test_a_download_mark_is_void_once_a_file_or_the_manifest_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_download_mark_is_void_once_a_file_or_the_manifest_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     save_stage_snapshot(tmp_path / "store", "body1", *trained_stage(seed=1), epoch=2, keep=1)
     with serve_directory(tmp_path / "store") as server:
         downloaded = download_snapshot(f"{server.url}/body1/latest.json", tmp_path / "downloads", events=NULL_WRITER)

@@ -194,14 +194,22 @@ def test_download_round_trip(tmp_path: Path):
     assert load_stage_snapshot(target, restored, restored_opt).epoch == 12
     assert_same_state(module, optimizer, restored, restored_opt)
     events = events_of(buffer)
-    assert [event.status for event in events if event.status != "progress"] == ["started", "verified", "started", "verified", "done"]
+    assert [event.status for event in events if event.status != "progress"] == [
+        "started",
+        "verified",
+        "started",
+        "verified",
+        "done",
+    ]
     assert events[-1].bytes == events[-1].total == sum(path.stat().st_size for path in target.glob("*.safetensors"))
     assert not list(target.glob("*.part"))
 
     # A second call finds the files complete and verified: nothing is fetched again.
     with serve_directory(root) as server:
         download_snapshot(f"{server.url}/body2/latest.json", tmp_path / "dest", events=EventWriter())
-        assert server.bytes_sent == body_bytes(directory, root) - sum(p.stat().st_size for p in target.glob("*.safetensors"))
+        assert server.bytes_sent == body_bytes(directory, root) - sum(
+            p.stat().st_size for p in target.glob("*.safetensors")
+        )
 
 
 class CutOnce(RangeRequestHandler):
@@ -344,9 +352,13 @@ def test_presigned_style_urls_keep_their_own_query_strings(tmp_path: Path):
     with serve_directory(tmp_path, handler=RecordingHandler) as server:
         manifest = json.loads((directory / "manifest.json").read_text())
         for name in manifest["files"]:
-            manifest["files"][name]["url"] = f"{server.url}/bucket/obj-{name}?X-Amz-Signature=sig-{name[:3]}&X-Amz-Expires=600"
+            manifest["files"][name]["url"] = (
+                f"{server.url}/bucket/obj-{name}?X-Amz-Signature=sig-{name[:3]}&X-Amz-Expires=600"
+            )
         (bucket / "manifest.json").write_text(json.dumps(manifest))
-        target = download_snapshot(f"{server.url}/bucket/manifest.json?X-Amz-Signature=sig-man", tmp_path / "dest", events=EventWriter())
+        target = download_snapshot(
+            f"{server.url}/bucket/manifest.json?X-Amz-Signature=sig-man", tmp_path / "dest", events=EventWriter()
+        )
     assert "/bucket/obj-params.safetensors?X-Amz-Signature=sig-par&X-Amz-Expires=600" in RecordingHandler.requested
     assert "/bucket/obj-optimizer.safetensors?X-Amz-Signature=sig-opt&X-Amz-Expires=600" in RecordingHandler.requested
     local_manifest = (target / "manifest.json").read_text()
@@ -360,7 +372,11 @@ def test_relative_file_urls_drop_the_manifest_query_string(tmp_path: Path):
     root, directory, _, _ = published(tmp_path, width=32)
     RecordingHandler.requested = []
     with serve_directory(root, handler=RecordingHandler) as server:
-        download_snapshot(f"{server.url}/body2/{directory.name}/manifest.json?sig=only-for-the-manifest", tmp_path / "d", events=EventWriter())
+        download_snapshot(
+            f"{server.url}/body2/{directory.name}/manifest.json?sig=only-for-the-manifest",
+            tmp_path / "d",
+            events=EventWriter(),
+        )
     assert f"/body2/{directory.name}/params.safetensors" in RecordingHandler.requested
     assert not any("sig=" in path for path in RecordingHandler.requested[1:])
 

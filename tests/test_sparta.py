@@ -17,14 +17,14 @@ import torch
 
 from agora_client.auth.ticket_source import SelfIssuedTickets
 from agora_client.auth.tickets import generate_signing_key, load_signing_key, public_key_text, save_signing_key
-from agora_client.config import SpartaConfig
 from agora_client.averaging.bounds import FLOOR_RMS
 from agora_client.averaging.compression import SlicePayload
 from agora_client.averaging.group_admission import GroupAdmission
-from agora_client.serving.rejections import RejectionLog
-from agora_client.serving.ticket_gate import TicketGate
 from agora_client.averaging.partition import StridedPartition
 from agora_client.averaging.sparta import RoundReport, SpartaAverager
+from agora_client.config import SpartaConfig
+from agora_client.serving.rejections import RejectionLog
+from agora_client.serving.ticket_gate import TicketGate
 
 pytestmark = pytest.mark.integration
 
@@ -90,7 +90,11 @@ def _admission(ticketing: tuple[str, str] | None) -> GroupAdmission | None:
 
 
 def _peer_main(
-    conn: Connection, index: int, initial_peers: list[str], freeze: bool, config: SpartaConfig,
+    conn: Connection,
+    index: int,
+    initial_peers: list[str],
+    freeze: bool,
+    config: SpartaConfig,
     ticketing: tuple[str, str] | None,
 ) -> None:
     """One worker of a stage: its own DHT, parameters and SpartaAverager, driven by commands over `conn`."""
@@ -153,7 +157,11 @@ class Swarm:
     """Peers of one stage in separate processes; every process group is SIGKILLed on close, even on failure."""
 
     def __init__(
-        self, size: int, freeze: tuple[int, ...] = (), spawn: tuple[int, ...] = (), config: SpartaConfig = CONFIG,
+        self,
+        size: int,
+        freeze: tuple[int, ...] = (),
+        spawn: tuple[int, ...] = (),
+        config: SpartaConfig = CONFIG,
         tickets: tuple[str, list[str]] | None = None,
     ):
         """tickets: (signing key path, each peer's ticket stage) to run with averaging tickets on."""
@@ -173,8 +181,14 @@ class Swarm:
             parent, child = context.Pipe()
             process = context.Process(
                 target=_peer_main,
-                args=(child, index, self.initial_peers, index in freeze, self.config,
-                      None if self.tickets is None else (self.tickets[0], self.tickets[1][index])),
+                args=(
+                    child,
+                    index,
+                    self.initial_peers,
+                    index in freeze,
+                    self.config,
+                    None if self.tickets is None else (self.tickets[0], self.tickets[1][index]),
+                ),
             )
             process.start()
             self.processes.append(process)
@@ -204,11 +218,18 @@ class Swarm:
         return [self._recv(index) for index in range(len(values))]
 
     def round(
-        self, peers: list[int], round_no: int, weights: list[float], moves: list[float] | None = None,
+        self,
+        peers: list[int],
+        round_no: int,
+        weights: list[float],
+        moves: list[float] | None = None,
         late: tuple[int, ...] = (),
     ):
         """One round on ``peers``; the ``late`` ones start it a second after the others, so they cannot lead it."""
-        commands = {index: ("round", round_no, weight, move) for index, weight, move in zip(peers, weights, moves or [0.0] * len(peers))}
+        commands = {
+            index: ("round", round_no, weight, move)
+            for index, weight, move in zip(peers, weights, moves or [0.0] * len(peers))
+        }
         for index in (i for i in peers if i not in late):
             self.conns[index].send(commands[index])
         if late:
@@ -268,7 +289,11 @@ def test_rounds_converge_and_cover_every_parameter_once(swarm: Swarm) -> None:
     total = initial[0].numel()
     partition = StridedPartition([torch.Size(shape).numel() for shape in SHAPES], PARTITIONS)
     mean = torch.stack(initial).mean(0)
-    previous, spreads, covered = initial, [float(torch.stack(initial).std(0).norm())], torch.zeros(total, dtype=torch.int64)
+    previous, spreads, covered = (
+        initial,
+        [float(torch.stack(initial).std(0).norm())],
+        torch.zeros(total, dtype=torch.int64),
+    )
     for round_no in range(PARTITIONS):
         results = swarm.round([0, 1, 2], round_no, [1.0, 1.0, 1.0])
         reports = [report for report, _ in results]
@@ -352,7 +377,9 @@ def test_drift_is_the_distance_of_each_workers_slice_from_the_groups_average(swa
 
 
 def test_peer_killed_mid_round_is_dropped_and_the_next_round_works() -> None:
-    swarm = Swarm(3, freeze=(2,), spawn=(1,))  # peer 1 runs in a spawned host, where hivemind's averager must still fork
+    swarm = Swarm(
+        3, freeze=(2,), spawn=(1,)
+    )  # peer 1 runs in a spawned host, where hivemind's averager must still fork
     try:
         initial = swarm.set_values([_initial_values(seed + 40) for seed in range(3)])
         for index, weight in enumerate([1.0, 1.0, 1.0]):
@@ -453,7 +480,9 @@ def test_only_ticketed_workers_of_the_stage_average_together(tmp_path: Any) -> N
             for index in (0, 1):
                 report, after = results[index]
                 assert report.ok and report.group_size == 2, report  # the stranger was refused at the door
-                assert torch.allclose(after[mask], pair_mean, atol=1e-5), "the honest pair averaged, the stranger not at all"
+                assert torch.allclose(after[mask], pair_mean, atol=1e-5), (
+                    "the honest pair averaged, the stranger not at all"
+                )
             stranger_report, stranger_after = results[2]
             assert not stranger_report.ok and torch.equal(stranger_after, before[2]), stranger_report
         refused = {reason: count for index in (0, 1) for reason, count in swarm.refusals(index).items()}

@@ -30,7 +30,10 @@ def test_non_finite_parts_are_replaced_by_our_own() -> None:
 
 
 def test_huge_and_noisy_parts_are_pulled_onto_the_bound() -> None:
-    for far in (torch.full_like(OWN, 3e38), OWN + torch.randn(OWN.shape, generator=torch.Generator().manual_seed(0)) * 100):
+    for far in (
+        torch.full_like(OWN, 3e38),
+        OWN + torch.randn(OWN.shape, generator=torch.Generator().manual_seed(0)) * 100,
+    ):
         value, problem = bounded(OWN, far, 0.5)
         assert problem is not None and "x the bound" in problem
         assert bool(torch.isfinite(value).all())
@@ -53,5 +56,11 @@ def test_a_part_of_the_wrong_shape_is_replaced() -> None:
 
 def test_claimed_weights_are_bounded() -> None:
     assert [bounded_weight(w) for w in (0.0, 0.5, 1.0, 1e9, -3.0, float("nan"), float("inf"))] == [
-        0.0, 0.5, 1.0, MAX_WEIGHT, 0.0, 0.0, MAX_WEIGHT
+        0.0,
+        0.5,
+        1.0,
+        MAX_WEIGHT,
+        0.0,
+        0.0,
+        MAX_WEIGHT,
     ]

@@ -83,14 +83,18 @@ def test_transmitted_values_are_what_hivemind_sends_each_reducer(payload: str) -
     torch.manual_seed(2)
     values, compression, part_bytes = torch.randn(30_001) * 0.02, payload_compression(payload), 8192
     part_values = part_size_values(compression, part_bytes, values)
-    container = TensorPartContainer([values], peer_fractions=[1.0, 1.0, 1.0], compression=compression,
-                                    part_size_bytes=part_bytes)
+    container = TensorPartContainer(
+        [values], peer_fractions=[1.0, 1.0, 1.0], compression=compression, part_size_bytes=part_bytes
+    )
     own_parts = container.get_raw_input_parts(0)  # this peer is first: it reduces the first parts itself
     assert len(own_parts) > 0 and own_parts[0].numel() == part_values
 
     async def sent_to_reducers() -> list[torch.Tensor]:
-        return [_over_the_wire(message).float() for reducer in (1, 2)
-                async for message in container.iterate_input_parts_for(reducer)]
+        return [
+            _over_the_wire(message).float()
+            for reducer in (1, 2)
+            async for message in container.iterate_input_parts_for(reducer)
+        ]
 
     expected = torch.cat([*own_parts, *asyncio.run(sent_to_reducers())])
     assert torch.equal(transmitted_values(values, compression, part_values, range(len(own_parts))), expected)
@@ -285,8 +289,9 @@ def test_peers_on_different_payloads_never_match() -> None:
     try:
         parameters = [torch.nn.Parameter(torch.randn(4000))]
         fp32, bf16, int8, int8_again = (
-            SpartaAverager(dht, "payloads", parameters, SpartaConfig(payload=payload), lock=threading.Lock(),
-                           start=False)._averager.schema_hash
+            SpartaAverager(
+                dht, "payloads", parameters, SpartaConfig(payload=payload), lock=threading.Lock(), start=False
+            )._averager.schema_hash
             for payload in ("fp32", "bf16", "int8", "int8")
         )
         assert int8 == int8_again and len({fp32, bf16, int8}) == 3

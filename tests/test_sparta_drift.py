@@ -45,12 +45,16 @@ def test_the_round_report_carries_drift_into_the_event_and_the_sparta_line() -> 
     event = parse_event(dump_event(report.to_event(StridedPartition([60, 40], 20))))
     assert isinstance(event, SpartaEvent) and (event.drift_before, event.drift_after) == (0.0312, 0.0)
     (line,) = LineFormatter().format(event)
-    assert line.text == "Round 3: averaged partition 3 of 20 (5% of the stage; drift 3.12% -> 0%) in a group of 2 in 1.5s"
+    assert (
+        line.text == "Round 3: averaged partition 3 of 20 (5% of the stage; drift 3.12% -> 0%) in a group of 2 in 1.5s"
+    )
 
 
 def test_an_event_recorded_before_drift_still_parses_and_reads_as_before() -> None:
-    recorded = ('{"v": 1, "ts": 1.0, "kind": "sparta", "round": 1, "partition": 0, "group_size": 3, "fraction": 1.0, '
-                '"partitions": 20, "stage_share": 0.05}')
+    recorded = (
+        '{"v": 1, "ts": 1.0, "kind": "sparta", "round": 1, "partition": 0, "group_size": 3, "fraction": 1.0, '
+        '"partitions": 20, "stage_share": 0.05}'
+    )
     event = parse_event(recorded)
     assert isinstance(event, SpartaEvent) and event.drift_before is None and event.drift_after is None
     (line,) = LineFormatter().format(event)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agora_client.averaging.link_timing import (MAX_RATE, MIN_RATE, LinkMeter, LinkRates, butterfly_bytes,
-                                                round_timing)
+from agora_client.averaging.link_timing import MAX_RATE, MIN_RATE, LinkMeter, LinkRates, butterfly_bytes, round_timing
 from agora_client.config import SpartaConfig
 
 MBIT = 1e6 / 8  # bytes/s
@@ -38,7 +37,14 @@ def test_timeouts_follow_the_bytes_and_the_slowest_rate_with_the_config_as_floor
 def test_a_rate_is_clamped_so_no_peer_can_make_its_group_wait_for_ever():
     assert round_timing(274e6, 2, 1.0, PART, CONFIG) == round_timing(274e6, 2, MIN_RATE, PART, CONFIG)
     assert LinkRates.announced({"up": 1.0, "down": 1e30}) == LinkRates(MIN_RATE, MAX_RATE)
-    for junk in (None, "fast", {"up": float("nan"), "down": 1e6}, {"up": -5, "down": 1e6}, {"up": 1e6}, {"up": True, "down": []}):
+    for junk in (
+        None,
+        "fast",
+        {"up": float("nan"), "down": 1e6},
+        {"up": -5, "down": 1e6},
+        {"up": 1e6},
+        {"up": True, "down": []},
+    ):
         assert LinkRates.announced(junk) is None
 
 
@@ -58,7 +64,6 @@ def test_the_link_estimate_is_the_best_recent_round_and_starts_from_the_assumed_
     assert meter.rates == LinkRates(9e6, 2e6)
 
 
-
 @pytest.mark.parametrize("payload, bytes_per_value", [("fp32", 4), ("bf16", 3), ("int8", 1)])
 def test_a_group_is_timed_by_the_slowest_link_its_members_announce(payload: str, bytes_per_value: float):
     from hivemind import DHT
@@ -70,15 +75,24 @@ def test_a_group_is_timed_by_the_slowest_link_its_members_announce(payload: str,
     try:
         buffer = torch.zeros(25_000_000)  # a 100 MB slice in fp32; bf16 sends 2 bytes and gets 4 back, int8 1 and 1
         wire = SlicePayload(payload, buffer)
-        averager = _GroupAverager(buffer, dht, layout=b"x", config=CONFIG, admission=None, prefix="timing", payload=wire)
+        averager = _GroupAverager(
+            buffer, dht, layout=b"x", config=CONFIG, admission=None, prefix="timing", payload=wire
+        )
         fast, slow = {"up": 200 * MBIT, "down": 200 * MBIT}, {"up": 20 * MBIT, "down": 200 * MBIT}
-        timeouts = averager.group_timeouts([{"weight": 1.0, "link": fast}, {"weight": 1.0, "link": slow}, {"weight": 1.0}])
+        timeouts = averager.group_timeouts(
+            [{"weight": 1.0, "link": fast}, {"weight": 1.0, "link": slow}, {"weight": 1.0}]
+        )
         moved = 25e6 * bytes_per_value
         expected = round_timing(moved, 3, 20 * MBIT, wire.largest_message_bytes, CONFIG)
         assert (timeouts.allreduce_s, timeouts.sender_s, timeouts.reducer_s) == (
-            expected.allreduce_timeout, expected.sender_timeout, expected.reducer_timeout)
+            expected.allreduce_timeout,
+            expected.sender_timeout,
+            expected.reducer_timeout,
+        )
         liar = averager.group_timeouts([{"link": fast}, {"link": {"up": 1, "down": 1}}])  # clamped to MIN_RATE
-        assert liar.allreduce_s == round_timing(moved, 2, MIN_RATE, wire.largest_message_bytes, CONFIG).allreduce_timeout
+        assert (
+            liar.allreduce_s == round_timing(moved, 2, MIN_RATE, wire.largest_message_bytes, CONFIG).allreduce_timeout
+        )
         if payload == "fp32":
             assert wire.largest_message_bytes == PART
     finally:

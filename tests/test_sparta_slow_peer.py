@@ -53,13 +53,21 @@ def test_every_round_completes_with_the_whole_group_despite_the_slow_uplink(repo
         for index, report in enumerate(round_reports):
             assert report["ok"], f"peer {index}, round {report['round']}: {report['reason']}"
             assert report["group_size"] == 3, report
-            assert report["fraction"] == 1.0, (index, report["round"], report["reason"], report["bytes_sent"], report["allreduce_s"])
+            assert report["fraction"] == 1.0, (
+                index,
+                report["round"],
+                report["reason"],
+                report["bytes_sent"],
+                report["allreduce_s"],
+            )
 
 
 def test_each_peer_probes_its_own_uplink_once_in_turn(reports):
     measured = []
     for index in range(len(reports[0])):
-        said = [report["uplink"] for report in (round_reports[index] for round_reports in reports[:-1]) if report["uplink"]]
+        said = [
+            report["uplink"] for report in (round_reports[index] for round_reports in reports[:-1]) if report["uplink"]
+        ]
         match = re.match(r"measured this worker's uplink at ([0-9.]+) Mbit/s", said[0] if len(said) == 1 else "")
         assert match, f"peer {index}: {said}"
         measured.append(float(match.group(1)))

@@ -8,11 +8,11 @@ from typing import Iterator
 import pytest
 import torch
 
+from agora_client.averaging.partition import StridedPartition, due_round, partition_of
+from agora_client.averaging.sparta import RoundReport, SpartaAverager
 from agora_client.config import SpartaConfig
 from agora_client.events import SpartaEvent, dump_event, parse_event
 from agora_client.frontend.lines import LineFormatter
-from agora_client.averaging.partition import StridedPartition, due_round, partition_of
-from agora_client.averaging.sparta import RoundReport, SpartaAverager
 
 SIZES = [7, 0, 1, 13, 4, 29]  # includes an empty tensor and tensors smaller than the stride
 
@@ -61,7 +61,12 @@ def test_rounds_rotate_with_the_stage_epoch() -> None:
     assert [due_round(epoch, 20) for epoch in (0, 1, 19, 20, 39, 40)] == [None, None, None, 1, None, 2]
     # a worker whose epoch jumps over a round's first epoch still starts that round, once
     assert [due_round(epoch, 2, since) for since, epoch in ((3, 5), (4, 5), (0, 3), (0, 1), (10, 100), (5, 6))] == [
-        2, None, 1, None, 50, 3
+        2,
+        None,
+        1,
+        None,
+        50,
+        3,
     ]
     assert [partition_of(round_no, 20) for round_no in (0, 1, 19, 20, 41)] == [0, 1, 19, 0, 1]
 
@@ -76,7 +81,13 @@ def test_round_report_becomes_a_sparta_event() -> None:
     event = report.to_event(StridedPartition([60, 40], 20))  # a stage of 100 parameters in 20 slices of 5
     assert isinstance(event, SpartaEvent)
     assert parse_event(dump_event(event)).model_dump(exclude={"ts"}) == event.model_dump(exclude={"ts"})
-    assert (event.round, event.fraction, event.bytes_received, event.weight, event.reason) == (3, 0.5, 90, 0.0, report.reason)
+    assert (event.round, event.fraction, event.bytes_received, event.weight, event.reason) == (
+        3,
+        0.5,
+        90,
+        0.0,
+        report.reason,
+    )
     assert (event.partition, event.partitions, event.stage_share) == (3, 20, 0.05)
 
 

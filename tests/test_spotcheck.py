@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from agora_client.config import SpotCheckConfig
+from agora_client.discovery.roster import WorkerRecord
 from agora_client.monitor.points import PFLOP, Observation, PointsPolicy
 from agora_client.monitor.store import PointsStore
-from agora_client.discovery.roster import WorkerRecord
 from agora_client.trainer.balancer import Router
 from agora_client.trainer.spotcheck import SpotChecker, relative_distance
 
@@ -40,7 +40,9 @@ class Replicas:
         return self._answer(worker, "backward", grad_outputs[0] @ self.weights[worker.uid].T)
 
 
-def swarm(count: int, *, drift: float = 0.01, liars=(), down=(), dim: int = 16) -> tuple[Router, Replicas, list[WorkerRecord]]:
+def swarm(
+    count: int, *, drift: float = 0.01, liars=(), down=(), dim: int = 16
+) -> tuple[Router, Replicas, list[WorkerRecord]]:
     torch.manual_seed(0)
     base = torch.randn(dim, dim)
     records = [WorkerRecord(uid=f"{STAGE}.0.{i}", peer_id=f"peer{i}", stage=STAGE) for i in range(count)]
@@ -91,8 +93,9 @@ def calibrate(checker: SpotChecker, client: Replicas, workers: list[WorkerRecord
 def test_a_lying_worker_is_banned_after_strikes_checks_once_calibrated_and_its_answer_replaced(kind: str) -> None:
     router, client, records = swarm(3, liars={"body1.0.2"})
     named = []
-    checker = SpotChecker(SpotCheckConfig(fraction=1.0, strikes=3), router, {STAGE: client},
-                          on_ban=named.append, rng=random.Random(0))
+    checker = SpotChecker(
+        SpotCheckConfig(fraction=1.0, strikes=3), router, {STAGE: client}, on_ban=named.append, rng=random.Random(0)
+    )
     liar, honest = records[2], records[0]
     calibrate(checker, client, records[:2], kind)  # the liar answers as second or third worker meanwhile: no strike
     assert checker.report()[STAGE].model_dump()[kind]["state"] == "verifiable" and checker.stats.strikes == 0
@@ -132,8 +135,13 @@ def test_two_workers_cannot_calibrate_a_stage_so_their_disagreements_strike_nobo
 def test_a_stage_drifted_too_far_to_judge_is_unverifiable_and_strikes_nobody() -> None:
     router, client, records = swarm(4, drift=3.0, liars={"body1.0.3"}, dim=64)  # honest replicas ~1.37 apart
     named, standings = [], []
-    checker = SpotChecker(SpotCheckConfig(fraction=1.0, strikes=1), router, {STAGE: client}, on_ban=named.append,
-                          on_standing=lambda stage, kind, standing: standings.append((stage, kind, standing.state)))
+    checker = SpotChecker(
+        SpotCheckConfig(fraction=1.0, strikes=1),
+        router,
+        {STAGE: client},
+        on_ban=named.append,
+        on_standing=lambda stage, kind, standing: standings.append((stage, kind, standing.state)),
+    )
     for index in range(60):
         check(checker, client, records[index % 4])
     assert named == [] and checker.stats.strikes == 0 and checker.stats.unjudged == 60
@@ -163,8 +171,16 @@ def test_an_unreachable_checker_checks_nothing_and_the_balancer_learns_it() -> N
 
 def test_a_withheld_peer_keeps_presence_loses_compute_and_stays_withheld_across_restarts(tmp_path) -> None:
     def obs(t: float, flops: float) -> Observation:
-        return Observation(peer_id="liar", identity="mallory", stage=STAGE, run_id="r", sync_phase="active",
-                           active_seconds=t, compute_flops=flops, seen_at=t)
+        return Observation(
+            peer_id="liar",
+            identity="mallory",
+            stage=STAGE,
+            run_id="r",
+            sync_phase="active",
+            active_seconds=t,
+            compute_flops=flops,
+            seen_at=t,
+        )
 
     store = PointsStore(tmp_path / "points.sqlite", PointsPolicy())
     assert store.withhold("liar", "caught by trainer t", now=0.0)  # named before the monitor ever saw it
@@ -176,5 +192,7 @@ def test_a_withheld_peer_keeps_presence_loses_compute_and_stays_withheld_across_
     assert peer.score == pytest.approx(60 / 3600)
     store.close()
     reopened = PointsStore(tmp_path / "points.sqlite", PointsPolicy())
-    assert reopened.peer("liar").withheld and reopened.leaderboard(now=60)[0].score == pytest.approx(60 / 3600, abs=1e-5)
+    assert reopened.peer("liar").withheld and reopened.leaderboard(now=60)[0].score == pytest.approx(
+        60 / 3600, abs=1e-5
+    )
     reopened.close()

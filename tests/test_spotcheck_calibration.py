@@ -46,21 +46,39 @@ def test_a_calibration_is_judged_from_min_samples_on_a_quantile_plus_margin() ->
 
 def test_a_config_whose_window_cannot_hold_min_samples_is_refused() -> None:
     with pytest.raises(ConfigError, match="min_samples .* must not exceed spot_checks.window"):
-        parse_config({"name": "r", "model": {"vocab_size": 256, "d_model": 64, "n_heads": 4, "n_layers": 2, "seq_len": 16,
-                                             "stages": [{"name": "head", "layers": 1}, {"name": "tail", "layers": 1}]},
-                      "spot_checks": {"window": 20, "min_samples": 30}})
+        parse_config(
+            {
+                "name": "r",
+                "model": {
+                    "vocab_size": 256,
+                    "d_model": 64,
+                    "n_heads": 4,
+                    "n_layers": 2,
+                    "seq_len": 16,
+                    "stages": [{"name": "head", "layers": 1}, {"name": "tail", "layers": 1}],
+                },
+                "spot_checks": {"window": 20, "min_samples": 30},
+            }
+        )
 
 
 def test_calibration_asks_a_third_worker_and_three_workers_are_enough() -> None:
     router, client, records = swarm(3, drift=0.05)
     standings = []
     config = SpotCheckConfig(fraction=1.0, min_samples=30, calibration_share=0.0)
-    checker = SpotChecker(config, router, {STAGE: client}, rng=random.Random(0),
-                          on_standing=lambda stage, kind, standing: standings.append((kind, standing.state)))
+    checker = SpotChecker(
+        config,
+        router,
+        {STAGE: client},
+        rng=random.Random(0),
+        on_standing=lambda stage, kind, standing: standings.append((kind, standing.state)),
+    )
     for index in range(10):  # three honest answers give three distances: ten checks calibrate
         before = len(client.calls)
         check(checker, client, records[index % 3])
-        assert {uid for uid, _ in client.calls[before:]} == {r.uid for r in records}  # the request, the check, the third
+        assert {uid for uid, _ in client.calls[before:]} == {
+            r.uid for r in records
+        }  # the request, the check, the third
     assert standings == [("forward", "verifiable")] and checker.stats.calibrations == 10
     before = len(client.calls)
     check(checker, client, records[0])
@@ -72,8 +90,9 @@ def test_calibration_asks_a_third_worker_and_three_workers_are_enough() -> None:
 def test_honest_drift_like_the_heads_never_strikes_after_calibration() -> None:
     router, client, records = swarm(3, drift=1.1, dim=64)
     named = []
-    checker = SpotChecker(SpotCheckConfig(fraction=1.0, strikes=1), router, {STAGE: client}, on_ban=named.append,
-                          rng=random.Random(1))
+    checker = SpotChecker(
+        SpotCheckConfig(fraction=1.0, strikes=1), router, {STAGE: client}, on_ban=named.append, rng=random.Random(1)
+    )
     distances = []
     for index in range(400):
         inputs = torch.randn(8, 64)
@@ -91,8 +110,9 @@ def test_a_stage_whose_drift_grows_keeps_up_and_never_strikes_an_honest_worker()
     base = client.weights[records[0].uid].clone()
     directions = {r.uid: torch.randn(64, 64) for r in records}
     named = []
-    checker = SpotChecker(SpotCheckConfig(fraction=1.0, strikes=1), router, {STAGE: client}, on_ban=named.append,
-                          rng=random.Random(2))
+    checker = SpotChecker(
+        SpotCheckConfig(fraction=1.0, strikes=1), router, {STAGE: client}, on_ban=named.append, rng=random.Random(2)
+    )
     for index in range(600):
         drift = 0.3 + 0.4 * index / 600  # replicas ~0.35 apart at first, ~0.75 at the end, as bodies drift in training
         client.weights.update({uid: base + drift * direction for uid, direction in directions.items()})
@@ -111,8 +131,13 @@ def test_a_replica_that_lags_its_stage_and_drifts_twice_as_far_is_never_struck()
     directions = {r.uid: torch.randn(64, 64) for r in records}
     reach = {records[0].uid: 1.0, records[1].uid: 3.0, records[2].uid: 1.0}
     strikes = []
-    checker = SpotChecker(SpotCheckConfig(fraction=1.0, strikes=1), router, {STAGE: client}, on_strike=strikes.append,
-                          rng=random.Random(3))
+    checker = SpotChecker(
+        SpotCheckConfig(fraction=1.0, strikes=1),
+        router,
+        {STAGE: client},
+        on_strike=strikes.append,
+        rng=random.Random(3),
+    )
     for index in range(600):
         drift = 0.1 + 0.2 * index / 600
         client.weights.update({uid: base + drift * reach[uid] * direction for uid, direction in directions.items()})
@@ -125,8 +150,14 @@ def test_a_replica_that_lags_its_stage_and_drifts_twice_as_far_is_never_struck()
 def test_a_random_liar_on_a_verifiable_stage_is_banned_after_strikes_checks_and_named_in_the_report() -> None:
     router, client, records = swarm(4, drift=0.5, liars={"body1.0.3"}, dim=64)  # honest replicas ~0.65 apart
     named, strikes = [], []
-    checker = SpotChecker(SpotCheckConfig(fraction=1.0, strikes=3), router, {STAGE: client}, on_ban=named.append,
-                          on_strike=strikes.append, rng=random.Random(4))
+    checker = SpotChecker(
+        SpotCheckConfig(fraction=1.0, strikes=3),
+        router,
+        {STAGE: client},
+        on_ban=named.append,
+        on_strike=strikes.append,
+        rng=random.Random(4),
+    )
     while checker.report()[STAGE].forward.state == "calibrating":
         check(checker, client, records[len(client.calls) % 3])
     strikes_before = checker.stats.strikes  # the liar may have been caught answering as a check already
@@ -142,4 +173,7 @@ def test_a_random_liar_on_a_verifiable_stage_is_banned_after_strikes_checks_and_
     assert strikes[0].describe(MARGIN, 3).startswith("strike 1 of 3 for body1.0.3 on body1 forward: its answer was ")
     # the metrics carry it: a trainer's progress record holds the report as it crosses the DHT
     record = TrainerProgress(peer_id="t", microbatches=1, spot_checks=checker.report(), ts=1.0)
-    assert TrainerProgress.model_validate(record.model_dump()).spot_checks[STAGE].forward.tolerance == report.forward.tolerance
+    assert (
+        TrainerProgress.model_validate(record.model_dump()).spot_checks[STAGE].forward.tolerance
+        == report.forward.tolerance
+    )

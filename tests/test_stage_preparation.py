@@ -13,12 +13,18 @@ from hivemind.moe.server.module_backend import ModuleBackend
 from agora_client.auth.client import StageAssignment
 from agora_client.config import load_config
 from agora_client.events import NULL_WRITER
+from agora_client.joining.preparation import StagePreparation
 from agora_client.model import build_stage
-from agora_client.snapshots import DownloadError, RangeRequestHandler, load_stage_snapshot, save_stage_snapshot, serve_directory
+from agora_client.snapshots import (
+    DownloadError,
+    RangeRequestHandler,
+    load_stage_snapshot,
+    save_stage_snapshot,
+    serve_directory,
+)
 from agora_client.worker.node import WorkerNode, WorkerOptions
 from agora_client.worker.optimizer import build_optimizer
 from agora_client.worker.prepared_stage import prepare_stage
-from agora_client.joining.preparation import StagePreparation
 
 CONFIG = load_config("tiny")
 WAIT_S = 60.0  # bounds every wait of this module
@@ -61,7 +67,9 @@ def test_the_stage_is_built_while_its_snapshot_still_downloads_and_both_are_hand
             HeldUntilReleased.release.set()
         snapshot, prepared = preparation.result(threading.Event())
     assert prepared.stage == "body1" and not prepared.seeded  # the snapshot sets every weight
-    load_stage_snapshot(snapshot, prepared.module, build_optimizer(list(prepared.module.parameters()), CONFIG), stage="body1")
+    load_stage_snapshot(
+        snapshot, prepared.module, build_optimizer(list(prepared.module.parameters()), CONFIG), stage="body1"
+    )
     for name, tensor in published.state_dict().items():
         assert torch.equal(prepared.module.state_dict()[name], tensor), name
 

@@ -10,9 +10,9 @@ import torch
 from hivemind.compression import serialize_torch_tensor
 from hivemind.proto.runtime_pb2 import CompressionType
 
+from agora_client import describe
 from agora_client.config import ConfigError, ModelConfig, load_config
 from agora_client.model import StageModule, build_stage, serialized_boundary_bytes
-from agora_client import describe
 from agora_client.model.subspace import SubspaceLinear, fixed_embedding
 
 SEED = 11

@@ -42,7 +42,11 @@ def test_boundary_traffic_is_the_subspace_coefficients(swarm):
 
     def traffic_lines() -> list[str]:
         _trainer_progress(swarm)  # the trainer is alive
-        return [line for line in swarm.trainers[0].lines() if line.startswith("[TRAFFIC]") and "body1.backward_reply" in line]
+        return [
+            line
+            for line in swarm.trainers[0].lines()
+            if line.startswith("[TRAFFIC]") and "body1.backward_reply" in line
+        ]
 
     wait_until(lambda: bool(traffic_lines()), timeout=240, what="a traffic report with body1's backward replies")
     traffic = json.loads(traffic_lines()[-1].split(" ", 1)[1])
@@ -72,11 +76,17 @@ def test_sigkill_of_one_worker_does_not_stop_training(swarm):
 def test_every_role_stops_and_leaves_no_process(swarm):
     survivors = [process for process in swarm.processes if process.alive]  # all but the SIGKILLed worker
     assert {process.name.split("-")[0].rstrip("0123456789") for process in survivors} >= {
-        "seed", "head", "body", "tail", "trainer", "auth", "monitor"}, [process.name for process in survivors]
+        "seed",
+        "head",
+        "body",
+        "tail",
+        "trainer",
+        "auth",
+        "monitor",
+    }, [process.name for process in survivors]
     swarm.stop()  # SIGINT to each role, SIGKILL to its process group only after a 10 s grace
     assert swarm.leftover_pids() == []
     assert not any(process.alive for process in swarm.processes)
-
 
 
 def _served(swarm: LocalSwarm, worker) -> int:

@@ -39,28 +39,45 @@ def checks(count: int, forward: str, backward: str | None = None, strikes: int =
     def standing(state: str) -> CheckStanding:
         return CheckStanding(state=state, tolerance=None if state == "calibrating" else 0.1, samples=count)
 
-    return StageSpotChecks(checks=count, strikes=strikes, bans=0, forward=standing(forward), backward=standing(backward or forward))
+    return StageSpotChecks(
+        checks=count, strikes=strikes, bans=0, forward=standing(forward), backward=standing(backward or forward)
+    )
 
 
 def test_the_trainers_spot_checks_of_a_stage_add_up_and_stand_where_its_less_judged_kind_stands():
     both = spot_check_status([checks(30, "verifiable", "calibrating", strikes=1), checks(20, "calibrating")])
     assert (both.checks, both.strikes, both.bans, both.state) == (50, 1, 0, "calibrating")  # no trainer judges backward
     # a kind is judged when one trainer can judge it, as the monitor's page says
-    assert spot_check_status([checks(5, "verifiable", "calibrating"), checks(5, "calibrating", "verifiable")]).state == "verifiable"
-    assert spot_check_status([checks(5, "unverifiable", "calibrating")]).state == "unverifiable"  # will not change by waiting
+    assert (
+        spot_check_status([checks(5, "verifiable", "calibrating"), checks(5, "calibrating", "verifiable")]).state
+        == "verifiable"
+    )
+    assert (
+        spot_check_status([checks(5, "unverifiable", "calibrating")]).state == "unverifiable"
+    )  # will not change by waiting
     assert spot_check_status([]) is None
 
 
 def test_each_stage_counts_its_workers_by_phase_its_queue_and_its_spot_checks(dht, tmp_path: Path):
-    workers = [("a", "head", 0, True, False), ("b", "head", 1, True, False), ("c", "head", 2, True, False),
-               ("d", "head", 0, False, False), ("e", "tail", 0, True, False), ("f", "head", 0, True, True)]
+    workers = [
+        ("a", "head", 0, True, False),
+        ("b", "head", 1, True, False),
+        ("c", "head", 2, True, False),
+        ("d", "head", 0, False, False),
+        ("e", "tail", 0, True, False),
+        ("f", "head", 0, True, True),
+    ]
     for peer, stage, phase, healthy, yielding in workers:
-        record = WorkerRecord(uid=f"{stage}.0.{peer}", peer_id=peer, stage=stage, sync_phase=phase, healthy=healthy,
-                              yielding=yielding)
+        record = WorkerRecord(
+            uid=f"{stage}.0.{peer}", peer_id=peer, stage=stage, sync_phase=phase, healthy=healthy, yielding=yielding
+        )
         assert announce(dht, record, ttl=60)
     trainer = TrainerProgress(peer_id="t", microbatches=1, spot_checks={"head": checks(12, "verifiable")}, ts=1.0)
     users = ("alice", "bob", "carol", "dave")
-    with auth_service(tmp_path, users, stages=("head", "body1", "tail"), pacing_s=60.0, max_workers_per_stage=4) as (server, tokens):
+    with auth_service(tmp_path, users, stages=("head", "body1", "tail"), pacing_s=60.0, max_workers_per_stage=4) as (
+        server,
+        tokens,
+    ):
         for user in users[:3]:  # one admitted per stage: the next joiner of each stage waits for the pacing
             join(server, tokens[user], user)
         queued = httpx.post(f"{server.url}/v1/join", json={"token": tokens["dave"], "peer_id": "dave"}).json()
@@ -70,7 +87,12 @@ def test_each_stage_counts_its_workers_by_phase_its_queue_and_its_spot_checks(dh
     assert queued["status"] == "queued" and stages[waiting].queued == 1
     assert all(stage.queued == 0 and stage.capacity == 4 for name, stage in stages.items() if name != waiting)
     head = stages["head"]
-    assert (head.active, head.syncing, head.unhealthy, head.yielding) == (1, 2, 1, 1)  # a yielding worker serves nothing
+    assert (head.active, head.syncing, head.unhealthy, head.yielding) == (
+        1,
+        2,
+        1,
+        1,
+    )  # a yielding worker serves nothing
     assert head.spot_checks is not None and (head.spot_checks.checks, head.spot_checks.state) == (12, "verifiable")
     assert (stages["tail"].active, stages["tail"].spot_checks) == (1, None)
     assert (stages["body1"].active, stages["body1"].syncing) == (0, 0)
@@ -85,8 +107,10 @@ def test_each_stage_shows_the_mean_drift_of_its_workers_verified_metrics_records
     auth_key, stranger_key, model = generate_signing_key(), generate_signing_key(), load_config("tiny").model
     workers = [create_signed_dht(tmp_path / "0.id", RSAPrivateKey(), host_maddrs=LOOPBACK)]
     peers = [str(address) for address in workers[0][0].get_visible_maddrs()]
-    workers += [create_signed_dht(tmp_path / f"{index}.id", RSAPrivateKey(), initial_peers=peers, host_maddrs=LOOPBACK)
-                for index in (1, 2)]
+    workers += [
+        create_signed_dht(tmp_path / f"{index}.id", RSAPrivateKey(), initial_peers=peers, host_maddrs=LOOPBACK)
+        for index in (1, 2)
+    ]
     try:
         # two workers that averaged, and one whose ticket another auth service signed (records without a drift:
         # tests/test_replica_drift.py)

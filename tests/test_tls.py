@@ -24,16 +24,33 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from agora_client.auth import (
-    AdmissionPolicy, AuthFailed, AuthServer, AuthService, ServiceSettings, TokenFileIdentity, authorize, leave,
-    renew_ticket, swarm_status, write_demo_token_file,
+    AdmissionPolicy,
+    AuthFailed,
+    AuthServer,
+    AuthService,
+    ServiceSettings,
+    TokenFileIdentity,
+    authorize,
+    leave,
+    renew_ticket,
+    swarm_status,
+    write_demo_token_file,
 )
 from agora_client.auth.run_description import TokenizerSummary, describe_run
 from agora_client.auth.transport import PlainHttpRefused, refuse_plain_http, trust_ca_certificate
 from agora_client.config import load_config
 from agora_client.events import EventWriter, parse_event
 from agora_client.http_service import (
-    Exposure, HttpService, RateLimit, ServiceLimits, TlsSetupError, TrustedProxies, add_exposure_arguments,
-    exposure_from_arguments, json_reply, server_tls_context,
+    Exposure,
+    HttpService,
+    RateLimit,
+    ServiceLimits,
+    TlsSetupError,
+    TrustedProxies,
+    add_exposure_arguments,
+    exposure_from_arguments,
+    json_reply,
+    server_tls_context,
 )
 from tests.test_http_service_limits import closed_by_server
 from tests.tls_helpers import make_tls_files
@@ -46,14 +63,26 @@ INTERNET_URL = "http://11.77.0.2:8470"  # a public address: nothing here ever co
 
 
 @contextmanager
-def auth_server(tmp_path: Path, *, exposure: Exposure = Exposure(), snapshot_url: str | None = None, run=None,
-                dial_back: bool = False, **server_options):
+def auth_server(
+    tmp_path: Path,
+    *,
+    exposure: Exposure = Exposure(),
+    snapshot_url: str | None = None,
+    run=None,
+    dial_back: bool = False,
+    **server_options,
+):
     token_file = tmp_path / "tokens.json"
     tokens = {name: write_demo_token_file(token_file, name) for name in ("alice", "bob", "carol")}
     settings = ServiceSettings(
-        policy=AdmissionPolicy(stages=STAGES if run is None else run.config.model.stage_names, pacing_s=0.0,
-                               max_pending_per_stage=100),
-        snapshot_url=snapshot_url, poll_every_s=0.05, run=run, dial_back=dial_back, dial_timeout_s=2.0,
+        policy=AdmissionPolicy(
+            stages=STAGES if run is None else run.config.model.stage_names, pacing_s=0.0, max_pending_per_stage=100
+        ),
+        snapshot_url=snapshot_url,
+        poll_every_s=0.05,
+        run=run,
+        dial_back=dial_back,
+        dial_timeout_s=2.0,
     )
     service = AuthService(settings, TokenFileIdentity(token_file), tmp_path / "state")
     with AuthServer(service, exposure=exposure, **server_options) as server:
@@ -68,18 +97,29 @@ def tls_exposure(tmp_path: Path, **options) -> tuple[Exposure, Path]:
 def runtime_exit(*args: str) -> tuple[int, dict]:
     """The runtime's exit code and its last event (the exit, with the reason)."""
     env = {key: value for key, value in os.environ.items() if key != "SSL_CERT_FILE"}
-    out = subprocess.run([sys.executable, str(REPO / "agora_cli.py"), "runtime", "--cpu", *args], capture_output=True,
-                         text=True, timeout=60, env={**env, "PYTHONPATH": str(REPO), "HF_TOKEN": "hf_test_token"}, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "agora_cli.py"), "runtime", "--cpu", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "PYTHONPATH": str(REPO), "HF_TOKEN": "hf_test_token"},
+        cwd=REPO,
+    )
     events = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert events and events[-1]["kind"] == "exit", out.stderr[-2000:]
     assert "hf_test_token" not in out.stdout + out.stderr
     return out.returncode, events[-1]
 
 
-def post_join(server: AuthServer, token: str, peer_id: str, port: int, *, source: str, forwarded_for: str) -> httpx.Response:
+def post_join(
+    server: AuthServer, token: str, peer_id: str, port: int, *, source: str, forwarded_for: str
+) -> httpx.Response:
     with httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=10) as client:
-        return client.post(f"{server.url}/v1/join", json={"token": token, "peer_id": peer_id, "port": port},
-                           headers={"X-Forwarded-For": forwarded_for})
+        return client.post(
+            f"{server.url}/v1/join",
+            json={"token": token, "peer_id": peer_id, "port": port},
+            headers={"X-Forwarded-For": forwarded_for},
+        )
 
 
 def connect(url: str, source: str) -> socket.socket:
@@ -108,7 +148,9 @@ def test_a_join_over_tls_works_once_the_client_trusts_the_swarms_ca(tmp_path: Pa
         with connect(server.url, "127.0.0.1") as plain:  # plain HTTP to the TLS port gets no HTTP answer
             plain.sendall(b"GET /v1/status HTTP/1.1\r\nHost: x\r\n\r\n")
             assert not plain.recv(1024).startswith(b"HTTP/")
-    assert ssl.create_default_context(cafile=str(bundle)).cert_store_stats()["x509_ca"] > 50  # the usual CAs stay trusted
+    assert (
+        ssl.create_default_context(cafile=str(bundle)).cert_store_stats()["x509_ca"] > 50
+    )  # the usual CAs stay trusted
 
 
 def test_the_runtime_trusts_its_ca_cert_and_says_what_to_do_without_it(tmp_path: Path):
@@ -116,7 +158,9 @@ def test_the_runtime_trusts_its_ca_cert_and_says_what_to_do_without_it(tmp_path:
     with auth_server(tmp_path, exposure=exposure) as (server, _):  # no run description: it answers 503
         common = ("--swarm", server.url, "--config-dir", str(tmp_path / "client"))
         code, untrusted = runtime_exit(*common)
-        assert code == 1 and "TLS certificate is not trusted" in untrusted["reason"] and "--ca-cert" in untrusted["reason"]
+        assert (
+            code == 1 and "TLS certificate is not trusted" in untrusted["reason"] and "--ca-cert" in untrusted["reason"]
+        )
         code, trusted = runtime_exit(*common, "--ca-cert", str(ca_cert))
         assert code == 1 and "answered HTTP 503" in trusted["reason"], trusted  # reached the service over TLS
         code, not_a_certificate = runtime_exit(*common, "--ca-cert", str(tmp_path / "tls" / "server.key"))
@@ -126,8 +170,14 @@ def test_the_runtime_trusts_its_ca_cert_and_says_what_to_do_without_it(tmp_path:
 def test_a_tls_handshake_counts_against_the_connection_caps_and_the_header_timeout(tmp_path: Path):
     exposure, ca_cert = tls_exposure(tmp_path)
     limits = ServiceLimits(header_timeout_s=1.0, max_connections_per_address=2)
-    service = HttpService(lambda request: json_reply(200, {"status": "ok", "from": request.source}), "127.0.0.1", 0,
-                          name="tls-test", limits=limits, exposure=exposure).start()
+    service = HttpService(
+        lambda request: json_reply(200, {"status": "ok", "from": request.source}),
+        "127.0.0.1",
+        0,
+        name="tls-test",
+        limits=limits,
+        exposure=exposure,
+    ).start()
     try:
         silent = [connect(service.url, "127.0.0.2") for _ in range(2)]  # connected, never start the handshake
         time.sleep(0.2)
@@ -154,16 +204,24 @@ def test_tls_flags_say_what_is_wrong(tmp_path: Path):
         server_tls_context(files.server_cert, make_tls_files(tmp_path / "other").server_key)
     key = serialization.load_pem_private_key(files.server_key.read_bytes(), None)
     encrypted = tmp_path / "encrypted.key"
-    encrypted.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                            serialization.BestAvailableEncryption(b"secret")))
+    encrypted.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"secret"),
+        )
+    )
     with pytest.raises(TlsSetupError, match="is encrypted: give it unencrypted"):  # not a prompt on the terminal
         server_tls_context(files.server_cert, encrypted)
     parser = argparse.ArgumentParser()
     add_exposure_arguments(parser)
     with pytest.raises(TlsSetupError, match="give both --tls-cert and --tls-key"):
         exposure_from_arguments(parser.parse_args(["--tls-cert", str(files.server_cert)]))
-    served = exposure_from_arguments(parser.parse_args(
-        ["--tls-cert", str(files.server_cert), "--tls-key", str(files.server_key), "--trusted-proxy", "10.0.0.0/8"]))
+    served = exposure_from_arguments(
+        parser.parse_args(
+            ["--tls-cert", str(files.server_cert), "--tls-key", str(files.server_key), "--trusted-proxy", "10.0.0.0/8"]
+        )
+    )
     assert served.scheme == "https" and "10.1.2.3" in served.trusted_proxies
 
 
@@ -181,8 +239,15 @@ def test_plain_http_to_a_host_on_the_internet_is_refused_without_insecure(tmp_pa
     assert sent == [] and "hf_secret_token" not in buffer.getvalue()
     assert [parse_event(line).status for line in buffer.getvalue().splitlines()] == ["authorizing", "failed"]
 
-    for local in ("http://127.0.0.1:8470", "http://[::1]:8470", "http://localhost:8470", "http://10.77.0.2:8470",
-                  "http://192.168.1.20:8470", "http://172.16.4.4", "http://[fd00::2]:80"):
+    for local in (
+        "http://127.0.0.1:8470",
+        "http://[::1]:8470",
+        "http://localhost:8470",
+        "http://10.77.0.2:8470",
+        "http://192.168.1.20:8470",
+        "http://172.16.4.4",
+        "http://[fd00::2]:80",
+    ):
         refuse_plain_http(local, insecure=False, what="the swarm", why="test")
     refuse_plain_http("https://11.77.0.2:8470", insecure=False, what="the swarm", why="test")
     refuse_plain_http(INTERNET_URL, insecure=True, what="the swarm", why="test")
@@ -219,11 +284,15 @@ def test_x_forwarded_for_from_a_trusted_proxy_sets_the_dial_back_target_and_is_i
         exposure = Exposure(trusted_proxies=TrustedProxies.parse(["127.0.0.1"]))
         with auth_server(tmp_path, exposure=exposure, dial_back=True) as (server, tokens):
             # The proxy at 127.0.0.1 appended the contributor's address; what the contributor wrote before it is not believed.
-            proxied = post_join(server, tokens["alice"], "peerA", port, source="127.0.0.1", forwarded_for="6.6.6.6, 127.0.0.3")
+            proxied = post_join(
+                server, tokens["alice"], "peerA", port, source="127.0.0.1", forwarded_for="6.6.6.6, 127.0.0.3"
+            )
             assert proxied.status_code == 200 and proxied.json()["status"] == "authorized", proxied.text
             assert proxied.json()["dial"]["host"] == "127.0.0.3"
             direct = post_join(server, tokens["bob"], "peerB", port, source="127.0.0.2", forwarded_for="127.0.0.3")
-            assert direct.status_code == 409 and direct.json()["dial"]["host"] == "127.0.0.2"  # its own address, not the header's
+            assert (
+                direct.status_code == 409 and direct.json()["dial"]["host"] == "127.0.0.2"
+            )  # its own address, not the header's
         contributor.setblocking(False)
         contributor.accept()[0].close()  # the one dial-back that reached the contributor
         with pytest.raises(BlockingIOError):
@@ -256,7 +325,9 @@ def test_forwarded_for_is_read_from_the_right_through_trusted_proxies_only():
     assert proxies.client_address("10.0.0.5", ["1.1.1.1, 203.0.113.9, 10.0.0.7"]) == "203.0.113.9"  # two proxies deep
     assert proxies.client_address("10.0.0.5", ["1.1.1.1", "203.0.113.9:4711"]) == "203.0.113.9"  # two headers; a port
     assert proxies.client_address("::ffff:10.0.0.5", ["[2001:db8::7]:443"]) == "2001:db8::7"
-    assert proxies.client_address("203.0.113.50", ["10.0.0.1"]) == "203.0.113.50"  # not a proxy: its header is not believed
+    assert (
+        proxies.client_address("203.0.113.50", ["10.0.0.1"]) == "203.0.113.50"
+    )  # not a proxy: its header is not believed
     assert proxies.client_address("10.0.0.5", ["garbage"]) == "10.0.0.5"
     assert proxies.client_address("10.0.0.5", []) == "10.0.0.5"
     with pytest.raises(ValueError, match="--trusted-proxy 'proxy.example' is not an IP address or CIDR range"):
@@ -275,7 +346,7 @@ def test_the_front_end_hands_insecure_and_ca_cert_to_the_runtime_which_takes_the
     argv = session.command.argv
     runtime_parser = argparse.ArgumentParser()
     runtime_module.configure(runtime_parser)
-    runtime = runtime_parser.parse_args(list(argv[argv.index("runtime") + 1:]))
+    runtime = runtime_parser.parse_args(list(argv[argv.index("runtime") + 1 :]))
     assert (runtime.swarm, runtime.insecure, runtime.ca_cert) == (INTERNET_URL, True, Path("ca.pem"))
     plain = runtime_parser.parse_args(["--swarm", INTERNET_URL])
     assert (plain.insecure, plain.ca_cert) == (False, None)
@@ -292,8 +363,9 @@ def test_tls_is_served_when_the_process_runs_uvloop(tmp_path: Path):
     previous = asyncio.get_event_loop_policy()
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     try:
-        service = HttpService(lambda request: json_reply(200, {"status": "ok"}), "127.0.0.1", 0, name="uvloop-test",
-                              exposure=exposure).start()
+        service = HttpService(
+            lambda request: json_reply(200, {"status": "ok"}), "127.0.0.1", 0, name="uvloop-test", exposure=exposure
+        ).start()
     finally:
         asyncio.set_event_loop_policy(previous)
     try:

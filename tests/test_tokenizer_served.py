@@ -20,18 +20,27 @@ import httpx
 import pytest
 import yaml
 
+from agora_client import describe as describe_command
 from agora_client.auth import (
-    AdmissionPolicy, AuthServer, AuthService, ServiceSettings, TokenFileIdentity, write_demo_token_file,
+    AdmissionPolicy,
+    AuthServer,
+    AuthService,
+    ServiceSettings,
+    TokenFileIdentity,
+    run_description,
+    write_demo_token_file,
 )
-from agora_client.auth import run_description
 from agora_client.auth.run_description import (
-    RunDescriptionError, TokenizerSummary, describe_run, fetch_description, fetch_tokenizer,
+    RunDescriptionError,
+    TokenizerSummary,
+    describe_run,
+    fetch_description,
+    fetch_tokenizer,
     parse_description,
 )
 from agora_client.config import load_config
 from agora_client.data.tokenizer import load_run_tokenizer
 from agora_client.frontend.exit_codes import EXIT_ERROR
-from agora_client import describe as describe_command
 from tests.test_join_from_url import SEEDS, describe, service
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,14 +118,19 @@ def test_tokenizer_altered_on_the_way_is_refused(tmp_path):
     routes = {"/v1/run": json.dumps(run.to_json()).encode(), "/v1/tokenizer": altered(genuine)}
     with answering(routes) as url:
         joined = fetch_description(url)
-        with pytest.raises(RunDescriptionError, match=r"sha256 [0-9a-f]{16}\.\.\., but the run description says "
-                                                      rf"{run.tokenizer.sha256[:16]}"):
+        with pytest.raises(
+            RunDescriptionError,
+            match=r"sha256 [0-9a-f]{16}\.\.\., but the run description says "
+            rf"{run.tokenizer.sha256[:16]}",
+        ):
             fetch_tokenizer(url, joined)
         routes["/v1/tokenizer"] = genuine[: len(genuine) // 2]  # cut short
         with pytest.raises(RunDescriptionError, match="altered or truncated"):
             fetch_tokenizer(url, joined)
         del routes["/v1/tokenizer"]  # an auth service older than the tokenizer endpoint
-        with pytest.raises(RunDescriptionError, match="HTTP 404: the swarm's auth service does not serve the run's tokenizer"):
+        with pytest.raises(
+            RunDescriptionError, match="HTTP 404: the swarm's auth service does not serve the run's tokenizer"
+        ):
             fetch_tokenizer(url, joined)
 
 
@@ -133,8 +147,9 @@ def test_tokenizer_whose_vocab_is_not_the_models_is_refused_by_the_joiner(tmp_pa
     config = load_config("tiny2", {"model": {"vocab_size": 4096}})
     tokenizer = load_run_tokenizer(load_config("tiny2"))
     run = describe_run(config, SEEDS, None, None, TokenizerSummary(tokenizer.sha256, 4096, tokenizer.eos_token))
-    settings = ServiceSettings(policy=AdmissionPolicy(stages=config.model.stage_names), seeds=SEEDS, run=run,
-                               tokenizer_json=tokenizer.content)
+    settings = ServiceSettings(
+        policy=AdmissionPolicy(stages=config.model.stage_names), seeds=SEEDS, run=run, tokenizer_json=tokenizer.content
+    )
     write_demo_token_file(tmp_path / "tokens.json", "alice")
     with AuthServer(AuthService(settings, TokenFileIdentity(tmp_path / "tokens.json"), tmp_path / "state")) as server:
         with pytest.raises(RunDescriptionError, match="has 2,048 tokens but model.vocab_size is 4,096"):
@@ -144,7 +159,9 @@ def test_tokenizer_whose_vocab_is_not_the_models_is_refused_by_the_joiner(tmp_pa
 def test_tokenizer_file_other_than_the_description_pins_is_not_served(tmp_path):
     run = describe("tiny2")
     content = load_run_tokenizer(run.config).content
-    settings = ServiceSettings(policy=AdmissionPolicy(stages=run.config.model.stage_names), run=run, tokenizer_json=altered(content))
+    settings = ServiceSettings(
+        policy=AdmissionPolicy(stages=run.config.model.stage_names), run=run, tokenizer_json=altered(content)
+    )
     write_demo_token_file(tmp_path / "tokens.json", "alice")
     with pytest.raises(ValueError, match="describe the run with the tokenizer it serves"):
         AuthService(settings, TokenFileIdentity(tmp_path / "tokens.json"), tmp_path / "state")
@@ -154,9 +171,23 @@ def test_tokenizer_vocab_mismatch_stops_the_auth_service_at_start(tmp_path):
     preset = preset_file(tmp_path, {"model": {"vocab_size": 4096}})
     write_demo_token_file(tmp_path / "tokens.json", "alice")
     result = subprocess.run(
-        [sys.executable, str(REPO / "agora_cli.py"), "auth", "--config", preset, "--identity", "token-file",
-         "--token-file", str(tmp_path / "tokens.json"), "--state-dir", str(tmp_path / "state")],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)},
+        [
+            sys.executable,
+            str(REPO / "agora_cli.py"),
+            "auth",
+            "--config",
+            preset,
+            "--identity",
+            "token-file",
+            "--token-file",
+            str(tmp_path / "tokens.json"),
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
@@ -176,25 +207,47 @@ def test_tokenizer_altered_on_the_way_stops_a_joining_worker(tmp_path):
         routes = {"/v1/run": json.dumps(run.to_json()).encode(), "/v1/tokenizer": altered(content)}
         with answering(routes) as url:
             result = subprocess.run(
-                [sys.executable, str(REPO / "agora_cli.py"), "--headless", "--cpu", "--swarm", url,
-                 "--config-dir", str(tmp_path / "client"), "--host-port", "0"],
+                [
+                    sys.executable,
+                    str(REPO / "agora_cli.py"),
+                    "--headless",
+                    "--cpu",
+                    "--swarm",
+                    url,
+                    "--config-dir",
+                    str(tmp_path / "client"),
+                    "--host-port",
+                    "0",
+                ],
                 env={**os.environ, "HF_TOKEN": "hf_test", "PYTHONPATH": str(REPO)},
-                stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=180,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=180,
             )
     assert result.returncode == EXIT_ERROR, (result.stdout, result.stderr)
     errors = [line for line in result.stdout.splitlines() if line.startswith("[ERROR]")]
-    assert any("the swarm's tokenizer cannot be used, so this worker does not join" in line and "altered or truncated" in line
-               for line in errors), result.stdout
+    assert any(
+        "the swarm's tokenizer cannot be used, so this worker does not join" in line and "altered or truncated" in line
+        for line in errors
+    ), result.stdout
     assert not any(line.startswith("[AUTH]") for line in result.stdout.splitlines())  # it never asked for a slot
     assert "Traceback" not in result.stderr
-
 
 
 def test_tokenizer_is_shown_by_describe_and_a_wrong_vocab_fails_it(tmp_path, capsys):
     assert describe_command.run(argparse.Namespace(preset="tiny", json=False)) == 0
     expected = load_run_tokenizer(load_config("tiny"))
-    assert f"tokenizer demo-bpe-2k.json: sha256 {expected.sha256[:16]}, vocab 2,048, eos <|endoftext|>" in capsys.readouterr().out
-    assert describe_command.run(argparse.Namespace(preset=preset_file(tmp_path, {"model": {"vocab_size": 4096}}), json=False)) == 2
+    assert (
+        f"tokenizer demo-bpe-2k.json: sha256 {expected.sha256[:16]}, vocab 2,048, eos <|endoftext|>"
+        in capsys.readouterr().out
+    )
+    assert (
+        describe_command.run(
+            argparse.Namespace(preset=preset_file(tmp_path, {"model": {"vocab_size": 4096}}), json=False)
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "has 2,048 tokens but model.vocab_size is 4,096" in err
 
@@ -206,7 +259,11 @@ def test_tokenizer_that_cannot_be_fetched_still_lets_describe_show_the_model(tmp
     preset = preset_file(tmp_path, {"tokenizer": {"source": url, "sha256": None}})
     assert describe_command.run(argparse.Namespace(preset=preset, json=True)) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["stages"] and info["tokenizer"]["source"] == url and "could not download" in info["tokenizer"]["unavailable"]
+    assert (
+        info["stages"]
+        and info["tokenizer"]["source"] == url
+        and "could not download" in info["tokenizer"]["unavailable"]
+    )
     assert describe_command.run(argparse.Namespace(preset=preset, json=False)) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("tokenizer ")]
     assert lines == [f"tokenizer {url}: not loaded ({info['tokenizer']['unavailable']})"]

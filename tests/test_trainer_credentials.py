@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from agora_client.auth import (
-    AdmissionPolicy, AuthServer, AuthService, ServiceSettings, TokenFileIdentity, write_demo_token_file,
+    AdmissionPolicy,
+    AuthServer,
+    AuthService,
+    ServiceSettings,
+    TokenFileIdentity,
+    write_demo_token_file,
 )
 from agora_client.auth.client import AuthFailed
 from agora_client.auth.secret import Secret
@@ -35,8 +40,12 @@ def test_a_credential_buys_trainer_tickets_for_each_of_the_trainers_peers(auth):
     tickets = IssuedTrainerTickets(server.url, TrainerCredentials(service.state_dir).add("trainer-host-1"))
     for peer_id in TRAINER_PEERS:
         claims = verify_ticket(service.public_key, tickets.ticket_for(peer_id))
-        assert (claims.peer_id, claims.role, claims.stage, claims.identity) == (peer_id, TRAINER, TRAINER,
-                                                                               "trainer:trainer-host-1")
+        assert (claims.peer_id, claims.role, claims.stage, claims.identity) == (
+            peer_id,
+            TRAINER,
+            TRAINER,
+            "trainer:trainer-host-1",
+        )
     assert tickets.ticket_for(TRAINER_PEERS[0]) == tickets.ticket_for(TRAINER_PEERS[0])  # held, not asked again
 
 
@@ -84,20 +93,26 @@ def test_a_trainer_takes_its_tickets_from_one_source_and_says_what_is_missing(tm
     from agora_client.trainer.main import _ticket_source
 
     def source(**flags):
-        return _ticket_source(argparse.Namespace(**{"ticket_key": None, "credential_file": None, "auth_url": None,
-                                                    "insecure": False, **flags}))
+        return _ticket_source(
+            argparse.Namespace(
+                **{"ticket_key": None, "credential_file": None, "auth_url": None, "insecure": False, **flags}
+            )
+        )
 
     credential = tmp_path / "credential"
     credential.write_text("agora-trainer-abc\n")
     assert isinstance(source(credential_file=credential, auth_url="https://auth.example"), IssuedTrainerTickets)
     assert source() is None
     assert isinstance(source(credential_file=credential, auth_url="http://10.0.0.2:8000"), IssuedTrainerTickets)
-    assert isinstance(source(credential_file=credential, auth_url="http://11.77.0.2:8000", insecure=True),
-                      IssuedTrainerTickets)
-    for flags, words in (({"ticket_key": tmp_path / "key.pem", "credential_file": credential}, "not both"),
-                         ({"credential_file": credential}, "needs --auth-url"),
-                         ({"credential_file": tmp_path / "missing", "auth_url": "https://a"}, "cannot read"),
-                         ({"credential_file": credential, "auth_url": "http://11.77.0.2:8000"}, "in clear text"),):
+    assert isinstance(
+        source(credential_file=credential, auth_url="http://11.77.0.2:8000", insecure=True), IssuedTrainerTickets
+    )
+    for flags, words in (
+        ({"ticket_key": tmp_path / "key.pem", "credential_file": credential}, "not both"),
+        ({"credential_file": credential}, "needs --auth-url"),
+        ({"credential_file": tmp_path / "missing", "auth_url": "https://a"}, "cannot read"),
+        ({"credential_file": credential, "auth_url": "http://11.77.0.2:8000"}, "in clear text"),
+    ):
         with pytest.raises(ValueError, match=words):
             source(**flags)
     credential.write_text("\n")

@@ -45,7 +45,9 @@ STAGE = re.compile(
     r"(?P<retries>\d+) retries, \d+ rejected, (?P<bans>\d+) bans, served \[(?P<served>[^\]]*)\]"
 )
 DONE = re.compile(r"\[PROGRESS\] microbatches=(\d+)")
-FAILURE = re.compile(r"\[RETRY\] (?P<stage>\w+) (?P<kind>forward|backward) on (?P<uid>\S+) failed after (?P<elapsed>[0-9.]+)s")
+FAILURE = re.compile(
+    r"\[RETRY\] (?P<stage>\w+) (?P<kind>forward|backward) on (?P<uid>\S+) failed after (?P<elapsed>[0-9.]+)s"
+)
 
 
 @dataclass
@@ -97,7 +99,9 @@ class TrainerView:
         self.pid = trainer.proc.pid
 
     def lines(self, since: int = 0) -> list[str]:
-        assert self.trainer.alive, f"the trainer exited; see {self.trainer.log_path}:\n" + "\n".join(self.trainer.lines()[-8:])
+        assert self.trainer.alive, f"the trainer exited; see {self.trainer.log_path}:\n" + "\n".join(
+            self.trainer.lines()[-8:]
+        )
         return self.trainer.lines()[since:]
 
     def mark(self) -> int:
@@ -172,7 +176,9 @@ def _grows(trainer: TrainerView, by: int, timeout: float) -> None:
 
 def _longest_failure(trainer: TrainerView, since: int, uid: str, kind: str) -> float:
     """Seconds the longest-outstanding failed ``kind`` request on ``uid`` had waited; 0 when none failed yet."""
-    return max((float(m["elapsed"]) for m in trainer.failures(since) if m["uid"] == uid and m["kind"] == kind), default=0.0)
+    return max(
+        (float(m["elapsed"]) for m in trainer.failures(since) if m["uid"] == uid and m["kind"] == kind), default=0.0
+    )
 
 
 def _sum(windows: list[dict[str, StageWindow]], stage: str, field: str) -> int:
@@ -211,7 +217,11 @@ def test_workers_crashed_mid_forward_and_mid_backward_are_retried_banned_and_for
     # backward to the same worker at once (tail is the last stage), and it stays outstanding >= 4 s.
     slow_tail.wait_for(WORKER_READY, START_TIMEOUT)
     joined = trainer.wait_for(f"[ROSTER] tail: +{tail_uid}", killed_at, 60)
-    wait_until(lambda: served(trainer.lines(joined), "tail").get(tail_uid, 0) >= 1, 60, "a forward done by the slow tail worker")
+    wait_until(
+        lambda: served(trainer.lines(joined), "tail").get(tail_uid, 0) >= 1,
+        60,
+        "a forward done by the slow tail worker",
+    )
     time.sleep(0.5)
     crash(slow_tail)
     killed_at = trainer.mark()
@@ -300,14 +310,21 @@ def test_with_seed_0_down_a_new_worker_and_a_second_trainer_bootstrap_through_se
     view = TrainerView(second)
     head_uid = _uid(head)
     view.wait_for(f"+{head_uid}", 0, 90)  # in a [ROSTER] line of the second trainer
-    wait_until(lambda: served(view.lines(), "head").get(head_uid, 0) >= 1, 120, "the new head worker to serve the second trainer")
+    wait_until(
+        lambda: served(view.lines(), "head").get(head_uid, 0) >= 1,
+        120,
+        "the new head worker to serve the second trainer",
+    )
     wait_until(lambda: view.done() >= 3, 120, "microbatches of the trainer started after seed 0 went down")
 
 
 def test_two_trainers_train_concurrently_on_disjoint_shards(swarm, trainer):
     first, second = swarm.trainers
     shard_of = {process.name: process.proc.args[process.proc.args.index("--shard") + 1] for process in (first, second)}
-    assert shard_of == {first.name: "0/2", second.name: "1/2"}  # that these shards share no sample: test_trainer_data.py
+    assert shard_of == {
+        first.name: "0/2",
+        second.name: "1/2",
+    }  # that these shards share no sample: test_trainer_data.py
     other = TrainerView(second)
     first_from, second_from = trainer.done(), other.done()
     wait_until(

@@ -39,11 +39,15 @@ def _run(microbatches: int, seconds_each: float, inflight: int, pipeline: _Pipel
     """Every tokens_per_s the loop published, reporting after every finished microbatch."""
     published: list[float] = []
     loop = TrainingLoop(
-        pipeline or _Pipeline(seconds_each), iter(lambda: torch.zeros(ROWS, SEQ + 1, dtype=torch.long), None),
-        router=SimpleNamespace(window_stats=dict), traffic=SimpleNamespace(per_token=dict),
+        pipeline or _Pipeline(seconds_each),
+        iter(lambda: torch.zeros(ROWS, SEQ + 1, dtype=torch.long), None),
+        router=SimpleNamespace(window_stats=dict),
+        traffic=SimpleNamespace(per_token=dict),
         progress=SimpleNamespace(publish=lambda done, loss, rate, **_: published.append(rate)),
         evaluation=SimpleNamespace(start_if_due=lambda: None, take_finished=list, latest=None),
-        records=None, say=lambda tag, text: None, replica_drifts=dict,
+        records=None,
+        say=lambda tag, text: None,
+        replica_drifts=dict,
     )
     assert loop.run(inflight, microbatches, report_every=0.0) == microbatches
     return published

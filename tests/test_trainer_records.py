@@ -19,8 +19,15 @@ CONFIG = load_config("tiny")
 
 
 def _record(store, shard: str, at: float, eval_loss: float | None, sequences: int) -> None:
-    save_trainer_record(store, CONFIG, shard=shard, microbatches=sequences // 8, eval_loss=eval_loss, timestamp=at,
-                        position={"v": 1, "shard": shard, "sequences": sequences, "pass": 0})
+    save_trainer_record(
+        store,
+        CONFIG,
+        shard=shard,
+        microbatches=sequences // 8,
+        eval_loss=eval_loss,
+        timestamp=at,
+        position={"v": 1, "shard": shard, "sequences": sequences, "pass": 0},
+    )
 
 
 def test_trainer_records_a_set_takes_each_trainers_record_nearest_its_time(tmp_path):
@@ -32,7 +39,10 @@ def test_trainer_records_a_set_takes_each_trainers_record_nearest_its_time(tmp_p
         _record(store, shard, T0 + 600, 4.0, 320)
     assert store.stages() == sorted(CONFIG.model.stage_names)  # the trainers' folder is not a stage
     chosen = select_set(store)
-    assert {shard: record["position"]["sequences"] for shard, record in chosen.trainers.items()} == {"0/2": 160, "1/2": 160}
+    assert {shard: record["position"]["sequences"] for shard, record in chosen.trainers.items()} == {
+        "0/2": 160,
+        "1/2": 160,
+    }
     assert chosen.eval_loss == pytest.approx(5.5)
     assert nearest_records(store, T0 + 10_000)["0/2"]["eval_loss"] == 4.0
 
@@ -45,7 +55,9 @@ def test_trainer_records_follow_the_retention_policy(tmp_path):
         _record(store, "0/1", at, None, 8)
     _record(store, "1/2", old[0], None, 8)  # another trainer's records are not this one's to prune
     kept = store.record_names("trainers")
-    assert kept == sorted([f"0-of-1-{int(at * 1000)}.json" for at in (old[-1], T0 - 30, T0)] + [f"1-of-2-{int(old[0] * 1000)}.json"])
+    assert kept == sorted(
+        [f"0-of-1-{int(at * 1000)}.json" for at in (old[-1], T0 - 30, T0)] + [f"1-of-2-{int(old[0] * 1000)}.json"]
+    )
 
 
 def test_trainer_records_checkpoints_lists_the_eval_loss_per_set(tmp_path, capsys):

@@ -11,13 +11,22 @@ from textual.app import App
 from textual.content import Content
 
 from agora_client.events import ExitEvent, PointsEvent, dump_event
+from tests.replays import FIXTURES, SIZE, T0, line_count, make_app, until
 from tui.app import AgoraApp, BundleTarget
 from tui.state import JoinStep
 from tui.widgets import (
-    GpuPanel, IdentityPanel, JoinPanel, LogPane, LossPanel, NetworkPanel, PointsPanel, RuntimeStatus, SpartaPanel, Stepper,
+    GpuPanel,
+    IdentityPanel,
+    JoinPanel,
+    LogPane,
+    LossPanel,
+    NetworkPanel,
+    PointsPanel,
+    RuntimeStatus,
+    SpartaPanel,
+    Stepper,
     TrainingPanel,
 )
-from tests.replays import FIXTURES, SIZE, T0, line_count, make_app, until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,7 +70,11 @@ async def test_every_panel_follows_an_active_stream_and_q_stops_the_child():
         groups = [size for _, size in app.query_one(SpartaPanel).chart.series["group"]]
         assert len(groups) == 18 and groups.count(0) == 3  # three failed rounds drop to 0
         # the swarm's loss over time, from the trainers' records
-        swarm_events = [json.loads(line) for line in (FIXTURES / "active.jsonl").read_text().splitlines() if '"kind":"swarm"' in line]
+        swarm_events = [
+            json.loads(line)
+            for line in (FIXTURES / "active.jsonl").read_text().splitlines()
+            if '"kind":"swarm"' in line
+        ]
         last_swarm = swarm_events[-1]
         loss_chart = app.query_one(LossPanel).chart
         assert list(loss_chart.series["loss"]) == [tuple(point) for point in last_swarm["loss_history"]]
@@ -100,11 +113,15 @@ async def test_the_points_panel_says_when_the_claim_exceeds_the_trainers_receipt
     app = PointsOnly()
     async with app.run_test(size=(40, 15)) as pilot:
         panel = app.query_one(PointsPanel)
-        panel.show(PointsEvent(presence=1.0, compute=40.0, confirmed=5.0, claimed_compute=40.0, verified_compute=4.0,
-                               flagged=True))
+        panel.show(
+            PointsEvent(
+                presence=1.0, compute=40.0, confirmed=5.0, claimed_compute=40.0, verified_compute=4.0, flagged=True
+            )
+        )
         await pilot.pause()
         assert "compute 4.00 verified of 40.00 claimed: the claim exceeds the trainers' receipts" in shown(
-            panel.query_one(".detail"))
+            panel.query_one(".detail")
+        )
         panel.show(PointsEvent(presence=1.0, compute=4.0))  # no word from a monitor: no verified line
         await pilot.pause()
         assert "verified" not in shown(panel.query_one(".detail"))

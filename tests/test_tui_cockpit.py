@@ -8,15 +8,19 @@ import json
 import pytest
 from textual.geometry import Region
 
-from tui.widgets import Dashboard, LogPane, LossPanel, NetworkPanel, PointsPanel, TokensPanel, TrainingPanel
 from tests.replays import FIXTURES, line_count, make_app, until
+from tui.widgets import Dashboard, LogPane, LossPanel, NetworkPanel, PointsPanel, TokensPanel, TrainingPanel
 
 pytestmark = pytest.mark.timeout(120)
 SMALL = (80, 24)
 
 
 def recorded(kind: str) -> list[dict]:
-    return [event for event in map(json.loads, (FIXTURES / "active.jsonl").read_text().splitlines()) if event["kind"] == kind]
+    return [
+        event
+        for event in map(json.loads, (FIXTURES / "active.jsonl").read_text().splitlines())
+        if event["kind"] == kind
+    ]
 
 
 def drawn(widget) -> str:
@@ -48,7 +52,9 @@ async def test_the_tabs_draw_the_recorded_values_on_labelled_axes_and_l_opens_th
             (event["ts"], event["presence"] + event["compute"]) for event in points
         ]
         assert list(app.query_one(PointsPanel).chart.series["confirmed"]) == [(points[-1]["ts"], 224.0)]
-        assert "https://monitor.example/contributors/alice" in str(app.query_one(PointsPanel).query_one(".detail").render())
+        assert "https://monitor.example/contributors/alice" in str(
+            app.query_one(PointsPanel).query_one(".detail").render()
+        )
 
         # the axes as drawn: the unit on top, the values' scale at the left, clock times and "time" below
         points_chart = app.query_one(PointsPanel).chart

@@ -7,10 +7,10 @@ import json
 import pytest
 from textual.content import Content
 
+from tests.replays import FIXTURES, SIZE, line_count, make_app, until
 from tui.app import AgoraApp
 from tui.state import PREFLIGHT_ADVICE, JoinStep
 from tui.widgets import LogPane, PreflightPanel, ReachabilityPanel, RuntimeStatus, Stepper
-from tests.replays import FIXTURES, SIZE, line_count, make_app, until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,7 +41,10 @@ async def test_preflight_in_progress_shows_each_check_as_it_comes_in_place_of_th
         assert app.has_class("-preflight") and app.tracker.in_preflight
         assert app.query_one("#preflight-view").display and not app.query_one("#dashboard").display
         assert not app.query_one(ReachabilityPanel).display  # nothing to diagnose yet
-        assert row(app, "gpu") == ("pass", "NVIDIA GeForce RTX 4090, 25.8 GB VRAM, compute capability 8.9 — GPU 0 is cuda:0")
+        assert row(app, "gpu") == (
+            "pass",
+            "NVIDIA GeForce RTX 4090, 25.8 GB VRAM, compute capability 8.9 — GPU 0 is cuda:0",
+        )
         status, text = row(app, "host_ram")
         assert status == "warn" and text.endswith("— little headroom beyond the stage itself")
         assert row(app, "disk")[0] == "pass"
@@ -102,7 +105,9 @@ async def test_unreachable_shows_the_diagnosis_r_retries_and_the_dashboard_follo
         assert not app.has_class("-preflight") and app.query_one("#dashboard").display
         assert not app.query_one("#preflight-view").display
         assert row(app, "reachability")[0] == "pass"
-        assert "[REACHABILITY] The swarm reached this worker at 203.0.113.7:49200" in "\n".join(app.query_one(LogPane).plain_lines())
+        assert "[REACHABILITY] The swarm reached this worker at 203.0.113.7:49200" in "\n".join(
+            app.query_one(LogPane).plain_lines()
+        )
         # p brings the preflight back after the join, and hides it again
         await pilot.press("p")
         assert app.query_one("#preflight-view").display and not app.query_one("#dashboard").display
@@ -135,7 +140,9 @@ def test_the_tracker_follows_the_checks_and_the_dial_backs():
     assert tracker.preflight.checking == "reachability" and "port 49200" in tracker.status
     for _ in range(2):
         tracker.apply(ReachabilityEvent(status="unreachable", address="203.0.113.7:49200", port=49200, retry_in_s=30))
-    assert tracker.unreachable and tracker.preflight.failed_dials == 2 and tracker.failure is None  # waiting, not failed
+    assert (
+        tracker.unreachable and tracker.preflight.failed_dials == 2 and tracker.failure is None
+    )  # waiting, not failed
     tracker.retry_now()
     assert tracker.preflight.retry_requested and tracker.status.startswith("Retrying now")
     tracker.apply(ReachabilityEvent(status="checking", port=49200))

@@ -24,7 +24,10 @@ from tests.replays import FIXTURES, ROOT
 TOKEN = "hf_signalsSecret24680"
 LEAVE_ALTERNATE_SCREEN = b"\x1b[?1049l"  # Textual's driver writes it when the app ends properly
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(sys.platform != "linux", reason="pseudo-terminals and PDEATHSIG: Linux only")]
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(sys.platform != "linux", reason="pseudo-terminals and PDEATHSIG: Linux only"),
+]
 
 
 class Terminal:
@@ -70,14 +73,39 @@ def gone(pid: int) -> bool:
 
 
 @pytest.mark.parametrize(("signum", "expected"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
-def test_a_stop_signal_stops_the_runtime_restores_the_terminal_and_exits_with_the_documented_code(tmp_path, signum, expected):
-    runtime = shlex.join([
-        sys.executable, "-m", "agora_client.frontend.replay", str(FIXTURES / "sync1.jsonl"), "--hold", "--spawn-grandchild",
-    ])
-    argv = [sys.executable, str(ROOT / "agora_cli.py"), "--config-dir", str(tmp_path / "config"), "--runtime-cmd", runtime]
-    env = {**os.environ, "HF_TOKEN": TOKEN, "PYTHONPATH": str(ROOT), "TERM": "xterm-256color", "COLUMNS": "80", "LINES": "24"}
+def test_a_stop_signal_stops_the_runtime_restores_the_terminal_and_exits_with_the_documented_code(
+    tmp_path, signum, expected
+):
+    runtime = shlex.join(
+        [
+            sys.executable,
+            "-m",
+            "agora_client.frontend.replay",
+            str(FIXTURES / "sync1.jsonl"),
+            "--hold",
+            "--spawn-grandchild",
+        ]
+    )
+    argv = [
+        sys.executable,
+        str(ROOT / "agora_cli.py"),
+        "--config-dir",
+        str(tmp_path / "config"),
+        "--runtime-cmd",
+        runtime,
+    ]
+    env = {
+        **os.environ,
+        "HF_TOKEN": TOKEN,
+        "PYTHONPATH": str(ROOT),
+        "TERM": "xterm-256color",
+        "COLUMNS": "80",
+        "LINES": "24",
+    }
     terminal = Terminal()
-    app = subprocess.Popen(argv, stdin=terminal.slave, stdout=terminal.slave, stderr=terminal.slave, env=env, cwd=tmp_path)
+    app = subprocess.Popen(
+        argv, stdin=terminal.slave, stdout=terminal.slave, stderr=terminal.slave, env=env, cwd=tmp_path
+    )
     descendants: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 60

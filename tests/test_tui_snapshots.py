@@ -13,10 +13,9 @@ import pytest
 from textual.geometry import Region
 from textual.widgets import RichLog
 
+from tests.replays import line_count, make_app
 from tui.widgets import LogPane, RuntimeStatus, StagesPanel
 from tui.widgets.status_band import FigureCell
-from tests.replays import line_count, make_app
-
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,7 +26,9 @@ def wait_for(name: str, crashed: bool = False):
     async def run_before(pilot) -> None:
         app = pilot.app
         for _ in range(400):
-            stopped = app.query_one(RuntimeStatus).display and "runtime stopped" in "".join(app.query_one(LogPane).plain_lines()[-1:])
+            stopped = app.query_one(RuntimeStatus).display and "runtime stopped" in "".join(
+                app.query_one(LogPane).plain_lines()[-1:]
+            )
             done = app.lines_read >= expected and (not crashed or stopped)
             if done:
                 break

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 from textual.geometry import Region
 
+from tests.replays import line_count, make_app, until
 from tui.widgets import PointsPanel
 from tui.widgets.gpu import GpuPanel
 from tui.widgets.status_band import FigureCell
-from tests.replays import line_count, make_app, until
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -46,8 +46,13 @@ def test_the_figure_is_the_shaped_uplink_not_the_senders_write_speed():
         home, swarm = hosts[0], hosts[1]
         home.shape_uplink(SHAPED_MBIT)
         with swarm.entered():  # the listening socket is made here, in the swarm host's namespace
-            front = HttpService(lambda request: json_reply(404, {}), swarm.address, 0, name="probe",
-                                upload_probes=[("POST", UPLOAD_PROBE_PATH)])
+            front = HttpService(
+                lambda request: json_reply(404, {}),
+                swarm.address,
+                0,
+                name="probe",
+                upload_probes=[("POST", UPLOAD_PROBE_PATH)],
+            )
         front.start()
         try:
             with home.entered():
@@ -55,4 +60,6 @@ def test_the_figure_is_the_shaped_uplink_not_the_senders_write_speed():
         finally:
             front.close()
     mbit = measured.bytes_per_s * 8 / 1e6
-    assert 0.5 * SHAPED_MBIT <= mbit <= 1.25 * SHAPED_MBIT, f"{mbit:.1f} Mbit/s measured over a {SHAPED_MBIT} Mbit/s uplink"
+    assert 0.5 * SHAPED_MBIT <= mbit <= 1.25 * SHAPED_MBIT, (
+        f"{mbit:.1f} Mbit/s measured over a {SHAPED_MBIT} Mbit/s uplink"
+    )

@@ -7,7 +7,13 @@ from hivemind import DHT
 from hivemind.p2p import PeerID
 
 from agora_client.engine.expert_calls import close_replica, replicate_p2p, run_coroutine
-from agora_client.engine.uplink_probe import MAX_PROBE_BYTES, PROBE_HANDLER, ProbeFailed, probe_uplink, serve_uplink_probes
+from agora_client.engine.uplink_probe import (
+    MAX_PROBE_BYTES,
+    PROBE_HANDLER,
+    ProbeFailed,
+    probe_uplink,
+    serve_uplink_probes,
+)
 
 TIMEOUT_S = 60.0  # bounds a hang only
 
@@ -15,8 +21,11 @@ TIMEOUT_S = 60.0  # bounds a hang only
 @pytest.fixture(scope="module")
 def pair():
     sink_dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    sender_dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                     initial_peers=[str(addr) for addr in sink_dht.get_visible_maddrs()])
+    sender_dht = DHT(
+        start=True,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        initial_peers=[str(addr) for addr in sink_dht.get_visible_maddrs()],
+    )
     sink, sender = replicate_p2p(sink_dht), replicate_p2p(sender_dht)
     serve_uplink_probes(sink)
     try:

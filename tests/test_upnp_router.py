@@ -77,7 +77,11 @@ def test_port_mapping_forwards_the_worker_port_and_removes_it_on_close(router, h
         mapped = mapping.open()
     try:
         assert (mapped.external_host, mapped.external_port, mapped.internal_host, mapped.internal_port) == (
-            net.wan_address, port, net.home.address, port)
+            net.wan_address,
+            port,
+            net.home.address,
+            port,
+        )
         [held] = net.mappings()
         assert (held.external_port, held.internal_address, held.internal_port) == (port, net.home.address, port)
         assert abs(held.expires_at - time.time() - mapped.lease_s) <= 2 and mapped.lease_s > 0
@@ -151,7 +155,9 @@ def test_port_mapping_refused_by_the_routers_config_is_one_clear_refusal(router)
             mapping.open()
         assert refused.value.offered and mapping.router_external == router.wan_address
         # miniupnpd 2.3.1 leaves a NAT-PMP request its rules deny unanswered: UPnP's refusal is the one said
-        assert str(refused.value) == "the router refused to forward TCP port 40125 to this machine (Action not authorized)"
+        assert (
+            str(refused.value) == "the router refused to forward TCP port 40125 to this machine (Action not authorized)"
+        )
         assert router.mappings() == []
     finally:
         router.switch_upnp("on")
@@ -167,10 +173,17 @@ def test_port_mapping_over_natpmp_where_the_router_has_upnp_off(router, home_lis
             mapped = mapping.open()
         try:
             assert mapping.protocol == "NAT-PMP" and mapped.external_host == net.wan_address
-            assert (mapped.internal_host, mapped.internal_port, mapped.lease_s) == (net.home.address, port, SHORT_LEASE_S)
+            assert (mapped.internal_host, mapped.internal_port, mapped.lease_s) == (
+                net.home.address,
+                port,
+                SHORT_LEASE_S,
+            )
             [first] = net.mappings()
             assert (first.external_port, first.internal_address, first.internal_port) == (
-                mapped.external_port, net.home.address, port)
+                mapped.external_port,
+                net.home.address,
+                port,
+            )
             time.sleep(SHORT_LEASE_S * 2)  # two leases: renewed over NAT-PMP, or the router would have dropped it
             [renewed] = net.mappings()
             assert renewed.expires_at > first.expires_at and failures == []

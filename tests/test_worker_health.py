@@ -74,7 +74,9 @@ def test_without_a_snapshot_source_it_stays_out_of_routing(tmp_path) -> None:
         node.start()
         node.mark_unhealthy("its forward outputs turned non-finite on finite inputs")
         assert not node.record().healthy and not node.record().routable
-        wait_until(lambda: any("restart this worker to rejoin" in line for line in sink.events), 10, "the warning", poll=0.2)
+        wait_until(
+            lambda: any("restart this worker to rejoin" in line for line in sink.events), 10, "the warning", poll=0.2
+        )
         assert not node.healthy
     finally:
         node.shutdown()
@@ -84,8 +86,10 @@ def test_a_worker_checking_tickets_without_one_of_its_own_says_it_cannot_average
     config, key = load_config("tiny"), generate_signing_key()
     for tickets, warned in ((None, True), (SelfIssuedTickets(key, role="worker", stage="body1"), False)):
         sink = Recorder()
-        node = WorkerNode(WorkerOptions(config, "body1", [], index=0, auth_public_key=public_key_text(key), tickets=tickets),
-                          EventWriter(sink))
+        node = WorkerNode(
+            WorkerOptions(config, "body1", [], index=0, auth_public_key=public_key_text(key), tickets=tickets),
+            EventWriter(sink),
+        )
         node.shutdown()  # as a contributor stopped between building its worker and starting it
         assert not node.dht.is_alive()
         assert any("will not average with it" in line for line in sink.events) == warned, sink.events

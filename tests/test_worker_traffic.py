@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from agora_client.events import EventWriter, parse_event
+from agora_client.serving.traffic import RequestMeter, TrafficWindow
 from agora_client.system.log_events import EventLogHandler
 from agora_client.trainer.progress import TrainerProgress, swarm_event
-from agora_client.serving.traffic import RequestMeter, TrafficWindow
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,7 +59,9 @@ def test_traffic_rates_over_the_window():
 def test_swarm_loss_from_the_trainers_records():
     records = [
         TrainerProgress(peer_id="a", microbatches=10, loss=4.0, history=[(1.0, 5.0), (3.0, 4.0)], ts=3.0),
-        TrainerProgress(peer_id="b", microbatches=12, loss=3.0, tokens_per_s=100, history=[(2.0, 4.5), (4.0, 3.0)], ts=4.0),
+        TrainerProgress(
+            peer_id="b", microbatches=12, loss=3.0, tokens_per_s=100, history=[(2.0, 4.5), (4.0, 3.0)], ts=4.0
+        ),
         TrainerProgress(peer_id="c", microbatches=0, loss=None, ts=4.0),
     ]
     event = swarm_event(records)
@@ -85,7 +87,10 @@ def test_engine_log_records_become_one_line_events():
         logger.removeHandler(handler)
         logging.getLogger("hivemind.averaging.test").removeHandler(handler)
     first, second = (parse_event(line) for line in buffer.getvalue().splitlines())
-    assert first.level == "warning" and first.message == "hivemind.moe.test: lost a peer (ConnectionResetError: peer went away)"
+    assert (
+        first.level == "warning"
+        and first.message == "hivemind.moe.test: lost a peer (ConnectionResetError: peer went away)"
+    )
     assert "Traceback" not in buffer.getvalue()
     assert second.level == "debug"  # the round's own sparta event says it; not shown on screen
 
@@ -107,7 +112,9 @@ stop.clear()
 
 
 def test_stop_signal_leaves_forked_helpers_their_default_sigterm():
-    process = subprocess.Popen([sys.executable, "-c", _STOPPER.format(root=str(ROOT))], stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", _STOPPER.format(root=str(ROOT))], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert process.stdout.readline().strip() == "ready"
         process.send_signal(signal.SIGINT)
@@ -119,8 +126,10 @@ def test_stop_signal_leaves_forked_helpers_their_default_sigterm():
 
 
 def test_a_second_signal_ends_the_process_at_once():
-    code = f"import sys, time; sys.path.insert(0, {str(ROOT)!r})\nfrom agora_client.system.lifetime import stop_on_signals\n" \
-           "stop = stop_on_signals(); print('ready', flush=True); stop.wait(30); time.sleep(30)"
+    code = (
+        f"import sys, time; sys.path.insert(0, {str(ROOT)!r})\nfrom agora_client.system.lifetime import stop_on_signals\n"
+        "stop = stop_on_signals(); print('ready', flush=True); stop.wait(30); time.sleep(30)"
+    )
     process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert process.stdout.readline().strip() == "ready"

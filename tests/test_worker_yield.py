@@ -38,7 +38,9 @@ class Sink:
 
 def forward(node: WorkerNode, p2p) -> torch.Tensor:
     inputs = (torch.randn(BATCH, SEQ, WIDTH), torch.randint(0, 256, (BATCH, SEQ)))
-    call = call_unary(server_stub(p2p, node.peer_id), "forward", node.uid, [serialize_torch_tensor(t) for t in inputs], b"")
+    call = call_unary(
+        server_stub(p2p, node.peer_id), "forward", node.uid, [serialize_torch_tensor(t) for t in inputs], b""
+    )
     return run_coroutine(asyncio.wait_for(call, WAIT_S))[0]
 
 

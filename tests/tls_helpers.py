@@ -45,18 +45,26 @@ def make_tls_files(directory: Path, *, hosts: tuple[str, ...] = ("127.0.0.1", "l
     files = TlsFiles(directory / "ca.pem", directory / "server.pem", directory / "server.key")
     files.ca_cert.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     files.server_cert.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
-    files.server_key.write_bytes(server_key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption(),
-    ))
+    files.server_key.write_bytes(
+        server_key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
     files.server_key.chmod(0o600)
     return files
 
 
 def _builder(subject: x509.Name, issuer: x509.Name, public_key, now: datetime.datetime) -> x509.CertificateBuilder:
     return (
-        x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(public_key)
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
     )
 
 

@@ -49,7 +49,16 @@ from agora_client.system.bundle import REVIEW_NOTE, build_bundle
 from tui.messages import RuntimeEvent, RuntimeExited, RuntimeMalformed, RuntimeStarted, RuntimeStderr
 from tui.screens.help import HelpScreen
 from tui.state import JoinTracker
-from tui.widgets import Dashboard, JoinPanel, LogPane, PreflightPanel, ReachabilityPanel, RuntimeStatus, StatusBand, Stepper
+from tui.widgets import (
+    Dashboard,
+    JoinPanel,
+    LogPane,
+    PreflightPanel,
+    ReachabilityPanel,
+    RuntimeStatus,
+    StatusBand,
+    Stepper,
+)
 from tui.widgets.dashboard import LOG_TAB, TABS
 
 STDERR_TAIL = 20
@@ -74,11 +83,16 @@ class AgoraApp(App[int]):
         Binding("ctrl+c", "interrupt", "Quit", show=False, priority=True, id="quit_ctrl_c"),
         Binding("e", "export_bundle", "Export bundle", id="export_bundle", tooltip="Write a support bundle (zip)"),
         Binding("l", "toggle_logs", "Logs", id="toggle_logs", tooltip="Show or hide the log pane"),
-        Binding("p", "toggle_preflight", "Preflight", id="toggle_preflight", tooltip="Show or hide the preflight checks"),
+        Binding(
+            "p", "toggle_preflight", "Preflight", id="toggle_preflight", tooltip="Show or hide the preflight checks"
+        ),
         Binding("r", "retry", "Retry now", id="retry", tooltip="Ask the swarm to connect back to this worker now"),
         Binding("r", "restart", "Restart", id="restart", tooltip="Start the worker runtime again"),
         Binding("question_mark", "help", "Help", key_display="?", id="help", tooltip="What the panels mean"),
-        *(Binding(str(number), f"show_tab('{tab}')", title, show=False, id=tab) for number, (tab, title) in enumerate(TABS.items(), 1)),
+        *(
+            Binding(str(number), f"show_tab('{tab}')", title, show=False, id=tab)
+            for number, (tab, title) in enumerate(TABS.items(), 1)
+        ),
     ]
 
     def __init__(
@@ -259,7 +273,9 @@ class AgoraApp(App[int]):
         detail = message.detail or (f"last output: {self.stderr_tail[-1]}" if self.stderr_tail else "")
         self.query_one(RuntimeStatus).show_stopped(message.code, detail)
         code = describe_end(message.code)
-        self._log(TaggedLine(self.clock(), "ERROR", "error", f"The worker runtime stopped ({code}); press r to restart"))
+        self._log(
+            TaggedLine(self.clock(), "ERROR", "error", f"The worker runtime stopped ({code}); press r to restart")
+        )
 
     def _after_crash(self, decision: RestartDecision) -> None:
         """--restart on-failure: say why and start the runtime again after the delay, or say that it gave up."""
@@ -423,8 +439,11 @@ class AgoraApp(App[int]):
         assert target is not None
         try:
             path = build_bundle(
-                target.output_dir, config_dir=target.config_dir, logs_dir=target.logs_dir,
-                secrets=target.secrets, extra_lines=recent,
+                target.output_dir,
+                config_dir=target.config_dir,
+                logs_dir=target.logs_dir,
+                secrets=target.secrets,
+                extra_lines=recent,
             )
         except OSError as error:
             self.notify(f"Could not write the support bundle: {error}", severity="error", timeout=15)
@@ -434,13 +453,16 @@ class AgoraApp(App[int]):
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        yield SystemCommand("Export support bundle", "Write a zip of logs, config and system report", self.action_export_bundle)
+        yield SystemCommand(
+            "Export support bundle", "Write a zip of logs, config and system report", self.action_export_bundle
+        )
         yield SystemCommand("Toggle logs", "Show or hide the log pane", self.action_toggle_logs)
         yield SystemCommand("Help", "What the panels and keys mean", self.action_help)
         if self.check_action("toggle_preflight", ()):
             yield SystemCommand("Toggle preflight", "Show or hide the preflight checks", self.action_toggle_preflight)
         if self.check_action("retry", ()):
-            yield SystemCommand("Retry the join now", "Ask the swarm to connect back to this worker now", self.action_retry)
+            yield SystemCommand(
+                "Retry the join now", "Ask the swarm to connect back to this worker now", self.action_retry
+            )
         if self.check_action("restart", ()):
             yield SystemCommand("Restart worker", "Start the stopped worker runtime again", self.action_restart)
-

@@ -11,8 +11,12 @@ from tui.app import AgoraApp, BundleTarget
 def run_app(session: ClientSession) -> int:
     bundle = BundleTarget(session.config_dir, session.logs_dir, Path.cwd(), session.secrets)
     app = AgoraApp(
-        session.command, event_log=session.event_log(), bundle=bundle, restart=session.restart_policy(),
-        notify_cmd=session.notify_cmd, secrets=session.secrets,
+        session.command,
+        event_log=session.event_log(),
+        bundle=bundle,
+        restart=session.restart_policy(),
+        notify_cmd=session.notify_cmd,
+        secrets=session.secrets,
     )
     try:
         app.run()

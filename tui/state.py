@@ -8,7 +8,15 @@ from enum import IntEnum
 
 from agora_client.events import (
     MACHINE_CHECKS,  # the machine's preflight checks, in the order the runtime runs them
-    AuthEvent, DownloadEvent, ErrorEvent, Event, LogEvent, PreflightEvent, QueueEvent, ReachabilityEvent, SyncEvent,
+    AuthEvent,
+    DownloadEvent,
+    ErrorEvent,
+    Event,
+    LogEvent,
+    PreflightEvent,
+    QueueEvent,
+    ReachabilityEvent,
+    SyncEvent,
 )
 
 
@@ -184,7 +192,9 @@ class JoinTracker:
             self._advance(JoinStep.DOWNLOAD)
             self.status = f"Authorized as {event.identity or 'unknown'}, stage {event.stage or '?'}"
         else:
-            self._fail(event.message or f"authorization {event.status}", REJECTED_ADVICE if event.status == "rejected" else "")
+            self._fail(
+                event.message or f"authorization {event.status}", REJECTED_ADVICE if event.status == "rejected" else ""
+            )
         return True
 
     def _on_download(self, event: DownloadEvent) -> bool:
@@ -224,7 +234,9 @@ class JoinTracker:
         self.preflight.apply(event)
         if event.check != "reachability":
             done = self.preflight.machine_done
-            self.status = f"Preflight: checking this machine and its network ({done} of {len(MACHINE_CHECKS)} checks done)..."
+            self.status = (
+                f"Preflight: checking this machine and its network ({done} of {len(MACHINE_CHECKS)} checks done)..."
+            )
             if done == len(MACHINE_CHECKS):
                 self.status = "Preflight done: opening the worker's port..."
         return True

@@ -43,7 +43,9 @@ class AdmissionPolicy:
         if self.max_workers_per_stage < 1 or self.per_identity_cap < 1 or self.max_pending_per_stage < 1:
             raise ValueError("max workers per stage, the per-identity cap and max pending per stage must be at least 1")
         if self.ticket_ttl_s <= 0 or self.queue_stale_s <= 0 or self.pacing_s < 0 or self.integration_timeout_s < 0:
-            raise ValueError("ticket TTL and queue staleness must be positive, pacing and integration timeout not negative")
+            raise ValueError(
+                "ticket TTL and queue staleness must be positive, pacing and integration timeout not negative"
+            )
 
 
 @dataclass
@@ -120,7 +122,10 @@ class SlotBook:
     """
 
     def __init__(
-        self, policy: AdmissionPolicy, saved: BookState | None = None, record: Callable[[BookState], None] | None = None,
+        self,
+        policy: AdmissionPolicy,
+        saved: BookState | None = None,
+        record: Callable[[BookState], None] | None = None,
     ):
         self.policy = policy
         self._stages = {name: _Stage() for name in policy.stages}
@@ -228,8 +233,9 @@ class SlotBook:
         return BookState(
             slots=tuple(replace(slot) for stage in stages for slot in stage.slots.values()),
             queue=tuple(replace(entry) for stage in stages for entry in stage.queue),
-            last_admissions={name: stage.last_admission for name, stage in self._stages.items()
-                             if stage.last_admission is not None},
+            last_admissions={
+                name: stage.last_admission for name, stage in self._stages.items() if stage.last_admission is not None
+            },
         )
 
     def _recorded(self) -> None:
@@ -241,12 +247,16 @@ class SlotBook:
         queued = self._find_entry(lambda entry: entry.peer_id == peer_id)
         if queued is not None:
             if queued.identity != identity:
-                return Rejected(f"peer id {peer_id} is already waiting under another identity; start with a new peer id")
+                return Rejected(
+                    f"peer id {peer_id} is already waiting under another identity; start with a new peer id"
+                )
             return self._poll_entry(queued, now)  # a re-join keeps its place
         held = self._find_slot(lambda slot: slot.peer_id == peer_id)
         if held is not None:
             if held.identity != identity:
-                return Rejected(f"peer id {peer_id} already holds a slot under another identity; start with a new peer id")
+                return Rejected(
+                    f"peer id {peer_id} already holds a slot under another identity; start with a new peer id"
+                )
             # The peer restarted (a crash leaves its slot held): it gets the same slot back at once,
             # without pacing, and syncs in again like any joiner.
             held.admitted_at = held.last_seen = now
@@ -261,9 +271,7 @@ class SlotBook:
             )
         stage = self._neediest_stage(stages)
         if stage is None and stages is not None and len(stages) < len(self._stages):
-            return Rejected(
-                f"every stage your GPU can hold ({', '.join(stages)}) is full; try again later"
-            )
+            return Rejected(f"every stage your GPU can hold ({', '.join(stages)}) is full; try again later")
         if stage is None:
             total = self.policy.max_workers_per_stage * len(self._stages)
             return Rejected(f"the swarm is at capacity (all {total} worker slots are taken); try again later")
@@ -278,7 +286,9 @@ class SlotBook:
         queue = self._stages[entry.stage].queue
         if queue[0] is entry and self._can_admit(entry.stage, now):
             queue.popleft()
-            return Admitted(self._admit(entry.identity, entry.peer_id, entry.stage, now), waited_s=now - entry.joined_at)
+            return Admitted(
+                self._admit(entry.identity, entry.peer_id, entry.stage, now), waited_s=now - entry.joined_at
+            )
         return self._queued(entry, now)
 
     def _queued(self, entry: QueueEntry, now: float) -> Queued:
@@ -319,7 +329,8 @@ class SlotBook:
     def _neediest_stage(self, allowed: Collection[str] | None) -> str | None:
         loads = {name: len(stage.slots) + len(stage.queue) for name, stage in self._stages.items()}
         open_stages = [
-            name for name in self.policy.stages
+            name
+            for name in self.policy.stages
             if loads[name] < self.policy.max_workers_per_stage and (allowed is None or name in allowed)
         ]
         # min() keeps the first of equal loads: ties go to pipeline order.

@@ -42,8 +42,14 @@ def _import_binding_file(path: Path, store: AuthStateStore) -> None:
     added = store.import_bindings(owners)
     migrated = path.with_name(path.name + ".migrated")
     os.replace(path, migrated)  # after the commit: a crash before this imports the same bindings again, harmlessly
-    log.info("imported %d of %d peer bindings from %s into %s; the file is kept as %s and no longer read",
-             added, len(owners), path, store.path, migrated)
+    log.info(
+        "imported %d of %d peer bindings from %s into %s; the file is kept as %s and no longer read",
+        added,
+        len(owners),
+        path,
+        store.path,
+        migrated,
+    )
 
 
 def _read_binding_file(path: Path) -> dict[str, str] | None:

@@ -118,9 +118,18 @@ def authorize(
     http = client or httpx.Client(timeout=timeout_s)
     try:
         attempt = _JoinAttempt(
-            http=http, base=base, secret=secret, peer_id=peer_id, peer_key=peer_key, events=events,
-            where=_listening_fields(port, announce, gpu_memory), poll_every=poll_every,
-            queue_log_every=queue_log_every, on_assigned=on_assigned, waiter=stop or threading.Event(), insecure=insecure,
+            http=http,
+            base=base,
+            secret=secret,
+            peer_id=peer_id,
+            peer_key=peer_key,
+            events=events,
+            where=_listening_fields(port, announce, gpu_memory),
+            poll_every=poll_every,
+            queue_log_every=queue_log_every,
+            on_assigned=on_assigned,
+            waiter=stop or threading.Event(),
+            insecure=insecure,
         )
         authorization = attempt.run()
     finally:
@@ -133,7 +142,8 @@ def authorize(
 def _listening_fields(port: int | None, announce: str | None, gpu_memory: int | None) -> dict[str, Any]:
     """The join's fields saying where this peer listens and what its GPU holds, those given."""
     return {
-        key: value for key, value in (("port", port), ("announce", announce), ("gpu_memory_bytes", gpu_memory))
+        key: value
+        for key, value in (("port", port), ("announce", announce), ("gpu_memory_bytes", gpu_memory))
         if value is not None
     }
 
@@ -180,8 +190,11 @@ class _JoinAttempt:
             except _RateLimited as limited:
                 rate_limits += 1
                 if rate_limits > _JOIN_RATE_LIMIT_RETRIES:
-                    raise _fail(self.events, self.peer_id, f"the auth service at {self.base} keeps rate-limiting joins "
-                                "from this address; try again later") from None
+                    raise _fail(
+                        self.events,
+                        self.peer_id,
+                        f"the auth service at {self.base} keeps rate-limiting joins from this address; try again later",
+                    ) from None
                 log.info("the auth service rate-limited the join; joining again in %g s", limited.wait_s)
                 self._pause(limited.wait_s, "authorization cancelled while waiting to join again")
 
@@ -219,7 +232,9 @@ class _JoinAttempt:
         """A QueueEvent at once, then every ``queue_log_every`` seconds."""
         if time.monotonic() - self.last_queue_log >= self.queue_log_every:
             self.last_queue_log = time.monotonic()
-            self.events.emit(QueueEvent(position=int(reply["position"]), estimated_wait_s=reply.get("estimated_wait_s")))
+            self.events.emit(
+                QueueEvent(position=int(reply["position"]), estimated_wait_s=reply.get("estimated_wait_s"))
+            )
 
     def _sleep_until_next_poll(self, reply: dict[str, Any]) -> None:
         interval = min(self.poll_every, float(reply.get("poll_every_s") or self.poll_every))
@@ -252,11 +267,16 @@ class _JoinAttempt:
         """POST /v1/join/poll; a rate-limited poll keeps the queue place: it waits the Retry-After and polls again."""
         while True:
             try:
-                return _post(self.http, f"{self.base}/v1/join/poll", {"queue_id": reply["queue_id"], "peer_id": self.peer_id})
+                return _post(
+                    self.http, f"{self.base}/v1/join/poll", {"queue_id": reply["queue_id"], "peer_id": self.peer_id}
+                )
             except _RateLimited as limited:
                 if not self.poll_rate_limited:
-                    log.info("the auth service rate-limits polling the join queue; keeping the place, polling again "
-                             "after each Retry-After (%g s now)", limited.wait_s)
+                    log.info(
+                        "the auth service rate-limits polling the join queue; keeping the place, polling again "
+                        "after each Retry-After (%g s now)",
+                        limited.wait_s,
+                    )
                     self.poll_rate_limited = True
                 self._pause(limited.wait_s, "authorization cancelled while waiting in the join queue")
 
@@ -269,11 +289,16 @@ class _JoinAttempt:
 
 
 def _emit_authorized(events: EventWriter, peer_id: str, authorization: Authorization) -> None:
-    events.emit(AuthEvent(
-        status="authorized", identity=authorization.identity, stage=authorization.stage, peer_id=peer_id,
-        slot=authorization.slot,
-        message=f"Authorized as {authorization.identity}: slot {authorization.slot} on stage {authorization.stage}",
-    ))
+    events.emit(
+        AuthEvent(
+            status="authorized",
+            identity=authorization.identity,
+            stage=authorization.stage,
+            peer_id=peer_id,
+            slot=authorization.slot,
+            message=f"Authorized as {authorization.identity}: slot {authorization.slot} on stage {authorization.stage}",
+        )
+    )
 
 
 def report_active(swarm_url: str, ticket: str, *, client: httpx.Client | None = None) -> None:
@@ -335,7 +360,12 @@ class _Refused(Exception):
 
 
 def _join(
-    http: httpx.Client, base: str, token: Secret, peer_id: str, peer_key: RSAPrivateKey | None, events: EventWriter,
+    http: httpx.Client,
+    base: str,
+    token: Secret,
+    peer_id: str,
+    peer_key: RSAPrivateKey | None,
+    events: EventWriter,
     where: dict[str, Any],
 ) -> dict[str, Any]:
     # signed afresh each time: a re-join after a lost queue place may come much later
@@ -378,7 +408,10 @@ def _decode(response: httpx.Response, url: str) -> dict[str, Any]:
     except ValueError:
         reply = None
     if not isinstance(reply, dict) or "status" not in reply:
-        raise _Refused(response.status_code, f"{url} answered HTTP {response.status_code} without a JSON reply; is it an Agora auth service?")
+        raise _Refused(
+            response.status_code,
+            f"{url} answered HTTP {response.status_code} without a JSON reply; is it an Agora auth service?",
+        )
     if reply["status"] in ("authorized", "queued", "ok"):
         return reply
     if reply["status"] == "unreachable" and isinstance(reply.get("dial"), dict):
@@ -387,7 +420,9 @@ def _decode(response: httpx.Response, url: str) -> dict[str, Any]:
         except (KeyError, TypeError, ValueError):
             raise _Refused(response.status_code, f"{url} answered an unreadable reachability result") from None
         raise PeerUnreachable(dial)
-    raise _Refused(response.status_code, str(reply.get("reason") or reply.get("error") or f"HTTP {response.status_code}"))
+    raise _Refused(
+        response.status_code, str(reply.get("reason") or reply.get("error") or f"HTTP {response.status_code}")
+    )
 
 
 def _answer_error(events: EventWriter, peer_id: str, error: Exception) -> AuthError:
@@ -411,18 +446,31 @@ def _unreachable_message(url: str, error: httpx.HTTPError) -> str:
 def _authorization(reply: dict[str, Any], base: str, waited_s: float, dial: Any) -> Authorization:
     try:
         return Authorization(
-            identity=str(reply["identity"]), peer_id=str(reply["peer_id"]), stage=str(reply["stage"]),
-            slot=int(reply["slot"]), seeds=tuple(str(seed) for seed in reply.get("seeds", ())),
-            snapshot_url=reply.get("snapshot_url"), ticket=str(reply["ticket"]), expires_at=float(reply["expires_at"]),
-            public_key=str(reply["public_key"]), swarm_url=base, queued_s=waited_s,
+            identity=str(reply["identity"]),
+            peer_id=str(reply["peer_id"]),
+            stage=str(reply["stage"]),
+            slot=int(reply["slot"]),
+            seeds=tuple(str(seed) for seed in reply.get("seeds", ())),
+            snapshot_url=reply.get("snapshot_url"),
+            ticket=str(reply["ticket"]),
+            expires_at=float(reply["expires_at"]),
+            public_key=str(reply["public_key"]),
+            swarm_url=base,
+            queued_s=waited_s,
             dial=DialResult.from_json(dial) if isinstance(dial, dict) else None,
         )
     except (KeyError, TypeError, ValueError):
-        raise AuthFailed(f"{base} answered an authorization without its fields; is it an Agora auth service of this version?") from None
+        raise AuthFailed(
+            f"{base} answered an authorization without its fields; is it an Agora auth service of this version?"
+        ) from None
 
 
 def _call(
-    swarm_url: str, path: str, body: dict[str, Any], client: httpx.Client | None, timeout_s: float = 30.0,
+    swarm_url: str,
+    path: str,
+    body: dict[str, Any],
+    client: httpx.Client | None,
+    timeout_s: float = 30.0,
 ) -> dict[str, Any]:
     http = client or httpx.Client(timeout=timeout_s)
     try:
@@ -430,7 +478,9 @@ def _call(
     except _Unreachable as error:
         raise AuthFailed(str(error)) from None
     except _RateLimited as limited:
-        raise AuthFailed(f"the auth service is rate-limiting {path} from this address; retry after {limited.wait_s:g} s") from None
+        raise AuthFailed(
+            f"the auth service is rate-limiting {path} from this address; retry after {limited.wait_s:g} s"
+        ) from None
     except _Refused as error:
         raise AuthFailed(f"the auth service refused {path}: {error}") from None
     finally:

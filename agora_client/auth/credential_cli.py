@@ -11,11 +11,18 @@ from .trainer_credentials import TrainerCredentials
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=("add", "revoke", "list"),
-                        help="add: make a credential and print its token once; revoke: stop its renewals; list")
+    parser.add_argument(
+        "action",
+        choices=("add", "revoke", "list"),
+        help="add: make a credential and print its token once; revoke: stop its renewals; list",
+    )
     parser.add_argument("name", nargs="?", help="the credential's name (add, revoke), e.g. the trainer's host")
-    parser.add_argument("--state-dir", type=Path, default=Path.home() / ".agora" / "auth",
-                        help="the auth service's state directory (its --state-dir)")
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path.home() / ".agora" / "auth",
+        help="the auth service's state directory (its --state-dir)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,8 +38,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.action == "add":
             token = credentials.add(args.name)
-            print(f"[CREDENTIAL] {args.name}: put this token in the trainer's --credential-file (mode 0600); "
-                  "it is not shown again", file=sys.stderr)
+            print(
+                f"[CREDENTIAL] {args.name}: put this token in the trainer's --credential-file (mode 0600); "
+                "it is not shown again",
+                file=sys.stderr,
+            )
             print(token.reveal())
             return 0
         revoked = credentials.revoke(args.name)

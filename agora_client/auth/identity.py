@@ -65,7 +65,9 @@ class HuggingFaceIdentity:
         asking.start()
         asking.join(self.timeout_s)
         if asking.is_alive():
-            raise IdentityUnavailable(f"{self.endpoint} did not answer whoami within {self.timeout_s:.0f}s; try again later")
+            raise IdentityUnavailable(
+                f"{self.endpoint} did not answer whoami within {self.timeout_s:.0f}s; try again later"
+            )
         try:
             if "error" in outcome:
                 raise outcome.pop("error")
@@ -112,7 +114,9 @@ class TokenFileIdentity:
             candidate = key if _HASHED_KEY.match(key) else f"sha256:{token_fingerprint(Secret(key))}"
             if hmac.compare_digest(candidate, wanted):
                 return name
-        raise InvalidToken("the token is not one of those listed in the swarm's token file; ask the swarm operator for one")
+        raise InvalidToken(
+            "the token is not one of those listed in the swarm's token file; ask the swarm operator for one"
+        )
 
     def describe(self) -> str:
         return f"token file {self.path}"
@@ -122,7 +126,9 @@ class TokenFileIdentity:
             try:
                 status = self.path.stat()
             except FileNotFoundError:
-                raise IdentityUnavailable(f"the token file {self.path} does not exist; create it or fix the path") from None
+                raise IdentityUnavailable(
+                    f"the token file {self.path} does not exist; create it or fix the path"
+                ) from None
             stamp = (status.st_mtime, status.st_size)
             if stamp != self._loaded_stamp:
                 self._users = _parse_token_file(self.path)

@@ -65,8 +65,14 @@ def check_join_proof(body: dict[str, Any], peer_id: str, token: Secret, now: flo
             "this swarm asks every joiner to prove it holds its peer key (peer_key, signed_at, key_proof); "
             "update the Agora client"
         )
-    if not (isinstance(peer_key, str) and isinstance(proof, str) and len(peer_key) <= MAX_KEY_CHARS
-            and len(proof) <= MAX_PROOF_CHARS and isinstance(signed_at, int) and not isinstance(signed_at, bool)):
+    if not (
+        isinstance(peer_key, str)
+        and isinstance(proof, str)
+        and len(peer_key) <= MAX_KEY_CHARS
+        and len(proof) <= MAX_PROOF_CHARS
+        and isinstance(signed_at, int)
+        and not isinstance(signed_at, bool)
+    ):
         raise KeyProofError("peer_key and key_proof must be short text and signed_at a whole number of seconds")
     try:
         owner = peer_id_of_public_key(peer_key.encode("utf-8"))

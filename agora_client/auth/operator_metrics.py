@@ -13,12 +13,23 @@ from agora_client.operator_metrics import Series, SeriesCollector, Values
 
 from .admission import SlotBook
 
-JOINS = Series("agora_auth_joins", "counter", "join decisions by outcome (authorized, queued, rejected, unreachable, "
-               "invalid_token, ...); a queued join admitted later counts once queued, once authorized", ("outcome",))
-TRAINER_TICKETS = Series("agora_auth_trainer_tickets", "counter", "trainer ticket requests, issued or refused", ("outcome",))
+JOINS = Series(
+    "agora_auth_joins",
+    "counter",
+    "join decisions by outcome (authorized, queued, rejected, unreachable, "
+    "invalid_token, ...); a queued join admitted later counts once queued, once authorized",
+    ("outcome",),
+)
+TRAINER_TICKETS = Series(
+    "agora_auth_trainer_tickets", "counter", "trainer ticket requests, issued or refused", ("outcome",)
+)
 QUEUE_LENGTH = Series("agora_auth_queue_length", "gauge", "joiners waiting in the stage's queue", ("stage",))
-SLOTS = Series("agora_auth_slots", "gauge", "slots held on the stage: active, or pending (admitted, not yet active)",
-               ("stage", "state"))
+SLOTS = Series(
+    "agora_auth_slots",
+    "gauge",
+    "slots held on the stage: active, or pending (admitted, not yet active)",
+    ("stage", "state"),
+)
 SLOT_CAPACITY = Series("agora_auth_slot_capacity", "gauge", "slots the stage has", ("stage",))
 SERIES = (JOINS, TRAINER_TICKETS, QUEUE_LENGTH, SLOTS, SLOT_CAPACITY)
 
@@ -35,7 +46,9 @@ def auth_collector(audit_totals: Callable[[], dict[str, int]], book: SlotBook) -
             JOINS.name: {event: count for event, count in events.items() if event not in _TRAINER_EVENTS},
             TRAINER_TICKETS.name: {outcome: events.get(event, 0) for event, outcome in _TRAINER_EVENTS.items()},
             QUEUE_LENGTH.name: {stage: counts["queued"] for stage, counts in stages.items()},
-            SLOTS.name: {(stage, state): counts[state] for stage, counts in stages.items() for state in ("active", "pending")},
+            SLOTS.name: {
+                (stage, state): counts[state] for stage, counts in stages.items() for state in ("active", "pending")
+            },
             SLOT_CAPACITY.name: {stage: counts["capacity"] for stage, counts in stages.items()},
         }
 

@@ -40,7 +40,13 @@ class PresenceWatcher:
     def check_once(self) -> None:
         present = {stage: self.read_roster(stage) for stage in self.stages}
         for slot in self.book.observe(present, self.clock(), self.vanish_s):
-            log.info("freed slot %d of stage %s: peer %s of %s is gone from the DHT", slot.index, slot.stage, slot.peer_id, slot.identity)
+            log.info(
+                "freed slot %d of stage %s: peer %s of %s is gone from the DHT",
+                slot.index,
+                slot.stage,
+                slot.peer_id,
+                slot.identity,
+            )
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import errno
 import socket
 import time
-from dataclasses import asdict, dataclass
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from agora_client.events import NetworkFinding
@@ -46,8 +46,12 @@ class DialResult:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "DialResult":
         return cls(
-            host=str(data["host"]), port=int(data["port"]), tested_from=str(data.get("tested_from", "")),
-            reachable=bool(data["reachable"]), error=str(data.get("error", "")), seconds=float(data.get("seconds", 0.0)),
+            host=str(data["host"]),
+            port=int(data["port"]),
+            tested_from=str(data.get("tested_from", "")),
+            reachable=bool(data["reachable"]),
+            error=str(data.get("error", "")),
+            seconds=float(data.get("seconds", 0.0)),
         )
 
 
@@ -112,11 +116,16 @@ def advice(result: DialResult, announced: bool, findings: Sequence[NetworkFindin
         "unroutable": "there is no route to that address from the swarm",
         "silent": "the relay took the connection, but the worker behind it did not answer",
     }.get(result.error, f"the connection failed ({result.error})")
-    summary = (f"The swarm could not connect to your worker at {result.address} (TCP port {port}), "
-               f"tested from {result.tested_from}: {why}.")
+    summary = (
+        f"The swarm could not connect to your worker at {result.address} (TCP port {port}), "
+        f"tested from {result.tested_from}: {why}."
+    )
     if findings:
-        return [summary, *(f"{finding.what}. {finding.action}" for finding in findings),
-                f"Local firewall: allow inbound TCP on port {port} if it blocks it."]
+        return [
+            summary,
+            *(f"{finding.what}. {finding.action}" for finding in findings),
+            f"Local firewall: allow inbound TCP on port {port} if it blocks it.",
+        ]
     lines = [
         summary,
         f"Local firewall: allow inbound TCP on port {port} (e.g. `sudo ufw allow {port}/tcp`).",

@@ -70,12 +70,18 @@ class RunDescription:
 
 
 def describe_run(
-    config: RunConfig, seeds: tuple[str, ...], snapshot_url: str | None, monitor_url: str | None, tokenizer: TokenizerSummary,
+    config: RunConfig,
+    seeds: tuple[str, ...],
+    snapshot_url: str | None,
+    monitor_url: str | None,
+    tokenizer: TokenizerSummary,
     relays: tuple[str, ...] = (),
 ) -> RunDescription:
     """The description the auth service serves, with its content hash."""
     content = _content(config, seeds, snapshot_url, monitor_url, tokenizer, relays)
-    return RunDescription(config, tuple(seeds), snapshot_url, monitor_url, tokenizer, content_hash(content), tuple(relays))
+    return RunDescription(
+        config, tuple(seeds), snapshot_url, monitor_url, tokenizer, content_hash(content), tuple(relays)
+    )
 
 
 def content_hash(content: dict[str, Any]) -> str:
@@ -99,16 +105,23 @@ def parse_description(data: Any, source: str) -> RunDescription:
     try:
         config = parse_config(data.get("config"), f"served by {source}")
     except ConfigError as error:
-        raise RunDescriptionError(f"{error}\nthis client cannot run that config; update the client or tell the operator") from None
+        raise RunDescriptionError(
+            f"{error}\nthis client cannot run that config; update the client or tell the operator"
+        ) from None
     tokenizer = _parse_tokenizer(data.get("tokenizer"), config, source)
     relays = data.get("relays", [])
     if not isinstance(relays, list) or not all(isinstance(relay, str) and relay for relay in relays):
         raise RunDescriptionError(f"{source}: relays is not a list of HOST:PORT; tell the swarm's operator")
-    content = _content(config, tuple(seeds), data.get("snapshot_url"), data.get("monitor_url"), tokenizer, tuple(relays))
+    content = _content(
+        config, tuple(seeds), data.get("snapshot_url"), data.get("monitor_url"), tokenizer, tuple(relays)
+    )
     if data.get("hash") != content_hash(content):
-        raise RunDescriptionError(f"{source}: the run description does not match its hash (altered in transit?); try again")
-    return RunDescription(config, tuple(seeds), data.get("snapshot_url"), data.get("monitor_url"), tokenizer, data["hash"],
-                          tuple(relays))
+        raise RunDescriptionError(
+            f"{source}: the run description does not match its hash (altered in transit?); try again"
+        )
+    return RunDescription(
+        config, tuple(seeds), data.get("snapshot_url"), data.get("monitor_url"), tokenizer, data["hash"], tuple(relays)
+    )
 
 
 def _parse_tokenizer(data: Any, config: RunConfig, source: str) -> TokenizerSummary:
@@ -116,8 +129,11 @@ def _parse_tokenizer(data: Any, config: RunConfig, source: str) -> TokenizerSumm
     fields = data if isinstance(data, dict) else {}
     sha256, vocab_size, eos_token = fields.get("sha256"), fields.get("vocab_size"), fields.get("eos_token")
     if (
-        not isinstance(sha256, str) or not _SHA256.match(sha256)
-        or not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size <= 0
+        not isinstance(sha256, str)
+        or not _SHA256.match(sha256)
+        or not isinstance(vocab_size, int)
+        or isinstance(vocab_size, bool)
+        or vocab_size <= 0
         or not (eos_token is None or isinstance(eos_token, str))
     ):
         raise RunDescriptionError(
@@ -170,7 +186,9 @@ def fetch_tokenizer(swarm_url: str, run: RunDescription, *, timeout_s: float = 3
     try:
         return from_served(run.config, content, run.tokenizer.sha256, where=url)
     except TokenizerError as error:
-        raise RunDescriptionError(f"the swarm's tokenizer cannot be used, so this worker does not join: {error}") from None
+        raise RunDescriptionError(
+            f"the swarm's tokenizer cannot be used, so this worker does not join: {error}"
+        ) from None
 
 
 def _download_tokenizer(url: str, timeout_s: float) -> bytes:
@@ -198,7 +216,11 @@ def _download_tokenizer(url: str, timeout_s: float) -> bytes:
 
 
 def _content(
-    config: RunConfig, seeds: tuple[str, ...], snapshot_url: str | None, monitor_url: str | None, tokenizer: TokenizerSummary,
+    config: RunConfig,
+    seeds: tuple[str, ...],
+    snapshot_url: str | None,
+    monitor_url: str | None,
+    tokenizer: TokenizerSummary,
     relays: tuple[str, ...],
 ) -> dict[str, Any]:
     return {

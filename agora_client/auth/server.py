@@ -49,19 +49,25 @@ from agora_client.operator_metrics import METRICS_PATH, http_front_collector, me
 
 from .admission import AdmissionPolicy, Decision, Queued, Rejected, UnknownQueueEntry
 from .bindings import PeerBindings
+from .identity import IdentitySource, IdentityUnavailable, InvalidToken
 from .key_proof import KeyProofError, check_join_proof
 from .operator_metrics import auth_collector
 from .reachability import AnnounceError, dial_back, parse_announce
 from .run_description import RunDescription
-from .identity import IdentitySource, IdentityUnavailable, InvalidToken
 from .secret import Secret, token_digest
-from .uplink_probe import UPLOAD_PROBE_PATH
 from .state_store import AuthStateStore, open_book
 from .tickets import (
-    TRAINER, TRAINER_TICKET_TTL_S, InvalidTicket, TicketClaims, issue_ticket, load_or_create_signing_key, public_key_text,
+    TRAINER,
+    TRAINER_TICKET_TTL_S,
+    InvalidTicket,
+    TicketClaims,
+    issue_ticket,
+    load_or_create_signing_key,
+    public_key_text,
     verify_ticket,
 )
 from .trainer_credentials import CredentialRefused, TrainerCredentials
+from .uplink_probe import UPLOAD_PROBE_PATH
 
 log = logging.getLogger(__name__)
 
@@ -133,12 +139,16 @@ class AuthService:
 
     def run_description(self) -> dict[str, Any]:
         if self.settings.run is None:
-            raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "this auth service was started without a run description")
+            raise RequestError(
+                HTTPStatus.SERVICE_UNAVAILABLE, "this auth service was started without a run description"
+            )
         return self.settings.run.to_json()
 
     def tokenizer_json(self) -> bytes:
         if self.settings.tokenizer_json is None:
-            raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "this auth service was started without the run's tokenizer")
+            raise RequestError(
+                HTTPStatus.SERVICE_UNAVAILABLE, "this auth service was started without the run's tokenizer"
+            )
         return self.settings.tokenizer_json
 
     def join(self, body: dict[str, Any], source: str = "127.0.0.1") -> tuple[HTTPStatus, dict[str, Any]]:
@@ -146,7 +156,9 @@ class AuthService:
         peer_id = _peer_id(body)
         target = self._dial_target(body, source) if self.settings.dial_back else None
         if not token.strip() or len(token) > MAX_TOKEN_CHARS or any(ch.isspace() for ch in token):
-            raise RequestError(HTTPStatus.BAD_REQUEST, "the token is empty, too long or holds spaces; paste the token again")
+            raise RequestError(
+                HTTPStatus.BAD_REQUEST, "the token is empty, too long or holds spaces; paste the token again"
+            )
         secret = Secret(token)
         del token, body["token"]  # from here on only the Secret exists
         digest = token_digest(self._hash_key, secret)
@@ -178,10 +190,19 @@ class AuthService:
             dial = dial_back(host, port, timeout_s=self.settings.dial_timeout_s, through_relay=relayed)
             if not dial.reachable:
                 log.info("peer %s of %s is not reachable at %s (%s)", peer_id, identity, dial.address, dial.error)
-                self._audit("unreachable", token_hash=digest[:16], identity=identity, peer_id=peer_id,
-                            address=dial.address, error=dial.error)
-                return HTTPStatus.CONFLICT, {"status": "unreachable", "dial": dial.to_json(),
-                                             "reason": f"could not connect to {dial.address} ({dial.error})"}
+                self._audit(
+                    "unreachable",
+                    token_hash=digest[:16],
+                    identity=identity,
+                    peer_id=peer_id,
+                    address=dial.address,
+                    error=dial.error,
+                )
+                return HTTPStatus.CONFLICT, {
+                    "status": "unreachable",
+                    "dial": dial.to_json(),
+                    "reason": f"could not connect to {dial.address} ({dial.error})",
+                }
         stages = self._stages_that_fit(body.get("gpu_memory_bytes"))
         if stages == ():
             self._audit("gpu_too_small", token_hash=digest[:16], identity=identity, peer_id=peer_id)
@@ -197,7 +218,9 @@ class AuthService:
         if memory is None or self.settings.run is None:
             return None
         if not isinstance(memory, int) or isinstance(memory, bool) or memory <= 0:
-            raise RequestError(HTTPStatus.BAD_REQUEST, "gpu_memory_bytes must be the GPU's memory as a positive whole number")
+            raise RequestError(
+                HTTPStatus.BAD_REQUEST, "gpu_memory_bytes must be the GPU's memory as a positive whole number"
+            )
         from agora_client.model.memory import holds_stage  # imports torch: only joiners that name a GPU need it
 
         run = self.settings.run.config
@@ -221,7 +244,9 @@ class AuthService:
         if announce is None:
             port = body.get("port")
             if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-                raise RequestError(HTTPStatus.BAD_REQUEST, "the join names no port to dial back: send the port your worker listens on")
+                raise RequestError(
+                    HTTPStatus.BAD_REQUEST, "the join names no port to dial back: send the port your worker listens on"
+                )
             return source, port, False
         if not isinstance(announce, str):
             raise RequestError(HTTPStatus.BAD_REQUEST, "announce must be HOST:PORT text")
@@ -251,7 +276,8 @@ class AuthService:
             decision = self.book.poll(queue_id, peer_id, now)
         except UnknownQueueEntry:
             raise RequestError(
-                HTTPStatus.NOT_FOUND, "this place in the join queue is gone (not polled in time, or already admitted); join again"
+                HTTPStatus.NOT_FOUND,
+                "this place in the join queue is gone (not polled in time, or already admitted); join again",
             ) from None
         return self._answer(decision, now, None)
 
@@ -294,8 +320,16 @@ class AuthService:
             self._audit("trainer_refused", peer_id=peer_id)
             raise RequestError(HTTPStatus.FORBIDDEN, str(error)) from None
         now = time.time()
-        ticket = issue_ticket(self.key, identity=f"trainer:{name}", peer_id=peer_id, stage=TRAINER, slot=0,
-                              ttl_s=TRAINER_TICKET_TTL_S, now=now, role=TRAINER)
+        ticket = issue_ticket(
+            self.key,
+            identity=f"trainer:{name}",
+            peer_id=peer_id,
+            stage=TRAINER,
+            slot=0,
+            ttl_s=TRAINER_TICKET_TTL_S,
+            now=now,
+            role=TRAINER,
+        )
         self._audit("trainer_ticket", credential=name, peer_id=peer_id)
         return HTTPStatus.OK, {"status": "ok", "ticket": ticket, "expires_at": now + TRAINER_TICKET_TTL_S}
 
@@ -321,9 +355,21 @@ class AuthService:
         if isinstance(decision, Queued):
             entry = decision.entry
             if digest is not None:  # a join, not a poll
-                log.info("peer %s of %s queued for stage %s at position %d", entry.peer_id, entry.identity, entry.stage, decision.position)
-                self._audit("queued", token_hash=digest[:16], identity=entry.identity, peer_id=entry.peer_id,
-                            stage=entry.stage, position=decision.position)
+                log.info(
+                    "peer %s of %s queued for stage %s at position %d",
+                    entry.peer_id,
+                    entry.identity,
+                    entry.stage,
+                    decision.position,
+                )
+                self._audit(
+                    "queued",
+                    token_hash=digest[:16],
+                    identity=entry.identity,
+                    peer_id=entry.peer_id,
+                    stage=entry.stage,
+                    position=decision.position,
+                )
             return HTTPStatus.OK, {
                 "status": "queued",
                 "queue_id": entry.queue_id,
@@ -335,8 +381,15 @@ class AuthService:
             }
         slot = decision.slot
         log.info("admitted peer %s of %s to stage %s slot %d", slot.peer_id, slot.identity, slot.stage, slot.index)
-        self._audit("authorized", token_hash=(digest or "")[:16], identity=slot.identity, peer_id=slot.peer_id,
-                    stage=slot.stage, slot=slot.index, waited_s=round(decision.waited_s, 1))
+        self._audit(
+            "authorized",
+            token_hash=(digest or "")[:16],
+            identity=slot.identity,
+            peer_id=slot.peer_id,
+            stage=slot.stage,
+            slot=slot.index,
+            waited_s=round(decision.waited_s, 1),
+        )
         return HTTPStatus.OK, {
             "status": "authorized",
             "identity": slot.identity,
@@ -352,8 +405,13 @@ class AuthService:
 
     def _ticket(self, identity: str, peer_id: str, stage: str, slot: int, now: float) -> str:
         return issue_ticket(
-            self.key, identity=identity, peer_id=peer_id, stage=stage, slot=slot,
-            ttl_s=self.settings.policy.ticket_ttl_s, now=now,
+            self.key,
+            identity=identity,
+            peer_id=peer_id,
+            stage=stage,
+            slot=slot,
+            ttl_s=self.settings.policy.ticket_ttl_s,
+            now=now,
         )
 
     def _claims(self, body: dict[str, Any]) -> TicketClaims:
@@ -405,20 +463,35 @@ class AuthServer:
     """
 
     def __init__(
-        self, service: AuthService, host: str = "127.0.0.1", port: int = 0, *,
-        limits: ServiceLimits = AUTH_LIMITS, join_rate: RateLimit = JOIN_RATE, poll_rate: RateLimit = POLL_RATE,
+        self,
+        service: AuthService,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        limits: ServiceLimits = AUTH_LIMITS,
+        join_rate: RateLimit = JOIN_RATE,
+        poll_rate: RateLimit = POLL_RATE,
         exposure: Exposure = Exposure(),
     ):
         self.service = service
         self._http = HttpService(
-            self._answer, host, port, name="auth-http", limits=limits,
-            rate_limits={("POST", "/v1/join"): join_rate, ("POST", "/v1/join/poll"): poll_rate,
-                         ("POST", UPLOAD_PROBE_PATH): UPLOAD_PROBE_RATE},
+            self._answer,
+            host,
+            port,
+            name="auth-http",
+            limits=limits,
+            rate_limits={
+                ("POST", "/v1/join"): join_rate,
+                ("POST", "/v1/join/poll"): poll_rate,
+                ("POST", UPLOAD_PROBE_PATH): UPLOAD_PROBE_RATE,
+            },
             quick_routes=[("GET", "/v1/status"), ("GET", "/v1/run"), ("GET", "/v1/tokenizer"), ("GET", METRICS_PATH)],
             upload_probes=[("POST", UPLOAD_PROBE_PATH)],
             exposure=exposure,
         )
-        self._metrics = new_registry(auth_collector(service.audit_totals, service.book), http_front_collector(self._http))
+        self._metrics = new_registry(
+            auth_collector(service.audit_totals, service.book), http_front_collector(self._http)
+        )
 
     @property
     def url(self) -> str:
@@ -450,8 +523,10 @@ class AuthServer:
             reply = json_reply(error.status, {"status": "error", "error": str(error)})
         except Exception:  # the service keeps running; the client gets one line, the log the traceback
             log.exception("internal error answering %s %s", request.method, request.path)
-            reply = json_reply(HTTPStatus.INTERNAL_SERVER_ERROR,
-                               {"status": "error", "error": "internal error in the auth service; try again later"})
+            reply = json_reply(
+                HTTPStatus.INTERNAL_SERVER_ERROR,
+                {"status": "error", "error": "internal error in the auth service; try again later"},
+            )
         reply.headers["Cache-Control"] = "no-store"
         return reply
 
@@ -470,15 +545,23 @@ class AuthServer:
         method = _POSTS.get(request.path)
         if method is None:
             raise RequestError(HTTPStatus.NOT_FOUND, f"no such endpoint: POST {request.path}")
-        if method == "join":  # the dial-back goes to the address the join came from (behind a trusted proxy: its client)
+        if (
+            method == "join"
+        ):  # the dial-back goes to the address the join came from (behind a trusted proxy: its client)
             status, payload = self.service.join(_json_body(request.body), source=request.source)
         else:
             status, payload = getattr(self.service, method)(_json_body(request.body))
         return json_reply(status, payload)
 
 
-_POSTS = {"/v1/join": "join", "/v1/join/poll": "poll", "/v1/active": "active", "/v1/renew": "renew", "/v1/leave": "leave",
-          "/v1/trainer/ticket": "trainer_ticket"}
+_POSTS = {
+    "/v1/join": "join",
+    "/v1/join/poll": "poll",
+    "/v1/active": "active",
+    "/v1/renew": "renew",
+    "/v1/leave": "leave",
+    "/v1/trainer/ticket": "trainer_ticket",
+}
 
 
 def _json_body(raw: bytes) -> dict[str, Any]:
@@ -502,7 +585,9 @@ def _field(body: dict[str, Any], name: str, kind: type) -> Any:
 def _peer_id(body: dict[str, Any]) -> str:
     peer_id = _field(body, "peer_id", str)
     if not PEER_ID.match(peer_id):
-        raise RequestError(HTTPStatus.BAD_REQUEST, "peer_id must be 1-128 letters, digits or . _ : - (a libp2p peer id)")
+        raise RequestError(
+            HTTPStatus.BAD_REQUEST, "peer_id must be 1-128 letters, digits or . _ : - (a libp2p peer id)"
+        )
     return peer_id
 
 

@@ -150,7 +150,7 @@ class AuthStateStore:
         rows: Rows = {}
         for table, (keys, values) in _BOOK_TABLES.items():
             cursor = self._db.execute(f"SELECT {', '.join(keys + values)} FROM {table}")
-            rows[table] = {tuple(row[:len(keys)]): tuple(row[len(keys):]) for row in cursor}
+            rows[table] = {tuple(row[: len(keys)]): tuple(row[len(keys) :]) for row in cursor}
         return rows
 
 
@@ -179,12 +179,24 @@ def _book_rows(state: BookState) -> Rows:
     queue = {}
     for entry in state.queue:
         places[entry.stage] = places.get(entry.stage, 0) + 1
-        queue[(entry.queue_id,)] = (entry.stage, places[entry.stage], entry.identity, entry.peer_id,
-                                    entry.joined_at, entry.last_seen)
+        queue[(entry.queue_id,)] = (
+            entry.stage,
+            places[entry.stage],
+            entry.identity,
+            entry.peer_id,
+            entry.joined_at,
+            entry.last_seen,
+        )
     return {
         "slots": {
-            (slot.stage, slot.index): (slot.identity, slot.peer_id, slot.admitted_at, slot.expires_at,
-                                       int(slot.active), slot.last_seen)
+            (slot.stage, slot.index): (
+                slot.identity,
+                slot.peer_id,
+                slot.admitted_at,
+                slot.expires_at,
+                int(slot.active),
+                slot.last_seen,
+            )
             for slot in state.slots
         },
         "queue": queue,

@@ -57,8 +57,14 @@ class SelfIssuedTickets:
             ticket, expires_at = self._issued.get(peer_id, ("", 0.0))
             if expires_at - now < RENEW_MARGIN_S:
                 ticket = issue_ticket(
-                    self.key, identity=self.identity, peer_id=peer_id, stage=self.stage, slot=0,
-                    ttl_s=SELF_ISSUED_TTL_S, now=now, role=self.role,
+                    self.key,
+                    identity=self.identity,
+                    peer_id=peer_id,
+                    stage=self.stage,
+                    slot=0,
+                    ttl_s=SELF_ISSUED_TTL_S,
+                    now=now,
+                    role=self.role,
                 )
                 self._issued[peer_id] = (ticket, now + SELF_ISSUED_TTL_S)
             return ticket

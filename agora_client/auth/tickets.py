@@ -71,13 +71,19 @@ def load_signing_key(path: Path) -> Ed25519PrivateKey:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        raise ValueError(f"no signing key at {path}: create one with generate_signing_key() and save_signing_key()") from None
+        raise ValueError(
+            f"no signing key at {path}: create one with generate_signing_key() and save_signing_key()"
+        ) from None
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError):
-        raise ValueError(f"{path} is not an unencrypted PEM private key; delete it to have a new key generated") from None
+        raise ValueError(
+            f"{path} is not an unencrypted PEM private key; delete it to have a new key generated"
+        ) from None
     if not isinstance(key, Ed25519PrivateKey):
-        raise ValueError(f"{path} holds a {type(key).__name__}, not an Ed25519 key; delete it to have a new key generated")
+        raise ValueError(
+            f"{path} holds a {type(key).__name__}, not an Ed25519 key; delete it to have a new key generated"
+        )
     return key
 
 
@@ -103,7 +109,9 @@ def load_public_key(text: str) -> Ed25519PublicKey:
     except (binascii.Error, ValueError, AttributeError):
         raise ValueError("the public key is not base64 text; copy it from the auth service's /v1/status") from None
     if len(raw) != 32:
-        raise ValueError(f"the public key decodes to {len(raw)} bytes, an Ed25519 key has 32; copy it again from /v1/status")
+        raise ValueError(
+            f"the public key decodes to {len(raw)} bytes, an Ed25519 key has 32; copy it again from /v1/status"
+        )
     return Ed25519PublicKey.from_public_bytes(raw)
 
 
@@ -159,7 +167,9 @@ def verify_ticket(public_key: str | Ed25519PublicKey, ticket: str, *, now: float
             raise ValueError("types")
     except (ValueError, TypeError, KeyError, AttributeError):
         # Signed but unreadable: a service of another version signed it.
-        raise InvalidTicket("malformed", f"malformed ticket: its claims are not version {TICKET_VERSION} claims") from None
+        raise InvalidTicket(
+            "malformed", f"malformed ticket: its claims are not version {TICKET_VERSION} claims"
+        ) from None
     current = time.time() if now is None else now
     if current >= claims.expires_at:
         raise InvalidTicket(

@@ -71,7 +71,9 @@ class TrainerCredentials:
         return True
 
     def list(self) -> list[Credential]:
-        return [Credential(name, entry["created_at"], entry["revoked_at"]) for name, entry in sorted(self._read().items())]
+        return [
+            Credential(name, entry["created_at"], entry["revoked_at"]) for name, entry in sorted(self._read().items())
+        ]
 
     def holder(self, token: Secret) -> str:
         """The name of the live credential ``token`` is; CredentialRefused otherwise."""
@@ -79,10 +81,14 @@ class TrainerCredentials:
         for name, entry in self._read().items():
             if hmac.compare_digest(entry["sha256"], digest):
                 if entry["revoked_at"] is not None:
-                    raise CredentialRefused(f"the trainer credential {name!r} was revoked; ask the operator for a new one")
+                    raise CredentialRefused(
+                        f"the trainer credential {name!r} was revoked; ask the operator for a new one"
+                    )
                 return name
-        raise CredentialRefused("unknown trainer credential; check --credential-file against what "
-                                "`agora trainer-credential add` printed on the auth host")
+        raise CredentialRefused(
+            "unknown trainer credential; check --credential-file against what "
+            "`agora trainer-credential add` printed on the auth host"
+        )
 
     def _read(self) -> dict:
         try:

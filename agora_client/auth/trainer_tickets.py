@@ -42,8 +42,12 @@ class IssuedTrainerTickets:
             if held is not None and now < held.ask_again_at:
                 return held.ticket
             try:
-                reply = call_service(self.auth_url, "/v1/trainer/ticket",
-                                     {"credential": self._credential.reveal(), "peer_id": peer_id}, CALL_TIMEOUT_S)
+                reply = call_service(
+                    self.auth_url,
+                    "/v1/trainer/ticket",
+                    {"credential": self._credential.reveal(), "peer_id": peer_id},
+                    CALL_TIMEOUT_S,
+                )
             except AuthFailed:
                 if held is None or held.expires_at <= now:
                     raise

@@ -87,7 +87,9 @@ def connection_failure(error: httpx.HTTPError) -> str:
     cause: BaseException | None = error
     while cause is not None:
         if isinstance(cause, ssl.SSLCertVerificationError):
-            return (f"its TLS certificate is not trusted: {cause.verify_message}; if the swarm uses a certificate of its "
-                    "own, pass its CA certificate with --ca-cert PEM (or set SSL_CERT_FILE)")
+            return (
+                f"its TLS certificate is not trusted: {cause.verify_message}; if the swarm uses a certificate of its "
+                "own, pass its CA certificate with --ca-cert PEM (or set SSL_CERT_FILE)"
+            )
         cause = cause.__cause__ or cause.__context__
     return type(error).__name__

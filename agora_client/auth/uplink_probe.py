@@ -34,8 +34,9 @@ def _body(max_bytes: int, max_s: float) -> Iterator[bytes]:
         sent += len(chunk)
 
 
-def measure_uplink(swarm_url: str, *, max_bytes: int = 8 << 20, max_s: float = 3.0,
-                   client: httpx.Client | None = None) -> UplinkMeasurement:
+def measure_uplink(
+    swarm_url: str, *, max_bytes: int = 8 << 20, max_s: float = 3.0, client: httpx.Client | None = None
+) -> UplinkMeasurement:
     """Send up to ``max_bytes`` for at most ``max_s`` to the auth service; UplinkProbeFailed says why it could not."""
     http = client or httpx.Client(timeout=max_s + 15.0)
     try:

@@ -193,7 +193,9 @@ class SlicePayload:
         self.back_bytes_per_value = self.out_bytes_per_value if lossy_answers else float(buffer.element_size())
         # hivemind hands each whole part to one reducer: parts much smaller than a slice spread the load evenly
         # over the group (a slice in one part means one peer reduces everything); 8 KiB keeps headers under 1%
-        self.part_size_bytes = min(DEFAULT_PART_SIZE_BYTES, max(8 * 1024, int(buffer.numel() * self.out_bytes_per_value) // 64))
+        self.part_size_bytes = min(
+            DEFAULT_PART_SIZE_BYTES, max(8 * 1024, int(buffer.numel() * self.out_bytes_per_value) // 64)
+        )
         self.part_values = part_size_values(self.compression, self.part_size_bytes, buffer)
         self._padded_size = buffer.numel()
         self._feedback = None if payload == "fp32" else ErrorFeedback()
@@ -228,7 +230,9 @@ class SlicePayload:
             self._feedback.clear()
         return self._feedback.compensated(partition, values)
 
-    def averaged(self, partition: int, sent: torch.Tensor, returned: torch.Tensor, local_parts: Sequence[int]) -> torch.Tensor:
+    def averaged(
+        self, partition: int, sent: torch.Tensor, returned: torch.Tensor, local_parts: Sequence[int]
+    ) -> torch.Tensor:
         """The slice's averaged values after a round that ran: ``sent`` is what outgoing gave, ``returned`` the
         buffer's first len(sent) values after the all-reduce, ``local_parts`` the parts this peer reduced itself."""
         if self._feedback is None:

@@ -63,12 +63,15 @@ class RoundTiming:
     reducer_timeout: float  # ...and a sender this long for a reducer's next averaged part
 
     def describe(self) -> str:
-        return (f"expected {self.expected_s:.1f}s, bounded at {self.allreduce_timeout:.0f}s "
-                f"(parts: {self.sender_timeout:.0f}s / {self.reducer_timeout:.0f}s)")
+        return (
+            f"expected {self.expected_s:.1f}s, bounded at {self.allreduce_timeout:.0f}s "
+            f"(parts: {self.sender_timeout:.0f}s / {self.reducer_timeout:.0f}s)"
+        )
 
 
-def round_timing(payload_bytes: float, group_size: int, slowest_rate: float, part_size_bytes: int,
-                 config: SpartaConfig) -> RoundTiming:
+def round_timing(
+    payload_bytes: float, group_size: int, slowest_rate: float, part_size_bytes: int, config: SpartaConfig
+) -> RoundTiming:
     """Time bounds of one round: ``payload_bytes`` averaged among ``group_size`` peers whose slowest link moves
     ``slowest_rate`` bytes/s; the config's timeouts are floors."""
     rate = min(MAX_RATE, max(MIN_RATE, slowest_rate))

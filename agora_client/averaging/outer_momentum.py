@@ -73,4 +73,6 @@ class OuterMomentum:
     @property
     def nbytes(self) -> int:
         """Host memory the anchors and momenta hold now."""
-        return sum(tensor.numel() * tensor.element_size() for tensor in [*self._anchors.values(), *self._momenta.values()])
+        return sum(
+            tensor.numel() * tensor.element_size() for tensor in [*self._anchors.values(), *self._momenta.values()]
+        )

@@ -116,7 +116,9 @@ class _BoundingScreen:
         self.suspects: dict[str, str] = {}  # peer id -> what it sent or returned
         self._discarded = 0
 
-    def sent_part(self, sender: PeerID, own: torch.Tensor, part: torch.Tensor, weight: float) -> tuple[torch.Tensor, float]:
+    def sent_part(
+        self, sender: PeerID, own: torch.Tensor, part: torch.Tensor, weight: float
+    ) -> tuple[torch.Tensor, float]:
         weight = bounded_weight(weight)
         part, problem = bounded(own, part, self._max_ratio)
         if problem is not None:
@@ -144,11 +146,24 @@ class _GroupAverager(RoundAverager):
     """The engine's round averager with SPARTA's group rules: tickets (admission), a positive weight, bounds."""
 
     def __init__(
-        self, buffer: torch.Tensor, dht: DHT, *, layout: bytes, config: SpartaConfig,
-        admission: GroupAdmission | None, payload: SlicePayload, **kwargs: Any,
+        self,
+        buffer: torch.Tensor,
+        dht: DHT,
+        *,
+        layout: bytes,
+        config: SpartaConfig,
+        admission: GroupAdmission | None,
+        payload: SlicePayload,
+        **kwargs: Any,
     ):
-        super().__init__(buffer, dht, layout=layout, compression=payload.compression,
-                         part_size_bytes=payload.part_size_bytes, **kwargs)
+        super().__init__(
+            buffer,
+            dht,
+            layout=layout,
+            compression=payload.compression,
+            part_size_bytes=payload.part_size_bytes,
+            **kwargs,
+        )
         self._admission, self._sparta = admission, config  # not _config: multiprocessing.Process has one
         self._payload_bytes = buffer.numel() * payload.bytes_per_value  # what a round moves, each way, per value
         self._largest_message = payload.largest_message_bytes
@@ -172,7 +187,9 @@ class _GroupAverager(RoundAverager):
 
     def group_timeouts(self, members: Sequence[Any]) -> GroupTimeouts:
         # timed by the slowest link any member announced (clamped: a peer cannot make its group wait for ever)
-        announced = [LinkRates.announced(member.get("link")) if isinstance(member, dict) else None for member in members]
+        announced = [
+            LinkRates.announced(member.get("link")) if isinstance(member, dict) else None for member in members
+        ]
         slowest = min((rates.slowest for rates in announced if rates is not None), default=MIN_RATE)
         timing = round_timing(self._payload_bytes, len(members), slowest, self._largest_message, self._sparta)
         return GroupTimeouts(timing.allreduce_timeout, timing.sender_timeout, timing.reducer_timeout)
@@ -235,12 +252,15 @@ class SpartaAverager:
         self._link = LinkMeter(LinkRates(config.assumed_link_mbps * 1e6 / 8, config.assumed_link_mbps * 1e6 / 8))
         self._fit_said = False
         # the group bounds its all-reduce by its slowest link (group_timeouts); this one only backs that up
-        slowest_round = round_timing(self._round_bytes, LARGEST_GROUP, MIN_RATE, self._payload.largest_message_bytes,
-                                     config).allreduce_timeout
+        slowest_round = round_timing(
+            self._round_bytes, LARGEST_GROUP, MIN_RATE, self._payload.largest_message_bytes, config
+        ).allreduce_timeout
         self._round_timeout = self._find_group_timeout + slowest_round + config.matchmaking_time
         self._averager = self._new_averager(dht, prefix, config, admission)
         self._dht, self._uplink = dht, None  # the prober, once started
-        self._credentials = (lambda: {}) if admission is None else (lambda: admission.credentials(dht.peer_id.to_base58()))
+        self._credentials = (
+            (lambda: {}) if admission is None else (lambda: admission.credentials(dht.peer_id.to_base58()))
+        )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparta-round")
         self._begin_lock = threading.Lock()
         self._flight = _Flight(-1, 0.0)  # the latest round begun
@@ -248,7 +268,9 @@ class SpartaAverager:
         if start:
             self.start()
 
-    def _new_averager(self, dht: DHT, prefix: str, config: SpartaConfig, admission: GroupAdmission | None) -> _GroupAverager:
+    def _new_averager(
+        self, dht: DHT, prefix: str, config: SpartaConfig, admission: GroupAdmission | None
+    ) -> _GroupAverager:
         return _GroupAverager(
             self._buffer,
             dht,
@@ -312,7 +334,9 @@ class SpartaAverager:
 
     def _skipped(self, round_no: int, part: int, weight: float, reason: str) -> Future[RoundReport]:
         done: Future[RoundReport] = Future()
-        done.set_result(self._publish(RoundReport(round_no, part, 0, 0.0, 0, 0, 0.0, float(weight), ok=False, reason=reason)))
+        done.set_result(
+            self._publish(RoundReport(round_no, part, 0, 0.0, 0, 0, 0.0, float(weight), ok=False, reason=reason))
+        )
         return done
 
     def _gather_window(self, interval: float | None) -> float:
@@ -364,40 +388,45 @@ class SpartaAverager:
         if reason is None:  # a whole round measures the link; a partial one was cut short by someone's failure
             self._link.record(bytes_sent, bytes_received, allreduce_s)
             probed = self._uplink.after_round(round_no, outcome.peers) if self._uplink is not None else None
-        return self._publish(RoundReport(
-            round=round_no,
-            partition=part,
-            group_size=group_size,
-            fraction=fraction,
-            bytes_sent=bytes_sent,
-            bytes_received=bytes_received,
-            duration_s=time.monotonic() - started,
-            weight=weight,
-            ok=group_size > 0 and fraction > 0,
-            reason=reason,
-            suspects=tuple(sorted(suspects.items())),
-            allreduce_s=allreduce_s,
-            notice=self._fit_notice(flight.interval_s, group_size),
-            uplink=probed,
-            drift_before=drift.before,
-            drift_after=drift.after,
-        ))
+        return self._publish(
+            RoundReport(
+                round=round_no,
+                partition=part,
+                group_size=group_size,
+                fraction=fraction,
+                bytes_sent=bytes_sent,
+                bytes_received=bytes_received,
+                duration_s=time.monotonic() - started,
+                weight=weight,
+                ok=group_size > 0 and fraction > 0,
+                reason=reason,
+                suspects=tuple(sorted(suspects.items())),
+                allreduce_s=allreduce_s,
+                notice=self._fit_notice(flight.interval_s, group_size),
+                uplink=probed,
+                drift_before=drift.before,
+                drift_after=drift.after,
+            )
+        )
 
     def _fit_notice(self, interval_s: float | None, group_size: int) -> str | None:
         """Once per run: rounds of this slice take longer, at the measured link, than the time between two rounds."""
         if self._fit_said or interval_s is None or group_size < 2:
             return None
         rates = self._link.rates
-        timing = round_timing(self._round_bytes, group_size, rates.slowest, self._payload.largest_message_bytes,
-                              self._config)
+        timing = round_timing(
+            self._round_bytes, group_size, rates.slowest, self._payload.largest_message_bytes, self._config
+        )
         if timing.expected_s <= interval_s:
             return None
         self._fit_said = True
         moved = butterfly_bytes(self._round_bytes, group_size)
-        return (f"a round moves {moved / 1e6:.0f} MB each way per peer; at this worker's measured link "
-                f"({rates.up * 8 / 1e6:.0f} Mbit/s up, {rates.down * 8 / 1e6:.0f} down) it takes ~{timing.expected_s:.0f}s, "
-                f"but rounds start every {interval_s:.0f}s: rounds will be skipped while one is in flight; "
-                "a faster link, a larger sparta.period or a smaller sparta.fraction makes them fit")
+        return (
+            f"a round moves {moved / 1e6:.0f} MB each way per peer; at this worker's measured link "
+            f"({rates.up * 8 / 1e6:.0f} Mbit/s up, {rates.down * 8 / 1e6:.0f} down) it takes ~{timing.expected_s:.0f}s, "
+            f"but rounds start every {interval_s:.0f}s: rounds will be skipped while one is in flight; "
+            "a faster link, a larger sparta.period or a smaller sparta.fraction makes them fit"
+        )
 
     def _match_and_average(self, flight: _Flight, round_no: int, weight: float) -> RoundOutcome:
         if not self._averager.is_alive():

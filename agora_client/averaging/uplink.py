@@ -50,8 +50,10 @@ class UplinkProber:
         except Exception as error:  # ProbeFailed, or a stream closed under it at shutdown: never the round's failure
             return f"could not measure this worker's uplink: {error}; its share of a round's parts follows its rounds"
         self._meter.record_probe(uplink)
-        return (f"measured this worker's uplink at {uplink * 8 / 1e6:.1f} Mbit/s ({size / 1e6:.1f} MB sent to {peer}): "
-                "its share of a round's parts follows it")
+        return (
+            f"measured this worker's uplink at {uplink * 8 / 1e6:.1f} Mbit/s ({size / 1e6:.1f} MB sent to {peer}): "
+            "its share of a round's parts follows it"
+        )
 
     def _probe(self, peer: str) -> tuple[float, int]:
         """(bytes/s, bytes sent) of a probe that lasted PROBE_TARGET_S or was as large as a probe may be: a shorter

@@ -21,8 +21,13 @@ from pathlib import Path
 import torch
 
 from agora_client.config import ConfigError, ModelConfig, RunConfig, TokenizerConfig, parse_config
-from agora_client.data.tokenizer import (RunTokenizer, TokenizerError, describe_tokenizer, load_run_tokenizer,
-                                         tokenizer_config_json)
+from agora_client.data.tokenizer import (
+    RunTokenizer,
+    TokenizerError,
+    describe_tokenizer,
+    load_run_tokenizer,
+    tokenizer_config_json,
+)
 from agora_client.model import StageModule
 from agora_client.snapshots import SnapshotError, SnapshotStore, open_store
 
@@ -39,8 +44,10 @@ def set_run_config(checkpoints: CheckpointSet) -> RunConfig:
     """The set's run as a RunConfig: its name, seed, model and tokenizer (a record without one: the byte-level
     tokenizer, as before runs named theirs). Data and evaluation are not recorded: they keep their defaults."""
     run = checkpoints.run()  # the members agree on seed and model
-    tokenizers = {stage: TokenizerConfig.model_validate(manifest[RUN_KEY].get("tokenizer", {}))
-                  for stage, manifest in checkpoints.manifests.items()}
+    tokenizers = {
+        stage: TokenizerConfig.model_validate(manifest[RUN_KEY].get("tokenizer", {}))
+        for stage, manifest in checkpoints.manifests.items()
+    }
     tokenizer = tokenizers[checkpoints.expected[0]]
     odd = [stage for stage, other in tokenizers.items() if other != tokenizer]
     if odd:
@@ -49,8 +56,14 @@ def set_run_config(checkpoints: CheckpointSet) -> RunConfig:
             f"{checkpoints.expected[0]} checkpoint {tokenizer.model_dump()}: these stages were not trained on the same tokens"
         )
     try:
-        return parse_config({"name": run["name"], "seed": run["seed"], "model": run["model"],
-                             "tokenizer": tokenizer.model_dump(mode="json")})
+        return parse_config(
+            {
+                "name": run["name"],
+                "seed": run["seed"],
+                "model": run["model"],
+                "tokenizer": tokenizer.model_dump(mode="json"),
+            }
+        )
     except ConfigError as error:
         raise CheckpointError(f"the checkpoints' run record is not a valid run config: {error}") from None
 
@@ -59,8 +72,10 @@ def load_set(store: SnapshotStore, checkpoints: CheckpointSet, cache: Path) -> t
     """The set's run config and every stage of the set loaded at once, from its weights file (hashes and shapes
     verified). For comparing an export with the stages it came from; the export itself holds one stage at a time."""
     run = set_run_config(checkpoints)
-    return run, {stage: load_stage_weights(store, checkpoints.members[stage], run.model, run.seed, cache)
-                 for stage in run.model.stage_names}
+    return run, {
+        stage: load_stage_weights(store, checkpoints.members[stage], run.model, run.seed, cache)
+        for stage in run.model.stage_names
+    }
 
 
 def export_tokenizer(run: RunConfig) -> RunTokenizer:
@@ -74,11 +89,19 @@ def export_tokenizer(run: RunConfig) -> RunTokenizer:
 def write_tokenizer(directory: Path, tokenizer: RunTokenizer, model_max_length: int) -> None:
     """tokenizer.json byte for byte as the trainers read it, and transformers' tokenizer_config.json beside it."""
     (directory / "tokenizer.json").write_bytes(tokenizer.content)
-    (directory / "tokenizer_config.json").write_text(tokenizer_config_json(tokenizer, model_max_length), encoding="utf-8")
+    (directory / "tokenizer_config.json").write_text(
+        tokenizer_config_json(tokenizer, model_max_length), encoding="utf-8"
+    )
 
 
-def write_weights(store: SnapshotStore, checkpoints: CheckpointSet, config: ModelConfig, directory: Path,
-                  dtype: torch.dtype, max_shard_bytes: int) -> None:
+def write_weights(
+    store: SnapshotStore,
+    checkpoints: CheckpointSet,
+    config: ModelConfig,
+    directory: Path,
+    dtype: torch.dtype,
+    max_shard_bytes: int,
+) -> None:
     """Each stage in turn: fetch its weights, fold them into OLMo2 tensors in ``dtype``, write them to shards."""
     seed, cache = checkpoints.run()["seed"], directory / "download"
     shards = ShardWriter(directory, max_shard_bytes)
@@ -102,8 +125,14 @@ def write_weights(store: SnapshotStore, checkpoints: CheckpointSet, config: Mode
     shards.finish()
 
 
-def export_set(store: SnapshotStore, checkpoints: CheckpointSet, out: Path, *, dtype: str = DEFAULT_DTYPE,
-               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+def export_set(
+    store: SnapshotStore,
+    checkpoints: CheckpointSet,
+    out: Path,
+    *,
+    dtype: str = DEFAULT_DTYPE,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
     """Write the set as a Hugging Face OLMo2 directory at ``out`` (which must not exist yet), weights in ``dtype``
     (a key of DTYPES) and in shards of at most ``max_shard_bytes`` (a larger single tensor gets a shard alone)."""
     if dtype not in DTYPES:
@@ -123,14 +152,23 @@ def export_set(store: SnapshotStore, checkpoints: CheckpointSet, out: Path, *, d
         # pad = eos: generate() pads finished sequences of a batch with it (OLMo2's own generation config has one)
         _write_json(staging / "generation_config.json", {"do_sample": False, "eos_token_id": eos, "pad_token_id": eos})
         write_tokenizer(staging, tokenizer, config.seq_len)
-        _write_json(staging / "agora_export.json", {
-            "at": format_time(checkpoints.at),
-            "run": checkpoints.run() | {"tokenizer": describe_tokenizer(tokenizer)},
-            "loss": checkpoints.loss,
-            "dtype": dtype,
-            "stages": {stage: {"checkpoint": snapshot.name, "time": format_time(snapshot.timestamp), "epoch": snapshot.epoch}
-                       for stage, snapshot in checkpoints.members.items()},
-        })
+        _write_json(
+            staging / "agora_export.json",
+            {
+                "at": format_time(checkpoints.at),
+                "run": checkpoints.run() | {"tokenizer": describe_tokenizer(tokenizer)},
+                "loss": checkpoints.loss,
+                "dtype": dtype,
+                "stages": {
+                    stage: {
+                        "checkpoint": snapshot.name,
+                        "time": format_time(snapshot.timestamp),
+                        "epoch": snapshot.epoch,
+                    }
+                    for stage, snapshot in checkpoints.members.items()
+                },
+            },
+        )
         for path in staging.iterdir():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
@@ -151,14 +189,27 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--store", default=DEFAULT_STORE, help=f"checkpoint store: a directory or s3://bucket/prefix (default {DEFAULT_STORE})")
+    parser.add_argument(
+        "--store",
+        default=DEFAULT_STORE,
+        help=f"checkpoint store: a directory or s3://bucket/prefix (default {DEFAULT_STORE})",
+    )
     parser.add_argument("--at", default=None, help="time T (ISO 8601 UTC or unix seconds); default: the newest set")
     parser.add_argument("--out", type=Path, required=True, help="new directory for the Hugging Face model")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=DEFAULT_DTYPE,
-                        help=f"weight dtype (default {DEFAULT_DTYPE}: the trained float32 weights unchanged, which bf16 "
-                             "cannot give back; bf16 halves the files and the memory to serve them)")
-    parser.add_argument("--max-shard-size", type=_size, default=DEFAULT_MAX_SHARD_BYTES, metavar="SIZE",
-                        help="largest safetensors shard, e.g. 5GB (the default, as transformers) or 500MB")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=DEFAULT_DTYPE,
+        help=f"weight dtype (default {DEFAULT_DTYPE}: the trained float32 weights unchanged, which bf16 "
+        "cannot give back; bf16 halves the files and the memory to serve them)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        type=_size,
+        default=DEFAULT_MAX_SHARD_BYTES,
+        metavar="SIZE",
+        help="largest safetensors shard, e.g. 5GB (the default, as transformers) or 500MB",
+    )
 
 
 def _size(text: str) -> int:
@@ -179,6 +230,8 @@ def run(args: argparse.Namespace) -> int:
     stages = ", ".join(f"{stage} {format_time(snapshot.timestamp)}" for stage, snapshot in checkpoints.members.items())
     shards = len(list(out.glob("model*.safetensors")))
     tokenizer = set_run_config(checkpoints).tokenizer.source
-    print(f"[EXPORT] {out}: Olmo2ForCausalLM in {args.dtype}, {shards} shard(s), tokenizer {tokenizer}, "
-          f"from the set at {format_time(checkpoints.at)} ({stages})")
+    print(
+        f"[EXPORT] {out}: Olmo2ForCausalLM in {args.dtype}, {shards} shard(s), tokenizer {tokenizer}, "
+        f"from the set at {format_time(checkpoints.at)} ({stages})"
+    )
     return 0

@@ -16,12 +16,18 @@ def describe_set(checkpoints: CheckpointSet) -> dict:
         "at": format_time(checkpoints.at),
         "loss": checkpoints.loss,
         "eval_loss": checkpoints.eval_loss,
-        "trainers": {shard: {"time": format_time(record["timestamp"]), "microbatches": record.get("microbatches")}
-                     for shard, record in sorted(checkpoints.trainers.items())},
+        "trainers": {
+            shard: {"time": format_time(record["timestamp"]), "microbatches": record.get("microbatches")}
+            for shard, record in sorted(checkpoints.trainers.items())
+        },
         "missing": checkpoints.missing,
         "stages": {
-            stage: {"checkpoint": snapshot.name, "time": format_time(snapshot.timestamp), "epoch": snapshot.epoch,
-                    "offset_s": round(snapshot.timestamp - checkpoints.at, 3)}
+            stage: {
+                "checkpoint": snapshot.name,
+                "time": format_time(snapshot.timestamp),
+                "epoch": snapshot.epoch,
+                "offset_s": round(snapshot.timestamp - checkpoints.at, 3),
+            }
             for stage, snapshot in checkpoints.members.items()
         },
     }
@@ -40,7 +46,9 @@ def format_set(info: dict) -> str:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--store", default=DEFAULT_STORE, help=f"a directory or s3://bucket/prefix (default {DEFAULT_STORE})")
+    parser.add_argument(
+        "--store", default=DEFAULT_STORE, help=f"a directory or s3://bucket/prefix (default {DEFAULT_STORE})"
+    )
     parser.add_argument("--at", default=None, help="show only the set nearest this time (ISO 8601 UTC or unix seconds)")
     parser.add_argument("--json", action="store_true", help="one JSON object per set")
 

@@ -27,7 +27,9 @@ class ExportError(Exception):
     """The model holds something OLMo2 cannot express; the message names it."""
 
 
-def olmo2_config(config: ModelConfig, dtype: torch.dtype = torch.float32, eos_token_id: int | None = None) -> dict[str, Any]:
+def olmo2_config(
+    config: ModelConfig, dtype: torch.dtype = torch.float32, eos_token_id: int | None = None
+) -> dict[str, Any]:
     """config.json for ``Olmo2ForCausalLM`` with weights in ``dtype`` and the tokenizer's end-of-document id, if any."""
     dtype_name = str(dtype).removeprefix("torch.")
     return {
@@ -98,7 +100,9 @@ def olmo2_stage_tensors(config: ModelConfig, stage: StageModule, dtype: torch.dt
 def check_layers(config: ModelConfig, layers: list[int]) -> None:
     """The layer indices the exported stages held cover the model once each, or ExportError."""
     if sorted(layers) != list(range(config.n_layers)):
-        raise ExportError(f"the stages hold layers {sorted(layers)} but the model has {config.n_layers}: a stage is missing or doubled")
+        raise ExportError(
+            f"the stages hold layers {sorted(layers)} but the model has {config.n_layers}: a stage is missing or doubled"
+        )
 
 
 def _embedding(config: ModelConfig, head: StageModule, take: Take, dtype: torch.dtype) -> torch.Tensor:

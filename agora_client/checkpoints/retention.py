@@ -30,7 +30,11 @@ class Retention:
             if age < self.keep_all_s:
                 keep.add(snapshot.name)
                 continue
-            bucket = ("hour", int(snapshot.timestamp // HOUR)) if age < self.keep_hourly_s else ("day", int(snapshot.timestamp // DAY))
+            bucket = (
+                ("hour", int(snapshot.timestamp // HOUR))
+                if age < self.keep_hourly_s
+                else ("day", int(snapshot.timestamp // DAY))
+            )
             if bucket not in newest_in_bucket or snapshot.timestamp > newest_in_bucket[bucket].timestamp:
                 newest_in_bucket[bucket] = snapshot
         keep.update(snapshot.name for snapshot in newest_in_bucket.values())

@@ -33,8 +33,12 @@ class CheckpointError(Exception):
 def run_record(config: RunConfig) -> dict[str, Any]:
     """What a checkpoint records about its run: enough to rebuild every stage (U and E_f come from the seed) and to
     export it with its tokenizer."""
-    return {"name": config.name, "seed": config.seed, "model": config.model.model_dump(mode="json"),
-            "tokenizer": config.tokenizer.model_dump(mode="json")}
+    return {
+        "name": config.name,
+        "seed": config.seed,
+        "model": config.model.model_dump(mode="json"),
+        "tokenizer": config.tokenizer.model_dump(mode="json"),
+    }
 
 
 def parse_time(text: str) -> float:
@@ -46,7 +50,9 @@ def parse_time(text: str) -> float:
     try:
         moment = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
     except ValueError:
-        raise CheckpointError(f"{text!r} is not a time: give unix seconds or ISO 8601 like 2026-11-23T16:30:00Z") from None
+        raise CheckpointError(
+            f"{text!r} is not a time: give unix seconds or ISO 8601 like 2026-11-23T16:30:00Z"
+        ) from None
     return (moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)).timestamp()
 
 
@@ -80,7 +86,11 @@ class CheckpointSet:
     @property
     def eval_loss(self) -> float | None:
         """The trainers' held-out loss near the set's time (mean over the trainers that had evaluated)."""
-        losses = [record["eval_loss"] for record in self.trainers.values() if isinstance(record.get("eval_loss"), (int, float))]
+        losses = [
+            record["eval_loss"]
+            for record in self.trainers.values()
+            if isinstance(record.get("eval_loss"), (int, float))
+        ]
         return sum(losses) / len(losses) if losses else None
 
     def run(self) -> dict[str, Any]:
@@ -93,8 +103,10 @@ class CheckpointSet:
         records = {stage: manifest.get(RUN_KEY) for stage, manifest in self.manifests.items()}
         for stage, record in records.items():
             if not isinstance(record, dict) or not {"seed", "model"} <= record.keys():
-                raise CheckpointError(f"the {stage} checkpoint {self.members[stage].name} records no run config; "
-                                      "it was not written as a checkpoint (a joiner snapshot?)")
+                raise CheckpointError(
+                    f"the {stage} checkpoint {self.members[stage].name} records no run config; "
+                    "it was not written as a checkpoint (a joiner snapshot?)"
+                )
         # the odd ones out are named against the record most stages share
         keys = {stage: json.dumps(_normalized(record), sort_keys=True) for stage, record in records.items()}
         common = Counter(keys.values()).most_common(1)[0][0]
@@ -154,7 +166,9 @@ def _build_set(store: SnapshotStore, at: float, listings: dict[str, list[StoredS
         if isinstance(stages, list):
             expected = tuple(spec["name"] for spec in stages)
             break
-    return CheckpointSet(at=at, members=members, manifests=manifests, expected=expected, trainers=nearest_records(store, at))
+    return CheckpointSet(
+        at=at, members=members, manifests=manifests, expected=expected, trainers=nearest_records(store, at)
+    )
 
 
 def _normalized(record: dict[str, Any]) -> dict[str, Any]:

@@ -18,7 +18,9 @@ from agora_client.snapshots.tensor_file import TensorFile
 from .sets import CheckpointError
 
 
-def load_stage_weights(store: SnapshotStore, snapshot: StoredSnapshot, config: ModelConfig, seed: int, cache: Path) -> StageModule:
+def load_stage_weights(
+    store: SnapshotStore, snapshot: StoredSnapshot, config: ModelConfig, seed: int, cache: Path
+) -> StageModule:
     """The stage of ``snapshot`` with the checkpoint's weights (sha256 and every shape checked), in eval mode."""
     stage = snapshot.stage
     try:

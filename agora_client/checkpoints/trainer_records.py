@@ -23,15 +23,30 @@ RECORD_NAME = re.compile(r"^(\d+)-of-(\d+)-(\d+)\.json$")
 
 
 def save_trainer_record(
-    store: SnapshotStore, config: RunConfig, *, shard: str, microbatches: int, position: dict[str, Any],
-    eval_loss: float | None, timestamp: float | None = None,
+    store: SnapshotStore,
+    config: RunConfig,
+    *,
+    shard: str,
+    microbatches: int,
+    position: dict[str, Any],
+    eval_loss: float | None,
+    timestamp: float | None = None,
 ) -> str:
     """Write one record, then drop this trainer's records the retention policy no longer keeps; returns its key."""
     timestamp = time.time() if timestamp is None else timestamp
     index, count = shard.split("/")
     key = f"{TRAINERS_DIR}/{index}-of-{count}-{int(timestamp * 1000)}.json"
-    store.put_record(key, {"timestamp": timestamp, "shard": shard, "microbatches": microbatches, "eval_loss": eval_loss,
-                           "run": config.name, "position": position})
+    store.put_record(
+        key,
+        {
+            "timestamp": timestamp,
+            "shard": shard,
+            "microbatches": microbatches,
+            "eval_loss": eval_loss,
+            "run": config.name,
+            "position": position,
+        },
+    )
     keep = Retention.from_config(config.checkpoint)
     records = _listing(store).get(shard, [])
     kept = keep(records, timestamp)

@@ -41,7 +41,9 @@ class CheckpointWriter:
         self.retention = Retention.from_config(config.checkpoint)
         self.last_written = time.monotonic()
         self._losses: list[float] = []
-        self._last_loss: float | None = None  # the latest mean: a checkpoint with no new losses (the final one) keeps it
+        self._last_loss: float | None = (
+            None  # the latest mean: a checkpoint with no new losses (the final one) keeps it
+        )
 
     def on_epoch(self, epoch: int, loss: float | None, *, averaging: bool) -> None:
         """After every stage epoch: note the loss; start a checkpoint when one is due.
@@ -74,8 +76,11 @@ class CheckpointWriter:
             "last_grad_norm": self.grad_norm(),
             "period_s": self.period_s,
         }
-        started = self.writer.submit(f"checkpoint of {self.stage} at epoch {epoch}",
-                                     lambda state: self._write(state, epoch, training), self._failed)
+        started = self.writer.submit(
+            f"checkpoint of {self.stage} at epoch {epoch}",
+            lambda state: self._write(state, epoch, training),
+            self._failed,
+        )
         if not started:  # the losses count toward the next checkpoint
             self._losses = losses + self._losses
         return started
@@ -84,8 +89,11 @@ class CheckpointWriter:
         extra = {RUN_KEY: run_record(self.config), TRAINING_KEY: training}
         written = self.store.save_state(self.stage, state, epoch, extra=extra)
         removed = self.store.prune(self.stage, self.retention)
-        self.events.log(f"checkpoint {written.name} of {self.stage} written to {self.store.location}"
-                        + (f"; {len(removed)} older ones pruned" if removed else ""), tag="CHECKPOINT")
+        self.events.log(
+            f"checkpoint {written.name} of {self.stage} written to {self.store.location}"
+            + (f"; {len(removed)} older ones pruned" if removed else ""),
+            tag="CHECKPOINT",
+        )
 
     def _failed(self, what: str, error: Exception) -> None:
         self.events.log(f"{what} failed: {error}", tag="CHECKPOINT", level="error")

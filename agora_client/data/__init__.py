@@ -6,4 +6,12 @@ from .sources import DataError, Shard
 from .stream import TokenStream
 from .tokenizer import RunTokenizer, TokenizerError, load_run_tokenizer
 
-__all__ = ["DataError", "RunTokenizer", "Shard", "TokenStream", "TokenizerError", "held_out_sample", "load_run_tokenizer"]
+__all__ = [
+    "DataError",
+    "RunTokenizer",
+    "Shard",
+    "TokenStream",
+    "TokenizerError",
+    "held_out_sample",
+    "load_run_tokenizer",
+]

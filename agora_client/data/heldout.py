@@ -8,6 +8,7 @@ trainer and every run, whatever the shard, and the training streams skip them.
 from __future__ import annotations
 
 import hashlib
+
 import torch
 
 from agora_client.config import RunConfig

@@ -56,7 +56,9 @@ def open_split(spec: DataConfig, split: str):
     except ValueError as error:  # unknown config or split: datasets names the ones that exist
         raise DataError(_what_exists(spec, split, error)) from None
     except datasets.exceptions.DatasetNotFoundError:
-        raise DataError(f"no dataset {spec.source!r} on the Hugging Face hub (or it is gated: log in with `hf auth login`)") from None
+        raise DataError(
+            f"no dataset {spec.source!r} on the Hugging Face hub (or it is gated: log in with `hf auth login`)"
+        ) from None
     except (ConnectionError, OSError) as error:
         if kind != "hub":
             raise DataError(f"could not read {spec.source or 'the standard library'}: {error}") from None
@@ -116,15 +118,21 @@ def _text_field(spec: DataConfig) -> str:
 
 def _is_plain_files(spec: DataConfig) -> bool:
     """The standard library or .txt files: one document per file, under the field "text"."""
-    return spec.source is None or Path(spec.source).suffix == ".txt" or (
-        Path(spec.source).is_dir() and _suffix_of(_local_files(Path(spec.source))) == ".txt")
+    return (
+        spec.source is None
+        or Path(spec.source).suffix == ".txt"
+        or (Path(spec.source).is_dir() and _suffix_of(_local_files(Path(spec.source))) == ".txt")
+    )
 
 
 def _load_arguments(spec: DataConfig, split: str) -> tuple[str, dict[str, Any]]:
     """(kind, load_dataset arguments) for the source: stdlib, local files, a hub-like folder, or the hub."""
     if spec.source is None:
         files = [str(path) for path in stdlib_files()]
-        return "stdlib", {"args": ("text",), "kwargs": {"data_files": {split: files}, "sample_by": "document", "encoding_errors": "replace"}}
+        return "stdlib", {
+            "args": ("text",),
+            "kwargs": {"data_files": {split: files}, "sample_by": "document", "encoding_errors": "replace"},
+        }
     path = Path(spec.source).expanduser()
     if path.is_dir() and (path / "README.md").is_file():
         return "hub-like", {"args": (str(path),), "kwargs": {"name": spec.subset}}
@@ -132,7 +140,10 @@ def _load_arguments(spec: DataConfig, split: str) -> tuple[str, dict[str, Any]]:
         files = _local_files(path)
         suffix = _suffix_of(files)
         extra = {"sample_by": "document", "encoding_errors": "replace"} if suffix == ".txt" else {}
-        return "files", {"args": (LOCAL_BUILDERS[suffix],), "kwargs": {"data_files": {split: [str(f) for f in files]}, **extra}}
+        return "files", {
+            "args": (LOCAL_BUILDERS[suffix],),
+            "kwargs": {"data_files": {split: [str(f) for f in files]}, **extra},
+        }
     if path.suffix in LOCAL_BUILDERS or spec.source.startswith((".", "/", "~")):
         raise DataError(f"{spec.source} does not exist")
     return "hub", {"args": (spec.source,), "kwargs": {"name": spec.subset}}
@@ -167,5 +178,7 @@ def _what_exists(spec: DataConfig, split: str, error: ValueError) -> str:
 
 
 def _missing_field(spec: DataConfig, field: str, fields: list[str]) -> str:
-    return (f"{spec.source or 'the data'} has no text field {field!r}; fields: {', '.join(fields) or 'none'} "
-            "(set data.text_field, or --text-field)")
+    return (
+        f"{spec.source or 'the data'} has no text field {field!r}; fields: {', '.join(fields) or 'none'} "
+        "(set data.text_field, or --text-field)"
+    )

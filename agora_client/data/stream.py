@@ -30,10 +30,23 @@ ENCODE_BATCH_CHARS = 1 << 18  # ...or fewer, long ones: the batch's rest is part
 
 class TokenStream:
     def __init__(
-        self, spec: DataConfig, held_out: EvalConfig, tokenizer: RunTokenizer, seq_len: int, shard: Shard, *,
-        seed: int = 0, position: dict[str, Any] | None = None,
+        self,
+        spec: DataConfig,
+        held_out: EvalConfig,
+        tokenizer: RunTokenizer,
+        seq_len: int,
+        shard: Shard,
+        *,
+        seed: int = 0,
+        position: dict[str, Any] | None = None,
     ):
-        self.spec, self.held_out, self.tokenizer, self.window, self.shard = spec, held_out, tokenizer, seq_len + 1, shard
+        self.spec, self.held_out, self.tokenizer, self.window, self.shard = (
+            spec,
+            held_out,
+            tokenizer,
+            seq_len + 1,
+            shard,
+        )
         self.seed = seed
         self.pass_index = 0
         self.rng = random.Random(self._pass_seed(0))
@@ -52,10 +65,17 @@ class TokenStream:
     def position(self) -> dict[str, Any]:
         """JSON-ready: where the next sequence starts."""
         return {
-            "v": POSITION_VERSION, "shard": str(self.shard), "pass": self.pass_index, "sequences": self.sequences_out,
-            "source": self.source_state, "buffer": [text for text, _ in self.buffer],
-            "pending": [text for text, _ in self.pending], "carry": list(self.carry),
-            "rng": _rng_to_json(self.rng), "tokenizer_sha256": self.tokenizer.sha256, "data": self._data_identity(),
+            "v": POSITION_VERSION,
+            "shard": str(self.shard),
+            "pass": self.pass_index,
+            "sequences": self.sequences_out,
+            "source": self.source_state,
+            "buffer": [text for text, _ in self.buffer],
+            "pending": [text for text, _ in self.pending],
+            "carry": list(self.carry),
+            "rng": _rng_to_json(self.rng),
+            "tokenizer_sha256": self.tokenizer.sha256,
+            "data": self._data_identity(),
         }
 
     def _data_identity(self) -> dict[str, Any]:
@@ -64,13 +84,17 @@ class TokenStream:
 
     def _restore(self, position: dict[str, Any]) -> None:
         if position.get("v") != POSITION_VERSION or position.get("shard") != str(self.shard):
-            raise DataError(f"the saved data position is for shard {position.get('shard')}, not {self.shard}: "
-                            "resume with as many trainers as the run had")
+            raise DataError(
+                f"the saved data position is for shard {position.get('shard')}, not {self.shard}: "
+                "resume with as many trainers as the run had"
+            )
         if position.get("tokenizer_sha256") != self.tokenizer.sha256:
             raise DataError("the saved data position was cut with another tokenizer than the run's")
         if position.get("data") != self._data_identity():
-            raise DataError(f"the saved data position is in other data ({position.get('data')}) than this trainer reads "
-                            f"({self._data_identity()}): resume with the data the run had")
+            raise DataError(
+                f"the saved data position is in other data ({position.get('data')}) than this trainer reads "
+                f"({self._data_identity()}): resume with the data the run had"
+            )
         self.pass_index, self.sequences_out = int(position["pass"]), int(position["sequences"])
         self.source_state = position["source"]
         self.buffer = self._tokenized(position["buffer"])
@@ -89,7 +113,9 @@ class TokenStream:
                 produced = True
                 yield window
             if not produced and self.pass_index == 0 and self.sequences_out == 0:
-                raise DataError(f"this trainer's shard of {self.spec.source or 'the standard library'} is shorter than one sequence")
+                raise DataError(
+                    f"this trainer's shard of {self.spec.source or 'the standard library'} is shorter than one sequence"
+                )
             self.pass_index += 1
             self.rng = random.Random(self._pass_seed(self.pass_index))
             self.source_state = None

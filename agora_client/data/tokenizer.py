@@ -148,7 +148,9 @@ def _download(url: str) -> bytes:
                     raise TokenizerError(f"{url} is larger than {MAX_TOKENIZER_BYTES >> 20} MiB: not a tokenizer file")
             return content
     except httpx.HTTPError as error:
-        raise TokenizerUnavailable(f"could not download the tokenizer {url} ({type(error).__name__}); check the URL and network") from None
+        raise TokenizerUnavailable(
+            f"could not download the tokenizer {url} ({type(error).__name__}); check the URL and network"
+        ) from None
 
 
 def _read_hub(source: str) -> bytes:
@@ -159,26 +161,37 @@ def _read_hub(source: str) -> bytes:
     try:
         return Path(hf_hub_download(repo, HUB_FILE, revision=revision or None)).read_bytes()
     except RepositoryNotFoundError:
-        raise TokenizerUnavailable(f"no Hugging Face repo {repo!r} (or it is gated: log in with `hf auth login`)") from None
+        raise TokenizerUnavailable(
+            f"no Hugging Face repo {repo!r} (or it is gated: log in with `hf auth login`)"
+        ) from None
     except LocalEntryNotFoundError:
         raise TokenizerUnavailable(
             f"could not fetch {HUB_FILE} of {repo!r} from the Hugging Face hub: this machine looks offline and has no "
             "cached copy; name a local tokenizer file or URL in tokenizer.source"
         ) from None
     except (HfHubHTTPError, OSError) as error:
-        raise TokenizerUnavailable(f"could not fetch {HUB_FILE} of {repo!r} from the Hugging Face hub: {error}") from None
+        raise TokenizerUnavailable(
+            f"could not fetch {HUB_FILE} of {repo!r} from the Hugging Face hub: {error}"
+        ) from None
 
 
 def describe_tokenizer(tokenizer: RunTokenizer) -> dict:
     """What ``describe`` and the run description say about it."""
-    return {"source": tokenizer.source, "sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size,
-            "eos_token": tokenizer.eos_token}
+    return {
+        "source": tokenizer.source,
+        "sha256": tokenizer.sha256,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_token": tokenizer.eos_token,
+    }
 
 
 def tokenizer_config_json(tokenizer: RunTokenizer, model_max_length: int) -> str:
     """transformers' tokenizer_config.json for an export: the fast tokenizer with its end-of-document token."""
-    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
-                "clean_up_tokenization_spaces": False}
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+    }
     if tokenizer.eos_token is not None:
         settings["eos_token"] = tokenizer.eos_token
     return json.dumps(settings, indent=2)

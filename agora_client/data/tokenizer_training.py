@@ -13,7 +13,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from agora_client.config import DataConfig
-from agora_client.data.sources import DataError, open_documents, Shard
+from agora_client.data.sources import DataError, Shard, open_documents
 
 END_OF_TEXT = "<|endoftext|>"
 
@@ -24,7 +24,9 @@ def train_bpe(texts, vocab_size: int) -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[END_OF_TEXT], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
@@ -36,7 +38,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     train = sub.add_parser("train", help="train a byte-level BPE tokenizer on a data source")
     train.add_argument("--out", type=Path, required=True, help="the tokenizer JSON file to write")
     train.add_argument("--vocab-size", type=int, default=2048)
-    train.add_argument("--data", default=None, help="a data source as `trainer --data` takes it (default: the standard library)")
+    train.add_argument(
+        "--data", default=None, help="a data source as `trainer --data` takes it (default: the standard library)"
+    )
     train.add_argument("--documents", type=int, default=0, help="train on the first N documents only (0: all)")
 
 

@@ -19,14 +19,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     up = actions.add_parser("up", help="start this host's roles, each once the ones before it are ready")
     up.add_argument("--detach", action="store_true", help="return once every role is ready, leaving them running")
     down_parser = actions.add_parser("down", help="stop what `up` started on this host")
-    down_parser.add_argument("--grace", type=float, default=15.0,
-                             help="seconds a role left by a killed supervisor has to stop before it is killed")
+    down_parser.add_argument(
+        "--grace",
+        type=float,
+        default=15.0,
+        help="seconds a role left by a killed supervisor has to stop before it is killed",
+    )
     units = actions.add_parser("units", help="write a systemd unit per role of this host, and agora.target")
     units.add_argument("--out", type=Path, required=True, help="directory for the units (e.g. /etc/systemd/system)")
     units.add_argument("--user", default=None, help="the user the roles run as (User=); default: systemd's")
     units.add_argument("--python", default=sys.executable, help="the Python that runs agora_cli.py (default: this one)")
-    firewall_parser = actions.add_parser("firewall", help="print (or --apply, --remove) nftables rules that limit new connections "
-                                         "per client address to this host's HTTP roles in the kernel")
+    firewall_parser = actions.add_parser(
+        "firewall",
+        help="print (or --apply, --remove) nftables rules that limit new connections "
+        "per client address to this host's HTTP roles in the kernel",
+    )
     change = firewall_parser.add_mutually_exclusive_group()
     change.add_argument("--apply", action="store_true", help="load the rules (root, nftables; replaces earlier ones)")
     change.add_argument("--remove", action="store_true", help="delete the rules (nothing happens when there are none)")
@@ -55,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
     from .units import write_units
 
     if args.action == "units":
-        paths = write_units(steps, args.out, python=args.python, checkout=CHECKOUT, secrets=spec.secrets, user=args.user)
+        paths = write_units(
+            steps, args.out, python=args.python, checkout=CHECKOUT, secrets=spec.secrets, user=args.user
+        )
         print(f"[DEPLOY] wrote {len(paths)} files to {args.out}: {', '.join(path.name for path in paths)}")
         print("[DEPLOY] then: systemctl daemon-reload && systemctl enable --now agora.target")
         return 0
@@ -67,7 +76,14 @@ def run(args: argparse.Namespace) -> int:
 def firewall(spec: DeploySpec, host_name: str, args: argparse.Namespace) -> int:
     """`agora deploy firewall`: the per-address connection rate limit of this host's HTTP ports, printed, applied or
     removed."""
-    from .firewall import DEFAULT_BURST, DEFAULT_PER_MINUTE, FirewallError, apply_ruleset, remove_ruleset, render_ruleset
+    from .firewall import (
+        DEFAULT_BURST,
+        DEFAULT_PER_MINUTE,
+        FirewallError,
+        apply_ruleset,
+        remove_ruleset,
+        render_ruleset,
+    )
 
     host = spec.hosts[host_name]
     ports = http_ports(host.roles)
@@ -90,11 +106,15 @@ def firewall(spec: DeploySpec, host_name: str, args: argparse.Namespace) -> int:
     except ValueError as error:  # a trusted proxy that is no address
         print(f"[ERROR] hosts.{host_name}.trusted_proxies: {error}", file=sys.stderr)
         return 2
-    print(f"[DEPLOY] the kernel now drops new connections to ports {', '.join(map(str, sorted(ports)))} "
-          f"from a client address beyond {DEFAULT_BURST} at once and {DEFAULT_PER_MINUTE} a minute (remove with --remove)")
+    print(
+        f"[DEPLOY] the kernel now drops new connections to ports {', '.join(map(str, sorted(ports)))} "
+        f"from a client address beyond {DEFAULT_BURST} at once and {DEFAULT_PER_MINUTE} a minute (remove with --remove)"
+    )
     return 0
 
 
 def http_ports(roles: Roles) -> list[int]:
     """The ports of the roles that serve HTTP (auth, monitor, snapshot server): every role that is an HttpRole."""
-    return [role.port for role in (getattr(roles, name) for name in type(roles).model_fields) if isinstance(role, HttpRole)]
+    return [
+        role.port for role in (getattr(roles, name) for name in type(roles).model_fields) if isinstance(role, HttpRole)
+    ]

@@ -34,8 +34,9 @@ class FirewallError(RuntimeError):
     """nft is missing, the caller may not change the firewall, or nft refused the script; the message says what to do."""
 
 
-def render_ruleset(ports: Iterable[int], per_minute: int = DEFAULT_PER_MINUTE, burst: int = DEFAULT_BURST,
-                   exempt: Iterable[str] = ()) -> str:
+def render_ruleset(
+    ports: Iterable[int], per_minute: int = DEFAULT_PER_MINUTE, burst: int = DEFAULT_BURST, exempt: Iterable[str] = ()
+) -> str:
     """The nftables script limiting new TCP connections to ``ports`` to ``burst`` at once and ``per_minute`` more
     each minute, per source; ``exempt`` sources first.
 
@@ -57,19 +58,21 @@ def render_ruleset(ports: Iterable[int], per_minute: int = DEFAULT_PER_MINUTE, b
         f"{dport} ct state new add @per_network_v6 {{ ip6 saddr & ffff:ffff:ffff:ffff:: {limit} }} counter drop",
     ]
     sets = "size {size}; flags dynamic,timeout; timeout {forget}s;".format(size=TRACKED_SOURCES, forget=FORGET_AFTER_S)
-    return "\n".join([
-        f"table {TABLE}",  # made (empty) if absent, so that the delete below never fails
-        f"delete table {TABLE}",
-        f"table {TABLE} {{",
-        f"  set per_address_v4 {{ type ipv4_addr; {sets} }}",
-        f"  set per_network_v6 {{ type ipv6_addr; {sets} }}",
-        "  chain input {",
-        "    type filter hook input priority filter; policy accept;",
-        *(f"    {rule}" for rule in rules),
-        "  }",
-        "}",
-        "",
-    ])
+    return "\n".join(
+        [
+            f"table {TABLE}",  # made (empty) if absent, so that the delete below never fails
+            f"delete table {TABLE}",
+            f"table {TABLE} {{",
+            f"  set per_address_v4 {{ type ipv4_addr; {sets} }}",
+            f"  set per_network_v6 {{ type ipv6_addr; {sets} }}",
+            "  chain input {",
+            "    type filter hook input priority filter; policy accept;",
+            *(f"    {rule}" for rule in rules),
+            "  }",
+            "}",
+            "",
+        ]
+    )
 
 
 def _exempt_networks(entries: Iterable[str]) -> tuple[list[str], list[str]]:
@@ -79,8 +82,9 @@ def _exempt_networks(entries: Iterable[str]) -> tuple[list[str], list[str]]:
         try:
             network = ipaddress.ip_network(entry.strip(), strict=False)
         except ValueError:
-            raise ValueError(f"exempt source {entry!r} is not an IP address or CIDR range: "
-                             "give e.g. 127.0.0.1 or 10.0.0.0/24") from None
+            raise ValueError(
+                f"exempt source {entry!r} is not an IP address or CIDR range: give e.g. 127.0.0.1 or 10.0.0.0/24"
+            ) from None
         (v4 if network.version == 4 else v6).append(str(network))
     return v4, v6
 
@@ -102,9 +106,13 @@ def _nft(script: str) -> None:
     if os.geteuid() != 0:
         raise FirewallError("changing the firewall needs root: run this again with sudo")
     try:
-        subprocess.run(["nft", "-f", "-"], input=script, text=True, capture_output=True, check=True, timeout=NFT_TIMEOUT_S)
+        subprocess.run(
+            ["nft", "-f", "-"], input=script, text=True, capture_output=True, check=True, timeout=NFT_TIMEOUT_S
+        )
     except subprocess.CalledProcessError as error:
-        raise FirewallError(f"nft refused the ruleset: {error.stderr.strip() or error}; check that the kernel "
-                            "has nftables (modprobe nf_tables) and conntrack (nf_conncount)") from None
+        raise FirewallError(
+            f"nft refused the ruleset: {error.stderr.strip() or error}; check that the kernel "
+            "has nftables (modprobe nf_tables) and conntrack (nf_conncount)"
+        ) from None
     except subprocess.TimeoutExpired:
         raise FirewallError(f"nft did not answer within {NFT_TIMEOUT_S} s: check `nft list ruleset` by hand") from None

@@ -39,10 +39,17 @@ def plan_roles(spec: DeploySpec, host_name: str, store: SecretStore) -> list[Ste
     own_seeds = seed_multiaddrs(spec, host_name, store)
     seeds = [*own_seeds, *(seed for seed in spec.seeds if seed not in own_seeds)]
     if not seeds and any(getattr(host.roles, role) for role in ("auth", "monitor", "workers", "trainers")):
-        raise DeployError(f"host {host_name} needs the seeds' multiaddrs, and runs no seed: list them under seeds: "
-                          f"in the deploy file (agora deploy up prints them on {spec.holder('seeds')})")
+        raise DeployError(
+            f"host {host_name} needs the seeds' multiaddrs, and runs no seed: list them under seeds: "
+            f"in the deploy file (agora deploy up prints them on {spec.holder('seeds')})"
+        )
     steps: list[Step] = [tuple(_seed(host, store, own_seeds, index) for index in range(len(own_seeds)))]
-    services = [*_snapshot_server(spec, host), *_relay(host), *_auth(spec, host, store, seeds), *_workers(spec, host, store, seeds)]
+    services = [
+        *_snapshot_server(spec, host),
+        *_relay(host),
+        *_auth(spec, host, store, seeds),
+        *_workers(spec, host, store, seeds),
+    ]
     followers = [*_monitor(spec, host, seeds), *_trainers(spec, host_name, store, seeds)]
     return _with_metrics_ports(host, [tuple(step) for step in (*steps, services, followers) if step])
 
@@ -70,8 +77,10 @@ def seed_multiaddrs(spec: DeploySpec, host_name: str, store: SecretStore) -> lis
     if host.roles.seeds is None:
         return []
     first = host.roles.seeds.port
-    return [f"/ip4/{host.address}/tcp/{first + index}/p2p/{store.seed_peer_id(index)}"
-            for index in range(host.roles.seeds.count)]
+    return [
+        f"/ip4/{host.address}/tcp/{first + index}/p2p/{store.seed_peer_id(index)}"
+        for index in range(host.roles.seeds.count)
+    ]
 
 
 def _exposure(host: HostSpec) -> roles.ExposureArgs:
@@ -106,11 +115,21 @@ def _auth(spec: DeploySpec, host: HostSpec, store: SecretStore, seeds: list[str]
     if role is None:
         return []
     relay_host = spec.holder("relay")
-    relays = [] if relay_host is None else [f"{spec.hosts[relay_host].address}:{spec.hosts[relay_host].roles.relay.port}"]
+    relays = (
+        [] if relay_host is None else [f"{spec.hosts[relay_host].address}:{spec.hosts[relay_host].roles.relay.port}"]
+    )
     args = roles.auth_args(
-        preset=spec.run.config, state_dir=store.auth_state, host=host.address, port=role.port, seeds=seeds,
-        snapshot_url=spec.snapshot_url(), token_file=role.token_file, pacing=role.pacing,
-        max_workers_per_stage=role.max_workers_per_stage, monitor_url=spec.role_url("monitor"), relays=relays,
+        preset=spec.run.config,
+        state_dir=store.auth_state,
+        host=host.address,
+        port=role.port,
+        seeds=seeds,
+        snapshot_url=spec.snapshot_url(),
+        token_file=role.token_file,
+        pacing=role.pacing,
+        max_workers_per_stage=role.max_workers_per_stage,
+        monitor_url=spec.role_url("monitor"),
+        relays=relays,
         exposure=_exposure(host),
     )
     return [Launch("auth", tuple(args), roles.AUTH_READY, host.url(role), http_front=True)]
@@ -121,8 +140,14 @@ def _monitor(spec: DeploySpec, host: HostSpec, seeds: list[str]) -> list[Launch]
     if role is None:
         return []
     args = roles.monitor_args(
-        preset=spec.run.config, seeds=seeds, auth_url=str(spec.role_url("auth")), db=spec.run.dir / "monitor" / "points.sqlite",
-        host=host.address, port=role.port, interval=role.interval, exposure=_exposure(host),
+        preset=spec.run.config,
+        seeds=seeds,
+        auth_url=str(spec.role_url("auth")),
+        db=spec.run.dir / "monitor" / "points.sqlite",
+        host=host.address,
+        port=role.port,
+        interval=role.interval,
+        exposure=_exposure(host),
     )
     return [Launch("monitor", tuple(args), roles.MONITOR_READY, host.url(role), http_front=True)]
 
@@ -136,11 +161,18 @@ def _workers(spec: DeploySpec, host: HostSpec, store: SecretStore, seeds: list[s
     for stage in load_config(spec.run.config).model.stage_names:
         for index in range(role.per_stage):
             args = roles.worker_args(
-                stage=stage, index=index, preset=spec.run.config, host=host.address, seeds=seeds,
-                ticket_key=store.signing_key, events=spec.run.dir / "events" / f"{stage}-{index}.jsonl",
+                stage=stage,
+                index=index,
+                preset=spec.run.config,
+                host=host.address,
+                seeds=seeds,
+                ticket_key=store.signing_key,
+                events=spec.run.dir / "events" / f"{stage}-{index}.jsonl",
                 recover_from=None if spec.stores.snapshots_in_s3 else Path(snapshots),
-                publish_to=snapshots if index == 0 else None, publish_every=role.publish_every,
-                checkpoints=spec.stores.checkpoints if index == 0 else None, device=role.device,
+                publish_to=snapshots if index == 0 else None,
+                publish_every=role.publish_every,
+                checkpoints=spec.stores.checkpoints if index == 0 else None,
+                device=role.device,
             )
             launches.append(Launch(f"{stage}-{index}", tuple(args), roles.WORKER_READY, host.address))
     return launches
@@ -152,9 +184,13 @@ def _trainers(spec: DeploySpec, host_name: str, store: SecretStore, seeds: list[
     launches = []
     for name in own_trainers(spec, host_name):
         args = roles.trainer_args(
-            preset=spec.run.config, host=host.address, seeds=seeds, shard=f"{everyone.index(name)}/{len(everyone)}",
+            preset=spec.run.config,
+            host=host.address,
+            seeds=seeds,
+            shard=f"{everyone.index(name)}/{len(everyone)}",
             tickets=roles.issued_tickets(store.trainer_credential(name), auth_url, role.insecure),
-            report_every=role.report_every, checkpoints=spec.stores.checkpoints,
+            report_every=role.report_every,
+            checkpoints=spec.stores.checkpoints,
         )
         launches.append(Launch(name, tuple(args), roles.TRAINER_READY, host.address))
     return launches

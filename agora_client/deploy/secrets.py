@@ -61,7 +61,8 @@ def prepare_secrets(spec: DeploySpec, host_name: str) -> SecretStore:
         if not store.trainer_credential(name).is_file():
             raise DeployError(
                 f"trainer {name} has no credential at {store.trainer_credential(name)}: copy that file from the "
-                f"secret store of {spec.holder('auth')} (agora deploy up made it there), mode 0600")
+                f"secret store of {spec.holder('auth')} (agora deploy up made it there), mode 0600"
+            )
     return store
 
 
@@ -83,7 +84,8 @@ def _issue_trainer_credentials(spec: DeploySpec, store: SecretStore) -> None:
             raise DeployError(
                 f"the trainer credential {name} was made before, but its file {path} is gone: put it back (from the "
                 f"trainer's host), or revoke it (agora trainer-credential revoke {name} --state-dir {store.auth_state}) "
-                "and give the trainer's host another name in the deploy file") from None
+                "and give the trainer's host another name in the deploy file"
+            ) from None
         path.parent.mkdir(mode=0o700, exist_ok=True)
         with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
             out.write(token.reveal() + "\n")

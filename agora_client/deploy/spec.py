@@ -45,13 +45,19 @@ StoreLocation = Annotated[str, AfterValidator(_store_from_file_dir)]
 
 
 class RunSection(_Strict):
-    config: Annotated[str, AfterValidator(_config_from_file_dir)] = Field(description="run config: a preset name (tiny, 8b) or the path of a run-config YAML")
+    config: Annotated[str, AfterValidator(_config_from_file_dir)] = Field(
+        description="run config: a preset name (tiny, 8b) or the path of a run-config YAML"
+    )
     dir: FilePath = Field(description="logs, the monitor's database, the state of `agora deploy up`")
 
 
 class Stores(_Strict):
-    snapshots: StoreLocation = Field(description="where workers publish stage snapshots: a directory or s3://bucket/prefix")
-    checkpoints: StoreLocation | None = Field(None, description="timestamped checkpoint sets: a directory or s3://bucket/prefix")
+    snapshots: StoreLocation = Field(
+        description="where workers publish stage snapshots: a directory or s3://bucket/prefix"
+    )
+    checkpoints: StoreLocation | None = Field(
+        None, description="timestamped checkpoint sets: a directory or s3://bucket/prefix"
+    )
 
     @property
     def snapshots_in_s3(self) -> bool:
@@ -98,7 +104,9 @@ class RelayRole(_Strict):
 
 class WorkersRole(_Strict):
     per_stage: int = Field(1, ge=1)
-    publish_every: int = Field(5, ge=1, description="epochs between the snapshots the first worker of a stage publishes")
+    publish_every: int = Field(
+        5, ge=1, description="epochs between the snapshots the first worker of a stage publishes"
+    )
     device: str | None = Field(None, description="torch device (default: cuda if available, else cpu)")
 
 
@@ -124,8 +132,12 @@ class TlsFiles(_Strict):
 
 
 class MetricsPorts(_Strict):
-    port: int = Field(ge=1, le=65535, description="the first Prometheus port: seeds, relay, workers and trainers "
-                      "(the roles without an HTTP port of their own) take one each, in start order")
+    port: int = Field(
+        ge=1,
+        le=65535,
+        description="the first Prometheus port: seeds, relay, workers and trainers "
+        "(the roles without an HTTP port of their own) take one each, in start order",
+    )
     listen: str = Field("127.0.0.1", description="the address those ports listen on: one your Prometheus reaches")
 
 
@@ -141,8 +153,10 @@ class HostSpec(_Strict):
         try:
             ipaddress.IPv4Address(self.address)
         except ValueError:
-            raise ValueError(f"address {self.address!r} is not an IPv4 address: give the address of this host's "
-                             "interface that peers reach (roles listen on it and announce /ip4/ multiaddrs)") from None
+            raise ValueError(
+                f"address {self.address!r} is not an IPv4 address: give the address of this host's "
+                "interface that peers reach (roles listen on it and announce /ip4/ multiaddrs)"
+            ) from None
         return self
 
     def scheme(self) -> str:
@@ -172,7 +186,9 @@ class DeploySpec(_Strict):
                 raise ValueError(f"hosts {', '.join(holders)} all run {role}: a swarm has one")
         for name in self.hosts:
             if not HOST_NAME.match(name):
-                raise ValueError(f"host name {name!r}: use 1-40 letters, digits, '.', '_' or '-' (it names credentials)")
+                raise ValueError(
+                    f"host name {name!r}: use 1-40 letters, digits, '.', '_' or '-' (it names credentials)"
+                )
         if self.this_host is not None and self.this_host not in self.hosts:
             raise ValueError(f"this_host {self.this_host!r} is not one of hosts: {', '.join(self.hosts)}")
         if self.holder("auth") is None:
@@ -198,8 +214,12 @@ class DeploySpec(_Strict):
 
     def trainer_names(self) -> list[str]:
         """Every trainer of the swarm, host by host in file order: its shard is its place in this list."""
-        return [trainer_name(host, index) for host, spec in self.hosts.items() if spec.roles.trainers
-                for index in range(spec.roles.trainers.count)]
+        return [
+            trainer_name(host, index)
+            for host, spec in self.hosts.items()
+            if spec.roles.trainers
+            for index in range(spec.roles.trainers.count)
+        ]
 
 
 def trainer_name(host: str, index: int) -> str:
@@ -210,21 +230,29 @@ def trainer_name(host: str, index: int) -> str:
 def _check_workers_on_auth_host(spec: DeploySpec) -> None:
     for name, host in spec.hosts.items():
         if host.roles.workers is not None and name != spec.holder("auth"):
-            raise ValueError(f"host {name} runs workers, but operator workers sign their tickets with the auth "
-                             f"service's key, which stays on {spec.holder('auth')}: move the workers there, or run "
-                             "the contributor client (python3 agora_cli.py --headless --swarm URL) on this host")
+            raise ValueError(
+                f"host {name} runs workers, but operator workers sign their tickets with the auth "
+                f"service's key, which stays on {spec.holder('auth')}: move the workers there, or run "
+                "the contributor client (python3 agora_cli.py --headless --swarm URL) on this host"
+            )
 
 
 def _check_snapshot_source(spec: DeploySpec) -> None:
     server = spec.holder("snapshot_server")
     if spec.stores.snapshots_in_s3 and server is not None:
-        raise ValueError(f"stores.snapshots is in S3, which serves joiners itself: remove snapshot_server from {server}")
+        raise ValueError(
+            f"stores.snapshots is in S3, which serves joiners itself: remove snapshot_server from {server}"
+        )
     if not spec.stores.snapshots_in_s3 and server is None:
-        raise ValueError("stores.snapshots is a directory: add a snapshot_server role to the host that holds it, "
-                         "or use an s3://bucket/prefix store")
+        raise ValueError(
+            "stores.snapshots is a directory: add a snapshot_server role to the host that holds it, "
+            "or use an s3://bucket/prefix store"
+        )
     if server is not None and spec.holder("workers") not in (None, server):
-        raise ValueError(f"workers publish snapshots into the directory {spec.stores.snapshots} on "
-                         f"{spec.holder('workers')}, but {server} serves it: run snapshot_server on the same host")
+        raise ValueError(
+            f"workers publish snapshots into the directory {spec.stores.snapshots} on "
+            f"{spec.holder('workers')}, but {server} serves it: run snapshot_server on the same host"
+        )
 
 
 def load_spec(path: Path) -> DeploySpec:
@@ -247,8 +275,10 @@ def chosen_host(spec: DeploySpec, name: str | None) -> str:
     """The host whose roles run here: ``--host NAME``, else the file's ``this_host``, else its only host."""
     name = name or spec.this_host or (next(iter(spec.hosts)) if len(spec.hosts) == 1 else None)
     if name is None:
-        raise DeployError(f"the deploy file has {len(spec.hosts)} hosts: say which this is with --host "
-                          f"({', '.join(spec.hosts)}) or this_host in the file")
+        raise DeployError(
+            f"the deploy file has {len(spec.hosts)} hosts: say which this is with --host "
+            f"({', '.join(spec.hosts)}) or this_host in the file"
+        )
     if name not in spec.hosts:
         raise DeployError(f"--host {name}: the deploy file has no such host; it has {', '.join(spec.hosts)}")
     return name

@@ -21,7 +21,9 @@ def state_path(spec: DeploySpec, host_name: str) -> Path:
 def write_state(path: Path, supervisor: int, roles: list[dict], ready: bool) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.tmp")
-    partial.write_text(json.dumps({"supervisor": supervisor, "ready": ready, "roles": roles}, indent=1), encoding="utf-8")
+    partial.write_text(
+        json.dumps({"supervisor": supervisor, "ready": ready, "roles": roles}, indent=1), encoding="utf-8"
+    )
     os.replace(partial, path)
 
 

@@ -32,8 +32,11 @@ def supervise(spec: DeploySpec, host_name: str, steps: list[Step]) -> int:
     path = state_path(spec, host_name)
     previous = read_state(path)
     if previous is not None and supervisor_alive(previous):
-        print(f"[ERROR] host {host_name} is up already (supervisor pid {previous['supervisor']}): "
-              "run agora deploy down first", flush=True)
+        print(
+            f"[ERROR] host {host_name} is up already (supervisor pid {previous['supervisor']}): "
+            "run agora deploy down first",
+            flush=True,
+        )
         return 1
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _interrupt)
@@ -43,8 +46,11 @@ def supervise(spec: DeploySpec, host_name: str, steps: list[Step]) -> int:
         for step in steps:
             _start_step(spec, step, processes, roles, path)
         write_state(path, os.getpid(), roles, ready=True)
-        print(f"[DEPLOY] up: {len(processes)} roles on {host_name}; logs in {spec.run.dir / 'logs'}; "
-              "Ctrl-C or agora deploy down stops them", flush=True)
+        print(
+            f"[DEPLOY] up: {len(processes)} roles on {host_name}; logs in {spec.run.dir / 'logs'}; "
+            "Ctrl-C or agora deploy down stops them",
+            flush=True,
+        )
         return _watch(processes)
     except KeyboardInterrupt:
         return 0
@@ -79,7 +85,9 @@ def _watch(processes: list[ManagedProcess]) -> int:
         gone = [process for process in processes if not process.alive]
         if gone:
             for process in gone:
-                print(f"[ERROR] {process.name} exited with {process.proc.returncode}; see {process.log_path}", flush=True)
+                print(
+                    f"[ERROR] {process.name} exited with {process.proc.returncode}; see {process.log_path}", flush=True
+                )
             return 1
 
 
@@ -88,18 +96,28 @@ def start_detached(spec: DeploySpec, host_name: str, file: Path) -> int:
     log = spec.run.dir / "logs" / f"deploy-{host_name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as out:
-        supervisor = subprocess.Popen([*CLI, "deploy", "up", str(file), "--host", host_name], stdout=out,
-                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        supervisor = subprocess.Popen(
+            [*CLI, "deploy", "up", str(file), "--host", host_name],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     path = state_path(spec, host_name)
     while True:
         state = read_state(path)
         if state is not None and state["ready"] and state["supervisor"] == supervisor.pid:
             for role in state["roles"]:
                 print(f"[DEPLOY] {role['name']} ready: {role['address']}", flush=True)
-            print(f"[DEPLOY] up in the background (pid {supervisor.pid}, log {log}); agora deploy down stops it", flush=True)
+            print(
+                f"[DEPLOY] up in the background (pid {supervisor.pid}, log {log}); agora deploy down stops it",
+                flush=True,
+            )
             return 0
         if supervisor.poll() is not None:
             tail = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-            print("\n".join([f"[ERROR] agora deploy up failed (exit {supervisor.returncode}); the end of {log}:", *tail]))
+            print(
+                "\n".join([f"[ERROR] agora deploy up failed (exit {supervisor.returncode}); the end of {log}:", *tail])
+            )
             return 1
         time.sleep(0.5)

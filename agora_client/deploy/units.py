@@ -18,7 +18,9 @@ def unit_name(launch: Launch) -> str:
     return f"agora-{launch.name}.service"
 
 
-def write_units(steps: list[Step], out: Path, *, python: str, checkout: Path, secrets: Path, user: str | None) -> list[Path]:
+def write_units(
+    steps: list[Step], out: Path, *, python: str, checkout: Path, secrets: Path, user: str | None
+) -> list[Path]:
     """Write the units and ``agora.target`` into ``out``; return their paths."""
     out.mkdir(parents=True, exist_ok=True)
     written, before = [], []
@@ -30,7 +32,9 @@ def write_units(steps: list[Step], out: Path, *, python: str, checkout: Path, se
         before = [unit_name(launch) for launch in step]
     target = out / TARGET
     names = " ".join(path.name for path in written)
-    target.write_text(f"[Unit]\nDescription=Agora roles of this host\nWants={names}\n\n[Install]\nWantedBy=multi-user.target\n")
+    target.write_text(
+        f"[Unit]\nDescription=Agora roles of this host\nWants={names}\n\n[Install]\nWantedBy=multi-user.target\n"
+    )
     return [*written, target]
 
 

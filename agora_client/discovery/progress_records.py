@@ -7,10 +7,10 @@ The records are unsigned: they say how the swarm is learning, nothing is credite
 
 from __future__ import annotations
 
-from hivemind import DHT
-from hivemind.utils import ValueWithExpiration
 from typing import Literal
 
+from hivemind import DHT
+from hivemind.utils import ValueWithExpiration
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 PROGRESS_KEY = "agora.trainers"

@@ -53,9 +53,7 @@ def stage_uid(stage: str, index: int) -> str:
 
 
 def announce(dht: DHT, record: WorkerRecord, ttl: float) -> bool:
-    return bool(
-        dht.store(roster_key(record.stage), record.model_dump(), get_dht_time() + ttl, subkey=record.peer_id)
-    )
+    return bool(dht.store(roster_key(record.stage), record.model_dump(), get_dht_time() + ttl, subkey=record.peer_id))
 
 
 def withdraw(dht: DHT, record: WorkerRecord, ttl: float) -> None:

@@ -42,8 +42,10 @@ class MetricsRecord(BaseModel):
     sparta_success_rate: float = Field(default=0.0, ge=0, le=1)
     sparta_last_fraction: float = Field(default=0.0, ge=0, le=1)
     sparta_drift_before: float | None = Field(
-        default=None, ge=0, description="the latest round that averaged: relative L2 of this worker's slice from its "
-        "group's average before the update (agora_client/averaging/drift.py); None: no round has averaged yet"
+        default=None,
+        ge=0,
+        description="the latest round that averaged: relative L2 of this worker's slice from its "
+        "group's average before the update (agora_client/averaging/drift.py); None: no round has averaged yet",
     )
     sparta_drift_after: float | None = Field(default=None, ge=0, description="the same, right after the update")
     ts: float

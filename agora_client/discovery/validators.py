@@ -31,7 +31,12 @@ from pydantic import BaseModel, ValidationError
 
 from agora_client.discovery.roster import WorkerRecord, progress_prefix, roster_key
 from agora_client.discovery.signed_records import (
-    RECEIPTS_KEY, VERDICTS_KEY, MetricsRecord, Receipt, Verdict, metrics_key,
+    RECEIPTS_KEY,
+    VERDICTS_KEY,
+    MetricsRecord,
+    Receipt,
+    Verdict,
+    metrics_key,
 )
 
 MAX_BODIES = 254

@@ -35,8 +35,15 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import as_aiter, azip
 
 __all__ = [
-    "DEFAULT_PART_SIZE_BYTES", "GroupTimeouts", "PartScreen", "RoundAverager", "RoundOutcome", "ScreenedAllReduce",
-    "found_no_group", "parts_by_reducer", "rebuild_torch_thread_pool",
+    "DEFAULT_PART_SIZE_BYTES",
+    "GroupTimeouts",
+    "PartScreen",
+    "RoundAverager",
+    "RoundOutcome",
+    "ScreenedAllReduce",
+    "found_no_group",
+    "parts_by_reducer",
+    "rebuild_torch_thread_pool",
 ]
 
 _SENT, _RECEIVED = 0, 1
@@ -45,7 +52,9 @@ _SENT, _RECEIVED = 0, 1
 class PartScreen(Protocol):
     """What one all-reduce does with the numbers of its groupmates (one instance per all-reduce)."""
 
-    def sent_part(self, sender: PeerID, own: torch.Tensor, part: torch.Tensor, weight: float) -> tuple[torch.Tensor, float]:
+    def sent_part(
+        self, sender: PeerID, own: torch.Tensor, part: torch.Tensor, weight: float
+    ) -> tuple[torch.Tensor, float]:
         """A sender's part of the slice this peer reduces, and its weight, as they should enter the average."""
 
     def returned_part(self, reducer: PeerID, own: torch.Tensor, delta: torch.Tensor) -> None:
@@ -288,7 +297,9 @@ class RoundAverager(DecentralizedAverager):
             await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         else:  # upstream fixes these at construction; a group's own bounds replace them (its allreduce_timeout is None)
             kwargs.update(sender_timeout=timeouts.sender_s, reducer_timeout=timeouts.reducer_s)
-            await asyncio.wait_for(super()._aggregate_with_group(group_info, min_vector_size, **kwargs), timeouts.allreduce_s)
+            await asyncio.wait_for(
+                super()._aggregate_with_group(group_info, min_vector_size, **kwargs), timeouts.allreduce_s
+            )
         return self._outcome
 
     async def _run_allreduce_inplace_(
@@ -299,16 +310,28 @@ class RoundAverager(DecentralizedAverager):
         started = time.monotonic()
         screen = self.new_screen()
         runner = ScreenedAllReduce(
-            traffic=self.traffic, screen=screen, p2p=self._p2p, servicer_type=type(self), prefix=self.prefix,
-            tensors=tensors, group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs,
+            traffic=self.traffic,
+            screen=screen,
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
         async for tensor, delta in azip(as_aiter(*tensors), runner):
             runner.screen_returned(tensor, delta)
             tensor.add_(delta)  # parts whose reducer failed arrive as zero deltas and keep the local value
-        self._outcome = RoundOutcome(group_info.group_size, unshared=runner.unshared_elements(), screen=screen,
-                                     allreduce_s=time.monotonic() - started, local_parts=runner.local_parts(),
-                                     peers=tuple(peer.to_base58() for peer in group_info.peer_ids))
+        self._outcome = RoundOutcome(
+            group_info.group_size,
+            unshared=runner.unshared_elements(),
+            screen=screen,
+            allreduce_s=time.monotonic() - started,
+            local_parts=runner.local_parts(),
+            peers=tuple(peer.to_base58() for peer in group_info.peer_ids),
+        )
 
 
 def found_no_group(error: BaseException) -> bool:

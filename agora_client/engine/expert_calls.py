@@ -21,7 +21,13 @@ from hivemind.utils.asyncio import iter_as_aiter
 from hivemind.utils.streaming import split_for_streaming
 
 __all__ = [
-    "DEFAULT_MAX_MSG_SIZE", "call_expert", "call_stream", "call_unary", "close_replica", "replicate_p2p", "run_coroutine",
+    "DEFAULT_MAX_MSG_SIZE",
+    "call_expert",
+    "call_stream",
+    "call_unary",
+    "close_replica",
+    "replicate_p2p",
+    "run_coroutine",
     "server_stub",
 ]
 
@@ -55,7 +61,13 @@ def server_stub(p2p: P2P, peer_id: str):
 
 
 def call_expert(
-    stub, kind: str, uid: str, serialized: Sequence[runtime_pb2.Tensor], metadata: bytes, *, payload_bytes: int,
+    stub,
+    kind: str,
+    uid: str,
+    serialized: Sequence[runtime_pb2.Tensor],
+    metadata: bytes,
+    *,
+    payload_bytes: int,
     timeout: float,
 ) -> list[torch.Tensor]:
     """``kind`` ("forward" or "backward") of ``uid`` at the stub's peer: unary, or streamed above the daemon's
@@ -74,7 +86,11 @@ async def call_unary(
 
 
 async def call_stream(
-    stub, kind: str, uid: str, serialized: Sequence[runtime_pb2.Tensor], metadata: bytes,
+    stub,
+    kind: str,
+    uid: str,
+    serialized: Sequence[runtime_pb2.Tensor],
+    metadata: bytes,
     part_bytes: int = DEFAULT_MAX_MSG_SIZE,
 ) -> list[torch.Tensor]:
     """The streamed form, for payloads over the unary limit; ``metadata`` rides on the first part."""

@@ -19,7 +19,22 @@ from agora_client.frontend.stream import EventLine, MalformedLine, StderrLine, S
 from agora_client.frontend.supervisor import ChildCommand, RuntimeProcess, runtime_command
 
 __all__ = [
-    "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_REJECTED", "EXIT_USAGE",
-    "ChildCommand", "ClientSession", "EventLine", "FrontEnd", "LineFormatter", "MalformedLine",
-    "RuntimeProcess", "StderrLine", "StreamItem", "TaggedLine", "client_exit_code", "read_runtime", "runtime_command",
+    "EXIT_ERROR",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_REJECTED",
+    "EXIT_USAGE",
+    "ChildCommand",
+    "ClientSession",
+    "EventLine",
+    "FrontEnd",
+    "LineFormatter",
+    "MalformedLine",
+    "RuntimeProcess",
+    "StderrLine",
+    "StreamItem",
+    "TaggedLine",
+    "client_exit_code",
+    "read_runtime",
+    "runtime_command",
 ]

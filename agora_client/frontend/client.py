@@ -66,9 +66,13 @@ def _command_line(text: str) -> str:
     try:
         words = shlex.split(text)
     except ValueError as error:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a command line ({error}); quote it as a shell would") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a command line ({error}); quote it as a shell would"
+        ) from None
     if not words:
-        raise argparse.ArgumentTypeError("the notify command is empty: give a program, e.g. \"curl -s https://ntfy.sh/TOPIC -d\"")
+        raise argparse.ArgumentTypeError(
+            'the notify command is empty: give a program, e.g. "curl -s https://ntfy.sh/TOPIC -d"'
+        )
     return text
 
 
@@ -76,10 +80,12 @@ def configure_supervision(parser: argparse.ArgumentParser) -> None:
     """--restart and --notify-cmd: what the front end does when the runtime crashes or something worth hearing happens."""
     parser.add_argument("--restart", choices=RESTART_MODES, default="never", help=restart_help())
     parser.add_argument(
-        "--notify-cmd", metavar="CMD", type=_command_line,
+        "--notify-cmd",
+        metavar="CMD",
+        type=_command_line,
         help="run CMD (split as a shell would, run without one) with a short message as its last argument, also in "
-             "$AGORA_NOTIFY_MESSAGE (kind in $AGORA_NOTIFY_KIND), when the runtime drops out, is refused or banned, "
-             f"runs out of memory, or leaves the queue for Active; never with the token; killed after {NOTIFY_TIMEOUT_S:.0f}s",
+        "$AGORA_NOTIFY_MESSAGE (kind in $AGORA_NOTIFY_KIND), when the runtime drops out, is refused or banned, "
+        f"runs out of memory, or leaves the queue for Active; never with the token; killed after {NOTIFY_TIMEOUT_S:.0f}s",
     )
 
 
@@ -93,18 +99,36 @@ def configure(parser: argparse.ArgumentParser) -> None:
     device.add_argument("--cpu", action="store_true", help="run the worker on the CPU: the demo and tests only")
     parser.add_argument("--reconfigure", action="store_true", help="ask for the token, swarm and GPU again")
     parser.add_argument("--config-dir", type=Path, help="client config dir (default: $XDG_CONFIG_HOME/agora)")
-    parser.add_argument("--host-port", type=int, help="TCP port peers reach the worker on (default: 49200 + GPU number)")
-    parser.add_argument("--announce-addr", metavar="HOST:PORT", help="public address to announce behind a NAT or remapped port")
-    parser.add_argument("--no-port-mapping", dest="port_mapping", action="store_false",
-                        help="do not ask the home router to forward the worker's port (UPnP or NAT-PMP)")
-    parser.add_argument("--insecure", action="store_true",
-                        help="allow plain http:// to a swarm outside this machine and the private networks "
-                             "(your token then crosses the internet in clear text)")
-    parser.add_argument("--ca-cert", type=Path, metavar="PEM",
-                        help="also trust this CA certificate for the swarm's https:// services (a swarm's own CA; "
-                             "SSL_CERT_FILE works too, in place of the usual CAs)")
     parser.add_argument(
-        "--retry-every", metavar="SECONDS", type=_positive_seconds, default=DEFAULT_RETRY_EVERY_S,
+        "--host-port", type=int, help="TCP port peers reach the worker on (default: 49200 + GPU number)"
+    )
+    parser.add_argument(
+        "--announce-addr", metavar="HOST:PORT", help="public address to announce behind a NAT or remapped port"
+    )
+    parser.add_argument(
+        "--no-port-mapping",
+        dest="port_mapping",
+        action="store_false",
+        help="do not ask the home router to forward the worker's port (UPnP or NAT-PMP)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow plain http:// to a swarm outside this machine and the private networks "
+        "(your token then crosses the internet in clear text)",
+    )
+    parser.add_argument(
+        "--ca-cert",
+        type=Path,
+        metavar="PEM",
+        help="also trust this CA certificate for the swarm's https:// services (a swarm's own CA; "
+        "SSL_CERT_FILE works too, in place of the usual CAs)",
+    )
+    parser.add_argument(
+        "--retry-every",
+        metavar="SECONDS",
+        type=_positive_seconds,
+        default=DEFAULT_RETRY_EVERY_S,
         help=f"while the swarm cannot reach this worker, ask again this often (default: {DEFAULT_RETRY_EVERY_S:.0f}; r in the app: now)",
     )
     configure_yield(parser)
@@ -118,9 +142,19 @@ def _command(args: argparse.Namespace, token: str, swarm: str, gpu: int | None, 
     if args.runtime_cmd:
         return ChildCommand(tuple(shlex.split(args.runtime_cmd)), {"HF_TOKEN": token, "PYTHONUNBUFFERED": "1"})
     return runtime_command(
-        token=token, swarm=swarm, gpu=gpu, cpu=args.cpu, config_dir=config_dir, monitor=args.monitor,
-        host_port=args.host_port, announce_addr=args.announce_addr, port_mapping=args.port_mapping,
-        retry_every=args.retry_every, insecure=args.insecure, ca_cert=args.ca_cert, yield_args=tuple(yield_argv(args)),
+        token=token,
+        swarm=swarm,
+        gpu=gpu,
+        cpu=args.cpu,
+        config_dir=config_dir,
+        monitor=args.monitor,
+        host_port=args.host_port,
+        announce_addr=args.announce_addr,
+        port_mapping=args.port_mapping,
+        retry_every=args.retry_every,
+        insecure=args.insecure,
+        ca_cert=args.ca_cert,
+        yield_args=tuple(yield_argv(args)),
     )
 
 
@@ -129,8 +163,13 @@ def prepare(args: argparse.Namespace) -> ClientSession | int:
     config_dir = args.config_dir or default_config_dir()
     try:
         client = resolve_client(
-            config_dir, reconfigure=args.reconfigure, swarm=args.swarm, gpu=args.gpu, use_gpu=not args.cpu,
-            prompts=Prompts(interactive=sys.stdin.isatty()), need_swarm=not args.runtime_cmd,
+            config_dir,
+            reconfigure=args.reconfigure,
+            swarm=args.swarm,
+            gpu=args.gpu,
+            use_gpu=not args.cpu,
+            prompts=Prompts(interactive=sys.stdin.isatty()),
+            need_swarm=not args.runtime_cmd,
         )
     except ClientConfigError as error:
         print(f"agora: {error}", file=sys.stderr)

@@ -192,7 +192,13 @@ class _HeadlessRun:
 def run_session(session: ClientSession) -> int:
     """The headless front end for a prepared client session."""
     printer = HeadlessPrinter(sys.stdout, session.log_format)
-    return asyncio.run(run_headless(
-        session.command, printer, event_log=session.event_log(), restart=session.restart_policy(),
-        notify_cmd=session.notify_cmd, secrets=session.secrets,
-    ))
+    return asyncio.run(
+        run_headless(
+            session.command,
+            printer,
+            event_log=session.event_log(),
+            restart=session.restart_policy(),
+            notify_cmd=session.notify_cmd,
+            secrets=session.secrets,
+        )
+    )

@@ -57,8 +57,20 @@ from agora_client.events import (
 from agora_client.system.redact import redact_text
 
 TAGS = (
-    "PREFLIGHT", "REACHABILITY", "AUTH", "DOWNLOAD", "QUEUE", "SYNC", "TRAINING", "PROGRESS", "SPARTA", "POINTS",
-    "YIELD", "RESTART", "WARNING", "ERROR",
+    "PREFLIGHT",
+    "REACHABILITY",
+    "AUTH",
+    "DOWNLOAD",
+    "QUEUE",
+    "SYNC",
+    "TRAINING",
+    "PROGRESS",
+    "SPARTA",
+    "POINTS",
+    "YIELD",
+    "RESTART",
+    "WARNING",
+    "ERROR",
 )
 _TAG_CHARS = re.compile(r"[^A-Z0-9_]")
 _RAW_PREVIEW = 120
@@ -203,8 +215,13 @@ class LineFormatter:
             how = PATHS.get(event.path, "")
             if event.path == "relayed":
                 how = f", through the relay {event.relay}: {event.relay_cost}"
-            return [self._line(event, "REACHABILITY",
-                               f"The swarm reached this worker at {event.address} from {event.tested_from}{how}")]
+            return [
+                self._line(
+                    event,
+                    "REACHABILITY",
+                    f"The swarm reached this worker at {event.address} from {event.tested_from}{how}",
+                )
+            ]
         lines = [self._line(event, "REACHABILITY", text, "error") for text in event.advice]
         if event.network is not None:
             lines.append(self._line(event, "REACHABILITY", f"Network: {network_summary(event.network)}", "warning"))
@@ -252,7 +269,9 @@ class LineFormatter:
     def _queue(self, event: QueueEvent) -> list[TaggedLine]:
         if event.position <= 0:
             return [self._line(event, "QUEUE", "Left the join queue")]
-        text = f"Authorization queue: position {event.position}, estimated wait: {human_duration(event.estimated_wait_s)}"
+        text = (
+            f"Authorization queue: position {event.position}, estimated wait: {human_duration(event.estimated_wait_s)}"
+        )
         return [self._line(event, "QUEUE", text)]
 
     def _sync(self, event: SyncEvent) -> list[TaggedLine]:
@@ -273,7 +292,11 @@ class LineFormatter:
 
     def _sparta(self, event: SpartaEvent) -> list[TaggedLine]:
         if not event.ok:
-            return [self._line(event, "SPARTA", f"Round {event.round} failed: {event.reason or 'no reason given'}", "warning")]
+            return [
+                self._line(
+                    event, "SPARTA", f"Round {event.round} failed: {event.reason or 'no reason given'}", "warning"
+                )
+            ]
         text = f"Round {event.round}: averaged {averaged_text(event)} in a group of {event.group_size} in {event.duration_s:.1f}s"
         return [self._line(event, "SPARTA", text)]
 
@@ -282,11 +305,15 @@ class LineFormatter:
             return []
         self._last_points = event.ts
         confirmed = f", confirmed {event.confirmed:.1f}" if event.confirmed is not None else ""
-        text = f"Presence {event.presence:.1f}, compute {event.compute:.1f}, {event.rate_per_hour:.1f} per hour{confirmed}"
+        text = (
+            f"Presence {event.presence:.1f}, compute {event.compute:.1f}, {event.rate_per_hour:.1f} per hour{confirmed}"
+        )
         return [self._line(event, "POINTS", text + verified_text(event))]
 
     def _energy(self, event: EnergyEvent) -> list[TaggedLine]:
-        if event.kwh is None or (self._last_energy is not None and event.ts - self._last_energy < self.summary_interval_s):
+        if event.kwh is None or (
+            self._last_energy is not None and event.ts - self._last_energy < self.summary_interval_s
+        ):
             return []
         self._last_energy = event.ts
         per_kwh = f", {event.points_per_kwh:,.0f} points per kWh" if event.points_per_kwh is not None else ""
@@ -301,7 +328,11 @@ class LineFormatter:
             return [self._line(event, "YIELD", f"Serving again: {event.reason}")]
         if event.state == "left":
             return [self._line(event, "YIELD", f"Left the swarm: {event.reason}", "warning")]
-        grace = f" (the slot is kept for {human_duration(event.grace_left_s)} more)" if event.grace_left_s is not None else ""
+        grace = (
+            f" (the slot is kept for {human_duration(event.grace_left_s)} more)"
+            if event.grace_left_s is not None
+            else ""
+        )
         return [self._line(event, "YIELD", f"Yielding the GPU: {event.reason}{grace}")]
 
     def _stage(self, event: StageEvent) -> list[TaggedLine]:

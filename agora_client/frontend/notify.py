@@ -59,7 +59,9 @@ class Alerts:
             self._stage = event.stage
         if isinstance(event, AuthEvent) and event.status == "rejected":
             kind: NotifyKind = "banned" if _BANNED.search(event.message) else "refused"
-            return self._say(kind, f"the swarm {'banned' if kind == 'banned' else 'refused'} this worker: {event.message}")
+            return self._say(
+                kind, f"the swarm {'banned' if kind == 'banned' else 'refused'} this worker: {event.message}"
+            )
         if isinstance(event, ErrorEvent) or (isinstance(event, LogEvent) and event.level == "error"):
             if _OUT_OF_MEMORY.search(event.message):
                 return self._say("out_of_memory", f"the worker ran out of memory: {event.message}")
@@ -88,8 +90,13 @@ class Notifier:
     """Runs the notify command for each alert in the background; ``report(line)`` hears of each failure."""
 
     def __init__(
-        self, argv: Sequence[str], *, report: Callable[[str], None], secrets: Sequence[str] = (),
-        timeout_s: float = NOTIFY_TIMEOUT_S, host: str | None = None,
+        self,
+        argv: Sequence[str],
+        *,
+        report: Callable[[str], None],
+        secrets: Sequence[str] = (),
+        timeout_s: float = NOTIFY_TIMEOUT_S,
+        host: str | None = None,
     ) -> None:
         self.argv, self.report, self.timeout_s = tuple(argv), report, timeout_s
         self.secrets = tuple(secret for secret in secrets if secret)
@@ -114,12 +121,18 @@ class Notifier:
         message = redact_text(alert.message, self.secrets)[:MESSAGE_LIMIT]
         try:
             process = await asyncio.create_subprocess_exec(
-                *self.argv, message, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.PIPE, env=self._environment(alert.kind, message),
+                *self.argv,
+                message,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+                env=self._environment(alert.kind, message),
                 start_new_session=True,  # our terminal's Ctrl-C is not for it; a timeout kills its whole group
             )
         except OSError as error:
-            self.report(f"Notification ({alert.kind}) not sent: could not run {self.argv[0]}: {error.strerror or error}")
+            self.report(
+                f"Notification ({alert.kind}) not sent: could not run {self.argv[0]}: {error.strerror or error}"
+            )
             return
         try:
             _, err = await asyncio.wait_for(process.communicate(), self.timeout_s)
@@ -128,16 +141,23 @@ class Notifier:
             await process.wait()
             if isinstance(stopped, asyncio.CancelledError):
                 raise
-            self.report(f"Notification ({alert.kind}) not sent: {self.argv[0]} took longer than {self.timeout_s:g}s; stopped it")
+            self.report(
+                f"Notification ({alert.kind}) not sent: {self.argv[0]} took longer than {self.timeout_s:g}s; stopped it"
+            )
             return
         if process.returncode != 0:
             said = redact_text(err.decode("utf-8", errors="replace").strip(), self.secrets).splitlines()[-1:]
             detail = f": {said[0][:120]}" if said else ""
-            self.report(f"Notification ({alert.kind}) not sent: {self.argv[0]} ended with {describe_end(process.returncode)}{detail}")
+            self.report(
+                f"Notification ({alert.kind}) not sent: {self.argv[0]} ended with {describe_end(process.returncode)}{detail}"
+            )
 
     def _environment(self, kind: NotifyKind, message: str) -> dict[str, str]:
-        env = {name: value for name, value in os.environ.items()
-               if name not in _TOKEN_VARIABLES and value not in self.secrets}
+        env = {
+            name: value
+            for name, value in os.environ.items()
+            if name not in _TOKEN_VARIABLES and value not in self.secrets
+        }
         return {**env, "AGORA_NOTIFY_KIND": kind, "AGORA_NOTIFY_MESSAGE": message}
 
     async def aclose(self, grace_s: float = CLOSE_GRACE_S) -> None:

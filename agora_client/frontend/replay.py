@@ -25,12 +25,16 @@ _GRANDCHILD = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _graceful_exit(signum: int, frame: object) -> None:
-    print(json.dumps({"v": 1, "ts": time.time(), "kind": "exit", "code": 0, "reason": "stopped by request"}), flush=True)
+    print(
+        json.dumps({"v": 1, "ts": time.time(), "kind": "exit", "code": 0, "reason": "stopped by request"}), flush=True
+    )
     sys.exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m agora_client.frontend.replay", description="replay a recorded event stream")
+    parser = argparse.ArgumentParser(
+        prog="python -m agora_client.frontend.replay", description="replay a recorded event stream"
+    )
     parser.add_argument("file", type=Path)
     parser.add_argument("--delay", type=float, default=0.0, help="seconds between lines")
     parser.add_argument("--hold", action="store_true", help="keep running after the last line")
@@ -39,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stderr", default="", help="a line written to stderr after the last line")
     parser.add_argument("--ignore-sigint", action="store_true")
     parser.add_argument("--spawn-grandchild", action="store_true")
-    parser.add_argument("--on-retry", type=Path, metavar="FILE", help="play FILE when SIGUSR1 asks for a retry (with --hold)")
+    parser.add_argument(
+        "--on-retry", type=Path, metavar="FILE", help="play FILE when SIGUSR1 asks for a retry (with --hold)"
+    )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN if args.ignore_sigint else _graceful_exit)
     retries: list[int] = []  # SIGUSR1 arrivals not played yet; the handler only counts, the loop below writes

@@ -80,8 +80,14 @@ class RestartPolicy:
     """Counts crashes within a sliding window and answers each with a delay, or with giving up."""
 
     def __init__(
-        self, mode: RestartMode = "never", *, limit: int = RESTART_LIMIT, window_s: float = RESTART_WINDOW_S,
-        base_s: float = RESTART_BASE_S, cap_s: float = RESTART_CAP_S, clock: Callable[[], float] = time.monotonic,
+        self,
+        mode: RestartMode = "never",
+        *,
+        limit: int = RESTART_LIMIT,
+        window_s: float = RESTART_WINDOW_S,
+        base_s: float = RESTART_BASE_S,
+        cap_s: float = RESTART_CAP_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if mode not in RESTART_MODES:
             raise ValueError(f"restart mode {mode!r} is not one of {', '.join(RESTART_MODES)}")
@@ -99,12 +105,16 @@ class RestartPolicy:
             self._crashes.popleft()
         crashes = len(self._crashes)
         if crashes >= self.limit:
-            text = (f"The worker runtime crashed {crashes} times within {self.window_s / 60:g} minutes; not starting "
-                    f"it again. Last error: {reason}")
+            text = (
+                f"The worker runtime crashed {crashes} times within {self.window_s / 60:g} minutes; not starting "
+                f"it again. Last error: {reason}"
+            )
             return RestartDecision(None, crashes, text)
         delay = min(self.cap_s, self.base_s * 2 ** (crashes - 1))
-        text = (f"The worker runtime crashed ({reason}); starting it again with the same identity in {delay:g}s "
-                f"(crash {crashes}; giving up at {self.limit} within {self.window_s / 60:g} minutes)")
+        text = (
+            f"The worker runtime crashed ({reason}); starting it again with the same identity in {delay:g}s "
+            f"(crash {crashes}; giving up at {self.limit} within {self.window_s / 60:g} minutes)"
+        )
         return RestartDecision(delay, crashes, text)
 
 

@@ -226,7 +226,11 @@ class RuntimeProcess:
         if self._process is None:
             return None
         self.stop_requested = True
-        steps = ((signal.SIGINT, self.interrupt_timeout_s), (signal.SIGTERM, self.terminate_timeout_s), (signal.SIGKILL, None))
+        steps = (
+            (signal.SIGINT, self.interrupt_timeout_s),
+            (signal.SIGTERM, self.terminate_timeout_s),
+            (signal.SIGKILL, None),
+        )
         for signum, timeout in steps:
             if self._process.returncode is not None:
                 break

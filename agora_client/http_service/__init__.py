@@ -15,6 +15,17 @@ from .service import HttpService
 from .tls import TlsSetupError, server_tls_context
 
 __all__ = [
-    "Exposure", "HttpService", "RateLimit", "Reply", "Request", "ServiceLimits", "TlsSetupError", "TrustedProxies",
-    "add_exposure_arguments", "exposure_from_arguments", "json_reply", "raise_open_file_limit", "server_tls_context",
+    "Exposure",
+    "HttpService",
+    "RateLimit",
+    "Reply",
+    "Request",
+    "ServiceLimits",
+    "TlsSetupError",
+    "TrustedProxies",
+    "add_exposure_arguments",
+    "exposure_from_arguments",
+    "json_reply",
+    "raise_open_file_limit",
+    "server_tls_context",
 ]

@@ -59,7 +59,11 @@ class TrustedProxies:
 def _ip(text: str) -> IpAddress | None:
     """The address in ``text`` (an IPv4-mapped IPv6 address as IPv4; a port some proxies add is dropped)."""
     text = text.strip()
-    for candidate in (text, text.rpartition(":")[0] if text.count(":") == 1 else "", text.partition("]")[0].lstrip("[")):
+    for candidate in (
+        text,
+        text.rpartition(":")[0] if text.count(":") == 1 else "",
+        text.partition("]")[0].lstrip("["),
+    ):
         try:
             parsed = ipaddress.ip_address(candidate)
         except ValueError:

@@ -54,10 +54,18 @@ class ConnectionTable:
 
 class ConnectionGuard(asyncio.Protocol):
     def __init__(
-        self, inner_factory: Callable[[], asyncio.Protocol], table: ConnectionTable, header_timeout_s: float,
+        self,
+        inner_factory: Callable[[], asyncio.Protocol],
+        table: ConnectionTable,
+        header_timeout_s: float,
         tls: ssl.SSLContext | None = None,
     ):
-        self._inner_factory, self._table, self._header_timeout_s, self._tls = inner_factory, table, header_timeout_s, tls
+        self._inner_factory, self._table, self._header_timeout_s, self._tls = (
+            inner_factory,
+            table,
+            header_timeout_s,
+            tls,
+        )
         self._inner: asyncio.Protocol | None = None
         self._transport: asyncio.Transport | None = None
         self._key: str | None = None
@@ -87,7 +95,11 @@ class ConnectionGuard(asyncio.Protocol):
         try:
             if not transport.is_closing():  # a client gone before the handshake began would leave it waiting forever
                 handshake = asyncio.get_running_loop().start_tls(
-                    transport, self, self._tls, server_side=True, ssl_handshake_timeout=self._header_timeout_s,
+                    transport,
+                    self,
+                    self._tls,
+                    server_side=True,
+                    ssl_handshake_timeout=self._header_timeout_s,
                 )
                 secured = await asyncio.wait_for(handshake, self._header_timeout_s + 1)
         except (OSError, ssl.SSLError, asyncio.TimeoutError) as error:

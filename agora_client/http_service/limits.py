@@ -39,7 +39,10 @@ class ServiceLimits:
     def __post_init__(self) -> None:
         if min(self.header_timeout_s, self.body_timeout_s, self.keepalive_timeout_s, self.write_timeout_s) <= 0:
             raise ValueError("HTTP timeouts must be positive")
-        if min(self.max_connections, self.max_connections_per_address, self.handler_threads, self.max_pending_requests) < 1:
+        if (
+            min(self.max_connections, self.max_connections_per_address, self.handler_threads, self.max_pending_requests)
+            < 1
+        ):
             raise ValueError("HTTP connection caps, handler threads and pending requests must be at least 1")
         if self.max_body_bytes < 0:
             raise ValueError("the HTTP body size limit must not be negative")
@@ -87,7 +90,8 @@ class RateLimiter:
     def _forget_full(self, now: float, rate: float) -> None:
         # A bucket refilled to its burst says nothing a fresh one would not: memory stays bounded.
         self._buckets = {
-            address: (tokens, at) for address, (tokens, at) in self._buckets.items()
+            address: (tokens, at)
+            for address, (tokens, at) in self._buckets.items()
             if tokens + (now - at) * rate < self.limit.burst
         }
 
@@ -125,7 +129,9 @@ def raise_open_file_limit() -> int:
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
             soft = wanted
         except (ValueError, OSError) as error:
-            log.warning("could not raise the open-file limit from %d to %d (%s); fewer connections fit", soft, wanted, error)
+            log.warning(
+                "could not raise the open-file limit from %d to %d (%s); fewer connections fit", soft, wanted, error
+            )
     return soft
 
 
@@ -133,6 +139,10 @@ def connection_cap(limits: ServiceLimits, open_files: int) -> int:
     """``limits.max_connections``, lowered so that client connections cannot use up the open-file limit."""
     room = max(1, open_files - RESERVED_DESCRIPTORS)
     if limits.max_connections > room:
-        log.warning("serving at most %d connections, not %d: the open-file limit is %d (raise it with ulimit -n)",
-                    room, limits.max_connections, open_files)
+        log.warning(
+            "serving at most %d connections, not %d: the open-file limit is %d (raise it with ulimit -n)",
+            room,
+            limits.max_connections,
+            open_files,
+        )
     return min(limits.max_connections, room)

@@ -33,4 +33,6 @@ class Reply:
 
 
 def json_reply(status: int, payload: Any, headers: Mapping[str, str] | None = None) -> Reply:
-    return Reply(int(status), json.dumps(payload).encode("utf-8"), {"Content-Type": "application/json", **(headers or {})})
+    return Reply(
+        int(status), json.dumps(payload).encode("utf-8"), {"Content-Type": "application/json", **(headers or {})}
+    )

@@ -49,14 +49,23 @@ class HttpService:
     """
 
     def __init__(
-        self, handler: Callable[[Request], Reply], host: str, port: int, *, name: str,
-        limits: ServiceLimits = ServiceLimits(), rate_limits: Mapping[tuple[str, str], RateLimit] | None = None,
-        quick_routes: Collection[tuple[str, str]] = (), upload_probes: Collection[tuple[str, str]] = (),
+        self,
+        handler: Callable[[Request], Reply],
+        host: str,
+        port: int,
+        *,
+        name: str,
+        limits: ServiceLimits = ServiceLimits(),
+        rate_limits: Mapping[tuple[str, str], RateLimit] | None = None,
+        quick_routes: Collection[tuple[str, str]] = (),
+        upload_probes: Collection[tuple[str, str]] = (),
         exposure: Exposure = Exposure(),
     ):
         self.handler, self.name, self.limits, self.exposure = handler, name, limits, exposure
         self._table = ConnectionTable(
-            connection_cap(limits, raise_open_file_limit()), limits.max_connections_per_address, exposure.trusted_proxies,
+            connection_cap(limits, raise_open_file_limit()),
+            limits.max_connections_per_address,
+            exposure.trusted_proxies,
         )
         self._limiters = {route: RateLimiter(limit) for route, limit in (rate_limits or {}).items()}
         self._socket = _listening_socket(host, port)
@@ -104,12 +113,15 @@ class HttpService:
     async def _serve(self) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         protocol = web.Server(
-            self._handle, access_log=None, keepalive_timeout=self.limits.keepalive_timeout_s,
+            self._handle,
+            access_log=None,
+            keepalive_timeout=self.limits.keepalive_timeout_s,
             lingering_time=self.limits.body_timeout_s,
         )
         server = await self._loop.create_server(
             lambda: ConnectionGuard(protocol, self._table, self.limits.header_timeout_s, self.exposure.tls),
-            sock=self._socket, backlog=LISTEN_BACKLOG,
+            sock=self._socket,
+            backlog=LISTEN_BACKLOG,
         )
         self._serving.set()
         await self._stop.wait()
@@ -122,7 +134,8 @@ class HttpService:
         if isinstance(guard, ConnectionGuard):
             guard.head_received()
         source = self.exposure.trusted_proxies.client_address(
-            request.remote or "unknown", request.headers.getall("X-Forwarded-For", ()),
+            request.remote or "unknown",
+            request.headers.getall("X-Forwarded-For", ()),
         )
         try:
             response = await self._answer(request, source)
@@ -138,21 +151,32 @@ class HttpService:
         limiter = self._limiters.get((request.method, request.path))
         wait_s = limiter.wait_s(source) if limiter is not None else 0.0
         if wait_s > 0:
-            return _refusal(HTTPStatus.TOO_MANY_REQUESTS, "too many requests from your address on this endpoint; "
-                            f"wait {retry_after_header(wait_s)} s (Retry-After) and try again", retry_after_s=wait_s)
+            return _refusal(
+                HTTPStatus.TOO_MANY_REQUESTS,
+                "too many requests from your address on this endpoint; "
+                f"wait {retry_after_header(wait_s)} s (Retry-After) and try again",
+                retry_after_s=wait_s,
+            )
         if (request.method, request.path) in self._upload_probes:
             status, payload = await measure_upload(request, self.limits.body_timeout_s)
             return probe_response(status, payload, {**SERVER_HEADER, "Cache-Control": "no-store"})
         pool = self._pools[(request.method, request.path) in self._quick_routes]
         if pool.pending >= pool.max_pending:
-            return _refusal(HTTPStatus.SERVICE_UNAVAILABLE, "the service is busy; try again in a moment", retry_after_s=1)
+            return _refusal(
+                HTTPStatus.SERVICE_UNAVAILABLE, "the service is busy; try again in a moment", retry_after_s=1
+            )
         try:
             body = await asyncio.wait_for(_read_body(request, self.limits.max_body_bytes), self.limits.body_timeout_s)
         except _BodyTooLarge:
-            return _refusal(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"request body over {self.limits.max_body_bytes} bytes", close=True)
+            return _refusal(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"request body over {self.limits.max_body_bytes} bytes", close=True
+            )
         except asyncio.TimeoutError:
-            return _refusal(HTTPStatus.REQUEST_TIMEOUT, f"the request body did not arrive within {self.limits.body_timeout_s:g} s",
-                            close=True)
+            return _refusal(
+                HTTPStatus.REQUEST_TIMEOUT,
+                f"the request body did not arrive within {self.limits.body_timeout_s:g} s",
+                close=True,
+            )
         message = Request(request.method, request.path, request.raw_path, request.headers, body, source)
         pool.pending += 1
         try:
@@ -165,7 +189,9 @@ class HttpService:
             return await asyncio.get_running_loop().run_in_executor(pool.executor, self.handler, message)
         except Exception:  # the service keeps running; the client gets one line, the log the traceback
             log.exception("internal error in %s answering %s %s", self.name, message.method, message.path)
-            return json_reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"status": "error", "error": "internal error; try again later"})
+            return json_reply(
+                HTTPStatus.INTERNAL_SERVER_ERROR, {"status": "error", "error": "internal error; try again later"}
+            )
 
     async def _respond(self, request: web.BaseRequest, reply: Reply, pool: "_HandlerPool") -> web.StreamResponse:
         headers = {**SERVER_HEADER, **reply.headers}
@@ -177,9 +203,13 @@ class HttpService:
         if reply.stream is not None and request.method != "HEAD":
             loop = asyncio.get_running_loop()
             try:
-                await loop.run_in_executor(pool.executor, reply.stream, _LoopWriter(loop, response, self.limits.write_timeout_s))
+                await loop.run_in_executor(
+                    pool.executor, reply.stream, _LoopWriter(loop, response, self.limits.write_timeout_s)
+                )
             except Exception:  # a client gone mid-transfer is routine for a download server, not a crash
-                log.debug("%s: transfer of %s to %s ended early", self.name, request.path, request.remote, exc_info=True)
+                log.debug(
+                    "%s: transfer of %s to %s ended early", self.name, request.path, request.remote, exc_info=True
+                )
                 if request.transport is not None:
                     request.transport.abort()
                 return response
@@ -202,7 +232,9 @@ class _LoopWriter:
         self._loop, self._response, self._timeout_s = loop, response, timeout_s
 
     def write(self, data: bytes) -> int:
-        sent = asyncio.run_coroutine_threadsafe(asyncio.wait_for(self._response.write(data), self._timeout_s), self._loop)
+        sent = asyncio.run_coroutine_threadsafe(
+            asyncio.wait_for(self._response.write(data), self._timeout_s), self._loop
+        )
         sent.result(timeout=self._timeout_s + 5)  # bounded even if the loop stops before running the write
         return len(data)
 
@@ -222,7 +254,9 @@ async def _read_body(request: web.BaseRequest, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _refusal(status: HTTPStatus, message: str, *, retry_after_s: float | None = None, close: bool = False) -> web.Response:
+def _refusal(
+    status: HTTPStatus, message: str, *, retry_after_s: float | None = None, close: bool = False
+) -> web.Response:
     """An answer the service gives without the handler: JSON with ``error`` (what Agora's clients read) and ``message``."""
     headers = {**SERVER_HEADER, "Cache-Control": "no-store"}
     if retry_after_s is not None:

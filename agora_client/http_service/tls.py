@@ -19,7 +19,9 @@ def server_tls_context(certificate: Path, key: Path) -> ssl.SSLContext:
         # A password callback: without one OpenSSL would ask for an encrypted key's password on the terminal.
         context.load_cert_chain(certificate, key, password=_no_password)
     except FileNotFoundError as error:
-        raise TlsSetupError(f"no such file: {error.filename}; give --tls-cert and --tls-key as paths to PEM files") from None
+        raise TlsSetupError(
+            f"no such file: {error.filename}; give --tls-cert and --tls-key as paths to PEM files"
+        ) from None
     except (ssl.SSLError, OSError) as error:
         raise TlsSetupError(
             f"cannot serve TLS with certificate {certificate} and key {key} ({error.strerror or error}): give the PEM "
@@ -29,4 +31,6 @@ def server_tls_context(certificate: Path, key: Path) -> ssl.SSLContext:
 
 
 def _no_password() -> bytes:
-    raise TlsSetupError("the TLS private key is encrypted: give it unencrypted (openssl pkey -in KEY -out PLAIN), mode 0600")
+    raise TlsSetupError(
+        "the TLS private key is encrypted: give it unencrypted (openssl pkey -in KEY -out PLAIN), mode 0600"
+    )

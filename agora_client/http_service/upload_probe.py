@@ -33,7 +33,9 @@ async def measure_upload(request: web.BaseRequest, timeout_s: float) -> tuple[HT
                     timed_bytes += len(chunk)
                 last_at = now
                 if received > UPLOAD_PROBE_MAX_BYTES:
-                    return HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {"error": f"an upload probe is at most {UPLOAD_PROBE_MAX_BYTES} bytes"}
+                    return HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {
+                        "error": f"an upload probe is at most {UPLOAD_PROBE_MAX_BYTES} bytes"
+                    }
     except TimeoutError:
         return HTTPStatus.REQUEST_TIMEOUT, {"error": f"an upload probe must end within {timeout_s:g} s"}
     seconds = (last_at - first_at) if first_at is not None and last_at is not None else 0.0

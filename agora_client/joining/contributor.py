@@ -26,37 +26,47 @@ from typing import Callable
 from hivemind.utils.crypto import RSAPrivateKey
 
 from agora_client.auth.client import (
-    Authorization, PeerUnreachable, StageAssignment, authorize, leave, renew_ticket, report_active,
+    Authorization,
+    PeerUnreachable,
+    StageAssignment,
+    authorize,
+    leave,
+    renew_ticket,
+    report_active,
 )
 from agora_client.auth.reachability import DialResult, advice
 from agora_client.auth.run_description import (
-    RunChanged, RunDescription, RunDescriptionError, check_unchanged, fetch_tokenizer,
+    RunChanged,
+    RunDescription,
+    RunDescriptionError,
+    check_unchanged,
+    fetch_tokenizer,
 )
 from agora_client.auth.ticket_source import HeldTicket
-from agora_client.events import EventWriter, QueueEvent, ReachabilityEvent
-from agora_client.monitor.estimate import estimate_points, fetch_confirmed, fetch_rank
-from agora_client.monitor.leaderboard_cli import contributor_url
-from agora_client.monitor.records import MetricsRecord, publish_metrics, signed_dht_kwargs
-from agora_client.snapshots import download_snapshot
 from agora_client.discovery.dht import connect_dht
 from agora_client.engine.identity import use_as_process_key
-from agora_client.system.gpu import GpuProbe
-from agora_client.system.gpu_users import GpuUsers
-from agora_client.system.gpu_yield import DEFAULT_GRACE_S, YieldPolicy
-from agora_client.system.resources import ResourceProbe
-from agora_client.joining.yield_control import YieldControl
+from agora_client.events import EventWriter, QueueEvent, ReachabilityEvent
 from agora_client.joining.gpu_fit import JoinFit
 from agora_client.joining.network_path import NetworkPath
-from agora_client.worker.metrics import WorkerMetrics
-from agora_client.worker.node import WorkerNode, WorkerOptions
-from agora_client.worker.prepared_stage import PreparedStage
-from agora_client.trainer.progress import fetch_progress, swarm_event
 from agora_client.joining.peer_key import key_path, load_or_create_peer_key, peer_id_of
 from agora_client.joining.preflight import machine_checks, reachability_result
 from agora_client.joining.preparation import StagePreparation
 from agora_client.joining.swarm_view import StageWatch
-from agora_client.worker.sync import NAMES
+from agora_client.joining.yield_control import YieldControl
+from agora_client.monitor.estimate import estimate_points, fetch_confirmed, fetch_rank
+from agora_client.monitor.leaderboard_cli import contributor_url
+from agora_client.monitor.records import MetricsRecord, publish_metrics, signed_dht_kwargs
 from agora_client.serving.traffic import TrafficWindow
+from agora_client.snapshots import download_snapshot
+from agora_client.system.gpu import GpuProbe
+from agora_client.system.gpu_users import GpuUsers
+from agora_client.system.gpu_yield import DEFAULT_GRACE_S, YieldPolicy
+from agora_client.system.resources import ResourceProbe
+from agora_client.trainer.progress import fetch_progress, swarm_event
+from agora_client.worker.metrics import WorkerMetrics
+from agora_client.worker.node import WorkerNode, WorkerOptions
+from agora_client.worker.prepared_stage import PreparedStage
+from agora_client.worker.sync import NAMES
 
 TICK_SECONDS = 1.0
 RESOURCES_EVERY = 2.0  # resources and traffic
@@ -86,7 +96,9 @@ class ContributorOptions:
     port_mapping: bool = True  # ask the home router to forward the port (UPnP or NAT-PMP)
     retry_every: float = 30.0  # seconds between join attempts while the worker is unreachable
     insecure: bool = False  # allow plain http:// to the swarm and its snapshots outside loopback and private networks
-    yield_policy: YieldPolicy = field(default_factory=lambda: YieldPolicy("never"))  # the client's --yield, --active-hours
+    yield_policy: YieldPolicy = field(
+        default_factory=lambda: YieldPolicy("never")
+    )  # the client's --yield, --active-hours
     yield_grace_s: float = DEFAULT_GRACE_S  # how long a yielding worker keeps its slot
 
     @property
@@ -124,7 +136,9 @@ class _Staging:
 class Contributor:
     def __init__(self, options: ContributorOptions, events: EventWriter, stop: threading.Event):
         self.options, self.events, self.stop = options, events, stop
-        self.retry_now = threading.Event()  # set by the front end (a key in the app) to retry a failed dial-back at once
+        self.retry_now = (
+            threading.Event()
+        )  # set by the front end (a key in the app) to retry a failed dial-back at once
         self.auth: Authorization | None = None
         self.node: WorkerNode | None = None
         self.ticket = HeldTicket("")
@@ -170,24 +184,36 @@ class Contributor:
         """Open the worker's port (its DHT) before the join: the auth service dials it back before admitting us.
         The router is asked to forward it first, so that the DHT announces the forward."""
         options = self.options
-        self.path = NetworkPath(options.host_port or _free_port(), options.swarm_url, self.events,
-                                port_mapping=options.port_mapping, announce_addr=options.announce_addr,
-                                relays=options.run.relays, peer_id=identity.peer_id)
+        self.path = NetworkPath(
+            options.host_port or _free_port(),
+            options.swarm_url,
+            self.events,
+            port_mapping=options.port_mapping,
+            announce_addr=options.announce_addr,
+            relays=options.run.relays,
+            peer_id=identity.peer_id,
+        )
         self.path.open()
         self._start_dht(identity)
 
     def _start_dht(self, identity: _PeerIdentity) -> None:
         announce = self.path.announce_maddrs()
-        self._dht = connect_dht(self.options.run.seeds, host=LISTEN_HOST, port=self.path.port,
-                                **({"announce_maddrs": announce} if announce else {}), **identity.dht_kwargs)
+        self._dht = connect_dht(
+            self.options.run.seeds,
+            host=LISTEN_HOST,
+            port=self.path.port,
+            **({"announce_maddrs": announce} if announce else {}),
+            **identity.dht_kwargs,
+        )
 
     def _start_staging(self) -> _Staging:
         """Check the GPU against the run (unfit ones are refused) and get ready to prepare whichever stage is assigned."""
         options = self.options
         config = options.run.config
         preparation = StagePreparation(config, options.device, options.snapshot_dir, self.events)
-        fit = JoinFit(config, _cuda_index(options.device), options.batch_size_override, self.events,
-                      disk_dir=options.config_dir)  # refuses unfit GPUs and hosts
+        fit = JoinFit(
+            config, _cuda_index(options.device), options.batch_size_override, self.events, disk_dir=options.config_dir
+        )  # refuses unfit GPUs and hosts
         return _Staging(preparation=preparation, fit=fit, prepare=fit.guard(preparation.start))
 
     def _prepared_stage(self, auth: Authorization, staging: _Staging) -> tuple[Path | None, PreparedStage] | None:
@@ -204,7 +230,11 @@ class Contributor:
         self.events.log("Starting the worker: joining the swarm's DHT and loading the stage...", tag="JOIN")
 
     def _create_node(
-        self, auth: Authorization, identity: _PeerIdentity, fit: JoinFit, prepared: tuple[Path | None, PreparedStage],
+        self,
+        auth: Authorization,
+        identity: _PeerIdentity,
+        fit: JoinFit,
+        prepared: tuple[Path | None, PreparedStage],
     ) -> WorkerNode:
         """The worker for the assigned stage, from the prepared snapshot and build, on the DHT opened for the join."""
         options = self.options
@@ -233,7 +263,11 @@ class Contributor:
     def _count_work(self, node: WorkerNode, auth: Authorization, identity: _PeerIdentity) -> WorkerMetrics:
         """The worker's signed metrics, fed by its requests (each in the sync phase it came in) and averaging rounds."""
         metrics = WorkerMetrics(
-            self.options.run.config.model, auth.stage, peer_id=node.peer_id, identity=auth.identity, ticket=auth.ticket,
+            self.options.run.config.model,
+            auth.stage,
+            peer_id=node.peer_id,
+            identity=auth.identity,
+            ticket=auth.ticket,
         )
 
         def count(kind: str, tokens) -> None:
@@ -241,8 +275,9 @@ class Contributor:
             metrics.on_forward(tokens) if kind == "forward" else metrics.on_backward(tokens)
 
         node.add_request_hook(count)
-        node.add_round_hook(lambda report: metrics.on_sparta_round(
-            report.ok, report.fraction, report.drift_before, report.drift_after))
+        node.add_round_hook(
+            lambda report: metrics.on_sparta_round(report.ok, report.fraction, report.drift_before, report.drift_after)
+        )
         return metrics
 
     def _start_node(self, node: WorkerNode) -> None:
@@ -256,7 +291,9 @@ class Contributor:
     def _preflight(self) -> None:
         options = self.options
         results = []
-        for check in machine_checks(options.run, options.swarm_url, options.device, options.device_note, options.config_dir):
+        for check in machine_checks(
+            options.run, options.swarm_url, options.device, options.device_note, options.config_dir
+        ):
             results.append(check())
             self.events.emit(results[-1])  # one by one: the front end shows each as soon as it is known
         failed = [f"{result.check}: {result.reason}" for result in results if result.status == "fail"]
@@ -272,7 +309,11 @@ class Contributor:
         )
 
     def _authorize(
-        self, token: str, identity: _PeerIdentity, gpu_memory: int | None, on_assigned: Callable[[StageAssignment], None],
+        self,
+        token: str,
+        identity: _PeerIdentity,
+        gpu_memory: int | None,
+        on_assigned: Callable[[StageAssignment], None],
     ) -> Authorization | None:
         """Join; while the auth service cannot dial us back, show why and try again (never join unreachable)."""
         options = self.options
@@ -281,8 +322,16 @@ class Contributor:
             self.events.emit(ReachabilityEvent(status="checking", address=announce or "", port=port))
             try:
                 auth = authorize(
-                    options.swarm_url, token, identity.peer_id, events=self.events, on_assigned=on_assigned,
-                    stop=self.stop, port=port, announce=announce, gpu_memory=gpu_memory, peer_key=identity.key,
+                    options.swarm_url,
+                    token,
+                    identity.peer_id,
+                    events=self.events,
+                    on_assigned=on_assigned,
+                    stop=self.stop,
+                    port=port,
+                    announce=announce,
+                    gpu_memory=gpu_memory,
+                    peer_key=identity.key,
                     insecure=options.insecure,
                 )
             except PeerUnreachable as error:
@@ -295,11 +344,18 @@ class Contributor:
                     self._start_dht(identity)
                 continue
             if auth.dial is not None:
-                self.events.emit(ReachabilityEvent(
-                    status="reachable", address=auth.dial.address, port=auth.dial.port, tested_from=auth.dial.tested_from,
-                    path=self.path.kind, relay=self.path.relay, relay_cost=self.path.relay_cost(),
-                    network=self.path.report(self._seen_address(auth.dial)),
-                ))
+                self.events.emit(
+                    ReachabilityEvent(
+                        status="reachable",
+                        address=auth.dial.address,
+                        port=auth.dial.port,
+                        tested_from=auth.dial.tested_from,
+                        path=self.path.kind,
+                        relay=self.path.relay,
+                        relay_cost=self.path.relay_cost(),
+                        network=self.path.report(self._seen_address(auth.dial)),
+                    )
+                )
             self.events.emit(reachability_result(auth.dial, port, self.path.describe()))
             return auth
         return None
@@ -316,11 +372,18 @@ class Contributor:
         options = self.options
         network = self.path.report(self._seen_address(dial))
         self.events.emit(reachability_result(dial, port))
-        self.events.emit(ReachabilityEvent(
-            status="unreachable", address=dial.address, port=dial.port, tested_from=dial.tested_from, error=dial.error,
-            advice=advice(dial, announced=self.path.join_announce is not None, findings=network.findings),
-            retry_in_s=options.retry_every, network=network,
-        ))
+        self.events.emit(
+            ReachabilityEvent(
+                status="unreachable",
+                address=dial.address,
+                port=dial.port,
+                tested_from=dial.tested_from,
+                error=dial.error,
+                advice=advice(dial, announced=self.path.join_announce is not None, findings=network.findings),
+                retry_in_s=options.retry_every,
+                network=network,
+            )
+        )
 
     def _seen_address(self, dial: DialResult) -> str:
         """Where the auth service saw the join come from: the host it dials back, unless the join named one."""
@@ -329,8 +392,9 @@ class Contributor:
     def _serve(self, node: WorkerNode, metrics: WorkerMetrics, validator) -> None:
         gpu = GpuProbe()
         probe = ResourceProbe(self.options.gpu, gpu=gpu)
-        owner = YieldControl(self.options.yield_policy, GpuUsers(self.options.gpu, gpu), node, self.events,
-                             self.options.yield_grace_s)
+        owner = YieldControl(
+            self.options.yield_policy, GpuUsers(self.options.gpu, gpu), node, self.events, self.options.yield_grace_s
+        )
         traffic = TrafficWindow(node.meter)
         last_resources = last_swarm = last_metrics = 0.0
         last_description = time.monotonic()
@@ -360,8 +424,9 @@ class Contributor:
                 last_description = now
                 self._check_description()
 
-    def _publish_metrics(self, node: WorkerNode, metrics: WorkerMetrics, validator, previous: MetricsRecord | None,
-                         owner: YieldControl) -> MetricsRecord:
+    def _publish_metrics(
+        self, node: WorkerNode, metrics: WorkerMetrics, validator, previous: MetricsRecord | None, owner: YieldControl
+    ) -> MetricsRecord:
         """Sign and publish the worker's metrics; say the points they earn and the energy they took."""
         record = metrics.snapshot()
         publish_metrics(node.dht, record, validator, ttl=self.options.run.config.metrics_period * 3)
@@ -394,8 +459,11 @@ class Contributor:
         monitor_url = self.options.monitor_url
         if not monitor_url or self.auth is None:
             return {}
-        return {"confirmed": fetch_confirmed(monitor_url, node.peer_id), "rank": fetch_rank(monitor_url, self.auth.identity),
-                "page_url": contributor_url(monitor_url, self.auth.identity)}
+        return {
+            "confirmed": fetch_confirmed(monitor_url, node.peer_id),
+            "rank": fetch_rank(monitor_url, self.auth.identity),
+            "page_url": contributor_url(monitor_url, self.auth.identity),
+        }
 
     def _renew_ticket(self, metrics: WorkerMetrics) -> None:
         auth = self.auth

@@ -127,8 +127,13 @@ class JoinFit:
 
     def check(self, stage: str) -> None:
         self.disk_dir.mkdir(parents=True, exist_ok=True)
-        check_host(self.run, stage, on_gpu=self.gpu is not None, ram_available=psutil.virtual_memory().available,
-                   disk_free=shutil.disk_usage(self.disk_dir).free)
+        check_host(
+            self.run,
+            stage,
+            on_gpu=self.gpu is not None,
+            ram_available=psutil.virtual_memory().available,
+            disk_free=shutil.disk_usage(self.disk_dir).free,
+        )
         if self.gpu is None:
             return
         decision = fit_stage(self.run, stage, self.gpu, override=self.override)

@@ -16,7 +16,13 @@ from urllib.parse import urlparse
 
 from agora_client.events import EventWriter, NetworkReport
 from agora_client.network import (
-    MappingUnavailable, NetworkFacts, PortMapping, diagnose, is_carrier_grade, is_private, local_address_towards,
+    MappingUnavailable,
+    NetworkFacts,
+    PortMapping,
+    diagnose,
+    is_carrier_grade,
+    is_private,
+    local_address_towards,
     tcp_multiaddr,
 )
 from agora_client.relay import KeptReservation, RelayUnavailable
@@ -26,8 +32,15 @@ class NetworkPath:
     """The worker's way in from the swarm, from ``open`` (before its port opens) until ``close``."""
 
     def __init__(
-        self, port: int, swarm_url: str, events: EventWriter, *, port_mapping: bool, announce_addr: str | None,
-        relays: Sequence[str] = (), peer_id: str = "",
+        self,
+        port: int,
+        swarm_url: str,
+        events: EventWriter,
+        *,
+        port_mapping: bool,
+        announce_addr: str | None,
+        relays: Sequence[str] = (),
+        peer_id: str = "",
     ):
         self.port, self.events = port, events
         self.announce_addr, self.relays, self.peer_id = announce_addr, tuple(relays), peer_id
@@ -56,17 +69,23 @@ class NetworkPath:
             mapped = mapping.open()
         except MappingUnavailable as error:
             if str(error) != self.mapping_detail:
-                self.events.log(f"Port mapping: {error}; the swarm will try to reach port {self.port} directly.",
-                                tag="NETWORK")
+                self.events.log(
+                    f"Port mapping: {error}; the swarm will try to reach port {self.port} directly.", tag="NETWORK"
+                )
             self.router_external = mapping.router_external
             self.mapping_state = "refused" if error.offered else "not offered"
             self.mapping_detail = str(error)
             return False
         self._mapping, self.mapping_state, self.router_external = mapping, "mapped", mapped.external_host
         self.mapping_detail = f"{mapped.external} -> {mapped.internal_host}:{mapped.internal_port}"
-        lease = f"lease {mapped.lease_s // 60} min, renewed at half-time" if mapped.lease_s else "until the worker stops"
-        self.events.log(f"Port mapping: your router forwards {mapped.external} to this machine's port {self.port} "
-                        f"({mapping.protocol}, {lease}).", tag="NETWORK")
+        lease = (
+            f"lease {mapped.lease_s // 60} min, renewed at half-time" if mapped.lease_s else "until the worker stops"
+        )
+        self.events.log(
+            f"Port mapping: your router forwards {mapped.external} to this machine's port {self.port} "
+            f"({mapping.protocol}, {lease}).",
+            tag="NETWORK",
+        )
         return True
 
     def use_relay(self) -> bool:
@@ -75,16 +94,20 @@ class NetworkPath:
         if self._relay is not None:
             return False
         for relay in self.relays:
-            reservation = KeptReservation(relay, self.port, on_lost=self._relay_lost, on_restored=self._relay_restored,
-                                          peer_id=self.peer_id)
+            reservation = KeptReservation(
+                relay, self.port, on_lost=self._relay_lost, on_restored=self._relay_restored, peer_id=self.peer_id
+            )
             try:
                 self.relayed_at = reservation.open()
             except RelayUnavailable as error:
                 self.events.log(f"Relay {relay}: {error}", tag="NETWORK", level="warning")
                 continue
             self._relay, self.relay = reservation, relay
-            self.events.log(f"Serving through the relay {relay}: the swarm reaches this worker at {self.relayed_at}; "
-                            f"{self.relay_cost()}.", tag="NETWORK")
+            self.events.log(
+                f"Serving through the relay {relay}: the swarm reaches this worker at {self.relayed_at}; "
+                f"{self.relay_cost()}.",
+                tag="NETWORK",
+            )
             return True
         return False
 
@@ -92,8 +115,10 @@ class NetworkPath:
         """What serving through the relay costs, in words ("" when not relayed)."""
         if self._relay is None:
             return ""
-        return (f"each request and its answer cross the relay, about {self._relay.rtt_s * 1000:.0f} ms more per round "
-                "trip, and the operator's relay carries all of this worker's traffic")
+        return (
+            f"each request and its answer cross the relay, about {self._relay.rtt_s * 1000:.0f} ms more per round "
+            "trip, and the operator's relay carries all of this worker's traffic"
+        )
 
     @property
     def kind(self) -> str:
@@ -130,11 +155,17 @@ class NetworkPath:
         """The diagnosis, with the address the swarm saw the join come from once known (kept: a join through a
         relay shows the relay's instead)."""
         self.seen_address = seen_address or self.seen_address
-        return diagnose(NetworkFacts(
-            local_address=self.local_address, port=self.port, mapping=self.mapping_state,
-            mapping_detail=self.mapping_detail, router_external=self.router_external, seen_address=self.seen_address,
-            relays_listed=bool(self.relays),
-        ))
+        return diagnose(
+            NetworkFacts(
+                local_address=self.local_address,
+                port=self.port,
+                mapping=self.mapping_state,
+                mapping_detail=self.mapping_detail,
+                router_external=self.router_external,
+                seen_address=self.seen_address,
+                relays_listed=bool(self.relays),
+            )
+        )
 
     def close(self) -> None:
         """Remove the router's forward and give the relay's port back (on every stop: the worker no longer listens)."""
@@ -146,20 +177,33 @@ class NetworkPath:
             self._relay = None
 
     def _relay_lost(self, reason: str) -> None:
-        self.events.log(f"The relay {self.relay} dropped this worker's port ({reason}): the swarm cannot reach it "
-                        "until the relay holds it again; reserving it again.", tag="NETWORK", level="warning")
+        self.events.log(
+            f"The relay {self.relay} dropped this worker's port ({reason}): the swarm cannot reach it "
+            "until the relay holds it again; reserving it again.",
+            tag="NETWORK",
+            level="warning",
+        )
 
     def _relay_restored(self, address: str, same: bool) -> None:
         if same:
-            self.events.log(f"The relay {self.relay} holds this worker's port again: the swarm reaches it at {address}.",
-                            tag="NETWORK")
+            self.events.log(
+                f"The relay {self.relay} holds this worker's port again: the swarm reaches it at {address}.",
+                tag="NETWORK",
+            )
             return
-        self.events.log(f"The relay {self.relay} holds this worker at a new address, {address}, but the swarm knows "
-                        f"{self.relayed_at}: restart the client to announce the new one.", tag="NETWORK", level="warning")
+        self.events.log(
+            f"The relay {self.relay} holds this worker at a new address, {address}, but the swarm knows "
+            f"{self.relayed_at}: restart the client to announce the new one.",
+            tag="NETWORK",
+            level="warning",
+        )
 
     def _renewal_failed(self, reason: str) -> None:
-        self.events.log(f"Port mapping: renewing the forward failed ({reason}); trying again at the next renewal.",
-                        tag="NETWORK", level="warning")
+        self.events.log(
+            f"Port mapping: renewing the forward failed ({reason}); trying again at the next renewal.",
+            tag="NETWORK",
+            level="warning",
+        )
 
 
 def _why_not_map(wanted: bool, announce_addr: str | None, swarm_host: str) -> str:

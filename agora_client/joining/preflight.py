@@ -40,7 +40,9 @@ _TCP_MADDR = re.compile(r"^/(ip4|ip6|dns4|dns6|dns)/([^/]+)/tcp/(\d+)")
 def _smallest_plan(run: RunDescription) -> StagePlan:
     """The joiner does not know its stage before authorizing: a machine that cannot hold even the smallest stage
     is refused now; the assigned stage is checked once known (agora_client/joining/gpu_fit.py)."""
-    return min((plan_stage(run.config, stage) for stage in run.config.model.stage_names), key=lambda plan: plan.snapshot)
+    return min(
+        (plan_stage(run.config, stage) for stage in run.config.model.stage_names), key=lambda plan: plan.snapshot
+    )
 
 
 def check_gpu(device: str, note: str) -> PreflightEvent:
@@ -61,20 +63,30 @@ def check_host_ram(run: RunDescription, on_cpu: bool) -> PreflightEvent:
     plan = _smallest_plan(run)
     need = plan.host_need(on_gpu=not on_cpu)
     available = psutil.virtual_memory().available
-    return _headroom("host_ram", available, need, f"{human(available)} available, about {human(need)} needed",
-                     fail=f"not enough free RAM even for the smallest stage ({plan.stage}): close other programs or "
-                          "use a larger machine",
-                     warn="little headroom beyond the stage itself")
+    return _headroom(
+        "host_ram",
+        available,
+        need,
+        f"{human(available)} available, about {human(need)} needed",
+        fail=f"not enough free RAM even for the smallest stage ({plan.stage}): close other programs or "
+        "use a larger machine",
+        warn="little headroom beyond the stage itself",
+    )
 
 
 def check_disk(run: RunDescription, directory: Path) -> PreflightEvent:
     plan = _smallest_plan(run)
     directory.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(directory).free
-    return _headroom("disk", free, plan.disk_need, f"{human(free)} free in {directory}, about {human(plan.disk_need)} needed",
-                     fail=f"not enough disk even for the smallest stage's snapshots ({plan.stage}): free space or "
-                          "pass another --config-dir",
-                     warn="little room left beyond the snapshots")
+    return _headroom(
+        "disk",
+        free,
+        plan.disk_need,
+        f"{human(free)} free in {directory}, about {human(plan.disk_need)} needed",
+        fail=f"not enough disk even for the smallest stage's snapshots ({plan.stage}): free space or "
+        "pass another --config-dir",
+        warn="little room left beyond the snapshots",
+    )
 
 
 def _headroom(check: PreflightCheck, have: int, need: int, value: str, *, fail: str, warn: str) -> PreflightEvent:
@@ -86,12 +98,17 @@ def _headroom(check: PreflightCheck, have: int, need: int, value: str, *, fail: 
     return PreflightEvent(check=check, status="pass", value=value)
 
 
-def check_download_rate(run: RunDescription, *, max_bytes: int = 8 << 20, max_s: float = 3.0,
-                        client: httpx.Client | None = None) -> PreflightEvent:
+def check_download_rate(
+    run: RunDescription, *, max_bytes: int = 8 << 20, max_s: float = 3.0, client: httpx.Client | None = None
+) -> PreflightEvent:
     """Read up to ``max_bytes`` (for at most ``max_s``) of the head's snapshot from the swarm's snapshot server."""
     if not run.snapshot_url:
-        return PreflightEvent(check="download_rate", status="warn", value="no snapshot server",
-                              reason="the swarm names no snapshot server: a joiner starts from fresh weights")
+        return PreflightEvent(
+            check="download_rate",
+            status="warn",
+            value="no snapshot server",
+            reason="the swarm names no snapshot server: a joiner starts from fresh weights",
+        )
     http = client or httpx.Client(timeout=10.0)
     try:
         url = _first_snapshot_file(http, run)
@@ -104,15 +121,21 @@ def check_download_rate(run: RunDescription, *, max_bytes: int = 8 << 20, max_s:
                     break
         seconds = max(time.perf_counter() - started, 1e-6)
     except (httpx.HTTPError, KeyError, TypeError, ValueError) as error:
-        return PreflightEvent(check="download_rate", status="fail", value="unreadable",
-                              reason=f"could not download from the snapshot server ({type(error).__name__}); check your network")
+        return PreflightEvent(
+            check="download_rate",
+            status="fail",
+            value="unreadable",
+            reason=f"could not download from the snapshot server ({type(error).__name__}); check your network",
+        )
     finally:
         if client is None:
             http.close()
     rate = received / seconds
     value = f"{human(rate)}/s over {human(received)}"
     if rate < SLOW_DOWNLOAD_BPS:
-        return PreflightEvent(check="download_rate", status="warn", value=value, reason="slow: the snapshot download will take a while")
+        return PreflightEvent(
+            check="download_rate", status="warn", value=value, reason="slow: the snapshot download will take a while"
+        )
     return PreflightEvent(check="download_rate", status="pass", value=value)
 
 
@@ -122,17 +145,27 @@ def check_upload_rate(run: RunDescription, swarm_url: str, **probe: float) -> Pr
     try:
         measured = measure_uplink(swarm_url, **probe)
     except UplinkProbeFailed as error:
-        return PreflightEvent(check="upload_rate", status="warn", value="not measured",
-                              reason=f"{error}; the worker measures its uplink in its averaging rounds")
+        return PreflightEvent(
+            check="upload_rate",
+            status="warn",
+            value="not measured",
+            reason=f"{error}; the worker measures its uplink in its averaging rounds",
+        )
     rate = measured.bytes_per_s
     counts = param_counts(run.config.model)
     largest = max(counts, key=counts.__getitem__)
     moved, seconds = sparta_round(run.config, counts[largest], rate)
     value = f"{human(rate)}/s ({rate * 8 / 1e6:.0f} Mbit/s) over {human(measured.received)}"
-    reason = (f"an averaging round of the largest stage ({largest}) sends {human(moved)} each way: "
-              f"about {seconds:.0f} s at this rate")
-    return PreflightEvent(check="upload_rate", status="warn" if rate < SLOW_UPLOAD_BPS else "pass", value=value,
-                          reason=f"slow: {reason}" if rate < SLOW_UPLOAD_BPS else reason)
+    reason = (
+        f"an averaging round of the largest stage ({largest}) sends {human(moved)} each way: "
+        f"about {seconds:.0f} s at this rate"
+    )
+    return PreflightEvent(
+        check="upload_rate",
+        status="warn" if rate < SLOW_UPLOAD_BPS else "pass",
+        value=value,
+        reason=f"slow: {reason}" if rate < SLOW_UPLOAD_BPS else reason,
+    )
 
 
 def check_seed_rtt(run: RunDescription, timeout_s: float = 3.0) -> PreflightEvent:
@@ -149,30 +182,46 @@ def check_seed_rtt(run: RunDescription, timeout_s: float = 3.0) -> PreflightEven
         except OSError:
             continue
     if not times:
-        return PreflightEvent(check="seed_rtt", status="fail", value=f"0 of {len(run.seeds)} seeds answered",
-                              reason="no seed answered a TCP connect: check your network or firewall for outbound TCP")
+        return PreflightEvent(
+            check="seed_rtt",
+            status="fail",
+            value=f"0 of {len(run.seeds)} seeds answered",
+            reason="no seed answered a TCP connect: check your network or firewall for outbound TCP",
+        )
     best = min(times)
     value = f"{best * 1000:.0f} ms (best of {len(times)} of {len(run.seeds)} seeds answering)"
     if best > SLOW_SEED_RTT_S:
-        return PreflightEvent(check="seed_rtt", status="warn", value=value, reason="far from the swarm: pipeline steps will be slow")
+        return PreflightEvent(
+            check="seed_rtt", status="warn", value=value, reason="far from the swarm: pipeline steps will be slow"
+        )
     return PreflightEvent(check="seed_rtt", status="pass", value=value)
 
 
 def reachability_result(dial: DialResult | None, port: int, how: str = "") -> PreflightEvent:
     """The reachability check's line; ``how`` says by which path the swarm reached the worker."""
     if dial is None:
-        return PreflightEvent(check="reachability", status="warn", value=f"port {port}",
-                              reason="the swarm admitted this worker without dialing it back: other peers may not reach it")
+        return PreflightEvent(
+            check="reachability",
+            status="warn",
+            value=f"port {port}",
+            reason="the swarm admitted this worker without dialing it back: other peers may not reach it",
+        )
     if dial.reachable:
         how = f", {how}" if how else ""
-        return PreflightEvent(check="reachability", status="pass", value=dial.address,
-                              reason=f"reached from {dial.tested_from}{how}")
-    return PreflightEvent(check="reachability", status="fail", value=dial.address,
-                          reason=f"not reachable from {dial.tested_from} ({dial.error})")
+        return PreflightEvent(
+            check="reachability", status="pass", value=dial.address, reason=f"reached from {dial.tested_from}{how}"
+        )
+    return PreflightEvent(
+        check="reachability",
+        status="fail",
+        value=dial.address,
+        reason=f"not reachable from {dial.tested_from} ({dial.error})",
+    )
 
 
-def machine_checks(run: RunDescription, swarm_url: str, device: str, device_note: str,
-                   config_dir: Path) -> list[Callable[[], PreflightEvent]]:
+def machine_checks(
+    run: RunDescription, swarm_url: str, device: str, device_note: str, config_dir: Path
+) -> list[Callable[[], PreflightEvent]]:
     """The checks that run before the join, in ``MACHINE_CHECKS`` order (reachability comes with the join)."""
     checks: dict[PreflightCheck, Callable[[], PreflightEvent]] = {
         "gpu": lambda: check_gpu(device, device_note),

@@ -69,12 +69,19 @@ class StagePreparation:
             return
         self.assignment = assignment
         url = assignment.snapshot_url
-        self._download = None if not url else _Call(
-            "snapshot download", download_snapshot, url, self.snapshot_dir, events=self.events
+        self._download = (
+            None
+            if not url
+            else _Call("snapshot download", download_snapshot, url, self.snapshot_dir, events=self.events)
         )
         self._build = _Call(
-            "stage build", prepare_stage, self.config, assignment.stage, self.device,
-            seed=self.config.seed, seeded_weights=not url,  # a snapshot will set every weight
+            "stage build",
+            prepare_stage,
+            self.config,
+            assignment.stage,
+            self.device,
+            seed=self.config.seed,
+            seeded_weights=not url,  # a snapshot will set every weight
         )
 
     def result(self, stop: threading.Event) -> tuple[Path | None, PreparedStage] | None:
@@ -87,7 +94,9 @@ class StagePreparation:
             if not self._download.finished(stop):
                 return None
             snapshot = self._download.outcome()
-            remove_other_downloads(snapshot)  # here, not in the download thread: a dropped thread must not remove this one
+            remove_other_downloads(
+                snapshot
+            )  # here, not in the download thread: a dropped thread must not remove this one
         if not self._build.finished(stop):
             return None
         return snapshot, self._build.outcome()

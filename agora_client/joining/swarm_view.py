@@ -42,7 +42,10 @@ def spot_check_status(reports: Iterable[StageSpotChecks]) -> SpotCheckStatus | N
 
 
 def stage_view(
-    stage: str, roster: Iterable[WorkerRecord], status: dict[str, Any] | None, records: list[TrainerProgress],
+    stage: str,
+    roster: Iterable[WorkerRecord],
+    status: dict[str, Any] | None,
+    records: list[TrainerProgress],
     drift: float | None,
 ) -> StageSwarm:
     """One stage: workers by phase from its roster, queue and capacity from /v1/status's ``stages`` entry for it,
@@ -77,7 +80,9 @@ class StageWatch:
             self._asked_at = now
             try:
                 self.status = swarm_status(self.swarm_url, timeout_s=STATUS_TIMEOUT_S).get("stages")
-            except Exception:  # unreachable, or a bad answer (the client raises a private error for it): shown as unknown
+            except (
+                Exception
+            ):  # unreachable, or a bad answer (the client raises a private error for it): shown as unknown
                 self.status = None
         return self.status
 
@@ -86,5 +91,7 @@ class StageWatch:
         so no stage has a drift figure."""
         status = self._status()
         drifts = fetch_replica_drifts(dht, self.stages, auth_public_key) if auth_public_key else {}
-        return [stage_view(stage, fetch_roster(dht, stage).values(), status, records, drifts.get(stage))
-                for stage in self.stages]
+        return [
+            stage_view(stage, fetch_roster(dht, stage).values(), status, records, drifts.get(stage))
+            for stage in self.stages
+        ]

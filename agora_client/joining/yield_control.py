@@ -27,8 +27,9 @@ WAIT_TICK_S = 1.0
 class _Watch:
     """The policy's answer now, from NVML's process list (read only when the mode looks at the card)."""
 
-    def __init__(self, policy: YieldPolicy, users: GpuUsers, clock: Callable[[], float],
-                 local_time: Callable[[], datetime]) -> None:
+    def __init__(
+        self, policy: YieldPolicy, users: GpuUsers, clock: Callable[[], float], local_time: Callable[[], datetime]
+    ) -> None:
         self.policy, self.users, self.clock, self.local_time = policy, users, clock, local_time
 
     def reason(self) -> str | None:
@@ -37,8 +38,17 @@ class _Watch:
 
 
 class YieldControl:
-    def __init__(self, policy: YieldPolicy, users: GpuUsers, node: WorkerNode, events: EventWriter, grace_s: float, *,
-                 clock: Callable[[], float] = time.monotonic, local_time: Callable[[], datetime] = datetime.now) -> None:
+    def __init__(
+        self,
+        policy: YieldPolicy,
+        users: GpuUsers,
+        node: WorkerNode,
+        events: EventWriter,
+        grace_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        local_time: Callable[[], datetime] = datetime.now,
+    ) -> None:
         self._watch = _Watch(policy, users, clock, local_time)
         self.users, self.node, self.events, self.grace_s, self.clock = users, node, events, grace_s, clock
         self.energy = EnergyMeter()
@@ -59,9 +69,14 @@ class YieldControl:
             self._since, self._said = now, ""
         grace_left = max(0.0, self.grace_s - (now - self._since))
         if grace_left <= 0:
-            self.events.emit(YieldEvent(state="left", reason=f"{reason}; yielded for {self.grace_s:.0f} s (--yield-grace), "
-                                        "so the slot is given back; the worker joins again once the GPU is free",
-                                        grace_left_s=0.0))
+            self.events.emit(
+                YieldEvent(
+                    state="left",
+                    reason=f"{reason}; yielded for {self.grace_s:.0f} s (--yield-grace), "
+                    "so the slot is given back; the worker joins again once the GPU is free",
+                    grace_left_s=0.0,
+                )
+            )
             return False
         if reason != self._said or now - self._said_at >= REPORT_EVERY_S:
             self.events.emit(YieldEvent(state="yielding", reason=reason, grace_left_s=round(grace_left, 1)))
@@ -77,11 +92,20 @@ class YieldControl:
         """Energy used while serving so far, and ``points`` (the estimate since the worker started) per kWh."""
         self.energy.read(self.users.energy_mj(), serving=not self.node.yielding)
         kwh = self.energy.kwh
-        return EnergyEvent(kwh=None if kwh is None else round(kwh, 6), points_per_kwh=self.energy.points_per_kwh(points))
+        return EnergyEvent(
+            kwh=None if kwh is None else round(kwh, 6), points_per_kwh=self.energy.points_per_kwh(points)
+        )
 
 
-def wait_until_free(policy: YieldPolicy, users: GpuUsers, events: EventWriter, stop: threading.Event, *,
-                    clock: Callable[[], float] = time.monotonic, local_time: Callable[[], datetime] = datetime.now) -> bool:
+def wait_until_free(
+    policy: YieldPolicy,
+    users: GpuUsers,
+    events: EventWriter,
+    stop: threading.Event,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    local_time: Callable[[], datetime] = datetime.now,
+) -> bool:
     """Before a join: wait while the policy says yield, saying why; False when stopped first."""
     watch, said, said_at = _Watch(policy, users, clock, local_time), "", 0.0
     while not stop.is_set():

@@ -7,8 +7,8 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn.functional as F
-from torch.amp.autocast_mode import is_autocast_available
 from torch import nn
+from torch.amp.autocast_mode import is_autocast_available
 
 from agora_client.config import ModelConfig
 from agora_client.model.subspace import Subspace, SubspaceLinear
@@ -45,7 +45,9 @@ class _RMSNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, gain: float | torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor | None, gain: float | torch.Tensor, eps: float
+    ) -> torch.Tensor:
         with autocast_off(x.device):
             wide = _at_least_fp32(x)
             rstd = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
@@ -104,7 +106,9 @@ def lower_precision(x: torch.Tensor) -> torch.Tensor:
     return x.to(compute_dtype(x))
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype = torch.float32) -> Rotary:
+def rotary_tables(
+    seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype = torch.float32
+) -> Rotary:
     """cos and sin per (position, frequency), in the dtype the rotated q and k have."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
@@ -150,7 +154,11 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x)).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            apply_rotary(q, rotary), apply_rotary(k, rotary), v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+            apply_rotary(q, rotary),
+            apply_rotary(k, rotary),
+            v,
+            is_causal=True,
+            enable_gqa=self.n_kv_heads != self.n_heads,
         )
         return _write(self.o_proj, out.transpose(1, 2).reshape(batch, seq, d), subspace)
 

@@ -46,14 +46,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
-def per_token_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
+def per_token_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = LOSS_CHUNK_TOKENS
+) -> torch.Tensor:
     """cross_entropy(hidden @ weight.T, labels) per token, float32 [N], for hidden [N, d] and labels [N]."""
     if chunk < 1:
         raise ValueError(f"chunk must be at least 1 token, got {chunk}")
     return _LinearCrossEntropy.apply(hidden, weight, labels, chunk, compute_dtype(hidden))
 
 
-def per_sample_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
+def per_sample_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = LOSS_CHUNK_TOKENS
+) -> torch.Tensor:
     """Mean cross-entropy per sequence, float32 [B], for hidden [B, T, d] and labels [B, T]."""
     batch, seq, width = hidden.shape
     losses = per_token_loss(hidden.reshape(batch * seq, width), weight, labels.reshape(-1), chunk)

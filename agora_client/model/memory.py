@@ -86,8 +86,13 @@ class StagePlan:
         return 2 * self.snapshot
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "gpu_resident": self.gpu_resident, "gpu_peak": self.gpu_peak, "host": self.host,
-                "snapshot": self.snapshot}
+        return {
+            **asdict(self),
+            "gpu_resident": self.gpu_resident,
+            "gpu_peak": self.gpu_peak,
+            "host": self.host,
+            "snapshot": self.snapshot,
+        }
 
 
 def _layer_shapes(config: ModelConfig, constrained: bool) -> tuple[int, int, int]:
@@ -113,7 +118,9 @@ def stage_shapes(config: ModelConfig, stage: str) -> StageShapes:
         extra = config.vocab_size * (k if subspace else d)  # the token embedding, low-rank under subspace
         lifts += 1 if subspace else 0
     if stage == "tail":
-        extra = d + config.vocab_size * d  # final_norm, lm_head (read by the loss in chunks, never cast whole and saved)
+        extra = (
+            d + config.vocab_size * d
+        )  # final_norm, lm_head (read by the loss in chunks, never cast whole and saved)
     if subspace:
         lifts += (stage != "head") + (stage != "tail")  # receive c U^T, send (h - E_f) U
     return StageShapes(
@@ -130,17 +137,21 @@ def _block_activation_bytes(config: ModelConfig, tokens: int, width: int) -> int
     d, kv, f, heads = config.d_model, config.kv_width, config.ffn_hidden, config.n_heads
     attention = (
         d * width  # x in the matmul dtype, read by q, k and v
-        + (d + kv) * width + 2 * FP32  # q and k before QK-norm, and their 1/rms
+        + (d + kv) * width
+        + 2 * FP32  # q and k before QK-norm, and their 1/rms
         + (d + kv) * width  # rotated q and k (saved by attention)
         + kv * width  # v
-        + d * width + heads * FP32  # attention output and its log-sum-exp
+        + d * width
+        + heads * FP32  # attention output and its log-sum-exp
         + d * width  # heads merged back to [tokens, d], read by o_proj
-        + d * width + FP32  # o_proj's output and its 1/rms in the output norm
+        + d * width
+        + FP32  # o_proj's output and its 1/rms in the output norm
     )
     mlp = (
         d * width  # x in the matmul dtype, read by gate and up
         + 4 * f * width  # gate output, silu(gate), up output, their product
-        + d * width + FP32  # down_proj's output and its 1/rms in the output norm
+        + d * width
+        + FP32  # down_proj's output and its 1/rms in the output norm
     )
     return tokens * (attention + mlp)
 

@@ -55,7 +55,9 @@ def _check_tokens(name: str, tokens: torch.Tensor, config: ModelConfig, batch_li
             f"{name} shape {tuple(tokens.shape)} does not match the boundary's [batch, seq] {tuple(batch_like.shape[:2])}"
         )
     if not tokens.is_meta and tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < config.vocab_size:
-        raise ValueError(f"{name} must lie in [0, {config.vocab_size}); got values {int(tokens.min())}..{int(tokens.max())}")
+        raise ValueError(
+            f"{name} must lie in [0, {config.vocab_size}); got values {int(tokens.min())}..{int(tokens.max())}"
+        )
 
 
 class StageModule(nn.Module):
@@ -243,6 +245,5 @@ def trainable_parameter_count(module: nn.Module) -> int:
 def param_counts(config: ModelConfig) -> dict[str, int]:
     """Trainable parameters per stage, counted on the meta device (nothing allocated)."""
     return {
-        name: trainable_parameter_count(build_stage(config, name, seed=0, device="meta"))
-        for name in config.stage_names
+        name: trainable_parameter_count(build_stage(config, name, seed=0, device="meta")) for name in config.stage_names
     }

@@ -61,7 +61,8 @@ def fixed_embedding_rows(tokens: torch.Tensor, d_model: int, std: float, seed: i
 
 def _hashed_rows(rows: torch.Tensor, d_model: int, std: float, seed: int) -> torch.Tensor:
     key_row, key_column, key_radius, key_angle = (
-        derived_seed(seed, f"subspace.fixed_embedding.{part}") & _MASK32 for part in ("row", "column", "radius", "angle")
+        derived_seed(seed, f"subspace.fixed_embedding.{part}") & _MASK32
+        for part in ("row", "column", "radius", "angle")
     )
     # Hashed columns: a row pair whose hashes differ by a small XOR cannot share permuted cells.
     columns = _mix32(torch.arange(d_model, dtype=torch.int64, device=rows.device) ^ key_column)

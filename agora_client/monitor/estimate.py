@@ -47,12 +47,24 @@ def estimate_points(
             gained += (current.compute_flops - previous.compute_flops) / PFLOP
         rate = max(0.0, gained / hours)
     place, ranked = rank if rank is not None else (None, None)
-    monitor = {} if confirmed is None else {
-        "confirmed": confirmed.score, "verified_compute": confirmed.verified_compute,
-        "claimed_compute": confirmed.claimed_compute, "flagged": confirmed.flagged,
-    }
+    monitor = (
+        {}
+        if confirmed is None
+        else {
+            "confirmed": confirmed.score,
+            "verified_compute": confirmed.verified_compute,
+            "claimed_compute": confirmed.claimed_compute,
+            "flagged": confirmed.flagged,
+        }
+    )
     return PointsEvent(
-        presence=presence, compute=compute, rate_per_hour=rate, rank=place, ranked=ranked, page_url=page_url, **monitor,
+        presence=presence,
+        compute=compute,
+        rate_per_hour=rate,
+        rank=place,
+        ranked=ranked,
+        page_url=page_url,
+        **monitor,
     )
 
 
@@ -67,8 +79,12 @@ def fetch_confirmed(monitor_url: str, peer_id: str, *, timeout: float = 5.0) -> 
         return None
     try:
         peer = response.json()
-        return ConfirmedPoints(score=float(peer["score"]), verified_compute=float(peer["compute"]),
-                               claimed_compute=float(peer["claimed_compute"]), flagged=bool(peer["flagged"]))
+        return ConfirmedPoints(
+            score=float(peer["score"]),
+            verified_compute=float(peer["compute"]),
+            claimed_compute=float(peer["claimed_compute"]),
+            flagged=bool(peer["flagged"]),
+        )
     except (ValueError, KeyError, TypeError):
         return None
 

@@ -94,11 +94,15 @@ def stage_matmuls(
     return products
 
 
-def forward_flops(config: ModelConfig, stage: str, batch: int, seq_len: int, *, compress_boundary: bool | None = None) -> int:
+def forward_flops(
+    config: ModelConfig, stage: str, batch: int, seq_len: int, *, compress_boundary: bool | None = None
+) -> int:
     return sum(p.forward for p in stage_matmuls(config, stage, batch, seq_len, compress_boundary=compress_boundary))
 
 
-def backward_flops(config: ModelConfig, stage: str, batch: int, seq_len: int, *, compress_boundary: bool | None = None) -> int:
+def backward_flops(
+    config: ModelConfig, stage: str, batch: int, seq_len: int, *, compress_boundary: bool | None = None
+) -> int:
     """The backward pass alone (gradients of inputs and parameters), without the recomputed forward."""
     return sum(p.backward for p in stage_matmuls(config, stage, batch, seq_len, compress_boundary=compress_boundary))
 

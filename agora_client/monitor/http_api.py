@@ -31,11 +31,11 @@ from typing import Any
 from urllib.parse import unquote
 
 from agora_client.http_service import Exposure, HttpService, Reply, Request, ServiceLimits, json_reply
-from agora_client.operator_metrics import METRICS_PATH, http_front_collector, metrics_reply, new_registry
 from agora_client.monitor.operator_metrics import monitor_collector
 from agora_client.monitor.page import PageFiles, RunInfo, contributor_name, contributor_view, swarm_view
 from agora_client.monitor.points import PFLOP, PeerState
 from agora_client.monitor.store import PointsStore
+from agora_client.operator_metrics import METRICS_PATH, http_front_collector, metrics_reply, new_registry
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,15 @@ class LeaderboardServer:
     address. Bound on construction, serving after ``start()``; ``exposure``: TLS and trusted reverse proxies."""
 
     def __init__(
-        self, store: PointsStore, host: str = "127.0.0.1", port: int = 0, *, clock: Callable[[], float] = time.time,
-        limits: ServiceLimits = MONITOR_LIMITS, run: RunInfo | None = None, exposure: Exposure = Exposure(),
+        self,
+        store: PointsStore,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        clock: Callable[[], float] = time.time,
+        limits: ServiceLimits = MONITOR_LIMITS,
+        run: RunInfo | None = None,
+        exposure: Exposure = Exposure(),
     ):
         self.store, self.clock, self.run = store, clock, run
         self._page = PageFiles()
@@ -92,7 +99,9 @@ class LeaderboardServer:
     def _answer(self, request: Request) -> Reply:
         path = request.path.rstrip("/") or "/"
         if request.method != "GET":
-            return json_reply(HTTPStatus.NOT_FOUND, {"error": f"no such endpoint: {request.method} {path}; try GET /leaderboard"})
+            return json_reply(
+                HTTPStatus.NOT_FOUND, {"error": f"no such endpoint: {request.method} {path}; try GET /leaderboard"}
+            )
         store, now = self.store, self.clock()
         try:
             if path == "/leaderboard":
@@ -116,7 +125,9 @@ class LeaderboardServer:
             return json_reply(HTTPStatus.NOT_FOUND, {"error": f"no such endpoint: GET {path}; try /leaderboard"})
         except Exception:  # the service keeps running; the client gets one line, the log the traceback
             log.exception("internal error answering GET %s", path)
-            return json_reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": "internal error in the monitor; try again later"})
+            return json_reply(
+                HTTPStatus.INTERNAL_SERVER_ERROR, {"error": "internal error in the monitor; try again later"}
+            )
 
     def _page_reply(self, request: Request, path: str, now: float) -> Reply | None:
         """The public page's files and JSON views; None for a path that is none of them."""

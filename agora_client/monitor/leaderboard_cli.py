@@ -11,13 +11,19 @@ from urllib.parse import quote
 
 import httpx
 
-COLUMNS = (("Rank", "rank"), ("User", "username"), ("Score (PFLOP)", "score"), ("Active h", "active_hours"),
-           ("Joined", "joined"), ("Status", "online"), ("Check", "flagged"))
+COLUMNS = (
+    ("Rank", "rank"),
+    ("User", "username"),
+    ("Score (PFLOP)", "score"),
+    ("Active h", "active_hours"),
+    ("Joined", "joined"),
+    ("Status", "online"),
+    ("Check", "flagged"),
+)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default="http://127.0.0.1:8090",
-                        help="the monitor's base URL or its /leaderboard URL")
+    parser.add_argument("--url", default="http://127.0.0.1:8090", help="the monitor's base URL or its /leaderboard URL")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the monitor")
 
@@ -41,7 +47,9 @@ def fetch_rows(url: str, timeout: float = 10.0) -> list[dict[str, Any]]:
     try:
         response = httpx.get(target, timeout=timeout)
     except httpx.HTTPError as error:
-        raise ValueError(f"could not reach the monitor at {target} ({error}); is `agora monitor` running there?") from None
+        raise ValueError(
+            f"could not reach the monitor at {target} ({error}); is `agora monitor` running there?"
+        ) from None
     if response.status_code != 200:
         raise ValueError(f"{target} answered HTTP {response.status_code}; is --url an Agora monitor?")
     try:
@@ -90,11 +98,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"[LEADERBOARD] {error}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps([{**row, "url": contributor_url(args.url, str(row.get("username", "")))} for row in rows], indent=2))
+        print(
+            json.dumps(
+                [{**row, "url": contributor_url(args.url, str(row.get("username", "")))} for row in rows], indent=2
+            )
+        )
         return 0
     print(format_table(rows))
     if rows:
         base, first = monitor_base_url(args.url), str(rows[0].get("username", ""))
-        print(f"\nThe swarm's page: {base}/\nEach contributor's page: {base}/contributors/<user>, "
-              f"e.g. {contributor_url(args.url, first)}")
+        print(
+            f"\nThe swarm's page: {base}/\nEach contributor's page: {base}/contributors/<user>, "
+            f"e.g. {contributor_url(args.url, first)}"
+        )
     return 0

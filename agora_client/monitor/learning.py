@@ -31,6 +31,9 @@ def learning_points(records: Iterable[TrainerProgress]) -> list[LearningPoint]:
     points = []
     for record in records:
         for series, history in (("loss", record.history), ("eval_loss", record.eval_history)):
-            points.extend(LearningPoint(record.peer_id, series, ts, value)
-                          for ts, value in history if math.isfinite(ts) and math.isfinite(value))
+            points.extend(
+                LearningPoint(record.peer_id, series, ts, value)
+                for ts, value in history
+                if math.isfinite(ts) and math.isfinite(value)
+            )
     return points

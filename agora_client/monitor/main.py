@@ -12,13 +12,13 @@ import httpx
 
 from agora_client.auth.tickets import load_public_key
 from agora_client.config import ConfigError, load_config
+from agora_client.discovery.dht import NoSeedAnswered, connect_dht
 from agora_client.http_service import Exposure, add_exposure_arguments, exposure_from_arguments
 from agora_client.monitor.http_api import LeaderboardServer
 from agora_client.monitor.page import run_info
 from agora_client.monitor.points import PointsPolicy
 from agora_client.monitor.scraper import Scraper
 from agora_client.monitor.store import PointsStore
-from agora_client.discovery.dht import NoSeedAnswered, connect_dht
 from agora_client.system.lifetime import stop_on_signals
 
 READY_PREFIX = "[MONITOR] leaderboard on "
@@ -26,21 +26,42 @@ log = logging.getLogger("agora_client.monitor")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--initial-peers", nargs="+", action="extend", default=[], metavar="MULTIADDR",
-                        help="seed multiaddrs to join the DHT through (required)")
+    parser.add_argument(
+        "--initial-peers",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="MULTIADDR",
+        help="seed multiaddrs to join the DHT through (required)",
+    )
     key = parser.add_mutually_exclusive_group()
     key.add_argument("--auth-public-key", help="the auth service's ticket public key (base64, from its /v1/status)")
     key.add_argument("--auth-url", help="auth service base URL: its public key is read from GET /v1/status")
-    parser.add_argument("--config", default="tiny", help="run preset or YAML file: gives the stage names (default: tiny)")
+    parser.add_argument(
+        "--config", default="tiny", help="run preset or YAML file: gives the stage names (default: tiny)"
+    )
     parser.add_argument("--stages", default=None, help="comma-separated stages to scrape (default: all of --config)")
-    parser.add_argument("--db", type=Path, default=Path.home() / ".agora" / "monitor" / "points.sqlite",
-                        help="SQLite file that keeps the totals across restarts")
+    parser.add_argument(
+        "--db",
+        type=Path,
+        default=Path.home() / ".agora" / "monitor" / "points.sqlite",
+        help="SQLite file that keeps the totals across restarts",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on (default: loopback)")
-    parser.add_argument("--port", type=int, default=8090, help="HTTP port (default: 8090, where `agora leaderboard` looks; 0: any free port)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=8090,
+        help="HTTP port (default: 8090, where `agora leaderboard` looks; 0: any free port)",
+    )
     parser.add_argument("--interval", type=float, default=10.0, help="seconds between two scrapes")
     parser.add_argument("--identity-cap", type=int, default=2, help="peers of one identity that earn at a time")
-    parser.add_argument("--online-window", type=float, default=None,
-                        help="seconds without a record after which a peer is offline (default: max(90, 3 x interval))")
+    parser.add_argument(
+        "--online-window",
+        type=float,
+        default=None,
+        help="seconds without a record after which a peer is offline (default: max(90, 3 x interval))",
+    )
     add_exposure_arguments(parser)
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
@@ -56,9 +77,13 @@ def auth_public_key(args: argparse.Namespace) -> str:
             response.raise_for_status()
             text = response.json()["public_key"]
         except httpx.HTTPError as error:
-            raise ValueError(f"could not read the auth public key from {url} ({error}); is the auth service running?") from None
+            raise ValueError(
+                f"could not read the auth public key from {url} ({error}); is the auth service running?"
+            ) from None
         except (ValueError, KeyError, TypeError):
-            raise ValueError(f"{url} did not answer JSON with a public_key; is --auth-url an Agora auth service?") from None
+            raise ValueError(
+                f"{url} did not answer JSON with a public_key; is --auth-url an Agora auth service?"
+            ) from None
     else:
         raise ValueError("give --auth-public-key KEY or --auth-url URL: tickets cannot be checked without the key")
     load_public_key(text)  # fails now, with what to do, rather than on every record
@@ -86,7 +111,9 @@ def run(args: argparse.Namespace) -> int:
             wanted = tuple(name.strip() for name in args.stages.split(",") if name.strip())
             unknown = [name for name in wanted if name not in stages]
             if unknown:
-                raise ValueError(f"--stages names unknown stage(s) {', '.join(unknown)}; this run has {', '.join(stages)}")
+                raise ValueError(
+                    f"--stages names unknown stage(s) {', '.join(unknown)}; this run has {', '.join(stages)}"
+                )
             stages = wanted
         public_key = auth_public_key(args)
         window = args.online_window if args.online_window is not None else max(90.0, 3 * args.interval)

@@ -14,22 +14,47 @@ from .swarm_summary import SwarmSummary
 
 TOP_CONTRIBUTORS = 20  # the leaderboard's top rows get a series each: a bounded number of label values
 
-POINTS = Series("agora_monitor_points", "gauge", "points credited to all peers: presence, compute (verified by "
-                "receipts) and claimed_compute (before the receipts)", ("kind",))
+POINTS = Series(
+    "agora_monitor_points",
+    "gauge",
+    "points credited to all peers: presence, compute (verified by receipts) and claimed_compute (before the receipts)",
+    ("kind",),
+)
 CONTRIBUTORS = Series("agora_monitor_contributors", "gauge", "contributors (identities) on the leaderboard")
 CONTRIBUTORS_ONLINE = Series("agora_monitor_contributors_online", "gauge", "contributors with a peer seen lately")
-CONTRIBUTOR_POINTS = Series("agora_monitor_contributor_points", "gauge",
-                            f"score of each of the leaderboard's top {TOP_CONTRIBUTORS} contributors", ("contributor",))
+CONTRIBUTOR_POINTS = Series(
+    "agora_monitor_contributor_points",
+    "gauge",
+    f"score of each of the leaderboard's top {TOP_CONTRIBUTORS} contributors",
+    ("contributor",),
+)
 FLAGGED = Series("agora_monitor_flagged_contributors", "gauge", "contributors claiming more compute than receipted")
-WITHHELD = Series("agora_monitor_withheld_peers", "gauge", "peers whose compute points are withheld (caught by spot checks)")
-STAGE_WORKERS = Series("agora_monitor_stage_workers", "gauge", "the stage's workers at the latest scrape: active, "
-                       "syncing, or queued at the auth service", ("stage", "state"))
-STAGE_SPARTA_ROUNDS = Series("agora_monitor_stage_sparta_rounds", "gauge",
-                             "SPARTA rounds the stage's live workers took part in", ("stage",))
+WITHHELD = Series(
+    "agora_monitor_withheld_peers", "gauge", "peers whose compute points are withheld (caught by spot checks)"
+)
+STAGE_WORKERS = Series(
+    "agora_monitor_stage_workers",
+    "gauge",
+    "the stage's workers at the latest scrape: active, syncing, or queued at the auth service",
+    ("stage", "state"),
+)
+STAGE_SPARTA_ROUNDS = Series(
+    "agora_monitor_stage_sparta_rounds", "gauge", "SPARTA rounds the stage's live workers took part in", ("stage",)
+)
 TOKENS_PER_SECOND = Series("agora_monitor_tokens_per_second", "gauge", "all live trainers' tokens per second")
 TOKENS_SEEN = Series("agora_monitor_tokens_seen", "gauge", "tokens the first stage processed since the monitor started")
-SERIES = (POINTS, CONTRIBUTORS, CONTRIBUTORS_ONLINE, CONTRIBUTOR_POINTS, FLAGGED, WITHHELD, STAGE_WORKERS,
-          STAGE_SPARTA_ROUNDS, TOKENS_PER_SECOND, TOKENS_SEEN)
+SERIES = (
+    POINTS,
+    CONTRIBUTORS,
+    CONTRIBUTORS_ONLINE,
+    CONTRIBUTOR_POINTS,
+    FLAGGED,
+    WITHHELD,
+    STAGE_WORKERS,
+    STAGE_SPARTA_ROUNDS,
+    TOKENS_PER_SECOND,
+    TOKENS_SEEN,
+)
 
 
 def monitor_collector(store: PointsStore, clock: Callable[[], float] = time.time) -> SeriesCollector:
@@ -37,9 +62,11 @@ def monitor_collector(store: PointsStore, clock: Callable[[], float] = time.time
         peers = list(store.peers().values())
         rows = leaderboard(peers, clock(), store.policy)
         values: dict[str, Values] = {
-            POINTS.name: {"presence": sum(peer.presence_points for peer in peers),
-                          "compute": sum(peer.compute_points for peer in peers),
-                          "claimed_compute": sum(peer.claimed_points for peer in peers)},
+            POINTS.name: {
+                "presence": sum(peer.presence_points for peer in peers),
+                "compute": sum(peer.compute_points for peer in peers),
+                "claimed_compute": sum(peer.claimed_points for peer in peers),
+            },
             CONTRIBUTORS.name: len(rows),
             CONTRIBUTORS_ONLINE.name: sum(row.online for row in rows),
             CONTRIBUTOR_POINTS.name: {row.username: row.score for row in rows[:TOP_CONTRIBUTORS]},

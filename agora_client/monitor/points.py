@@ -174,16 +174,14 @@ def apply_observations(
         if known is None or observation.seen_at >= known.seen_at:
             latest[observation.peer_id] = observation
     latest = {
-        peer_id: obs for peer_id, obs in latest.items() if peer_id not in peers or peers[peer_id].identity == obs.identity
+        peer_id: obs
+        for peer_id, obs in latest.items()
+        if peer_id not in peers or peers[peer_id].identity == obs.identity
     }
 
     # Who is online during this scrape: everyone observed now, plus peers seen recently.
     seen_now = {
-        peer_id: (
-            dataclasses.replace(peers[peer_id], last_seen=obs.seen_at)
-            if peer_id in peers
-            else _new_peer(obs)
-        )
+        peer_id: (dataclasses.replace(peers[peer_id], last_seen=obs.seen_at) if peer_id in peers else _new_peer(obs))
         for peer_id, obs in latest.items()
     }
     online = {**{pid: p for pid, p in peers.items() if p.online(now, policy)}, **seen_now}

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from hivemind import DHT
 from pydantic import ValidationError
 
+from agora_client.auth.tickets import TRAINER as TRAINER_ROLE
 from agora_client.discovery.signed_records import RECEIPTS_KEY, Receipt
 from agora_client.monitor.signatures import check_signed
-from agora_client.auth.tickets import TRAINER as TRAINER_ROLE
 
 
 def check_receipt(subkey: object, value: object, auth_public_key: str, *, now: float | None = None) -> Receipt:
@@ -25,15 +25,24 @@ def check_receipt(subkey: object, value: object, auth_public_key: str, *, now: f
     except ValidationError as error:
         raise ValueError(f"malformed receipt: {error.errors()[0]['msg']}") from None
     check_signed(
-        subkey, receipt.subkey_name, record=f"receipt of trainer {receipt.trainer}", signer=receipt.trainer,
-        ticket=receipt.ticket, claims={"peer_id": receipt.trainer, "stage": TRAINER_ROLE},
-        auth_public_key=auth_public_key, now=now,
+        subkey,
+        receipt.subkey_name,
+        record=f"receipt of trainer {receipt.trainer}",
+        signer=receipt.trainer,
+        ticket=receipt.ticket,
+        claims={"peer_id": receipt.trainer, "stage": TRAINER_ROLE},
+        auth_public_key=auth_public_key,
+        now=now,
     )
     return receipt
 
 
 def fetch_receipts(
-    dht: DHT, auth_public_key: str, *, now: float | None = None, on_reject: Callable[[str], None] | None = None,
+    dht: DHT,
+    auth_public_key: str,
+    *,
+    now: float | None = None,
+    on_reject: Callable[[str], None] | None = None,
 ) -> list[Receipt]:
     """Every verified receipt in the DHT."""
     found = dht.get(RECEIPTS_KEY, latest=True)

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from hivemind import DHT
-from hivemind.p2p import PeerID
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
@@ -79,7 +79,9 @@ def signed_dht_kwargs(identity_path: Path | str, key: RSAPrivateKey | None = Non
     return {"identity_path": str(identity_path), "record_validators": record_validators(key)}
 
 
-def create_signed_dht(identity_path: Path | str, key: RSAPrivateKey | None = None, **dht_kwargs: Any) -> tuple[DHT, RSASignatureValidator]:
+def create_signed_dht(
+    identity_path: Path | str, key: RSAPrivateKey | None = None, **dht_kwargs: Any
+) -> tuple[DHT, RSASignatureValidator]:
     """A started DHT whose peer id and metrics signatures come from the same RSA key."""
     kwargs = signed_dht_kwargs(identity_path, key)
     dht = DHT(start=True, **kwargs, **dht_kwargs)
@@ -111,9 +113,14 @@ def check_entry(
     if record.stage != stage:
         raise ValueError(f"record says stage {record.stage} but was published under {stage}")
     claims = check_signed(
-        subkey, record.peer_id, record=f"record for {record.peer_id}", signer=record.peer_id, ticket=record.ticket,
+        subkey,
+        record.peer_id,
+        record=f"record for {record.peer_id}",
+        signer=record.peer_id,
+        ticket=record.ticket,
         claims={"peer_id": record.peer_id, "stage": record.stage, "identity": record.identity},
-        auth_public_key=auth_public_key, now=now,
+        auth_public_key=auth_public_key,
+        now=now,
     )
     return record, claims
 

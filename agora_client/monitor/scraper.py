@@ -68,8 +68,10 @@ class Scraper:
     def scrape_once(self) -> dict[str, PeerState]:
         now = self.clock()
         for verdict in fetch_verdicts(self.dht, self.auth_public_key, now=now, on_reject=self._reject):
-            reason = (f"trainer {verdict.trainer}: {verdict.uid} disagreed with its stage "
-                      f"{verdict.disagreements} times in {verdict.checks} spot checks")
+            reason = (
+                f"trainer {verdict.trainer}: {verdict.uid} disagreed with its stage "
+                f"{verdict.disagreements} times in {verdict.checks} spot checks"
+            )
             if self.store.withhold(verdict.peer_id, reason, now):
                 log.warning("withholding the compute points of peer %s (%s)", verdict.peer_id, reason)
         self.store.record_receipts(fetch_receipts(self.dht, self.auth_public_key, now=now, on_reject=self._reject))
@@ -80,7 +82,9 @@ class Scraper:
         progress = fetch_progress(self.dht)
         self.store.record_learning(learning_points(progress))
         queued = fetch_queued(self.auth_url) if self.auth_url else None
-        self.store.set_summary(summarize(self.stages, [item.record for item in verified], progress, queued, self._tokens, now))
+        self.store.set_summary(
+            summarize(self.stages, [item.record for item in verified], progress, queued, self._tokens, now)
+        )
         self._flag_over_claims()
         return updated
 
@@ -88,6 +92,11 @@ class Scraper:
         for peer in self.store.peers().values():
             if peer.over_claimed(self.store.policy) and peer.peer_id not in self._flagged:
                 self._flagged.add(peer.peer_id)
-                log.warning("peer %s (%s) claims %.3g FLOPs of compute, but trainers receipted %.3g: it is credited "
-                            "the receipted compute only", peer.peer_id, peer.identity, peer.compute_flops,
-                            peer.receipted_flops)
+                log.warning(
+                    "peer %s (%s) claims %.3g FLOPs of compute, but trainers receipted %.3g: it is credited "
+                    "the receipted compute only",
+                    peer.peer_id,
+                    peer.identity,
+                    peer.compute_flops,
+                    peer.receipted_flops,
+                )

@@ -35,7 +35,9 @@ def signer_of(subkey: object, name: str) -> str:
         raise ValueError("unsigned record: subkey carries no owner key")
     owners = _OWNER_RE.findall(subkey)
     if len(owners) != 1:
-        raise ValueError("unsigned record: subkey carries no owner key" if not owners else "several owner keys in subkey")
+        raise ValueError(
+            "unsigned record: subkey carries no owner key" if not owners else "several owner keys in subkey"
+        )
     if subkey.split(b"[owner:", 1)[0] != name.encode():
         raise ValueError(f"subkey names another entry than {name}")
     try:

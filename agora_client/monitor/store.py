@@ -120,7 +120,9 @@ class PointsStore:
     def peer(self, peer_id: str) -> PeerState | None:
         return self.peers().get(peer_id)
 
-    def record_scrape(self, observations: Iterable[Observation], records_json: dict[str, str], now: float) -> dict[str, PeerState]:
+    def record_scrape(
+        self, observations: Iterable[Observation], records_json: dict[str, str], now: float
+    ) -> dict[str, PeerState]:
         """Credit one scrape and persist it atomically; ``records_json`` maps peer id -> the raw record kept as last observation."""
         with self._lock:
             before = self._load()
@@ -146,14 +148,19 @@ class PointsStore:
 
     def record_receipts(self, receipts: Iterable[Receipt]) -> None:
         """Keep each trainer process's highest count per worker (its counters only grow; one transaction)."""
-        rows = [(receipt.trainer, receipt.run_id, peer_id, counts.flops)
-                for receipt in receipts for peer_id, counts in receipt.served.items()]
+        rows = [
+            (receipt.trainer, receipt.run_id, peer_id, counts.flops)
+            for receipt in receipts
+            for peer_id, counts in receipt.served.items()
+        ]
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 self._db.executemany(
                     "INSERT INTO receipts (trainer, run_id, peer_id, flops) VALUES (?, ?, ?, ?) "
-                    "ON CONFLICT(trainer, run_id, peer_id) DO UPDATE SET flops = MAX(flops, excluded.flops)", rows)
+                    "ON CONFLICT(trainer, run_id, peer_id) DO UPDATE SET flops = MAX(flops, excluded.flops)",
+                    rows,
+                )
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -166,7 +173,9 @@ class PointsStore:
             before = self._db.total_changes
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                self._db.executemany("INSERT OR IGNORE INTO learning (trainer, series, ts, value) VALUES (?, ?, ?, ?)", rows)
+                self._db.executemany(
+                    "INSERT OR IGNORE INTO learning (trainer, series, ts, value) VALUES (?, ?, ?, ?)", rows
+                )
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -189,8 +198,9 @@ class PointsStore:
     def history(self, identity: str) -> list[HistoryPoint]:
         """The identity's points over time, oldest first (the newest figures of each bucket of time)."""
         with self._lock:
-            rows = self._db.execute("SELECT ts, presence, compute FROM history WHERE identity = ? ORDER BY bucket",
-                                    (identity,)).fetchall()
+            rows = self._db.execute(
+                "SELECT ts, presence, compute FROM history WHERE identity = ? ORDER BY bucket", (identity,)
+            ).fetchall()
         return [HistoryPoint(*row) for row in rows]
 
     def set_summary(self, summary: SwarmSummary) -> None:
@@ -229,9 +239,12 @@ class PointsStore:
         totals = identity_totals((peer for peer in peers if peer.identity in identities), now)
         self._db.executemany(
             "INSERT OR REPLACE INTO history (identity, bucket, ts, presence, compute) VALUES (?, ?, ?, ?, ?)",
-            [(identity, bucket_of(now), now, point.presence, point.compute) for identity, point in totals.items()])
-        self._db.executemany("DELETE FROM history WHERE identity = ? AND bucket < ?",
-                             [(identity, oldest_bucket_kept(now)) for identity in totals])
+            [(identity, bucket_of(now), now, point.presence, point.compute) for identity, point in totals.items()],
+        )
+        self._db.executemany(
+            "DELETE FROM history WHERE identity = ? AND bucket < ?",
+            [(identity, oldest_bucket_kept(now)) for identity in totals],
+        )
 
     def _write(self, peer: PeerState, record_json: str) -> None:
         db = self._db

@@ -68,8 +68,9 @@ class TokenTally:
         return self._banked + sum(tokens for _, tokens in self._last.values())
 
 
-def stage_summary(stage: str, records: Sequence[MetricsRecord], progress: Sequence[TrainerProgress],
-                  queued: int | None) -> StageSummary:
+def stage_summary(
+    stage: str, records: Sequence[MetricsRecord], progress: Sequence[TrainerProgress], queued: int | None
+) -> StageSummary:
     averaged = [record for record in records if record.sparta_rounds > 0]
     return StageSummary(
         stage=stage,
@@ -87,9 +88,11 @@ def spot_check_status(stage: str, progress: Sequence[TrainerProgress]) -> SpotCh
     if not checks:
         return None
     return SpotCheckStatus(
-        checks=sum(item.checks for item in checks), strikes=sum(item.strikes for item in checks),
+        checks=sum(item.checks for item in checks),
+        strikes=sum(item.strikes for item in checks),
         bans=sum(item.bans for item in checks),
-        forward=_standing(item.forward for item in checks), backward=_standing(item.backward for item in checks),
+        forward=_standing(item.forward for item in checks),
+        backward=_standing(item.backward for item in checks),
     )
 
 
@@ -98,16 +101,24 @@ def _standing(standings: Iterable[CheckStanding]) -> str:
     return next(state for state in _STANDING_ORDER if state in states)
 
 
-def summarize(stages: Sequence[str], records: Sequence[MetricsRecord], progress: Sequence[TrainerProgress],
-              queued: dict[str, int] | None, tally: TokenTally, now: float) -> SwarmSummary:
+def summarize(
+    stages: Sequence[str],
+    records: Sequence[MetricsRecord],
+    progress: Sequence[TrainerProgress],
+    queued: dict[str, int] | None,
+    tally: TokenTally,
+    now: float,
+) -> SwarmSummary:
     """The swarm as one scrape saw it; tokens seen are counted at the first of ``stages`` (every token passes it)."""
     by_stage = {stage: [record for record in records if record.stage == stage] for stage in stages}
     return SwarmSummary(
         updated_at=now,
         tokens_per_s=sum(record.tokens_per_s for record in progress),
         tokens_seen=tally.update(by_stage[stages[0]]) if stages else 0,
-        stages=tuple(stage_summary(stage, by_stage[stage], progress, None if queued is None else queued.get(stage, 0))
-                     for stage in stages),
+        stages=tuple(
+            stage_summary(stage, by_stage[stage], progress, None if queued is None else queued.get(stage, 0))
+            for stage in stages
+        ),
     )
 
 

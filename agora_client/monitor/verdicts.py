@@ -29,7 +29,6 @@ from agora_client.discovery.signed_records import VERDICTS_KEY, Verdict
 from agora_client.monitor.signatures import check_signed, owner_subkey
 
 
-
 def trainer_peer_id(validator: RSASignatureValidator) -> str:
     """The peer id of the key this validator signs with (the ``[owner:...]`` wrapper removed)."""
     return peer_id_of_public_key(validator.local_public_key.removeprefix(b"[owner:").removesuffix(b"]"))
@@ -54,9 +53,14 @@ def check_verdict(subkey: object, value: object, auth_public_key: str, *, now: f
     except ValidationError as error:
         raise ValueError(f"malformed verdict: {error.errors()[0]['msg']}") from None
     check_signed(  # only a trainer's ticket (stage TRAINER_ROLE) lets a verdict count
-        subkey, verdict.subkey_name, record=f"verdict of trainer {verdict.trainer}", signer=verdict.trainer,
-        ticket=verdict.ticket, claims={"peer_id": verdict.trainer, "stage": TRAINER_ROLE},
-        auth_public_key=auth_public_key, now=now,
+        subkey,
+        verdict.subkey_name,
+        record=f"verdict of trainer {verdict.trainer}",
+        signer=verdict.trainer,
+        ticket=verdict.ticket,
+        claims={"peer_id": verdict.trainer, "stage": TRAINER_ROLE},
+        auth_public_key=auth_public_key,
+        now=now,
     )
     return verdict
 

@@ -6,6 +6,13 @@ from agora_client.network.mapped_port import MappedPort, MappingUnavailable
 from agora_client.network.port_mapping import PortMapping
 
 __all__ = [
-    "MappedPort", "MappingUnavailable", "NetworkFacts", "PortMapping", "diagnose", "is_carrier_grade", "is_private",
-    "local_address_towards", "tcp_multiaddr",
+    "MappedPort",
+    "MappingUnavailable",
+    "NetworkFacts",
+    "PortMapping",
+    "diagnose",
+    "is_carrier_grade",
+    "is_private",
+    "local_address_towards",
+    "tcp_multiaddr",
 ]

@@ -41,17 +41,25 @@ def diagnose(facts: NetworkFacts) -> NetworkReport:
     if cgnat:
         findings.append(_cgnat_finding(facts))
     if double:
-        findings.append(Finding(
-            what=f"Double NAT: your router's internet side ({facts.router_external}) is itself inside another router's network "
-            "(often the provider's box)",
-            action=f"Put the provider's box in bridge mode, or forward TCP port {facts.port} on it to {facts.router_external}.",
-        ))
+        findings.append(
+            Finding(
+                what=f"Double NAT: your router's internet side ({facts.router_external}) is itself inside another router's network "
+                "(often the provider's box)",
+                action=f"Put the provider's box in bridge mode, or forward TCP port {facts.port} on it to {facts.router_external}.",
+            )
+        )
     if nat and not (cgnat or double):  # beyond a second NAT, what the home router does cannot help
         findings.extend(_mapping_findings(facts))
     return NetworkReport(
-        local_address=facts.local_address, router_external=facts.router_external, seen_address=facts.seen_address,
-        mapping=facts.mapping, mapping_detail=facts.mapping_detail, nat=nat or cgnat or double, carrier_grade_nat=cgnat,
-        double_nat=double, findings=findings,
+        local_address=facts.local_address,
+        router_external=facts.router_external,
+        seen_address=facts.seen_address,
+        mapping=facts.mapping,
+        mapping_detail=facts.mapping_detail,
+        nat=nat or cgnat or double,
+        carrier_grade_nat=cgnat,
+        double_nat=double,
+        findings=findings,
     )
 
 
@@ -59,14 +67,21 @@ def _carrier_grade(facts: NetworkFacts) -> bool:
     if is_carrier_grade(facts.router_external) or is_carrier_grade(facts.seen_address):
         return True
     # the router holds a public address that is not the one the swarm sees: another NAT beyond it
-    return bool(facts.router_external and facts.seen_address and not is_private(facts.router_external)
-                and facts.router_external != facts.seen_address)
+    return bool(
+        facts.router_external
+        and facts.seen_address
+        and not is_private(facts.router_external)
+        and facts.router_external != facts.seen_address
+    )
 
 
 def _cgnat_finding(facts: NetworkFacts) -> Finding:
     shown = facts.router_external or facts.seen_address
-    relay = ("Nothing at home: the worker serves through one of the swarm's relays." if facts.relays_listed else
-             "Ask the swarm's operator to run a relay (agora relay) for such workers.")
+    relay = (
+        "Nothing at home: the worker serves through one of the swarm's relays."
+        if facts.relays_listed
+        else "Ask the swarm's operator to run a relay (agora relay) for such workers."
+    )
     return Finding(
         what=f"Carrier-grade NAT: your provider shares one internet address among many customers (your router has {shown}"
         + (f", the swarm sees {facts.seen_address})" if facts.seen_address and facts.seen_address != shown else ")")
@@ -81,10 +96,22 @@ def _mapping_findings(facts: NetworkFacts) -> list[Finding]:
         return []
     forward = f"forward TCP port {facts.port} to {facts.local_address} in your router's settings"
     if facts.mapping == "refused":
-        return [Finding(what=f"Your router refused to open the port: {facts.mapping_detail}",
-                        action=f"Allow UPnP or NAT-PMP port mapping for this machine in your router's settings, or {forward}.")]
+        return [
+            Finding(
+                what=f"Your router refused to open the port: {facts.mapping_detail}",
+                action=f"Allow UPnP or NAT-PMP port mapping for this machine in your router's settings, or {forward}.",
+            )
+        ]
     if facts.mapping == "not offered":
-        return [Finding(what="No router on this network offered automatic port mapping (UPnP or NAT-PMP)",
-                        action=f"Turn on UPnP or NAT-PMP in your router's settings (often under 'NAT' or 'Advanced'), or {forward}.")]
-    return [Finding(what=f"Automatic port mapping is off ({facts.mapping_detail or '--no-port-mapping'})",
-                    action=f"Run without --no-port-mapping, or {forward}.")]
+        return [
+            Finding(
+                what="No router on this network offered automatic port mapping (UPnP or NAT-PMP)",
+                action=f"Turn on UPnP or NAT-PMP in your router's settings (often under 'NAT' or 'Advanced'), or {forward}.",
+            )
+        ]
+    return [
+        Finding(
+            what=f"Automatic port mapping is off ({facts.mapping_detail or '--no-port-mapping'})",
+            action=f"Run without --no-port-mapping, or {forward}.",
+        )
+    ]

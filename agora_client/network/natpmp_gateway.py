@@ -49,19 +49,28 @@ class NatPmpGateway:
         self.gateway = self.gateway or default_gateway()
         if not self.gateway:
             raise MappingUnavailable("this machine has no default gateway to ask over NAT-PMP", offered=False)
-        self.router_external = self._ask(lambda: NATPMP.get_public_address(self.gateway, retry=TRIES),
-                                         "say its internet address")
+        self.router_external = self._ask(
+            lambda: NATPMP.get_public_address(self.gateway, retry=TRIES), "say its internet address"
+        )
 
     def add(self, port: int, lease_s: int) -> MappedPort:
         """Forward an external port (``port`` if the router can) to this machine's ``port``."""
         return self.renew(MappedPort(self.router_external, port, local_address_towards(self.gateway), port, lease_s))
 
     def renew(self, wanted: MappedPort) -> MappedPort:
-        granted = self._ask(lambda: NATPMP.map_tcp_port(
-            wanted.external_port, wanted.internal_port, wanted.lease_s, gateway_ip=self.gateway, retry=TRIES,
-        ), f"forward TCP port {wanted.external_port} to this machine")
-        return MappedPort(wanted.external_host, granted.public_port, wanted.internal_host, wanted.internal_port,
-                          granted.lifetime)
+        granted = self._ask(
+            lambda: NATPMP.map_tcp_port(
+                wanted.external_port,
+                wanted.internal_port,
+                wanted.lease_s,
+                gateway_ip=self.gateway,
+                retry=TRIES,
+            ),
+            f"forward TCP port {wanted.external_port} to this machine",
+        )
+        return MappedPort(
+            wanted.external_host, granted.public_port, wanted.internal_host, wanted.internal_port, granted.lifetime
+        )
 
     def remove(self, mapped: MappedPort) -> None:
         try:  # lifetime 0 and external port 0 delete the mapping of that internal port (RFC 6886 3.4)

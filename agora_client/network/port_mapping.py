@@ -37,7 +37,10 @@ class PortMapping:
     """One TCP port forward on the home router, held from ``open`` until ``close``."""
 
     def __init__(
-        self, port: int, on_renewal_failed: Callable[[str], None], lease_s: int = DEFAULT_LEASE_S,
+        self,
+        port: int,
+        on_renewal_failed: Callable[[str], None],
+        lease_s: int = DEFAULT_LEASE_S,
         gateways: Sequence[Gateway] | None = None,
     ):
         self.port, self.lease_s, self.on_renewal_failed = port, lease_s, on_renewal_failed
@@ -100,6 +103,7 @@ def _combined(refusals: Sequence[MappingUnavailable]) -> MappingUnavailable:
     """One refusal for all protocols: what the routers that answered said, or that none did."""
     answered = [refusal for refusal in refusals if refusal.offered]
     if not answered:
-        return MappingUnavailable("no router on this network answered a UPnP search or a NAT-PMP request",
-                                  offered=False)
+        return MappingUnavailable(
+            "no router on this network answered a UPnP search or a NAT-PMP request", offered=False
+        )
     return MappingUnavailable("; ".join(str(refusal) for refusal in answered), offered=True)

@@ -66,11 +66,13 @@ class UpnpGateway:
 
     def _add(self, wanted: MappedPort, lease_s: int) -> None:
         try:
-            self._upnp.addportmapping(wanted.external_port, "TCP", wanted.internal_host, wanted.internal_port,
-                                      DESCRIPTION, "", lease_s)
+            self._upnp.addportmapping(
+                wanted.external_port, "TCP", wanted.internal_host, wanted.internal_port, DESCRIPTION, "", lease_s
+            )
         except Exception as error:  # miniupnpc raises plain Exceptions holding the router's UPnP error
             raise MappingUnavailable(
-                f"the router refused to forward TCP port {wanted.external_port} to this machine ({error})", offered=True,
+                f"the router refused to forward TCP port {wanted.external_port} to this machine ({error})",
+                offered=True,
             ) from None
 
     def _external_address(self) -> str:

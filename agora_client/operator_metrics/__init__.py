@@ -14,11 +14,21 @@ from .endpoint import MetricsEndpoint, MetricsUnavailable, add_metrics_arguments
 from .registry import new_registry
 from .series import Series, SeriesCollector, Values
 
-_LAZY = {name: "agora_client.operator_metrics.http_front" for name in ("METRICS_PATH", "http_front_collector", "metrics_reply")}
+_LAZY = {
+    name: "agora_client.operator_metrics.http_front"
+    for name in ("METRICS_PATH", "http_front_collector", "metrics_reply")
+}
 
 __all__ = [
-    "MetricsEndpoint", "MetricsUnavailable", "Series", "SeriesCollector", "Values", "add_metrics_arguments",
-    "new_registry", "open_metrics_endpoint", *_LAZY,
+    "MetricsEndpoint",
+    "MetricsUnavailable",
+    "Series",
+    "SeriesCollector",
+    "Values",
+    "add_metrics_arguments",
+    "new_registry",
+    "open_metrics_endpoint",
+    *_LAZY,
 ]
 
 

@@ -16,10 +16,18 @@ class MetricsUnavailable(ValueError):
 
 
 def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                        help="serve Prometheus metrics on this port at /metrics (default: off; 0: any free port)")
-    parser.add_argument("--metrics-host", default="127.0.0.1",
-                        help="address the metrics port listens on (default: loopback; the scraper's host must reach it)")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics on this port at /metrics (default: off; 0: any free port)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics port listens on (default: loopback; the scraper's host must reach it)",
+    )
 
 
 class MetricsEndpoint:
@@ -36,8 +44,9 @@ class MetricsEndpoint:
         try:
             self._server, _ = start_http_server(port, host, self.registry)
         except (OSError, ValueError) as error:
-            raise MetricsUnavailable(f"cannot serve metrics on {host}:{port} ({error}); "
-                                     "pick another --metrics-port or --metrics-host") from None
+            raise MetricsUnavailable(
+                f"cannot serve metrics on {host}:{port} ({error}); pick another --metrics-port or --metrics-host"
+            ) from None
 
     @property
     def url(self) -> str | None:

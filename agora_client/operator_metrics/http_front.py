@@ -12,8 +12,9 @@ from agora_client.http_service import HttpService, Reply
 from .series import Series, SeriesCollector
 
 METRICS_PATH = "/metrics"
-OPEN_CONNECTIONS = Series("agora_http_open_connections", "gauge", "connections open on the service's HTTP front",
-                          ("service",))
+OPEN_CONNECTIONS = Series(
+    "agora_http_open_connections", "gauge", "connections open on the service's HTTP front", ("service",)
+)
 
 
 def metrics_reply(registry: CollectorRegistry) -> Reply:
@@ -22,4 +23,6 @@ def metrics_reply(registry: CollectorRegistry) -> Reply:
 
 def http_front_collector(service: HttpService) -> SeriesCollector:
     """The front's open connections (what its connection caps count)."""
-    return SeriesCollector([OPEN_CONNECTIONS], lambda: {OPEN_CONNECTIONS.name: {service.name: service.open_connections}})
+    return SeriesCollector(
+        [OPEN_CONNECTIONS], lambda: {OPEN_CONNECTIONS.name: {service.name: service.open_connections}}
+    )

@@ -61,8 +61,9 @@ class RelayReservation:
     ``peer_id`` only names the reservation in the relay's log; the relay trusts nothing it says.
     """
 
-    def __init__(self, relay: str, local_port: int, on_lost: Callable[[str], None], timeout_s: float = 10.0,
-                 *, peer_id: str = "") -> None:
+    def __init__(
+        self, relay: str, local_port: int, on_lost: Callable[[str], None], timeout_s: float = 10.0, *, peer_id: str = ""
+    ) -> None:
         self.relay = relay
         self.local_port = local_port
         self.peer_id = peer_id or f"port-{local_port}"
@@ -94,8 +95,9 @@ class RelayReservation:
         try:
             control = socket.create_connection(self._relay_address, timeout=self.timeout_s)
         except OSError as error:
-            raise RelayUnavailable(f"cannot reach the relay at {self.relay} ({error}); "
-                                   "check the address and that the relay is running") from None
+            raise RelayUnavailable(
+                f"cannot reach the relay at {self.relay} ({error}); check the address and that the relay is running"
+            ) from None
         lines = _Lines(control)  # one reader for the whole connection: it may hold the next line already
         try:
             self.address = self._reserve(control, lines, deadline, port)
@@ -121,7 +123,9 @@ class RelayReservation:
         if answer is None:
             raise RelayUnavailable(f"the relay at {self.relay} closed the connection without answering")
         if answer.get("ok") is not True or not isinstance(answer.get("address"), str):
-            reason = answer.get("error") if isinstance(answer.get("error"), str) else "an answer that is not the protocol"
+            reason = (
+                answer.get("error") if isinstance(answer.get("error"), str) else "an answer that is not the protocol"
+            )
             raise RelayUnavailable(f"the relay at {self.relay} refused: {reason}")
         control.settimeout(None)
         return answer["address"]

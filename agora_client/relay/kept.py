@@ -21,8 +21,14 @@ class KeptReservation:
     again, then ``on_restored(address, same)`` (``same``: the announced address still holds)."""
 
     def __init__(
-        self, relay: str, local_port: int, *, on_lost: Callable[[str], None],
-        on_restored: Callable[[str, bool], None], peer_id: str = "", waits: Sequence[float] = RESERVE_AGAIN_S,
+        self,
+        relay: str,
+        local_port: int,
+        *,
+        on_lost: Callable[[str], None],
+        on_restored: Callable[[str, bool], None],
+        peer_id: str = "",
+        waits: Sequence[float] = RESERVE_AGAIN_S,
     ):
         self.relay, self.local_port, self.peer_id = relay, local_port, peer_id
         self.on_lost, self.on_restored, self.waits = on_lost, on_restored, tuple(waits)

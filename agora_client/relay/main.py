@@ -23,15 +23,20 @@ def port_range(text: str) -> tuple[int, int]:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="0.0.0.0",
-                        help="address to listen on, control and public ports (default: all interfaces)")
+    parser.add_argument(
+        "--host", default="0.0.0.0", help="address to listen on, control and public ports (default: all interfaces)"
+    )
     parser.add_argument("--port", type=int, default=0, help="control port workers connect to (default: any free port)")
     parser.add_argument("--public-host", required=True, help="host name or address of this relay as peers reach it")
     parser.add_argument("--ports", type=port_range, required=True, help="public ports to hand out, LO-HI")
     parser.add_argument("--max-reservations", type=int, default=64, help="reservations held at once (default: 64)")
     parser.add_argument("--per-address", type=int, default=4, help="reservations one address may hold (default: 4)")
-    parser.add_argument("--ping-every", type=float, default=20.0,
-                        help="seconds between keepalive pings; three unanswered release a reservation (default: 20)")
+    parser.add_argument(
+        "--ping-every",
+        type=float,
+        default=20.0,
+        help="seconds between keepalive pings; three unanswered release a reservation (default: 20)",
+    )
     add_metrics_arguments(parser)
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
@@ -41,8 +46,14 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = RelaySettings(
-            host=args.host, port=args.port, public_host=args.public_host, port_lo=args.ports[0], port_hi=args.ports[1],
-            max_reservations=args.max_reservations, per_address=args.per_address, ping_every_s=args.ping_every,
+            host=args.host,
+            port=args.port,
+            public_host=args.public_host,
+            port_lo=args.ports[0],
+            port_hi=args.ports[1],
+            max_reservations=args.max_reservations,
+            per_address=args.per_address,
+            ping_every_s=args.ping_every,
         )
         metrics = open_metrics_endpoint(args, "relay")  # MetricsUnavailable is a ValueError
         server = RelayServer(settings).start()
@@ -50,8 +61,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"[ERROR] cannot start the relay: {error}", file=sys.stderr)
         return 2
     metrics.add(relay_collector(server))
-    print(f"{READY_PREFIX}{settings.host}:{server.port} for public {settings.public_host}, "
-          f"ports {settings.port_lo}-{settings.port_hi}", flush=True)
+    print(
+        f"{READY_PREFIX}{settings.host}:{server.port} for public {settings.public_host}, "
+        f"ports {settings.port_lo}-{settings.port_hi}",
+        flush=True,
+    )
     try:
         stop.wait()
     finally:

@@ -29,8 +29,9 @@ def decode(line: bytes) -> dict:
     try:
         message = json.loads(line)
     except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ProtocolError("not JSON; send one JSON object per line, e.g. "
-                            '{"v":1,"op":"reserve","peer_id":"..."}') from None
+        raise ProtocolError(
+            'not JSON; send one JSON object per line, e.g. {"v":1,"op":"reserve","peer_id":"..."}'
+        ) from None
     if not isinstance(message, dict):
         raise ProtocolError("not a relay message: expected a JSON object")
     return message

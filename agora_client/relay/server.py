@@ -93,8 +93,9 @@ async def _refuse(writer: asyncio.StreamWriter, error: str) -> None:
     writer.close()
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reservation: _Reservation,
-                other: asyncio.StreamWriter) -> None:
+async def _pipe(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reservation: _Reservation, other: asyncio.StreamWriter
+) -> None:
     """Copy one direction until end of stream, then pass the half-close on; on an error close both sides."""
     try:
         while data := await reader.read(CHUNK):
@@ -196,8 +197,10 @@ class RelayServer:
             finally:
                 self._unsorted.discard(writer)
             if request.get("v") != VERSION:
-                raise _RequestRefused(f"protocol version {request.get('v')!r} is not spoken here; "
-                                      f"this relay speaks version {VERSION}: update the client")
+                raise _RequestRefused(
+                    f"protocol version {request.get('v')!r} is not spoken here; "
+                    f"this relay speaks version {VERSION}: update the client"
+                )
             if request.get("op") == "reserve":
                 await self._serve_reservation(request, source, reader, writer)
             elif request.get("op") == "accept":
@@ -205,8 +208,10 @@ class RelayServer:
             else:
                 raise _RequestRefused(f'unknown op {request.get("op")!r}: expected "reserve" or "accept"')
         except asyncio.TimeoutError:
-            await _refuse(writer, f"no request within {self.settings.hello_timeout_s:g} s; "
-                                  "send one JSON line right after connecting")
+            await _refuse(
+                writer,
+                f"no request within {self.settings.hello_timeout_s:g} s; send one JSON line right after connecting",
+            )
         except (ProtocolError, _RequestRefused) as error:
             log.info("refused a request from %s: %s", source, error)
             await _refuse(writer, str(error))
@@ -221,11 +226,15 @@ class RelayServer:
         if not isinstance(peer_id, str) or not 0 < len(peer_id) <= 256:
             raise _RequestRefused('malformed reserve: "peer_id" must be a non-empty text of at most 256 characters')
         if len(self._reservations) >= self.settings.max_reservations:
-            raise _RequestRefused(f"the relay is full ({self.settings.max_reservations} reservations); "
-                                  "try again later or use another relay")
+            raise _RequestRefused(
+                f"the relay is full ({self.settings.max_reservations} reservations); "
+                "try again later or use another relay"
+            )
         if sum(reservation.source == source for reservation in self._reservations) >= self.settings.per_address:
-            raise _RequestRefused(f"too many reservations from {source} ({self.settings.per_address} allowed); "
-                                  "close one of your other workers' reservations first")
+            raise _RequestRefused(
+                f"too many reservations from {source} ({self.settings.per_address} allowed); "
+                "close one of your other workers' reservations first"
+            )
         return peer_id
 
     def _bind_public_port(self, wanted: object) -> socket.socket:
@@ -234,8 +243,11 @@ class RelayServer:
         now = time.monotonic()
         self._held = {port: at for port, at in self._held.items() if now - at < self.settings.hold_released_s}
         taken = {reservation.port for reservation in self._reservations}
-        candidates = [port for port in range(self.settings.port_lo, self.settings.port_hi + 1)
-                      if port not in taken and port not in self._held]
+        candidates = [
+            port
+            for port in range(self.settings.port_lo, self.settings.port_hi + 1)
+            if port not in taken and port not in self._held
+        ]
         if isinstance(wanted, int) and wanted not in taken and self.settings.port_lo <= wanted <= self.settings.port_hi:
             candidates.insert(0, wanted)
         for port in candidates:
@@ -245,8 +257,9 @@ class RelayServer:
                 continue
         raise _RequestRefused("no free public port on the relay; try again later or use another relay")
 
-    async def _serve_reservation(self, request: dict, source: str, reader: asyncio.StreamReader,
-                                 writer: asyncio.StreamWriter) -> None:
+    async def _serve_reservation(
+        self, request: dict, source: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         peer_id = self._check_room(request.get("peer_id"), source)
         sock = self._bind_public_port(request.get("port"))  # no await between the checks, the bind and the registration
         reservation = _Reservation(peer_id, source, sock.getsockname()[1], writer)
@@ -255,7 +268,8 @@ class RelayServer:
         reason = "the control connection closed"
         try:
             reservation.listener = await asyncio.start_server(
-                lambda r, w: self._on_public(reservation, r, w), sock=sock)
+                lambda r, w: self._on_public(reservation, r, w), sock=sock
+            )
             writer.write(encode({"ok": True, "address": reservation.address}))
             await writer.drain()
             log.info("reserved %s for %s (from %s)", reservation.address, peer_id, source)
@@ -300,14 +314,21 @@ class RelayServer:
                 matched.set_result(None)
         for stream in (reservation.control, *reservation.streams):
             stream.close()
-        log.info("released %s for %s (from %s): held %.0f s, %d bytes relayed; %s", reservation.address,
-                 reservation.peer_id, reservation.source, time.monotonic() - reservation.started, reservation.bytes,
-                 reason)
+        log.info(
+            "released %s for %s (from %s): held %.0f s, %d bytes relayed; %s",
+            reservation.address,
+            reservation.peer_id,
+            reservation.source,
+            time.monotonic() - reservation.started,
+            reservation.bytes,
+            reason,
+        )
 
     # --- public connections and their splicing ---------------------------------------------------------
 
-    async def _on_public(self, reservation: _Reservation, reader: asyncio.StreamReader,
-                         writer: asyncio.StreamWriter) -> None:
+    async def _on_public(
+        self, reservation: _Reservation, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         """Someone connected to a reservation's public port: ask the worker for a data connection, then splice."""
         if reservation.released or len(reservation.pending) >= self.settings.max_pending:
             writer.close()
@@ -341,11 +362,16 @@ class RelayServer:
         reservation.streams.add(writer)
         matched.set_result((reader, writer))  # the public connection's handler splices them
 
-    async def _splice(self, reservation: _Reservation, public: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-                      worker: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
+    async def _splice(
+        self,
+        reservation: _Reservation,
+        public: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        worker: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+    ) -> None:
         try:
-            await asyncio.gather(_pipe(public[0], worker[1], reservation, public[1]),
-                                 _pipe(worker[0], public[1], reservation, worker[1]))
+            await asyncio.gather(
+                _pipe(public[0], worker[1], reservation, public[1]), _pipe(worker[0], public[1], reservation, worker[1])
+            )
         finally:
             for stream in (public[1], worker[1]):
                 stream.close()

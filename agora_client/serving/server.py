@@ -94,7 +94,9 @@ class GuardedConnectionHandler(CheckedConnectionHandler):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         with self._refusals(context):
             async with self._heard_out(requests):
-                async for reply in super().rpc_forward_stream(self._checked_stream(requests, context, "forward"), context):
+                async for reply in super().rpc_forward_stream(
+                    self._checked_stream(requests, context, "forward"), context
+                ):
                     yield reply
 
     async def rpc_backward_stream(
@@ -102,7 +104,9 @@ class GuardedConnectionHandler(CheckedConnectionHandler):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         with self._refusals(context):
             async with self._heard_out(requests):
-                async for reply in super().rpc_backward_stream(self._checked_stream(requests, context, "backward"), context):
+                async for reply in super().rpc_backward_stream(
+                    self._checked_stream(requests, context, "backward"), context
+                ):
                     yield reply
 
     @contextlib.asynccontextmanager
@@ -158,7 +162,9 @@ class GuardedConnectionHandler(CheckedConnectionHandler):
 
     def check_inputs(self, pool_name: str, inputs: Sequence[torch.Tensor]) -> None:
         uid, kind = self._pools[pool_name]
-        validate_inputs(inputs, self._schemas[uid, kind], vocab_size=self._vocab_size, max_batch_size=self._max_request_batch)
+        validate_inputs(
+            inputs, self._schemas[uid, kind], vocab_size=self._vocab_size, max_batch_size=self._max_request_batch
+        )
         self._magnitudes[kind].check(inputs)
 
     def answered(self, pool_name: str, inputs: Sequence[torch.Tensor], outputs: Sequence[runtime_pb2.Tensor]) -> None:
@@ -214,8 +220,15 @@ class StageServer(HostedServer):
             {backend.name: backend},
             handlers=lambda backends: [
                 GuardedConnectionHandler(
-                    dht, backends, vocab_size=vocab_size, max_request_batch=max_request_batch,
-                    gate=gate, rejections=rejections, healthy=healthy, yielding=yielding, meter=meter,
+                    dht,
+                    backends,
+                    vocab_size=vocab_size,
+                    max_request_batch=max_request_batch,
+                    gate=gate,
+                    rejections=rejections,
+                    healthy=healthy,
+                    yielding=yielding,
+                    meter=meter,
                 )
                 for _ in range(num_connection_handlers)
             ],

@@ -36,7 +36,9 @@ class TicketGate:
         try:
             ticket = presented.decode("ascii")
         except UnicodeDecodeError:
-            raise TicketRejected("malformed_ticket", "the ticket is not ASCII text; present the ticket the auth service issued") from None
+            raise TicketRejected(
+                "malformed_ticket", "the ticket is not ASCII text; present the ticket the auth service issued"
+            ) from None
         now = time.time() if now is None else now
         claims = self._verified.get(ticket)
         try:
@@ -46,15 +48,22 @@ class TicketGate:
                     self._verified.clear()
                 self._verified[ticket] = claims
             elif now >= claims.expires_at:
-                raise InvalidTicket("expired", f"ticket expired {now - claims.expires_at:.0f}s ago; join the swarm again for a new one")
+                raise InvalidTicket(
+                    "expired", f"ticket expired {now - claims.expires_at:.0f}s ago; join the swarm again for a new one"
+                )
         except InvalidTicket as error:
             raise TicketRejected(f"{error.reason}_ticket", str(error)) from None
         if claims.peer_id != caller:
-            raise TicketRejected("wrong_peer", f"the ticket was issued to peer {claims.peer_id}, not to the caller {caller}")
+            raise TicketRejected(
+                "wrong_peer", f"the ticket was issued to peer {claims.peer_id}, not to the caller {caller}"
+            )
         if claims.role not in self.roles:
             raise TicketRejected(
-                "wrong_role", f"a {claims.role} ticket may not make this call; it needs a {' or '.join(self.roles)} ticket"
+                "wrong_role",
+                f"a {claims.role} ticket may not make this call; it needs a {' or '.join(self.roles)} ticket",
             )
         if self.stage is not None and claims.stage != self.stage:
-            raise TicketRejected("wrong_stage", f"the ticket is for stage {claims.stage}; only {self.stage} peers may make this call")
+            raise TicketRejected(
+                "wrong_stage", f"the ticket is for stage {claims.stage}; only {self.stage} peers may make this call"
+            )
         return claims

@@ -59,7 +59,9 @@ class RequestMeter:
 class TrafficWindow:
     """Rates over the last ``window_s`` seconds from successive totals."""
 
-    def __init__(self, meter: RequestMeter, window_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, meter: RequestMeter, window_s: float = 30.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.meter, self.window_s, self._clock = meter, window_s, clock
         self._samples: deque[tuple[float, MeterTotals]] = deque([(clock(), meter.totals())])
 

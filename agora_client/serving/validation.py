@@ -136,7 +136,9 @@ def validate_inputs(
         raise BadRequest(f"expected {len(schema)} tensors, got {len(tensors)}")
     batch_sizes = {tensor.shape[0] if tensor.dim() else None for tensor in tensors}
     if len(batch_sizes) != 1 or None in batch_sizes:
-        raise BadRequest(f"all tensors must share a leading batch dimension, got shapes {[tuple(t.shape) for t in tensors]}")
+        raise BadRequest(
+            f"all tensors must share a leading batch dimension, got shapes {[tuple(t.shape) for t in tensors]}"
+        )
     batch = batch_sizes.pop()
     if not 1 <= batch <= max_batch_size:
         raise BadRequest(f"batch size {batch} is outside 1..{max_batch_size}")
@@ -177,7 +179,8 @@ class MagnitudeGuard:
             if peak > ABSOLUTE_LIMIT:
                 raise BadRequest(
                     f"{self.kind} tensor {position} holds values up to {peak:.3g}, over the limit {ABSOLUTE_LIMIT:.0e} for any "
-                    "activation or gradient", reason="too_large",
+                    "activation or gradient",
+                    reason="too_large",
                 )
             for statistic, value in (("rms", float(values.pow(2).mean().sqrt())), ("peak", peak)):
                 if value > 0:
@@ -187,8 +190,9 @@ class MagnitudeGuard:
                 typical = self._levels.get(key)
                 if typical is not None and level - typical > OUTLIER_ORDERS:
                     raise BadRequest(
-                        f"{self.kind} tensor {key[0]} has {key[1]} magnitude {10 ** level:.3g}, over {10 ** OUTLIER_ORDERS:.0f}x "
-                        f"this stage's running typical {10 ** typical:.3g}", reason="outlier",
+                        f"{self.kind} tensor {key[0]} has {key[1]} magnitude {10**level:.3g}, over {10**OUTLIER_ORDERS:.0f}x "
+                        f"this stage's running typical {10**typical:.3g}",
+                        reason="outlier",
                     )
         self.count += 1
         weight = max(1.0 / self.count, 1.0 - _STATS_DECAY)  # a plain mean while warming up, then an EMA

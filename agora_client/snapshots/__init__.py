@@ -14,7 +14,22 @@ from .server import RangeRequestHandler, SnapshotServer, serve_directory
 from .store import KeepPolicy, LocalStore, SnapshotStore, StoredSnapshot, keep_newest, save_stage_snapshot
 
 __all__ = [
-    "DownloadError", "KeepPolicy", "LocalStore", "RangeRequestHandler", "SnapshotError", "SnapshotInfo", "SnapshotServer",
-    "SnapshotStore", "StoredSnapshot", "download_snapshot", "keep_newest", "latest_snapshot", "load_stage_snapshot",
-    "open_store", "read_manifest", "remove_other_downloads", "save_stage_snapshot", "serve_directory",
+    "DownloadError",
+    "KeepPolicy",
+    "LocalStore",
+    "RangeRequestHandler",
+    "SnapshotError",
+    "SnapshotInfo",
+    "SnapshotServer",
+    "SnapshotStore",
+    "StoredSnapshot",
+    "download_snapshot",
+    "keep_newest",
+    "latest_snapshot",
+    "load_stage_snapshot",
+    "open_store",
+    "read_manifest",
+    "remove_other_downloads",
+    "save_stage_snapshot",
+    "serve_directory",
 ]

@@ -98,7 +98,9 @@ class BackgroundWriter:
             self.state_lock.release()
             return False
         self._thread = threading.Thread(
-            target=self._copy_and_write, args=(time.monotonic(), what, write, on_failure), name=f"write-{what}",
+            target=self._copy_and_write,
+            args=(time.monotonic(), what, write, on_failure),
+            name=f"write-{what}",
             daemon=True,
         )
         try:
@@ -116,7 +118,10 @@ class BackgroundWriter:
         return not self.busy
 
     def _copy_and_write(
-        self, acquired: float, what: str, write: Callable[[StageState], None],
+        self,
+        acquired: float,
+        what: str,
+        write: Callable[[StageState], None],
         on_failure: Callable[[str, Exception], None],
     ) -> None:
         try:

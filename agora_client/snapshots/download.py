@@ -79,7 +79,10 @@ def download_snapshot(
             file_url = entry.get("url") or urljoin(manifest_url, name)
             fetcher = _FileFetch(http, file_url, target / name, entry, progress)
             fetcher.run(max_retries, backoff_s, max_corrupt_retries)
-        local = {**manifest, "files": {name: {"sha256": e["sha256"], "size": e["size"]} for name, e in manifest["files"].items()}}
+        local = {
+            **manifest,
+            "files": {name: {"sha256": e["sha256"], "size": e["size"]} for name, e in manifest["files"].items()},
+        }
         write_json(target / MANIFEST_FILE, local)  # without per-file URLs: presigned signatures stay off disk
         mark_verified(target, MANIFEST_FILE, list(manifest["files"]))
         progress.done(f"snapshot of {manifest['stage']} at epoch {manifest['epoch']} ready in {target}")
@@ -141,10 +144,18 @@ class _Progress:
         return (self.total - self.bytes) / rate if rate > 0 else None
 
     def emit(self, status: str, message: str = "") -> None:
-        self.events.emit(DownloadEvent(
-            status=status, file=self.file, bytes=self.bytes, total=self.total, rate_bps=self.rate(),
-            eta_s=self.eta(), resumed_from=self.resumed_from, message=message,
-        ))
+        self.events.emit(
+            DownloadEvent(
+                status=status,
+                file=self.file,
+                bytes=self.bytes,
+                total=self.total,
+                rate_bps=self.rate(),
+                eta_s=self.eta(),
+                resumed_from=self.resumed_from,
+                message=message,
+            )
+        )
 
     def file_started(self, name: str, offset: int) -> None:
         self.file, self.current, self.resumed_from = name, offset, offset
@@ -224,7 +235,8 @@ class _FileFetch:
                 )
             self.progress.current = 0
             self.progress.emit(
-                "retry", f"sha256 mismatch for {self.name} (expected {self.sha256[:12]}, got {digest[:12]}): downloading it again"
+                "retry",
+                f"sha256 mismatch for {self.name} (expected {self.sha256[:12]}, got {digest[:12]}): downloading it again",
             )
 
     def _hash_part_up_to(self, offset: int) -> None:
@@ -303,7 +315,9 @@ def _get_json(http: httpx.Client, url: str, max_retries: int, backoff_s: float) 
         except httpx.TransportError as error:
             failures += 1
             if failures > max_retries:
-                raise DownloadError(f"could not reach {_shown(url)} ({type(error).__name__}); check the snapshot URL and your connection") from None
+                raise DownloadError(
+                    f"could not reach {_shown(url)} ({type(error).__name__}); check the snapshot URL and your connection"
+                ) from None
             time.sleep(backoff_s * 2 ** (failures - 1))
     if response.status_code != 200:
         hint = " (an expired presigned URL?)" if response.status_code in (401, 403) else ""

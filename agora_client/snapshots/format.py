@@ -154,7 +154,9 @@ def load_stage_snapshot(
     directory = Path(directory)
     manifest = read_manifest(directory / MANIFEST_FILE)
     if stage is not None and manifest["stage"] != stage:
-        raise SnapshotError(f"{directory} is a snapshot of stage {manifest['stage']}, not {stage}; download the {stage} snapshot")
+        raise SnapshotError(
+            f"{directory} is a snapshot of stage {manifest['stage']}, not {stage}; download the {stage} snapshot"
+        )
     if not verified_by_download(directory, MANIFEST_FILE, manifest["files"]):
         verify_files(directory, manifest)
     params = TensorFile(directory / PARAMS_FILE)
@@ -164,12 +166,16 @@ def load_stage_snapshot(
     if optimizer is not None:
         if OPTIMIZER_FILE not in manifest["files"]:
             raise SnapshotError(f"{directory} holds no optimizer state")
-        optimizer_load = _OptimizerLoad(TensorFile(directory / OPTIMIZER_FILE), manifest.get("optimizer"), module, optimizer)
+        optimizer_load = _OptimizerLoad(
+            TensorFile(directory / OPTIMIZER_FILE), manifest.get("optimizer"), module, optimizer
+        )
     params.load_into(targets)
     if optimizer_load is not None:
         with torch.no_grad():
             optimizer_load.apply()
-    return SnapshotInfo(epoch=manifest["epoch"], timestamp=manifest["timestamp"], stage=manifest["stage"], directory=directory)
+    return SnapshotInfo(
+        epoch=manifest["epoch"], timestamp=manifest["timestamp"], stage=manifest["stage"], directory=directory
+    )
 
 
 def verify_files(directory: Path, manifest: dict[str, Any]) -> None:
@@ -179,7 +185,9 @@ def verify_files(directory: Path, manifest: dict[str, Any]) -> None:
         if not path.is_file():
             raise SnapshotError(f"{path} is missing; download the snapshot again")
         if path.stat().st_size != expected["size"] or file_sha256(path) != expected["sha256"]:
-            raise SnapshotError(f"{path} does not match its sha256 in the manifest (corrupted or truncated); download the snapshot again")
+            raise SnapshotError(
+                f"{path} does not match its sha256 in the manifest (corrupted or truncated); download the snapshot again"
+            )
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -189,7 +197,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise SnapshotError(f"no manifest at {path}: this is not a snapshot directory") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise SnapshotError(f"the manifest {path} is unreadable ({type(error).__name__}); download the snapshot again") from None
+        raise SnapshotError(
+            f"the manifest {path} is unreadable ({type(error).__name__}); download the snapshot again"
+        ) from None
     return check_manifest(manifest, str(path))
 
 
@@ -236,8 +246,10 @@ def _manifest_problem(manifest: Any) -> str | None:
             return f"{name} has a url that is not http(s)"
     optimizer = manifest.get("optimizer")
     if optimizer is not None and not (
-        isinstance(optimizer, dict) and isinstance(optimizer.get("class"), str)
-        and isinstance(optimizer.get("param_groups"), list) and isinstance(optimizer.get("param_names"), list)
+        isinstance(optimizer, dict)
+        and isinstance(optimizer.get("class"), str)
+        and isinstance(optimizer.get("param_groups"), list)
+        and isinstance(optimizer.get("param_names"), list)
         and isinstance(optimizer.get("scalars"), dict)
     ):
         return "its optimizer section lacks class, param_groups, param_names or scalars"
@@ -259,7 +271,9 @@ def _cpu_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _flatten_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _flatten_optimizer(
+    module: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The optimizer's tensors where they live (numbers become new 0-d CPU tensors) and its manifest section."""
     state_dict = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
@@ -274,7 +288,9 @@ def _flatten_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer) -> t
                 scalars[key] = type(value).__name__
                 tensors[key] = torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
             else:
-                raise SnapshotError(f"optimizer state {key} is a {type(value).__name__}; only tensors and numbers can be saved")
+                raise SnapshotError(
+                    f"optimizer state {key} is a {type(value).__name__}; only tensors and numbers can be saved"
+                )
     groups = []
     for group in state_dict["param_groups"]:
         saved = {}
@@ -298,15 +314,21 @@ class _OptimizerLoad:
     """An optimizer file checked against the optimizer (names, shapes, groups: before anything is modified),
     then streamed into the optimizer's own state tensors by ``apply``."""
 
-    def __init__(self, source: TensorFile, meta: dict[str, Any] | None, module: nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(
+        self, source: TensorFile, meta: dict[str, Any] | None, module: nn.Module, optimizer: torch.optim.Optimizer
+    ):
         self.source, self.optimizer, where = source, optimizer, source.path
         if meta is None or meta["class"] != type(optimizer).__name__:
             saved = meta["class"] if meta else "no"
             raise SnapshotError(f"{where} holds {saved} state but this stage uses {type(optimizer).__name__}")
         names = {id(parameter): name for name, parameter in module.named_parameters()}
-        current_names = [[names.get(id(parameter)) for parameter in group["params"]] for group in optimizer.param_groups]
+        current_names = [
+            [names.get(id(parameter)) for parameter in group["params"]] for group in optimizer.param_groups
+        ]
         if meta["param_names"] != current_names:
-            raise SnapshotError(f"{where} was saved for other parameters (names or order differ); it belongs to another model config")
+            raise SnapshotError(
+                f"{where} was saved for other parameters (names or order differ); it belongs to another model config"
+            )
         self.parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
         self.tensors: dict[str, tuple[int, str]] = {}  # file key -> (parameter index, state name)
         self.state: dict[int, dict[str, Any]] = {}
@@ -321,7 +343,9 @@ class _OptimizerLoad:
                 self.tensors[key] = (index, name)
             self.state.setdefault(index, {})[name] = value
         if len(meta["param_groups"]) != len(optimizer.param_groups):
-            raise SnapshotError(f"{where} has {len(meta['param_groups'])} parameter groups, this optimizer {len(optimizer.param_groups)}")
+            raise SnapshotError(
+                f"{where} has {len(meta['param_groups'])} parameter groups, this optimizer {len(optimizer.param_groups)}"
+            )
         self.groups = [
             {name: tuple(value) if isinstance(current.get(name), tuple) else value for name, value in saved.items()}
             for saved, current in zip(meta["param_groups"], optimizer.param_groups)

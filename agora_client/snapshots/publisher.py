@@ -24,11 +24,15 @@ class SnapshotPublisher:
 
     def publish(self, epoch: int) -> bool:
         """Start writing the snapshot of ``epoch``; False when skipped (a write is still in flight)."""
-        started = self.writer.submit(f"{self.stage} snapshot of epoch {epoch}", lambda state: self._write(state, epoch), self._failed)
+        started = self.writer.submit(
+            f"{self.stage} snapshot of epoch {epoch}", lambda state: self._write(state, epoch), self._failed
+        )
         if not started and not self._skipping:
             self.events.log(
                 f"skipped the {self.stage} snapshot of epoch {epoch}: the previous snapshot or checkpoint is still being "
-                "written (said once until a snapshot starts again)", tag="SNAPSHOT", level="warning",
+                "written (said once until a snapshot starts again)",
+                tag="SNAPSHOT",
+                level="warning",
             )
         self._skipping = not started
         return started
@@ -39,14 +43,17 @@ class SnapshotPublisher:
         self.store.prune(self.stage, self.keep)
         self.events.log(
             f"published the {self.stage} snapshot {written.name} to {self.store.location}: copied in "
-            f"{self.writer.last_lock_hold_s:.3f} s (steps wait for the copy, requests do not), written in {time.monotonic() - started:.1f} s", tag="SNAPSHOT",
+            f"{self.writer.last_lock_hold_s:.3f} s (steps wait for the copy, requests do not), written in {time.monotonic() - started:.1f} s",
+            tag="SNAPSHOT",
         )
 
     def _failed(self, what: str, error: Exception) -> None:
         message = f"writing the {what} to {self.store.location} failed ({type(error).__name__}: {error})"
         self.events.log(f"{message}; the previous snapshot is kept", tag="SNAPSHOT", level="error")
-        self.events.emit(ErrorEvent(
-            message=message,
-            hint="joiners get the previous snapshot meanwhile; free disk space or check the store, the next one is retried",
-            where="snapshot publication",
-        ))
+        self.events.emit(
+            ErrorEvent(
+                message=message,
+                hint="joiners get the previous snapshot meanwhile; free disk space or check the store, the next one is retried",
+                where="snapshot publication",
+            )
+        )

@@ -48,14 +48,20 @@ class S3Store(SnapshotStore):
         found: set[str] = set()
         for page in self._pages(Prefix=self.prefix, Delimiter="/"):
             for common in page.get("CommonPrefixes", []):
-                name = common["Prefix"][len(self.prefix):].strip("/")
+                name = common["Prefix"][len(self.prefix) :].strip("/")
                 if name and not name.startswith(".") and name != TRAINERS_DIR:
                     found.add(name)
         return sorted(found)
 
     def put_record(self, key: str, data: dict[str, Any]) -> None:
         body = json.dumps(data, separators=(",", ":")).encode()
-        self._call(self.client.put_object, Bucket=self.bucket, Key=f"{self.prefix}{key}", Body=body, ContentType="application/json")
+        self._call(
+            self.client.put_object,
+            Bucket=self.bucket,
+            Key=f"{self.prefix}{key}",
+            Body=body,
+            ContentType="application/json",
+        )
 
     def get_record(self, key: str) -> dict[str, Any]:
         data = self._get_json(f"{self.prefix}{key}")
@@ -65,7 +71,7 @@ class S3Store(SnapshotStore):
 
     def record_names(self, folder: str) -> list[str]:
         prefix = f"{self.prefix}{folder.strip('/')}/"
-        names = [item["Key"][len(prefix):] for page in self._pages(Prefix=prefix) for item in page.get("Contents", [])]
+        names = [item["Key"][len(prefix) :] for page in self._pages(Prefix=prefix) for item in page.get("Contents", [])]
         return sorted(name for name in names if name.endswith(".json") and "/" not in name)
 
     def remove_record(self, key: str) -> None:
@@ -75,7 +81,7 @@ class S3Store(SnapshotStore):
         found = []
         for page in self._pages(Prefix=f"{self.prefix}{stage}/"):
             for item in page.get("Contents", []):
-                parts = item["Key"][len(self.prefix):].split("/")
+                parts = item["Key"][len(self.prefix) :].split("/")
                 if len(parts) == 3 and parts[2] == MANIFEST_FILE and (moment := snapshot_time(parts[1])) is not None:
                     found.append(StoredSnapshot(moment, stage, parts[1]))
         return sorted(found)
@@ -108,9 +114,18 @@ class S3Store(SnapshotStore):
     def _commit(self, stage: str, name: str, staging: Path) -> None:
         files = sorted(path.name for path in staging.iterdir() if path.name != MANIFEST_FILE)
         for file_name in [*files, MANIFEST_FILE]:  # the manifest last: its presence means complete
-            self._call(self.client.upload_file, str(staging / file_name), self.bucket, f"{self.prefix}{stage}/{name}/{file_name}")
-        latest = {"stage": stage, "epoch": int(name.split("-", 1)[0]), "timestamp": snapshot_time(name),
-                  "manifest": f"{name}/{MANIFEST_FILE}"}
+            self._call(
+                self.client.upload_file,
+                str(staging / file_name),
+                self.bucket,
+                f"{self.prefix}{stage}/{name}/{file_name}",
+            )
+        latest = {
+            "stage": stage,
+            "epoch": int(name.split("-", 1)[0]),
+            "timestamp": snapshot_time(name),
+            "manifest": f"{name}/{MANIFEST_FILE}",
+        }
         self._put_json(f"{self.prefix}{stage}/{LATEST_FILE}", latest)
 
     # -- joiners -----------------------------------------------------------------------------------------
@@ -139,7 +154,9 @@ class S3Store(SnapshotStore):
 
     def _drop_expired_signed(self, before: float) -> None:
         for page in self._pages(Prefix=f"{self.prefix}{SIGNED_PREFIX}/"):
-            old = [{"Key": item["Key"]} for item in page.get("Contents", []) if item["LastModified"].timestamp() < before]
+            old = [
+                {"Key": item["Key"]} for item in page.get("Contents", []) if item["LastModified"].timestamp() < before
+            ]
             if old:
                 self._call(self.client.delete_objects, Bucket=self.bucket, Delete={"Objects": old, "Quiet": True})
 
@@ -178,5 +195,7 @@ class S3Store(SnapshotStore):
 
     def _explain(self, error: Exception) -> str:
         # botocore's messages name the operation and the code, never the credentials
-        return (f"S3 store {self.location}: {error}; check the bucket name, AWS_ENDPOINT_URL and the "
-                "credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or a profile)")
+        return (
+            f"S3 store {self.location}: {error}; check the bucket name, AWS_ENDPOINT_URL and the "
+            "credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or a profile)"
+        )

@@ -25,7 +25,12 @@ from urllib.parse import unquote
 
 from agora_client.http_service import Exposure, HttpService, Reply, Request, ServiceLimits
 from agora_client.operator_metrics import (
-    METRICS_PATH, Series, SeriesCollector, http_front_collector, metrics_reply, new_registry,
+    METRICS_PATH,
+    Series,
+    SeriesCollector,
+    http_front_collector,
+    metrics_reply,
+    new_registry,
 )
 
 log = logging.getLogger(__name__)
@@ -73,7 +78,12 @@ class RangeRequestHandler:
             return self._fail(HTTPStatus.NOT_FOUND, "File not found")
         etag, size = f'"{facts.st_mtime_ns:x}-{facts.st_size:x}"', facts.st_size
         modified = formatdate(facts.st_mtime, usegmt=True)
-        self._headers = {"Content-Type": _content_type(path), "Accept-Ranges": "bytes", "ETag": etag, "Last-Modified": modified}
+        self._headers = {
+            "Content-Type": _content_type(path),
+            "Accept-Ranges": "bytes",
+            "ETag": etag,
+            "Last-Modified": modified,
+        }
         if etag in _entity_tags(self.headers.get("If-None-Match", "")) or self.headers.get("If-None-Match") == "*":
             handle.close()
             self._status = HTTPStatus.NOT_MODIFIED
@@ -136,15 +146,23 @@ class RangeRequestHandler:
 class SnapshotServer:
     """``serve_directory``'s result: ``url`` (no trailing slash), ``bytes_sent`` so far, ``close()``."""
 
-    def __init__(self, root: Path, host: str, port: int, handler: type[RangeRequestHandler],
-                 limits: ServiceLimits = SNAPSHOT_LIMITS, exposure: Exposure = Exposure()):
+    def __init__(
+        self,
+        root: Path,
+        host: str,
+        port: int,
+        handler: type[RangeRequestHandler],
+        limits: ServiceLimits = SNAPSHOT_LIMITS,
+        exposure: Exposure = Exposure(),
+    ):
         self.root = Path(root)
         self._handler = handler
         self._bytes_sent = 0
         self._count_lock = threading.Lock()
         self._http = HttpService(self._answer, host, port, name="snapshot-http", limits=limits, exposure=exposure)
-        self._metrics = new_registry(SeriesCollector([BYTES_SENT], lambda: {BYTES_SENT.name: self._bytes_sent}),
-                                     http_front_collector(self._http))
+        self._metrics = new_registry(
+            SeriesCollector([BYTES_SENT], lambda: {BYTES_SENT.name: self._bytes_sent}), http_front_collector(self._http)
+        )
         self._http.start()
 
     @property
@@ -170,15 +188,22 @@ class SnapshotServer:
 
     def _answer(self, request: Request) -> Reply:
         if request.method not in ("GET", "HEAD"):
-            return Reply(HTTPStatus.METHOD_NOT_ALLOWED, b"a snapshot store answers GET and HEAD only\n",
-                         {"Allow": "GET, HEAD", "Content-Type": "text/plain; charset=utf-8"})
+            return Reply(
+                HTTPStatus.METHOD_NOT_ALLOWED,
+                b"a snapshot store answers GET and HEAD only\n",
+                {"Allow": "GET, HEAD", "Content-Type": "text/plain; charset=utf-8"},
+            )
         if request.method == "GET" and request.path == METRICS_PATH:
             return metrics_reply(self._metrics)
         return self._handler(request, self).answer()
 
 
 def serve_directory(
-    root: Path, host: str = "127.0.0.1", port: int = 0, *, handler: type[RangeRequestHandler] = RangeRequestHandler,
+    root: Path,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    handler: type[RangeRequestHandler] = RangeRequestHandler,
     exposure: Exposure = Exposure(),
 ) -> SnapshotServer:
     """Serve ``root`` over HTTP (HTTPS with ``exposure.tls``) in a background thread; the server is up when this returns."""

@@ -19,7 +19,9 @@ READY_PREFIX = "[SNAPSHOTS] serving "
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dir", type=Path, required=True, help="the snapshot store directory (workers publish into it)")
+    parser.add_argument(
+        "--dir", type=Path, required=True, help="the snapshot store directory (workers publish into it)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
     parser.add_argument("--port", type=int, default=0, help="TCP port (default: any free port)")
     add_exposure_arguments(parser)

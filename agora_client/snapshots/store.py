@@ -69,14 +69,25 @@ class SnapshotStore(ABC):
     location: str
 
     def save(
-        self, stage: str, module: nn.Module, optimizer: torch.optim.Optimizer, epoch: int, *,
-        extra: dict[str, Any] | None = None, timestamp: float | None = None,
+        self,
+        stage: str,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        epoch: int,
+        *,
+        extra: dict[str, Any] | None = None,
+        timestamp: float | None = None,
     ) -> StoredSnapshot:
         """Write a snapshot of a stage nothing else is changing (a worker writes its host copy: ``save_state``)."""
         return self.save_state(stage, cpu_state(module, optimizer), epoch, extra=extra, timestamp=timestamp)
 
     def save_state(
-        self, stage: str, state: StageState, epoch: int, *, extra: dict[str, Any] | None = None,
+        self,
+        stage: str,
+        state: StageState,
+        epoch: int,
+        *,
+        extra: dict[str, Any] | None = None,
         timestamp: float | None = None,
     ) -> StoredSnapshot:
         """Write a snapshot of a state already taken into a staging directory, which becomes the snapshot (uploaded,
@@ -163,8 +174,11 @@ class LocalStore(SnapshotStore):
     def stages(self) -> list[str]:
         if not self.root.is_dir():
             return []
-        return sorted(entry.name for entry in self.root.iterdir()
-                      if entry.is_dir() and not entry.name.startswith(".") and entry.name != TRAINERS_DIR)
+        return sorted(
+            entry.name
+            for entry in self.root.iterdir()
+            if entry.is_dir() and not entry.name.startswith(".") and entry.name != TRAINERS_DIR
+        )
 
     def put_record(self, key: str, data: dict[str, Any]) -> None:
         path = self.root / key
@@ -219,8 +233,12 @@ class LocalStore(SnapshotStore):
         stage_dir = self.root / stage
         os.rename(staging, stage_dir / name)
         fsync_dir(stage_dir)
-        latest = {"stage": stage, "epoch": int(name.split("-", 1)[0]), "timestamp": snapshot_time(name),
-                  "manifest": f"{name}/{MANIFEST_FILE}"}
+        latest = {
+            "stage": stage,
+            "epoch": int(name.split("-", 1)[0]),
+            "timestamp": snapshot_time(name),
+            "manifest": f"{name}/{MANIFEST_FILE}",
+        }
         write_json(stage_dir / LATEST_FILE, latest)
 
 

@@ -18,8 +18,16 @@ import torch
 from .errors import SnapshotError
 
 _DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
-    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 
 
@@ -34,7 +42,9 @@ class TensorFile:
         for name, entry in header.items():
             dtype = _DTYPES.get(entry.get("dtype"))
             if dtype is None:
-                raise SnapshotError(f"{self.path}: {name} has dtype {entry.get('dtype')}, which this client cannot load")
+                raise SnapshotError(
+                    f"{self.path}: {name} has dtype {entry.get('dtype')}, which this client cannot load"
+                )
             begin, end = entry["data_offsets"]
             self.entries[name] = (tuple(entry["shape"]), dtype)
             self._spans[name] = (data_start + begin, data_start + end)
@@ -84,8 +94,9 @@ class TensorFile:
         begin, end = self._spans[name]
         view = destination.detach().view(-1).view(torch.uint8).numpy()  # the destination's own bytes
         if end - begin != view.nbytes:
-            raise SnapshotError(f"{self.path}: {name} spans {end - begin} bytes, its shape needs {view.nbytes}; "
-                                "the file is damaged")
+            raise SnapshotError(
+                f"{self.path}: {name} spans {end - begin} bytes, its shape needs {view.nbytes}; the file is damaged"
+            )
         with open(self.path, "rb") as handle:
             handle.seek(begin)
             if view.nbytes and handle.readinto(memoryview(view)) != view.nbytes:

@@ -15,7 +15,9 @@ import shutil
 import time
 from pathlib import Path
 
-from agora_client.frontend.client import configure as configure_client, configure_supervision, run as run_client
+from agora_client.frontend.client import configure as configure_client
+from agora_client.frontend.client import configure_supervision
+from agora_client.frontend.client import run as run_client
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions
 
 RUN_NAME = "%Y%m%d-%H%M%S"
@@ -25,13 +27,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--headless", action="store_true", help="print tagged lines instead of opening the app")
     parser.add_argument("--run-dir", type=Path, default=Path("runs/demo"), help="logs, snapshots and state go here")
     parser.add_argument("--workers-per-stage", type=int, default=1)
-    parser.add_argument("--keep-runs", type=int, default=3, help="run directories to keep, this one included (default 3)")
+    parser.add_argument(
+        "--keep-runs", type=int, default=3, help="run directories to keep, this one included (default 3)"
+    )
     configure_supervision(parser)  # --restart, --notify-cmd: passed to the client as they are
 
 
 def prune_runs(run_dir: Path, keep: int) -> list[Path]:
     """Remove all but the newest ``keep`` demo runs (directories named by their start time); returns the removed."""
-    runs = sorted((path for path in run_dir.glob("*") if path.is_dir() and _is_run_name(path.name)), key=lambda p: p.name)
+    runs = sorted(
+        (path for path in run_dir.glob("*") if path.is_dir() and _is_run_name(path.name)), key=lambda p: p.name
+    )
     removed = runs[: max(0, len(runs) - keep)]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
@@ -74,5 +80,8 @@ def run(args: argparse.Namespace) -> int:
         client = client_arguments(args.headless, auth_url, monitor_url, run_dir / "client", supervision)
         code = run_client(client, args.front_end)
         print("[DEMO] stopping the swarm...", flush=True)
-    print(f"[DEMO] logs of this run: {run_dir / 'logs'} (swarm) and {run_dir / 'client' / 'logs'} (your client)", flush=True)
+    print(
+        f"[DEMO] logs of this run: {run_dir / 'logs'} (swarm) and {run_dir / 'client' / 'logs'} (your client)",
+        flush=True,
+    )
     return code

@@ -29,8 +29,17 @@ from agora_client.snapshots import SnapshotError, SnapshotServer, open_store, re
 from agora_client.snapshots.format import MANIFEST_FILE, verify_files
 from agora_client.swarm.processes import CLI, ManagedProcess, stop_all
 from agora_client.swarm.roles import (
-    AUTH_READY, MONITOR_READY, RELAY_READY, SEED_READY, WORKER_READY, monitor_args, relay_args, seed_args,
-    self_signed_tickets, trainer_args, worker_args,
+    AUTH_READY,
+    MONITOR_READY,
+    RELAY_READY,
+    SEED_READY,
+    WORKER_READY,
+    monitor_args,
+    relay_args,
+    seed_args,
+    self_signed_tickets,
+    trainer_args,
+    worker_args,
 )
 from agora_client.swarm.roles import auth_args as auth_role_args
 
@@ -121,8 +130,14 @@ class LocalSwarm:
         return [*self.trainers, *(w for group in self.workers.values() for w in group), *services, *self.seeds]
 
     def start_join_services(
-        self, *, pacing: float = 5.0, max_workers_per_stage: int = 4, monitor: bool = False, auth_args: tuple[str, ...] = (),
-        users: tuple[str, ...] = ("demo",), relay: bool = False,
+        self,
+        *,
+        pacing: float = 5.0,
+        max_workers_per_stage: int = 4,
+        monitor: bool = False,
+        auth_args: tuple[str, ...] = (),
+        users: tuple[str, ...] = ("demo",),
+        relay: bool = False,
     ) -> tuple[str, str]:
         """The snapshot store (HTTP) and the auth service with local identities; returns (auth URL, first user's token).
 
@@ -137,9 +152,15 @@ class LocalSwarm:
         self.tokens = {user: write_demo_token_file(token_file, user) for user in users}
         monitor_port = _free_port(self.options.host) if monitor else None
         args = auth_role_args(
-            preset=self.options.preset, state_dir=self.signing_key_path.parent, host=self.options.host,
-            seeds=self.seed_addrs, snapshot_url=self.snapshot_server.url, token_file=token_file, pacing=pacing,
-            max_workers_per_stage=max_workers_per_stage, relays=[self.start_relay()] if relay else [],
+            preset=self.options.preset,
+            state_dir=self.signing_key_path.parent,
+            host=self.options.host,
+            seeds=self.seed_addrs,
+            snapshot_url=self.snapshot_server.url,
+            token_file=token_file,
+            pacing=pacing,
+            max_workers_per_stage=max_workers_per_stage,
+            relays=[self.start_relay()] if relay else [],
             monitor_url=None if monitor_port is None else f"http://{self.options.host}:{monitor_port}",
         )
         self.auth = self._spawn("auth", [*args, *auth_args])
@@ -157,14 +178,23 @@ class LocalSwarm:
 
     def start_monitor(self, auth_url: str, *, interval: float = 5.0, port: int = 0) -> str:
         """The points monitor, scraping the swarm's signed metrics; returns its base URL."""
-        args = monitor_args(preset=self.options.preset, seeds=self.seed_addrs, auth_url=auth_url, host=self.options.host,
-                            db=self.options.run_dir / "monitor" / "points.sqlite", port=port, interval=interval)
+        args = monitor_args(
+            preset=self.options.preset,
+            seeds=self.seed_addrs,
+            auth_url=auth_url,
+            host=self.options.host,
+            db=self.options.run_dir / "monitor" / "points.sqlite",
+            port=port,
+            interval=interval,
+        )
         self.monitor = self._spawn("monitor", args)
         self.monitor_url = self.monitor.wait_for(MONITOR_READY, START_TIMEOUT).split()[-1].removesuffix("/leaderboard")
         return self.monitor_url
 
     def _spawn(self, name: str, args: list[str], program: Sequence[str] = CLI) -> ManagedProcess:
-        return ManagedProcess(name, args, self.options.run_dir / "logs" / f"{name}.log", on_line=self.on_line, program=program)
+        return ManagedProcess(
+            name, args, self.options.run_dir / "logs" / f"{name}.log", on_line=self.on_line, program=program
+        )
 
     def start_seeds(self, count: int = 2) -> list[str]:
         for index in range(count):
@@ -180,12 +210,18 @@ class LocalSwarm:
         (self.options.run_dir / "events").mkdir(parents=True, exist_ok=True)
         publishing = self.options.publish_snapshots
         args = worker_args(
-            stage=stage, index=index, preset=self.options.preset, host=placement.address, seeds=self.seed_addrs,
+            stage=stage,
+            index=index,
+            preset=self.options.preset,
+            host=placement.address,
+            seeds=self.seed_addrs,
             ticket_key=self.signing_key_path if self.options.worker_tickets else None,
             events=self.options.run_dir / "events" / f"{stage}-{index}.jsonl",
             recover_from=self.snapshot_dir if publishing else None,
-            publish_to=str(self.snapshot_dir) if publishing and index == 0 else None, publish_every=self.options.publish_every,
-            checkpoints=self.options.checkpoint_store if index == 0 else None, snapshot=self.resume_dirs.get(stage),
+            publish_to=str(self.snapshot_dir) if publishing and index == 0 else None,
+            publish_every=self.options.publish_every,
+            checkpoints=self.options.checkpoint_store if index == 0 else None,
+            snapshot=self.resume_dirs.get(stage),
         )
         with placement.entered():  # the worker and its daemons start where it is placed (e.g. a network namespace)
             worker = self._spawn(f"{stage}-{index}", [*args, *self.options.worker_args, *extra], program)
@@ -198,9 +234,14 @@ class LocalSwarm:
         index = len(self.trainers)
         shard = f"{index}/{max(self.options.trainers, index + 1)}"
         args = trainer_args(
-            preset=self.options.preset, host=self.options.host, seeds=self.seed_addrs, shard=shard,
-            tickets=self_signed_tickets(self.signing_key_path), report_every=self.options.report_every,
-            checkpoints=self.options.checkpoint_store, resume_position=self.resume_positions.get(shard),
+            preset=self.options.preset,
+            host=self.options.host,
+            seeds=self.seed_addrs,
+            shard=shard,
+            tickets=self_signed_tickets(self.signing_key_path),
+            report_every=self.options.report_every,
+            checkpoints=self.options.checkpoint_store,
+            resume_position=self.resume_positions.get(shard),
         )
         trainer = self._spawn(f"trainer{index}", [*args, *self.options.trainer_args, *extra])
         self.trainers.append(trainer)
@@ -231,8 +272,10 @@ class LocalSwarm:
         """Each trainer's record in the set, written where its trainer reads it; the trainer count must match."""
         counts = {shard.split("/")[1] for shard in checkpoints.trainers}
         if counts and counts != {str(self.options.trainers)}:
-            raise CheckpointError(f"the set's data positions are for {', '.join(sorted(counts))} trainer(s), this swarm "
-                                  f"starts {self.options.trainers}: resume with --trainers {min(counts)} so that no data repeats")
+            raise CheckpointError(
+                f"the set's data positions are for {', '.join(sorted(counts))} trainer(s), this swarm "
+                f"starts {self.options.trainers}: resume with --trainers {min(counts)} so that no data repeats"
+            )
         positions = {}
         for shard, record in checkpoints.trainers.items():
             path = cache / f"trainer-{shard.replace('/', '-of-')}.json"
@@ -288,13 +331,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trainers", type=int, default=1)
     parser.add_argument("--run-dir", type=Path, default=Path("runs/swarm"), help="logs and events go here")
     parser.add_argument("--report-every", type=float, default=5.0, help="seconds between loss lines")
-    parser.add_argument("--checkpoints", default=None, metavar="STORE",
-                        help="checkpoint store, a directory or s3://bucket/prefix (default: <run-dir>/checkpoints)")
+    parser.add_argument(
+        "--checkpoints",
+        default=None,
+        metavar="STORE",
+        help="checkpoint store, a directory or s3://bucket/prefix (default: <run-dir>/checkpoints)",
+    )
     resume = parser.add_mutually_exclusive_group()
     resume.add_argument("--resume", action="store_true", help="start every stage from the newest checkpoint set")
-    resume.add_argument("--resume-at", default=None, metavar="T",
-                        help="start every stage from its checkpoint nearest T (ISO 8601 UTC or unix seconds)")
-    parser.add_argument("--resume-from", default=None, metavar="STORE", help="store to resume from (default: --checkpoints)")
+    resume.add_argument(
+        "--resume-at",
+        default=None,
+        metavar="T",
+        help="start every stage from its checkpoint nearest T (ISO 8601 UTC or unix seconds)",
+    )
+    parser.add_argument(
+        "--resume-from", default=None, metavar="STORE", help="store to resume from (default: --checkpoints)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -311,8 +364,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"[ERROR] {error}")
         return 2
     stop = _event_set_on_stop_signals()
-    print(f"[SWARM] starting {options.preset}: 2 seeds, {options.workers_per_stage} workers per stage, "
-          f"{options.trainers} trainer(s); logs in {options.run_dir / 'logs'}", flush=True)
+    print(
+        f"[SWARM] starting {options.preset}: 2 seeds, {options.workers_per_stage} workers per stage, "
+        f"{options.trainers} trainer(s); logs in {options.run_dir / 'logs'}",
+        flush=True,
+    )
     try:
         return _start_and_watch(swarm, stop)
     except (CheckpointError, SnapshotError) as error:
@@ -358,13 +414,22 @@ def _start_and_watch(swarm: LocalSwarm, stop: threading.Event) -> int:
     if swarm.options.resume:
         checkpoints = swarm.prepare_resume()
         for stage, snapshot in checkpoints.members.items():
-            print(f"[SWARM] {stage} resumes from {snapshot.name} (epoch {snapshot.epoch}, {format_time(snapshot.timestamp)})", flush=True)
+            print(
+                f"[SWARM] {stage} resumes from {snapshot.name} (epoch {snapshot.epoch}, {format_time(snapshot.timestamp)})",
+                flush=True,
+            )
         for shard, record in sorted(checkpoints.trainers.items()):
             print(f"[SWARM] trainer {shard} continues its data from {format_time(record['timestamp'])}", flush=True)
         if not checkpoints.trainers:
-            print("[SWARM] the set holds no trainer data positions: the trainers start their data from the beginning", flush=True)
+            print(
+                "[SWARM] the set holds no trainer data positions: the trainers start their data from the beginning",
+                flush=True,
+            )
     swarm.start()
-    print(f"[SWARM] all workers up after {time.monotonic() - swarm.started_at:.1f}s; seeds: {' '.join(swarm.seed_addrs)}", flush=True)
+    print(
+        f"[SWARM] all workers up after {time.monotonic() - swarm.started_at:.1f}s; seeds: {' '.join(swarm.seed_addrs)}",
+        flush=True,
+    )
     print("[SWARM] press Ctrl-C to stop", flush=True)
     while not stop.wait(1.0):
         if not all(trainer.alive for trainer in swarm.trainers):

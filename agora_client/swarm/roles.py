@@ -21,9 +21,23 @@ SNAPSHOTS_READY = "[SNAPSHOTS] serving"
 TRAINER_READY = "[DATA]"  # its data and tokenizer are loaded; it then waits for workers and trains
 
 __all__ = [
-    "AUTH_READY", "MONITOR_READY", "RELAY_READY", "SEED_READY", "SNAPSHOTS_READY", "TRAINER_READY", "WORKER_READY", "ExposureArgs",
-    "auth_args", "issued_tickets", "monitor_args", "relay_args", "seed_args", "self_signed_tickets",
-    "snapshot_server_args", "trainer_args", "worker_args",
+    "AUTH_READY",
+    "MONITOR_READY",
+    "RELAY_READY",
+    "SEED_READY",
+    "SNAPSHOTS_READY",
+    "TRAINER_READY",
+    "WORKER_READY",
+    "ExposureArgs",
+    "auth_args",
+    "issued_tickets",
+    "monitor_args",
+    "relay_args",
+    "seed_args",
+    "self_signed_tickets",
+    "snapshot_server_args",
+    "trainer_args",
+    "worker_args",
 ]
 
 
@@ -60,13 +74,25 @@ def relay_args(host: str, port: int, public_host: str, ports: str) -> list[str]:
 
 
 def auth_args(
-    *, preset: str, state_dir: Path, host: str, seeds: Sequence[str], snapshot_url: str, port: int | None = None,
-    token_file: Path | None = None, pacing: float | None = None, max_workers_per_stage: int | None = None,
-    monitor_url: str | None = None, relays: Sequence[str] = (), exposure: ExposureArgs = ExposureArgs(),
+    *,
+    preset: str,
+    state_dir: Path,
+    host: str,
+    seeds: Sequence[str],
+    snapshot_url: str,
+    port: int | None = None,
+    token_file: Path | None = None,
+    pacing: float | None = None,
+    max_workers_per_stage: int | None = None,
+    monitor_url: str | None = None,
+    relays: Sequence[str] = (),
+    exposure: ExposureArgs = ExposureArgs(),
 ) -> list[str]:
     """The auth service; identities from ``token_file`` (token-file identities) or else from Hugging Face."""
     args = ["auth", "--state-dir", str(state_dir), "--config", preset, "--host", host, *_optional("--port", port)]
-    args += ["--identity", "token-file", "--token-file", str(token_file)] if token_file else ["--identity", "huggingface"]
+    args += (
+        ["--identity", "token-file", "--token-file", str(token_file)] if token_file else ["--identity", "huggingface"]
+    )
     args += ["--snapshot-url", snapshot_url, *_optional("--pacing", pacing)]
     args += [*_optional("--max-workers-per-stage", max_workers_per_stage), *_optional("--monitor-url", monitor_url)]
     for seed in seeds:
@@ -77,7 +103,14 @@ def auth_args(
 
 
 def monitor_args(
-    *, preset: str, seeds: Sequence[str], auth_url: str, db: Path, host: str, port: int, interval: float,
+    *,
+    preset: str,
+    seeds: Sequence[str],
+    auth_url: str,
+    db: Path,
+    host: str,
+    port: int,
+    interval: float,
     exposure: ExposureArgs = ExposureArgs(),
 ) -> list[str]:
     args = ["monitor", "--initial-peers", *seeds, "--auth-url", auth_url, "--config", preset]
@@ -86,16 +119,37 @@ def monitor_args(
 
 
 def worker_args(
-    *, stage: str, index: int, preset: str, host: str, seeds: Sequence[str], ticket_key: Path | None, events: Path,
-    recover_from: Path | None = None, publish_to: str | None = None, publish_every: int | None = None,
-    checkpoints: str | None = None, snapshot: Path | None = None, device: str | None = None,
+    *,
+    stage: str,
+    index: int,
+    preset: str,
+    host: str,
+    seeds: Sequence[str],
+    ticket_key: Path | None,
+    events: Path,
+    recover_from: Path | None = None,
+    publish_to: str | None = None,
+    publish_every: int | None = None,
+    checkpoints: str | None = None,
+    snapshot: Path | None = None,
+    device: str | None = None,
 ) -> list[str]:
     """An operator's worker: it signs its own ticket with the auth service's key (``ticket_key``; None: no tickets)."""
     args = ["worker", "--stage", stage, "--index", str(index), "--preset", preset, "--host", host, "--seeds", *seeds]
-    args += [*_optional("--ticket-key", ticket_key), "--events", str(events), *_optional("--recover-from", recover_from)]
+    args += [
+        *_optional("--ticket-key", ticket_key),
+        "--events",
+        str(events),
+        *_optional("--recover-from", recover_from),
+    ]
     if publish_to is not None:
         args += ["--publish-snapshots", publish_to, *_optional("--publish-every", publish_every)]
-    return [*args, *_optional("--checkpoints", checkpoints), *_optional("--snapshot", snapshot), *_optional("--device", device)]
+    return [
+        *args,
+        *_optional("--checkpoints", checkpoints),
+        *_optional("--snapshot", snapshot),
+        *_optional("--device", device),
+    ]
 
 
 def self_signed_tickets(signing_key: Path) -> list[str]:
@@ -109,8 +163,15 @@ def issued_tickets(credential_file: Path, auth_url: str, insecure: bool = False)
 
 
 def trainer_args(
-    *, preset: str, host: str, seeds: Sequence[str], tickets: Sequence[str], shard: str, report_every: float,
-    checkpoints: str | None = None, resume_position: Path | None = None,
+    *,
+    preset: str,
+    host: str,
+    seeds: Sequence[str],
+    tickets: Sequence[str],
+    shard: str,
+    report_every: float,
+    checkpoints: str | None = None,
+    resume_position: Path | None = None,
 ) -> list[str]:
     args = ["trainer", "--preset", preset, "--host", host, "--seeds", *seeds, *tickets]
     args += ["--shard", shard, "--report-every", str(report_every), *_optional("--checkpoints", checkpoints)]

@@ -7,6 +7,18 @@ from agora_client.system.redact import REDACTED, redact_data, redact_line, redac
 from agora_client.system.resources import ResourceProbe
 
 __all__ = [
-    "NA", "NO_DRIVER_NOTE", "REDACTED", "REVIEW_NOTE", "GpuDevice", "GpuProbe", "HostProbe", "ResourceProbe",
-    "build_bundle", "known_secrets", "redact_data", "redact_line", "redact_text", "system_report",
+    "NA",
+    "NO_DRIVER_NOTE",
+    "REDACTED",
+    "REVIEW_NOTE",
+    "GpuDevice",
+    "GpuProbe",
+    "HostProbe",
+    "ResourceProbe",
+    "build_bundle",
+    "known_secrets",
+    "redact_data",
+    "redact_line",
+    "redact_text",
+    "system_report",
 ]

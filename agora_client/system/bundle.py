@@ -27,11 +27,24 @@ from agora_client.system.gpu import GpuProbe
 from agora_client.system.redact import REDACTED, redact_data, redact_line
 
 PACKAGES = (
-    "agora", "torch", "hivemind", "textual", "pydantic", "httpx", "huggingface-hub",
-    "safetensors", "psutil", "nvidia-ml-py", "PyYAML", "numpy", "rich",
+    "agora",
+    "torch",
+    "hivemind",
+    "textual",
+    "pydantic",
+    "httpx",
+    "huggingface-hub",
+    "safetensors",
+    "psutil",
+    "nvidia-ml-py",
+    "PyYAML",
+    "numpy",
+    "rich",
 )
 TERMINAL_VARIABLES = ("TERM", "COLORTERM", "TERM_PROGRAM", "LANG", "LC_ALL", "CUDA_VISIBLE_DEVICES", "TMUX")
-REVIEW_NOTE = "Review the bundle before sharing it: secrets were redacted, but it holds logs and details of this machine."
+REVIEW_NOTE = (
+    "Review the bundle before sharing it: secrets were redacted, but it holds logs and details of this machine."
+)
 DEFAULT_MAX_LOG_BYTES = 2 * 1024 * 1024
 DEFAULT_MAX_LOG_FILES = 8
 
@@ -141,7 +154,11 @@ def last_network_report(logs: list[Path], max_bytes: int = DEFAULT_MAX_LOG_BYTES
                 event = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(event, dict) and event.get("kind") == "reachability" and isinstance(event.get("network"), dict):
+            if (
+                isinstance(event, dict)
+                and event.get("kind") == "reachability"
+                and isinstance(event.get("network"), dict)
+            ):
                 dial = {name: event.get(name) for name in ("ts", "status", "path", "address", "tested_from", "relay")}
                 return {**dial, **event["network"]}
     return None

@@ -29,7 +29,9 @@ def latest_client_dir(candidates: list[Path]) -> Path | None:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--config-dir", type=Path, default=None,
+        "--config-dir",
+        type=Path,
+        default=None,
         help="client config dir (default: the most recent run's: ~/.config/agora or ./runs/demo/<run>/client)",
     )
     parser.add_argument("--output", type=Path, default=Path.cwd(), help="directory for the zip (default: here)")
@@ -47,7 +49,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         path = build_bundle(
-            args.output, config_dir=config_dir, logs_dir=logs_dir(config_dir), max_log_bytes=int(args.max_log_mb * 2**20)
+            args.output,
+            config_dir=config_dir,
+            logs_dir=logs_dir(config_dir),
+            max_log_bytes=int(args.max_log_mb * 2**20),
         )
     except OSError as error:
         print(f"Could not write the support bundle: {error}. Choose another directory with --output.")

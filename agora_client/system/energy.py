@@ -19,7 +19,9 @@ class EnergyMeter:
         if counter_mj is None:
             self._last = None
             return
-        if self._last is not None and serving and counter_mj >= self._last:  # a reset counter (driver reload) adds nothing
+        if (
+            self._last is not None and serving and counter_mj >= self._last
+        ):  # a reset counter (driver reload) adds nothing
             self._used_mj += counter_mj - self._last
         self._last, self.known = counter_mj, True
 

@@ -156,10 +156,14 @@ def probe_cuda_device(index: int) -> GpuSpec | None:
     if not torch.cuda.is_available():
         return None
     if not 0 <= index < torch.cuda.device_count():
-        raise ValueError(f"there is no CUDA device {index}: this machine has {torch.cuda.device_count()}; choose another --gpu")
+        raise ValueError(
+            f"there is no CUDA device {index}: this machine has {torch.cuda.device_count()}; choose another --gpu"
+        )
     properties = torch.cuda.get_device_properties(index)
     return GpuSpec(
-        properties.name, int(properties.total_memory), (properties.major, properties.minor),
+        properties.name,
+        int(properties.total_memory),
+        (properties.major, properties.minor),
         memory_free=nvml_free_memory(cuda_card_ids()[index]),
     )
 
@@ -176,6 +180,8 @@ def nvml_free_memory(card: CardId) -> int | None:
         return None
     finally:
         probe.close()
+
+
 # -- --gpu N: the same physical card in NVML and in CUDA -------------------------------------------------
 
 
@@ -247,8 +253,10 @@ def torch_device_for(gpu: int | None) -> tuple[str, str]:
         raise NoUsableGpu("no GPU chosen: pass --gpu N, N as nvidia-smi numbers the cards")
     cuda = cuda_card_ids()
     if not cuda:
-        raise NoUsableGpu(f"CUDA is not available to torch, so GPU {gpu} cannot be used: check the NVIDIA driver "
-                          "and that torch is a CUDA build")
+        raise NoUsableGpu(
+            f"CUDA is not available to torch, so GPU {gpu} cannot be used: check the NVIDIA driver "
+            "and that torch is a CUDA build"
+        )
     probe = GpuProbe()
     try:
         card = nvml_card_id(probe, gpu) if gpu < probe.count() else None

@@ -37,14 +37,19 @@ class GpuUsers:
         if self.index is None:
             return []
         found: dict[int, GpuUser] = {}
-        for graphics, listing in ((True, "nvmlDeviceGetGraphicsRunningProcesses"), (False, "nvmlDeviceGetComputeRunningProcesses")):
+        for graphics, listing in (
+            (True, "nvmlDeviceGetGraphicsRunningProcesses"),
+            (False, "nvmlDeviceGetComputeRunningProcesses"),
+        ):
             for process in self.probe.device_query(self.index, listing) or ():
                 found.setdefault(process.pid, GpuUser(process.pid, _process_name(process.pid), graphics))
         return list(found.values())
 
     def energy_mj(self) -> int | None:
         """Millijoules the card has used since its driver loaded (Volta and newer), or None where it cannot say."""
-        energy = None if self.index is None else self.probe.device_query(self.index, "nvmlDeviceGetTotalEnergyConsumption")
+        energy = (
+            None if self.index is None else self.probe.device_query(self.index, "nvmlDeviceGetTotalEnergyConsumption")
+        )
         return int(energy) if energy is not None else None
 
     def close(self) -> None:

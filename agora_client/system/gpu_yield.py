@@ -26,12 +26,45 @@ DEFAULT_YIELD: YieldMode = "games"
 DEFAULT_GRACE_S = 600.0
 FREE_FOR_S = 60.0
 # Programs that hold a desktop's card all day (lower-case names, ".exe" dropped): never a reason to yield.
-DESKTOP_PROGRAMS = frozenset({
-    "xorg", "xwayland", "gnome-shell", "kwin_x11", "kwin_wayland", "plasmashell", "mutter", "sway", "hyprland",
-    "picom", "compiz", "xfwm4", "cinnamon", "muffin", "weston", "gamescope-wl", "dwm", "explorer", "searchhost",
-    "startmenuexperiencehost", "shellexperiencehost", "textinputhost", "firefox", "chrome", "chromium", "msedge",
-    "brave", "opera", "vivaldi", "safari", "code", "slack", "discord", "steamwebhelper", "nautilus",
-})
+DESKTOP_PROGRAMS = frozenset(
+    {
+        "xorg",
+        "xwayland",
+        "gnome-shell",
+        "kwin_x11",
+        "kwin_wayland",
+        "plasmashell",
+        "mutter",
+        "sway",
+        "hyprland",
+        "picom",
+        "compiz",
+        "xfwm4",
+        "cinnamon",
+        "muffin",
+        "weston",
+        "gamescope-wl",
+        "dwm",
+        "explorer",
+        "searchhost",
+        "startmenuexperiencehost",
+        "shellexperiencehost",
+        "textinputhost",
+        "firefox",
+        "chrome",
+        "chromium",
+        "msedge",
+        "brave",
+        "opera",
+        "vivaldi",
+        "safari",
+        "code",
+        "slack",
+        "discord",
+        "steamwebhelper",
+        "nautilus",
+    }
+)
 _HOURS = re.compile(r"^(\d{1,2})(?::00)?-(\d{1,2})(?::00)?$")
 
 
@@ -78,7 +111,9 @@ def parse_active_hours(text: str) -> ActiveHours:
         raise ValueError(f"--active-hours {text!r}: hours run from 0 to 24, {example}")
     start, end = start % 24, end % 24  # 24 is midnight
     if start == end:
-        raise ValueError(f"--active-hours {text!r} is an empty (or a whole) day: leave the option out to contribute all day")
+        raise ValueError(
+            f"--active-hours {text!r} is an empty (or a whole) day: leave the option out to contribute all day"
+        )
     return ActiveHours(start, end)
 
 
@@ -113,7 +148,9 @@ class YieldPolicy:
             self._busy_at, self._busy_reason = now, other.describe()
             return self._busy_reason
         if self._busy_at is not None and now - self._busy_at < self.free_for_s:  # one text: one line, not one a second
-            return f"{self._busy_reason}; it has stopped, waiting until the GPU has been free for {self.free_for_s:.0f} s"
+            return (
+                f"{self._busy_reason}; it has stopped, waiting until the GPU has been free for {self.free_for_s:.0f} s"
+            )
         self._busy_at = None
         return None
 
@@ -138,16 +175,29 @@ def _active_hours(text: str) -> ActiveHours:
 def configure_yield(parser: argparse.ArgumentParser) -> None:
     """--yield, --active-hours and --yield-grace, for the client and the runtime alike."""
     parser.add_argument(
-        "--yield", dest="yield_mode", choices=YIELD_MODES, default=DEFAULT_YIELD,
+        "--yield",
+        dest="yield_mode",
+        choices=YIELD_MODES,
+        default=DEFAULT_YIELD,
         help="give the GPU back while you use it: games (default: while another program draws on it, a game or a 3D "
-             "program; a compute job may share it), always (any other program on it), never. The desktop's own "
-             f"programs never count; the worker rejoins once the GPU has been free for {FREE_FOR_S:.0f} s",
+        "program; a compute job may share it), always (any other program on it), never. The desktop's own "
+        f"programs never count; the worker rejoins once the GPU has been free for {FREE_FOR_S:.0f} s",
     )
-    parser.add_argument("--active-hours", type=_active_hours, default=None, metavar="START-END",
-                        help="contribute only in these local hours, e.g. 22-08 (wraps midnight); outside them, yield")
-    parser.add_argument("--yield-grace", type=_grace, default=DEFAULT_GRACE_S, metavar="SECONDS",
-                        help=f"while yielding, keep the swarm slot this long, then give it back and join again later "
-                             f"(default: {DEFAULT_GRACE_S:.0f})")
+    parser.add_argument(
+        "--active-hours",
+        type=_active_hours,
+        default=None,
+        metavar="START-END",
+        help="contribute only in these local hours, e.g. 22-08 (wraps midnight); outside them, yield",
+    )
+    parser.add_argument(
+        "--yield-grace",
+        type=_grace,
+        default=DEFAULT_GRACE_S,
+        metavar="SECONDS",
+        help=f"while yielding, keep the swarm slot this long, then give it back and join again later "
+        f"(default: {DEFAULT_GRACE_S:.0f})",
+    )
 
 
 def yield_argv(args: argparse.Namespace) -> list[str]:

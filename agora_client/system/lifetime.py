@@ -76,8 +76,9 @@ def stop_on_signals() -> threading.Event:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, handle)
     if not _children_reset_registered:
-        os.register_at_fork(before=_block_stop_signals, after_in_parent=_unblock_stop_signals,
-                            after_in_child=_reset_signals_in_child)
+        os.register_at_fork(
+            before=_block_stop_signals, after_in_parent=_unblock_stop_signals, after_in_child=_reset_signals_in_child
+        )
         _children_reset_registered = True
     return stop
 

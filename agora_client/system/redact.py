@@ -67,7 +67,9 @@ def redact_data(data: Any, secrets: Iterable[str] = ()) -> Any:
     secrets = tuple(secrets)
     if isinstance(data, dict):
         return {
-            key: REDACTED if is_secret_key(str(key)) and isinstance(value, str) and value else redact_data(value, secrets)
+            key: REDACTED
+            if is_secret_key(str(key)) and isinstance(value, str) and value
+            else redact_data(value, secrets)
             for key, value in data.items()
         }
     if isinstance(data, (list, tuple)):

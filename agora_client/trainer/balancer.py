@@ -99,8 +99,13 @@ class StageBalancer:
         probe_after_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if (ban_seconds < 0 or not 0 < ema_alpha <= 1 or default_estimate_s <= 0 or max_transient_streak < 1
-                or probe_after_s <= 0):
+        if (
+            ban_seconds < 0
+            or not 0 < ema_alpha <= 1
+            or default_estimate_s <= 0
+            or max_transient_streak < 1
+            or probe_after_s <= 0
+        ):
             raise ValueError(
                 "StageBalancer needs ban_seconds >= 0, 0 < ema_alpha <= 1, default_estimate_s > 0, "
                 "max_transient_streak >= 1 and probe_after_s > 0"

@@ -96,5 +96,7 @@ def describe(stage: str, kind: str, standing: CheckStanding, margin: float) -> s
         return f"{where}: calibrating ({standing.samples} honest distances so far); its disagreements strike no one"
     if standing.state == "verifiable":
         return f"{where}: verifiable, tolerance {standing.tolerance:.3f} from {standing.samples} honest distances"
-    return (f"{where}: unverifiable, honest replicas drift to a tolerance of {standing.tolerance:.3f}, within {margin:g} of "
-            f"random answers' {RANDOM_DISTANCE:.3f}; its disagreements strike no one until it drifts less")
+    return (
+        f"{where}: unverifiable, honest replicas drift to a tolerance of {standing.tolerance:.3f}, within {margin:g} of "
+        f"random answers' {RANDOM_DISTANCE:.3f}; its disagreements strike no one until it drifts less"
+    )

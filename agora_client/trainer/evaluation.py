@@ -22,8 +22,14 @@ class EvalResult:
 
 
 class HeldOutEvaluation:
-    def __init__(self, pipeline: Pipeline, sample: torch.Tensor, microbatch_size: int, every_s: float,
-                 on_failure: Callable[[str], None]):
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        sample: torch.Tensor,
+        microbatch_size: int,
+        every_s: float,
+        on_failure: Callable[[str], None],
+    ):
         self.pipeline, self.sample, self.microbatch_size, self.every_s = pipeline, sample, microbatch_size, every_s
         self.on_failure = on_failure
         self.latest: EvalResult | None = None

@@ -28,8 +28,15 @@ RATE_WINDOW_S = 1.0  # a report right after another (all in flight finished at o
 
 class TrainingLoop:
     def __init__(
-        self, pipeline: Pipeline, batches: Iterator[torch.Tensor], router: Router, traffic: TrafficCounter,
-        progress: ProgressPublisher, evaluation: HeldOutEvaluation, records: TrainerRecords | None, say: Say,
+        self,
+        pipeline: Pipeline,
+        batches: Iterator[torch.Tensor],
+        router: Router,
+        traffic: TrafficCounter,
+        progress: ProgressPublisher,
+        evaluation: HeldOutEvaluation,
+        records: TrainerRecords | None,
+        say: Say,
         replica_drifts: Callable[[], Mapping[str, float | None]],
     ):
         self.pipeline, self.batches, self.router, self.traffic = pipeline, batches, router, traffic
@@ -50,7 +57,9 @@ class TrainingLoop:
             pending: dict[Future, int] = {}
             while not self.stop.is_set():
                 self.evaluation.start_if_due()
-                while len(pending) < inflight and not (max_microbatches and self.done + len(pending) >= max_microbatches):
+                while len(pending) < inflight and not (
+                    max_microbatches and self.done + len(pending) >= max_microbatches
+                ):
                     batch = self._next_batch()
                     pending[pool.submit(self.pipeline.train_microbatch, batch)] = batch[:, :-1].numel()
                 if not pending:
@@ -114,8 +123,9 @@ class TrainingLoop:
         if spot_checks is not None:
             self.say("SPOTCHECK", " ".join(f"{name}={value}" for name, value in vars(spot_checks.stats).items()))
             drifts = self.replica_drifts()
-            reports = {stage: {**report.model_dump(), "parameter_drift": drifts.get(stage)}
-                       for stage, report in stages.items()}
+            reports = {
+                stage: {**report.model_dump(), "parameter_drift": drifts.get(stage)} for stage, report in stages.items()
+            }
             self.say("SPOTCHECK", "stages " + json.dumps(reports))
         self.losses, self.last_report = [], time.monotonic()
 

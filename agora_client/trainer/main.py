@@ -32,38 +32,36 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from hivemind.dht.crypto import RSASignatureValidator
 
 from agora_client.auth.client import AuthFailed
 from agora_client.auth.secret import Secret
 from agora_client.auth.ticket_source import SelfIssuedTickets, TicketSource
 from agora_client.auth.trainer_tickets import IssuedTrainerTickets
 from agora_client.auth.transport import refuse_plain_http
-from hivemind.dht.crypto import RSASignatureValidator
-
 from agora_client.config import ConfigError, RunConfig, load_config
-from agora_client.monitor.verdicts import Verdict, publish_verdict, trainer_peer_id
-from agora_client.discovery.dht import NoSeedAnswered, connect_dht
-from agora_client.discovery.roster import WorkerRecord, fetch_roster
-from agora_client.system.lifetime import stop_on_signals
 from agora_client.data.heldout import held_out_sample
 from agora_client.data.sources import DataError, Shard
 from agora_client.data.stream import TokenStream
 from agora_client.data.tokenizer import TokenizerError, load_run_tokenizer
+from agora_client.discovery.dht import NoSeedAnswered, connect_dht
+from agora_client.discovery.roster import WorkerRecord, fetch_roster
+from agora_client.monitor.verdicts import Verdict, publish_verdict, trainer_peer_id
 from agora_client.operator_metrics import add_metrics_arguments, open_metrics_endpoint
 from agora_client.snapshots import SnapshotError, open_store
+from agora_client.system.lifetime import stop_on_signals
 from agora_client.trainer.balancer import RoundRobinBalancer, Router, StageBalancer
 from agora_client.trainer.calibration import describe
 from agora_client.trainer.evaluation import HeldOutEvaluation
 from agora_client.trainer.loop import TrainingLoop
 from agora_client.trainer.operator_metrics import trainer_collector
 from agora_client.trainer.pipeline import Pipeline, StallNotice
-from agora_client.trainer.receipts import ReceiptBook, publish_every, publish_receipt
 from agora_client.trainer.progress import ProgressPublisher
+from agora_client.trainer.receipts import ReceiptBook, publish_every, publish_receipt
 from agora_client.trainer.records import TrainerRecords
 from agora_client.trainer.replica_drift import ReplicaDrifts, auth_public_key
 from agora_client.trainer.rpc import StageClient, TrafficCounter
 from agora_client.trainer.spotcheck import Finding, SpotChecker
-
 
 VERDICT_TTL = 1800.0  # the monitor keeps what it saw; this only bounds how long a monitor may be away
 RECEIPT_PERIOD_S = 15.0  # workers' claims run ahead of their receipts by about this much
@@ -73,17 +71,33 @@ BALANCERS = {"least-loaded": StageBalancer, "round-robin": RoundRobinBalancer}
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", nargs="+", required=True, help="seed multiaddrs")
-    parser.add_argument("--host", default="127.0.0.1", help="address the trainer's DHT peers listen on (default: loopback)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address the trainer's DHT peers listen on (default: loopback)"
+    )
     parser.add_argument("--preset", default="tiny", help="run config preset name or YAML path")
-    parser.add_argument("--data", default=None,
-                        help="local .txt/.jsonl/.parquet file or folder, a hub-like folder, or a hub dataset (default: the run config's data.source)")
+    parser.add_argument(
+        "--data",
+        default=None,
+        help="local .txt/.jsonl/.parquet file or folder, a hub-like folder, or a hub dataset (default: the run config's data.source)",
+    )
     parser.add_argument("--data-subset", default=None, help="the dataset's config name, e.g. sample-10BT (data.subset)")
     parser.add_argument("--data-split", default=None, help="the split to train on (data.split, default train)")
-    parser.add_argument("--text-field", default=None, help="the field that holds the text (data.text_field, default text)")
-    parser.add_argument("--checkpoints", default=None, metavar="STORE",
-                        help="save this trainer's data position and eval loss here every checkpoint.period_s (a directory or s3://)")
-    parser.add_argument("--resume-position", type=Path, default=None, metavar="JSON",
-                        help="a trainer record from a checkpoint set: continue the data with its next token")
+    parser.add_argument(
+        "--text-field", default=None, help="the field that holds the text (data.text_field, default text)"
+    )
+    parser.add_argument(
+        "--checkpoints",
+        default=None,
+        metavar="STORE",
+        help="save this trainer's data position and eval loss here every checkpoint.period_s (a directory or s3://)",
+    )
+    parser.add_argument(
+        "--resume-position",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="a trainer record from a checkpoint set: continue the data with its next token",
+    )
     parser.add_argument("--shard", default="0/1", help="this trainer's shard as INDEX/COUNT (default 0/1)")
     parser.add_argument("--inflight", type=int, default=None, help="microbatches in flight at once (optim.inflight)")
     parser.add_argument("--report-every", type=float, default=60.0, help="seconds between progress lines")
@@ -91,23 +105,43 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ban-seconds", type=float, default=30.0, help="how long an unreachable worker is skipped")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a request is given up")
     parser.add_argument("--max-microbatches", type=int, default=0, help="stop after this many (0 = run until stopped)")
-    parser.add_argument("--spot-check-fraction", type=float, default=None,
-                        help="share of requests also sent to a second worker (default: the run config's spot_checks.fraction)")
     parser.add_argument(
-        "--ticket-key", type=Path, default=None, metavar="PEM",
-        help="the auth service's signing key, on the auth service's own host only: the trainer signs its own tickets "
-             "(for the workers, its verdicts on caught workers and its receipts); elsewhere use --credential-file",
+        "--spot-check-fraction",
+        type=float,
+        default=None,
+        help="share of requests also sent to a second worker (default: the run config's spot_checks.fraction)",
     )
-    parser.add_argument("--auth-url", default=None, help="the auth service that issues this trainer's tickets "
-                                                         "(with --credential-file)")
-    parser.add_argument("--credential-file", type=Path, default=None, metavar="FILE",
-                        help="the trainer credential `agora trainer-credential add` printed on the auth host (mode 0600)")
-    parser.add_argument("--insecure", action="store_true",
-                        help="allow a plain http:// --auth-url outside this machine and its private network (the "
-                             "credential then crosses the network in clear text)")
-    parser.add_argument("--receipts", choices=("on", "off"), default="on",
-                        help="publish signed receipts of what each worker served, which the monitor checks compute "
-                             "points against (default on); off only in a private swarm without a monitor or points")
+    parser.add_argument(
+        "--ticket-key",
+        type=Path,
+        default=None,
+        metavar="PEM",
+        help="the auth service's signing key, on the auth service's own host only: the trainer signs its own tickets "
+        "(for the workers, its verdicts on caught workers and its receipts); elsewhere use --credential-file",
+    )
+    parser.add_argument(
+        "--auth-url", default=None, help="the auth service that issues this trainer's tickets (with --credential-file)"
+    )
+    parser.add_argument(
+        "--credential-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the trainer credential `agora trainer-credential add` printed on the auth host (mode 0600)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a plain http:// --auth-url outside this machine and its private network (the "
+        "credential then crosses the network in clear text)",
+    )
+    parser.add_argument(
+        "--receipts",
+        choices=("on", "off"),
+        default="on",
+        help="publish signed receipts of what each worker served, which the monitor checks compute "
+        "points against (default on); off only in a private swarm without a monitor or points",
+    )
     parser.add_argument(
         "--routing",
         choices=sorted(BALANCERS),
@@ -135,7 +169,9 @@ class RosterWatcher(threading.Thread):
         super().__init__(name="roster", daemon=True)
         self.dhts, self.router, self.period, self.stop = dhts, router, period, stop
         self.known: dict[str, set[str]] = {stage: set() for stage in dhts}
-        self.listed: dict[str, dict[str, tuple[WorkerRecord, int]]] = {stage: {} for stage in dhts}  # peer -> (record, misses)
+        self.listed: dict[str, dict[str, tuple[WorkerRecord, int]]] = {
+            stage: {} for stage in dhts
+        }  # peer -> (record, misses)
 
     def refresh(self) -> None:
         for stage, dht in self.dhts.items():
@@ -228,19 +264,30 @@ class _TrainerInputs:
         shard = _parse_shard(args.shard)
         tokenizer = load_run_tokenizer(config)
         position = _resume_position(args.resume_position)
-        stream = TokenStream(config.data, config.eval, tokenizer, config.model.seq_len, shard, seed=config.seed, position=position)
+        stream = TokenStream(
+            config.data, config.eval, tokenizer, config.model.seq_len, shard, seed=config.seed, position=position
+        )
         batches = stream.batches(config.optim.microbatch_size)
         batches = itertools.chain([next(batches)], batches)  # read the source now: bad --data fails before joining
-        say("DATA", f"{config.data.source or 'the standard library'} shard {shard}, tokenizer {tokenizer.source} "
-                    f"({tokenizer.vocab_size:,} tokens), "
-                    + ("from the start" if position is None else f"resumed at pass {position['pass']}, sequence {position['sequences']}"))
+        say(
+            "DATA",
+            f"{config.data.source or 'the standard library'} shard {shard}, tokenizer {tokenizer.source} "
+            f"({tokenizer.vocab_size:,} tokens), "
+            + (
+                "from the start"
+                if position is None
+                else f"resumed at pass {position['pass']}, sequence {position['sequences']}"
+            ),
+        )
         held_out = held_out_sample(config, tokenizer)
         return cls(config, stream, batches, held_out, _ticket_source(args))
 
 
 def _overrides(args: argparse.Namespace) -> dict:
     """Run config overrides from the command line: spot checks, microbatches in flight and the data source."""
-    overrides: dict = {} if args.spot_check_fraction is None else {"spot_checks": {"fraction": args.spot_check_fraction}}
+    overrides: dict = (
+        {} if args.spot_check_fraction is None else {"spot_checks": {"fraction": args.spot_check_fraction}}
+    )
     if args.inflight is not None:
         overrides["optim"] = {"inflight": args.inflight}
     data = {"source": args.data, "subset": args.data_subset, "split": args.data_split, "text_field": args.text_field}
@@ -257,19 +304,29 @@ def _resume_position(path: Path | None) -> dict | None:
         record = json.loads(path.read_text(encoding="utf-8"))
         return record["position"]
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise DataError(f"--resume-position {path} is not a trainer record ({type(error).__name__}); "
-                        "take it from a checkpoint store's trainers/ folder") from None
+        raise DataError(
+            f"--resume-position {path} is not a trainer record ({type(error).__name__}); "
+            "take it from a checkpoint store's trainers/ folder"
+        ) from None
 
 
-def _training_loop(inputs: _TrainerInputs, pipeline: Pipeline, router: Router, traffic: TrafficCounter, dht,
-                   args: argparse.Namespace) -> TrainingLoop:
+def _training_loop(
+    inputs: _TrainerInputs, pipeline: Pipeline, router: Router, traffic: TrafficCounter, dht, args: argparse.Namespace
+) -> TrainingLoop:
     config = inputs.config
     progress = ProgressPublisher(dht, ttl=max(60.0, 3 * args.report_every))
-    evaluation = HeldOutEvaluation(pipeline, inputs.held_out, config.optim.microbatch_size, config.eval.every_s,
-                                   on_failure=lambda message: say("WARNING", message))
+    evaluation = HeldOutEvaluation(
+        pipeline,
+        inputs.held_out,
+        config.optim.microbatch_size,
+        config.eval.every_s,
+        on_failure=lambda message: say("WARNING", message),
+    )
     records = None
     if args.checkpoints:
-        records = TrainerRecords(open_store(args.checkpoints), config, inputs.stream, lambda message: say("WARNING", message))
+        records = TrainerRecords(
+            open_store(args.checkpoints), config, inputs.stream, lambda message: say("WARNING", message)
+        )
     # only the spot-check report shows the drift: without spot checks the auth service is not asked for its key
     key = auth_public_key(inputs.tickets, args.auth_url, say) if config.spot_checks.fraction > 0 else None
     drifts = ReplicaDrifts(dht, config.model.stage_names, key, say)
@@ -277,12 +334,19 @@ def _training_loop(inputs: _TrainerInputs, pipeline: Pipeline, router: Router, t
 
 
 def _stage_clients(
-    args: argparse.Namespace, stages: list[str], dhts: dict, traffic: TrafficCounter, tickets: TicketSource | None,
+    args: argparse.Namespace,
+    stages: list[str],
+    dhts: dict,
+    traffic: TrafficCounter,
+    tickets: TicketSource | None,
 ) -> dict[str, StageClient]:
     """One client per stage, over that stage's DHT peer."""
     if tickets is None:
-        say("WARNING", "no --credential-file or --ticket-key: requests carry no ticket, and workers that check "
-                       "tickets will refuse them")
+        say(
+            "WARNING",
+            "no --credential-file or --ticket-key: requests carry no ticket, and workers that check "
+            "tickets will refuse them",
+        )
     return {stage: StageClient(stage, dhts[stage], traffic, args.timeout, tickets) for stage in stages}
 
 
@@ -297,16 +361,26 @@ def _wait_for_workers(watcher: RosterWatcher, router: Router, stop: threading.Ev
 
 
 def _pipeline(
-    inputs: _TrainerInputs, stages: list[str], clients: dict[str, StageClient], router: Router, dhts: dict,
-    stop: threading.Event, receipts: ReceiptBook | None,
+    inputs: _TrainerInputs,
+    stages: list[str],
+    clients: dict[str, StageClient],
+    router: Router,
+    dhts: dict,
+    stop: threading.Event,
+    receipts: ReceiptBook | None,
 ) -> Pipeline:
     """The pipeline over the stage clients, with spot checks if the run config asks for any."""
     config = inputs.config
     margin = config.spot_checks.margin
-    spot_checks = SpotChecker(config.spot_checks, router, clients, on_ban=lambda finding: _name_liar(finding, dhts, inputs.tickets),
-                              on_standing=lambda stage, kind, standing: say("SPOTCHECK", describe(stage, kind, standing, margin)),
-                              on_strike=lambda strike: say("SPOTCHECK", strike.describe(margin, config.spot_checks.strikes)),
-                              receipts=receipts)
+    spot_checks = SpotChecker(
+        config.spot_checks,
+        router,
+        clients,
+        on_ban=lambda finding: _name_liar(finding, dhts, inputs.tickets),
+        on_standing=lambda stage, kind, standing: say("SPOTCHECK", describe(stage, kind, standing, margin)),
+        on_strike=lambda strike: say("SPOTCHECK", strike.describe(margin, config.spot_checks.strikes)),
+        receipts=receipts,
+    )
     return Pipeline(
         stages,
         clients,
@@ -320,17 +394,27 @@ def _pipeline(
 
 
 def _start_receipts(
-    inputs: _TrainerInputs, dht, stop: threading.Event, *, enabled: bool,
+    inputs: _TrainerInputs,
+    dht,
+    stop: threading.Event,
+    *,
+    enabled: bool,
 ) -> tuple[ReceiptBook | None, threading.Thread | None]:
     """Count what each worker serves and publish it every RECEIPT_PERIOD_S, signed, for the monitor; a receipt
     carries the trainer's ticket, so it needs one."""
     if not enabled:
-        say("RECEIPTS", "off (--receipts off): this trainer publishes no receipts, and the monitor credits no compute "
-                        "for the work its workers serve it")
+        say(
+            "RECEIPTS",
+            "off (--receipts off): this trainer publishes no receipts, and the monitor credits no compute "
+            "for the work its workers serve it",
+        )
         return None, None
     if inputs.tickets is None:
-        say("WARNING", "no trainer ticket: this trainer publishes no receipts, and the monitor credits no compute "
-                       "for the work its workers serve it")
+        say(
+            "WARNING",
+            "no trainer ticket: this trainer publishes no receipts, and the monitor credits no compute "
+            "for the work its workers serve it",
+        )
         return None, None
     book = ReceiptBook(inputs.config.model)
     validator = RSASignatureValidator()  # hivemind's process-wide key: the one the trainer's DHTs sign with
@@ -340,7 +424,10 @@ def _start_receipts(
         try:
             receipt = book.receipt(trainer, inputs.tickets.ticket_for(trainer))
         except AuthFailed as error:
-            say("WARNING", f"no trainer ticket for this trainer's receipts ({error}); trying again in {RECEIPT_PERIOD_S:g} s")
+            say(
+                "WARNING",
+                f"no trainer ticket for this trainer's receipts ({error}); trying again in {RECEIPT_PERIOD_S:g} s",
+            )
             return
         if not publish_receipt(dht, receipt, validator):
             say("WARNING", "no DHT node accepted this trainer's receipts; the monitor keeps the last ones it saw")
@@ -352,8 +439,11 @@ def _start_receipts(
 def _name_liar(finding: Finding, dhts: dict, tickets: TicketSource | None) -> None:
     """Say who was banned; with a trainer ticket, also publish a verdict so the monitor withholds its points."""
     worker = finding.worker
-    say("SPOTCHECK", f"banned {worker.uid} (peer {worker.peer_id}) of {finding.stage}: its outputs disagreed with "
-                     f"the stage's majority {finding.disagreements} times in {finding.checks} checks")
+    say(
+        "SPOTCHECK",
+        f"banned {worker.uid} (peer {worker.peer_id}) of {finding.stage}: its outputs disagreed with "
+        f"the stage's majority {finding.disagreements} times in {finding.checks} checks",
+    )
     validator = RSASignatureValidator()  # hivemind's process-wide key: the one the trainer's DHTs sign with
     trainer = trainer_peer_id(validator)
     try:
@@ -364,8 +454,16 @@ def _name_liar(finding: Finding, dhts: dict, tickets: TicketSource | None) -> No
     if ticket is None:
         say("WARNING", "no trainer ticket: the monitor is not told, so it keeps crediting this worker")
         return
-    verdict = Verdict(trainer=trainer, ticket=ticket, peer_id=worker.peer_id, uid=worker.uid, stage=finding.stage,
-                      checks=finding.checks, disagreements=finding.disagreements, ts=time.time())
+    verdict = Verdict(
+        trainer=trainer,
+        ticket=ticket,
+        peer_id=worker.peer_id,
+        uid=worker.uid,
+        stage=finding.stage,
+        checks=finding.checks,
+        disagreements=finding.disagreements,
+        ts=time.time(),
+    )
     if not any(publish_verdict(dhts[finding.stage], verdict, validator, VERDICT_TTL) for _ in range(3)):
         say("WARNING", f"no DHT node accepted the verdict on {worker.uid}; the monitor keeps crediting it")
 
@@ -381,15 +479,21 @@ def _ticket_source(args: argparse.Namespace) -> TicketSource | None:
         return None
     if not args.auth_url:
         raise ValueError("--credential-file needs --auth-url: the auth service that exchanges it for tickets")
-    refuse_plain_http(args.auth_url, insecure=args.insecure, what="the auth service",
-                      why="the trainer credential would cross the network in clear text")
+    refuse_plain_http(
+        args.auth_url,
+        insecure=args.insecure,
+        what="the auth service",
+        why="the trainer credential would cross the network in clear text",
+    )
     try:
         credential = Secret(args.credential_file.read_text().strip())
     except OSError as error:
         raise ValueError(f"cannot read --credential-file {args.credential_file}: {error.strerror}") from None
     if not credential:
-        raise ValueError(f"--credential-file {args.credential_file} is empty; put the token "
-                         "`agora trainer-credential add` printed in it")
+        raise ValueError(
+            f"--credential-file {args.credential_file} is empty; put the token "
+            "`agora trainer-credential add` printed in it"
+        )
     return IssuedTrainerTickets(args.auth_url, credential)
 
 
@@ -397,5 +501,7 @@ def _parse_shard(text: str) -> Shard:
     try:
         index, count = (int(part) for part in text.split("/"))
     except ValueError:
-        raise DataError(f"--shard {text!r} is not INDEX/COUNT; pass e.g. --shard 0/2 for the first of two trainers") from None
+        raise DataError(
+            f"--shard {text!r} is not INDEX/COUNT; pass e.g. --shard 0/2 for the first of two trainers"
+        ) from None
     return Shard(index, count)

@@ -89,7 +89,9 @@ class Pipeline:
         losses, _ = self._forward(batch)
         return float(losses.mean())
 
-    def _forward(self, batch: torch.Tensor) -> tuple[torch.Tensor, list[tuple[str, WorkerKey, tuple[torch.Tensor, ...]]]]:
+    def _forward(
+        self, batch: torch.Tensor
+    ) -> tuple[torch.Tensor, list[tuple[str, WorkerKey, tuple[torch.Tensor, ...]]]]:
         """The per-sample losses of a [B, T+1] batch, and each stage's (stage, worker, inputs) for the backward."""
         tokens, labels = batch[:, :-1], batch[:, 1:]
         units = float(tokens.numel())
@@ -107,7 +109,9 @@ class Pipeline:
             boundary = outputs[0]
         if not bool(torch.isfinite(boundary).all()):
             tail_uid = trace[-1][1][0]
-            raise NonFiniteLoss(f"the loss from {tail_uid} is not finite; the microbatch is dropped without a backward pass")
+            raise NonFiniteLoss(
+                f"the loss from {tail_uid} is not finite; the microbatch is dropped without a backward pass"
+            )
         return boundary, trace
 
     def _call(
@@ -145,7 +149,9 @@ class Pipeline:
                 step = self.policy.next_step(verdict.error_class, attempts, attempts_on_worker)
                 self._report_failure(stage, kind, lease.worker.uid, time.monotonic() - started, verdict, step, error)
                 if step is None:
-                    raise RequestFailed(f"{stage} {kind} given up after {attempts} attempt(s) on {lease.worker.uid}: {error}") from error
+                    raise RequestFailed(
+                        f"{stage} {kind} given up after {attempts} attempt(s) on {lease.worker.uid}: {error}"
+                    ) from error
                 if step is ErrorClass.RETRY_SAME:
                     prefer = lease.key
                 else:
@@ -161,9 +167,20 @@ class Pipeline:
             return lease.key, outputs
 
     def _report_failure(
-        self, stage: str, kind: Kind, uid: str, elapsed: float, verdict: FailureVerdict, step: ErrorClass | None, error: Exception
+        self,
+        stage: str,
+        kind: Kind,
+        uid: str,
+        elapsed: float,
+        verdict: FailureVerdict,
+        step: ErrorClass | None,
+        error: Exception,
     ) -> None:
-        what_next = {None: "giving up", ErrorClass.RETRY_SAME: "retrying there", ErrorClass.RETRY_OTHER: "retrying elsewhere"}
+        what_next = {
+            None: "giving up",
+            ErrorClass.RETRY_SAME: "retrying there",
+            ErrorClass.RETRY_OTHER: "retrying elsewhere",
+        }
         detail = (str(error).strip().splitlines() or [error.__class__.__name__])[0][:160]
         self.on_failure(
             f"{stage} {kind} on {uid} failed after {elapsed:.1f}s ({verdict.error_class.value}"

@@ -51,17 +51,25 @@ class ProgressPublisher:
         the point (eval_at, eval_loss) joins the eval history once, the first time that ``eval_at`` is seen.
         ``spot_checks``: per stage, this trainer's spot checks and whether they can judge it (SpotChecker.report)."""
         if (eval_loss is None) != (eval_at is None):
-            raise ValueError("ProgressPublisher.publish takes eval_loss and eval_at together (the evaluation's loss "
-                             "and the wall time it finished), or neither before the first evaluation")
+            raise ValueError(
+                "ProgressPublisher.publish takes eval_loss and eval_at together (the evaluation's loss "
+                "and the wall time it finished), or neither before the first evaluation"
+            )
         now = time.time()
         if loss is not None:
             self.history.append((now, loss))
         if eval_at is not None and (not self.eval_history or eval_at > self.eval_history[-1][0]):
             self.eval_history.append((eval_at, eval_loss))
         record = TrainerProgress(
-            peer_id=self.peer_id, microbatches=microbatches, loss=loss, tokens_per_s=tokens_per_s,
-            history=list(self.history), eval_loss=eval_loss, eval_history=list(self.eval_history),
-            spot_checks=spot_checks or {}, ts=now,
+            peer_id=self.peer_id,
+            microbatches=microbatches,
+            loss=loss,
+            tokens_per_s=tokens_per_s,
+            history=list(self.history),
+            eval_loss=eval_loss,
+            eval_history=list(self.eval_history),
+            spot_checks=spot_checks or {},
+            ts=now,
         )
         return bool(self.dht.store(PROGRESS_KEY, record.model_dump(), get_dht_time() + self.ttl, subkey=self.peer_id))
 

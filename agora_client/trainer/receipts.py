@@ -68,16 +68,25 @@ class ReceiptBook:
 
     def receipt(self, trainer: str, ticket: str, now: float | None = None) -> Receipt:
         with self._lock:
-            served = {peer_id: ServedCounts(stage=s.stage, forwards=s.forwards, backwards=s.backwards, flops=s.flops)
-                      for peer_id, s in self._served.items()}
-        return Receipt(trainer=trainer, ticket=ticket, run_id=self.run_id, served=served,
-                       ts=time.time() if now is None else now)
+            served = {
+                peer_id: ServedCounts(stage=s.stage, forwards=s.forwards, backwards=s.backwards, flops=s.flops)
+                for peer_id, s in self._served.items()
+            }
+        return Receipt(
+            trainer=trainer, ticket=ticket, run_id=self.run_id, served=served, ts=time.time() if now is None else now
+        )
 
 
 def publish_receipt(dht: DHT, receipt: Receipt, validator: RSASignatureValidator, ttl_s: float = RECEIPT_TTL_S) -> bool:
     """Store the receipt signed by the trainer's key (replacing its previous one); True if a DHT node accepted it."""
-    return bool(dht.store(RECEIPTS_KEY, receipt.model_dump(mode="json"), expiration_time=get_dht_time() + ttl_s,
-                          subkey=owner_subkey(receipt.subkey_name, validator)))
+    return bool(
+        dht.store(
+            RECEIPTS_KEY,
+            receipt.model_dump(mode="json"),
+            expiration_time=get_dht_time() + ttl_s,
+            subkey=owner_subkey(receipt.subkey_name, validator),
+        )
+    )
 
 
 def publish_every(period_s: float, publish: Callable[[], None], stop: threading.Event) -> threading.Thread:

@@ -36,7 +36,13 @@ class TrainerRecords:
 
     def _save(self, microbatches: int, position: dict, eval_loss: float | None) -> None:
         try:
-            save_trainer_record(self.store, self.config, shard=str(self.stream.shard), microbatches=microbatches,
-                                position=position, eval_loss=eval_loss)
+            save_trainer_record(
+                self.store,
+                self.config,
+                shard=str(self.stream.shard),
+                microbatches=microbatches,
+                position=position,
+                eval_loss=eval_loss,
+            )
         except (SnapshotError, OSError) as error:
             self.on_failure(f"could not save the data position to {self.store.location}: {error}")

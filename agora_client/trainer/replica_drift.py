@@ -29,8 +29,11 @@ def auth_public_key(tickets: TicketSource | None, auth_url: str | None, say: Say
     try:
         return str(swarm_status(auth_url)["public_key"])
     except Exception as error:  # unreachable, or a bad answer (the client raises a private error for it)
-        say("WARNING", f"could not read the auth service's public key from {auth_url} ({error}); the spot-check "
-                       "report shows no parameter drift")
+        say(
+            "WARNING",
+            f"could not read the auth service's public key from {auth_url} ({error}); the spot-check "
+            "report shows no parameter drift",
+        )
         return None
 
 

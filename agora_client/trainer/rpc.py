@@ -52,7 +52,9 @@ class TrafficCounter:
 class StageClient:
     """RPCs to the workers of one stage, through that stage's own DHT peer."""
 
-    def __init__(self, stage: str, dht: DHT, traffic: TrafficCounter, timeout: float, tickets: TicketSource | None = None):
+    def __init__(
+        self, stage: str, dht: DHT, traffic: TrafficCounter, timeout: float, tickets: TicketSource | None = None
+    ):
         self.stage, self.dht, self.traffic, self.timeout, self.tickets = stage, dht, traffic, timeout, tickets
         self.p2p = replicate_p2p(dht)
         self.peer_id = self.p2p.peer_id.to_base58()
@@ -76,8 +78,13 @@ class StageClient:
         metadata = self.tickets.ticket_for(self.peer_id).encode("ascii") if self.tickets is not None else b""
         payload_bytes = sum(tensor.element_size() * tensor.nelement() for tensor in tensors)
         outputs = call_expert(
-            server_stub(self.p2p, worker.peer_id), kind, worker.uid, serialized, metadata,
-            payload_bytes=payload_bytes, timeout=self.timeout,
+            server_stub(self.p2p, worker.peer_id),
+            kind,
+            worker.uid,
+            serialized,
+            metadata,
+            payload_bytes=payload_bytes,
+            timeout=self.timeout,
         )
         if not outputs:  # a worker killed mid-reply ends the stream without an answer or an error
             raise WorkerVanishedError(f"{worker.uid} returned no tensors")

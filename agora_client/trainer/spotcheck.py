@@ -91,10 +91,12 @@ class Strike:
     strikes: int  # this worker's, this one included
 
     def describe(self, margin: float, ban_at: int) -> str:
-        return (f"strike {self.strikes} of {ban_at} for {self.worker.uid} on {self.stage} {self.kind}: its answer was "
-                f"{self.distance:.3f} from the referee's (tolerance {self.tolerance:.3f}, strikes from "
-                f"{strike_distance(self.tolerance, margin):.3f}; the referee and the other answer "
-                f"{self.pair_distance:.3f} apart)")
+        return (
+            f"strike {self.strikes} of {ban_at} for {self.worker.uid} on {self.stage} {self.kind}: its answer was "
+            f"{self.distance:.3f} from the referee's (tolerance {self.tolerance:.3f}, strikes from "
+            f"{strike_distance(self.tolerance, margin):.3f}; the referee and the other answer "
+            f"{self.pair_distance:.3f} apart)"
+        )
 
 
 @dataclass
@@ -131,7 +133,13 @@ class SpotChecker:
         receipts: ReceiptBook | None = None,
         rng: random.Random | None = None,
     ):
-        self.config, self.router, self.clients, self.on_ban, self.on_standing = config, router, clients, on_ban, on_standing
+        self.config, self.router, self.clients, self.on_ban, self.on_standing = (
+            config,
+            router,
+            clients,
+            on_ban,
+            on_standing,
+        )
         self.on_strike = on_strike
         self.receipts = receipts  # a re-run costs the worker as much as any request: it is receipted too
         self._rng = rng or random.Random()
@@ -147,9 +155,15 @@ class SpotChecker:
     def report(self) -> dict[str, StageSpotChecks]:
         """Per stage: its checks, strikes and bans, and where its forward and backward checks stand."""
         with self._lock:
-            return {stage: StageSpotChecks(checks=counts.checks, strikes=counts.strikes, bans=counts.bans,
-                                           **{kind: self._standings[stage, kind] for kind in KINDS})
-                    for stage, counts in self._stages.items()}
+            return {
+                stage: StageSpotChecks(
+                    checks=counts.checks,
+                    strikes=counts.strikes,
+                    bans=counts.bans,
+                    **{kind: self._standings[stage, kind] for kind in KINDS},
+                )
+                for stage, counts in self._stages.items()
+            }
 
     def review(
         self,
@@ -172,7 +186,9 @@ class SpotChecker:
         if second is None:
             return outputs  # no other worker free, or it failed: nothing to compare against
         first: Answer = (worker, outputs)
-        third = rerun({worker.key, second[0].key}) if calibrating or self._disagree(stage, kind, first, second) else None
+        third = (
+            rerun({worker.key, second[0].key}) if calibrating or self._disagree(stage, kind, first, second) else None
+        )
         if third is not None:
             self._calibrate(stage, kind, (first, second, third))
         return self._judge(stage, kind, first, second, third, calibrated=calibrating and third is not None)
@@ -195,7 +211,9 @@ class SpotChecker:
         if relative_distance(first[1], second[1]) <= standing.tolerance:
             self._count(stage, "agreed", compared, calibrated)
             return first[1]
-        agrees = [] if third is None else [relative_distance(a[1], third[1]) <= standing.tolerance for a in (first, second)]
+        agrees = (
+            [] if third is None else [relative_distance(a[1], third[1]) <= standing.tolerance for a in (first, second)]
+        )
         if agrees.count(True) != 1:  # no referee, or it agrees with both or neither: nobody can be blamed
             self._count(stage, "unresolved", compared, calibrated)
             return first[1]
@@ -212,8 +230,9 @@ class SpotChecker:
     def _calibrate(self, stage: str, kind: Kind, answers: tuple[Answer, Answer, Answer]) -> None:
         """Learn the honest distances among three answers to one request; say so if the stage's standing changed."""
         a, b, c = (answer for _, answer in answers)
-        honest = confirmed_distances([relative_distance(a, b), relative_distance(a, c), relative_distance(b, c)],
-                                     self.config.margin)
+        honest = confirmed_distances(
+            [relative_distance(a, b), relative_distance(a, c), relative_distance(b, c)], self.config.margin
+        )
         with self._lock:
             calibration = self._calibrations[stage, kind]
             calibration.add(honest)

@@ -115,7 +115,9 @@ class EpochController:
             return
         with self.lock, self.tracker.pause_updates():
             # samples of the stage's epoch: the reported ones of every peer, plus ours that do not count yet (phase 2)
-            stage_samples = self.tracker.global_progress.samples_accumulated - self.reported_samples + self.local_samples
+            stage_samples = (
+                self.tracker.global_progress.samples_accumulated - self.reported_samples + self.local_samples
+            )
             self.last_share = min(1.0, self.local_samples / stage_samples) if stage_samples > 0 else 0.0
             if self.local_samples:
                 self._step()

@@ -11,9 +11,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agora_client.config import ConfigError, RunConfig, load_config
-from agora_client.events import EventWriter
 from agora_client.discovery.dht import NoSeedAnswered
-from agora_client.operator_metrics import MetricsEndpoint, MetricsUnavailable, add_metrics_arguments, open_metrics_endpoint
+from agora_client.events import EventWriter
+from agora_client.operator_metrics import (
+    MetricsEndpoint,
+    MetricsUnavailable,
+    add_metrics_arguments,
+    open_metrics_endpoint,
+)
 from agora_client.worker.operator_metrics import watch_worker
 
 if TYPE_CHECKING:
@@ -33,25 +38,44 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--join", action="store_true", help="join a running swarm through sync phases 1 and 2")
     parser.add_argument("--index", type=int, default=None, help="uid index <stage>.0.<index> (default: lowest free)")
     parser.add_argument("--init-seed", type=int, default=None, help="seed for this worker's initial weights")
-    parser.add_argument("--publish-snapshots", default=None, metavar="STORE", help="write stage snapshots here (directory or s3://bucket/prefix)")
+    parser.add_argument(
+        "--publish-snapshots",
+        default=None,
+        metavar="STORE",
+        help="write stage snapshots here (directory or s3://bucket/prefix)",
+    )
     parser.add_argument("--publish-every", type=int, default=5, help="epochs between snapshots (default 5)")
-    parser.add_argument("--checkpoints", default=None, metavar="STORE",
-                        help="write timestamped checkpoints here (directory or s3://bucket/prefix), every checkpoint.period_s")
+    parser.add_argument(
+        "--checkpoints",
+        default=None,
+        metavar="STORE",
+        help="write timestamped checkpoints here (directory or s3://bucket/prefix), every checkpoint.period_s",
+    )
     parser.add_argument("--snapshot", type=Path, default=None, help="start from this downloaded snapshot directory")
     parser.add_argument("--events", default=None, help="also write JSON-line events to this file ('-' = stdout)")
-    parser.add_argument("--auth-public-key", default=None, help="the auth service's public key: serve only its ticket holders")
     parser.add_argument(
-        "--ticket-key", type=Path, default=None, metavar="PEM",
+        "--auth-public-key", default=None, help="the auth service's public key: serve only its ticket holders"
+    )
+    parser.add_argument(
+        "--ticket-key",
+        type=Path,
+        default=None,
+        metavar="PEM",
         help="operator-run worker: the auth service's signing key, to issue this worker's own ticket (implies its public key)",
     )
     parser.add_argument(
-        "--recover-from", type=Path, default=None, metavar="DIR",
+        "--recover-from",
+        type=Path,
+        default=None,
+        metavar="DIR",
         help="snapshot store directory to reload this stage from if this worker's weights break",
     )
     parser.add_argument(
-        "--relay", default=None, metavar="HOST:PORT",
+        "--relay",
+        default=None,
+        metavar="HOST:PORT",
         help="serve through this relay (agora relay) when no port mapping can open this machine: the worker reserves "
-             "a port there and announces only that one",
+        "a port there and announces only that one",
     )
     add_metrics_arguments(parser)
 
@@ -96,8 +120,13 @@ def _reserve_relay(args: argparse.Namespace) -> KeptReservation:
     from agora_client.relay import KeptReservation, RelayUnavailable
 
     if args.host not in RELAY_LISTEN_HOSTS:
-        raise _CannotStart(ValueError(f"--relay with --host {args.host}: the relay's connections arrive on 127.0.0.1; "
-                                      "leave --host out or give --host 127.0.0.1"), 2)
+        raise _CannotStart(
+            ValueError(
+                f"--relay with --host {args.host}: the relay's connections arrive on 127.0.0.1; "
+                "leave --host out or give --host 127.0.0.1"
+            ),
+            2,
+        )
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -106,22 +135,33 @@ def _reserve_relay(args: argparse.Namespace) -> KeptReservation:
         address = reservation.open()
     except RelayUnavailable as error:
         raise _CannotStart(error, 1) from error
-    print(f"[NETWORK] serving through the relay {args.relay}: the swarm reaches this worker at {address}, "
-          f"about {reservation.rtt_s * 1000:.0f} ms more per round trip", flush=True)
+    print(
+        f"[NETWORK] serving through the relay {args.relay}: the swarm reaches this worker at {address}, "
+        f"about {reservation.rtt_s * 1000:.0f} ms more per round trip",
+        flush=True,
+    )
     return reservation
 
 
 def _relay_lost(reason: str) -> None:
-    print(f"[WARNING] the relay dropped this worker's port ({reason}): the swarm cannot reach this worker until "
-          "the relay holds it again; reserving it again", file=sys.stderr, flush=True)
+    print(
+        f"[WARNING] the relay dropped this worker's port ({reason}): the swarm cannot reach this worker until "
+        "the relay holds it again; reserving it again",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _relay_restored(address: str, same: bool) -> None:
     if same:
         print(f"[NETWORK] the relay holds this worker's port again: the swarm reaches it at {address}", flush=True)
     else:
-        print(f"[WARNING] the relay holds this worker at a new address, {address}, which the swarm does not know: "
-              "restart the worker to announce it", file=sys.stderr, flush=True)
+        print(
+            f"[WARNING] the relay holds this worker at a new address, {address}, which the swarm does not know: "
+            "restart the worker to announce it",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _relay_dht_kwargs(relay: KeptReservation | None) -> dict:
@@ -162,8 +202,12 @@ def _warn_if_host_memory_short(options: WorkerOptions, events: EventWriter) -> N
     available = psutil.virtual_memory().available
     if available < need:
         copy = ", with the host copy of its state for snapshots and checkpoints" if writes_state else ""
-        events.log(f"stage {options.stage} needs {gib(need)} of host memory{copy}; this machine has {gib(available)} "
-                   "available: it may be killed for memory", tag="WARNING", level="warning")
+        events.log(
+            f"stage {options.stage} needs {gib(need)} of host memory{copy}; this machine has {gib(available)} "
+            "available: it may be killed for memory",
+            tag="WARNING",
+            level="warning",
+        )
 
 
 def _load_config(args: argparse.Namespace) -> RunConfig:

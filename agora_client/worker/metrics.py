@@ -113,7 +113,10 @@ class WorkerMetrics:
         return flops
 
     def on_sparta_round(
-        self, succeeded: bool, averaged_fraction: float, drift_before: float | None = None,
+        self,
+        succeeded: bool,
+        averaged_fraction: float,
+        drift_before: float | None = None,
         drift_after: float | None = None,
     ) -> None:
         """One averaging round: did it average anything, what share of the group's tensor it averaged (0..1), and

@@ -12,27 +12,27 @@ import torch
 from hivemind import DHT
 
 from agora_client.auth.ticket_source import TicketSource
+from agora_client.averaging.group_admission import GroupAdmission
+from agora_client.averaging.partition import due_round
+from agora_client.averaging.sparta import RoundReport, SpartaAverager
 from agora_client.checkpoints.writer import CheckpointWriter
 from agora_client.config import RunConfig
+from agora_client.discovery.dht import connect_dht
+from agora_client.discovery.roster import WorkerRecord, fetch_roster, free_index, stage_uid
 from agora_client.events import ErrorEvent, EventWriter, StageEvent, StepEvent
+from agora_client.model.layers import native_bf16
+from agora_client.serving.backend import StageBackend
+from agora_client.serving.rejections import RejectionLog
+from agora_client.serving.server import StageServer
+from agora_client.serving.ticket_gate import TicketGate
+from agora_client.serving.traffic import MeterTotals, RequestMeter
 from agora_client.snapshots import SnapshotError, load_stage_snapshot, open_store, remove_other_downloads
 from agora_client.snapshots.background import BackgroundWriter
 from agora_client.snapshots.publisher import SnapshotPublisher
-from agora_client.discovery.dht import connect_dht
-from agora_client.discovery.roster import WorkerRecord, fetch_roster, free_index, stage_uid
-from agora_client.model.layers import native_bf16
-from agora_client.serving.backend import StageBackend
 from agora_client.worker.epochs import EpochController, all_finite
-from agora_client.averaging.group_admission import GroupAdmission
 from agora_client.worker.optimizer import build_optimizer
-from agora_client.averaging.partition import due_round
 from agora_client.worker.prepared_stage import PreparedStage, prepare_stage
-from agora_client.serving.rejections import RejectionLog
-from agora_client.serving.server import StageServer
-from agora_client.averaging.sparta import RoundReport, SpartaAverager
 from agora_client.worker.sync import SyncState
-from agora_client.serving.ticket_gate import TicketGate
-from agora_client.serving.traffic import MeterTotals, RequestMeter
 
 
 @dataclass
@@ -56,8 +56,12 @@ class WorkerOptions:
     auth_public_key: str | None = None  # the auth service's key: callers must present its tickets (None: open worker)
     tickets: TicketSource | None = None  # this worker's own ticket, presented to same-stage peers when averaging
     recovery: Callable[[], Path | None] | None = None  # fetches a peer's stage snapshot after this worker broke
-    dht: DHT | None = None  # a DHT peer already started (a contributor opens its port before joining); owned from here on
-    prepared: PreparedStage | None = None  # the stage built ahead (a contributor builds it while its snapshot downloads)
+    dht: DHT | None = (
+        None  # a DHT peer already started (a contributor opens its port before joining); owned from here on
+    )
+    prepared: PreparedStage | None = (
+        None  # the stage built ahead (a contributor builds it while its snapshot downloads)
+    )
 
 
 STABLE_WINDOW_MAX_WAIT = 120.0  # a stage that never looks stable must not keep a joiner out forever
@@ -114,7 +118,9 @@ class WorkerNode:
         self._last_epoch = start_epoch  # the epoch of the previous epoch hook: rounds crossed by a jump still start
         self._snapshot_due = options.publish_dir is not None  # the first one is written at start()
         self._yielded: tuple[int, int] | None = None  # (stage epoch, sync phase) when it yielded the GPU; None: serving
-        self.state_writer = BackgroundWriter(self.module, self.optimizer, self.epochs.lock.state)  # buffers on first use
+        self.state_writer = BackgroundWriter(
+            self.module, self.optimizer, self.epochs.lock.state
+        )  # buffers on first use
         self.snapshots = self._snapshot_publisher()
         self.checkpoints = self._checkpoint_writer()
         self.sparta = self._sparta_averager()
@@ -137,7 +143,10 @@ class WorkerNode:
         """The stage's module, parameters, optimizer and uid; returns the stage and its epoch (the snapshot's, or 0)."""
         options, config, stage = self.options, self.options.config, self.options.stage
         prepared = options.prepared or prepare_stage(
-            config, stage, self.device, seed=options.init_seed if options.init_seed is not None else config.seed,
+            config,
+            stage,
+            self.device,
+            seed=options.init_seed if options.init_seed is not None else config.seed,
             seeded_weights=options.snapshot is None,  # a snapshot sets every weight below
         )
         self.module = prepared.module
@@ -173,14 +182,20 @@ class WorkerNode:
         options = self.options
         if options.publish_dir is None:
             return None
-        return SnapshotPublisher(open_store(options.publish_dir), options.stage, self.state_writer, options.publish_keep, self.events)
+        return SnapshotPublisher(
+            open_store(options.publish_dir), options.stage, self.state_writer, options.publish_keep, self.events
+        )
 
     def _checkpoint_writer(self) -> CheckpointWriter | None:
         if self.options.checkpoint_store is None:
             return None
         return CheckpointWriter(
-            open_store(self.options.checkpoint_store), self.options.config, self.options.stage, self.state_writer,
-            grad_norm=lambda: self.epochs.last_grad_norm, events=self.events,
+            open_store(self.options.checkpoint_store),
+            self.options.config,
+            self.options.stage,
+            self.state_writer,
+            grad_norm=lambda: self.epochs.last_grad_norm,
+            events=self.events,
         )
 
     def _sparta_averager(self) -> SpartaAverager:
@@ -192,16 +207,19 @@ class WorkerNode:
             lock=self.epochs.lock,
             on_round=self._on_round,
             stage_size=lambda: self.epochs.tracker.global_progress.num_peers,  # no DHT lookup: the tracker has it
-            admission=None if self.averaging_gate is None else GroupAdmission(
-                self.averaging_gate, self.options.tickets, self.rejections
-            ),
+            admission=None
+            if self.averaging_gate is None
+            else GroupAdmission(self.averaging_gate, self.options.tickets, self.rejections),
         )
 
     def _stage_backend(self, prepared: PreparedStage) -> StageBackend:
         config = self.options.config
         if config.use_mixed_precision and not native_bf16(self.device):
-            self.events.log(f"no native bf16 on this {self.device.type} (emulated bf16 is slower than fp32): the stage "
-                            "computes in fp32, not under the run's bf16 autocast", tag="TRAINING")
+            self.events.log(
+                f"no native bf16 on this {self.device.type} (emulated bf16 is slower than fp32): the stage "
+                "computes in fp32, not under the run's bf16 autocast",
+                tag="TRAINING",
+            )
         is_tail = self.options.stage == "tail"
         return StageBackend(
             self.uid,
@@ -224,18 +242,29 @@ class WorkerNode:
         self.rejections = RejectionLog(lambda message: events.log(message, tag="SECURITY", level="warning"))
         if options.auth_public_key is None:
             self.call_gate = self.averaging_gate = None
-            events.log("no auth public key given: this worker serves callers without tickets", tag="WARNING", level="warning")
+            events.log(
+                "no auth public key given: this worker serves callers without tickets", tag="WARNING", level="warning"
+            )
             return
         self.call_gate = TicketGate(options.auth_public_key, roles=("trainer",))
         self.averaging_gate = TicketGate(options.auth_public_key, roles=("worker",), stage=options.stage)
         if options.tickets is None:
-            events.log("this worker holds no ticket of its own: the stage's other workers will not average with it "
-                       "(pass --ticket-key, or join through the auth service)", tag="WARNING", level="warning")
+            events.log(
+                "this worker holds no ticket of its own: the stage's other workers will not average with it "
+                "(pass --ticket-key, or join through the auth service)",
+                tag="WARNING",
+                level="warning",
+            )
 
     def record(self) -> WorkerRecord:
         return WorkerRecord(
-            uid=self.uid, peer_id=self.peer_id, stage=self.options.stage, sync_phase=self.sync.phase,
-            epoch=self.epochs.epoch, healthy=self.healthy, yielding=self.yielding,
+            uid=self.uid,
+            peer_id=self.peer_id,
+            stage=self.options.stage,
+            sync_phase=self.sync.phase,
+            epoch=self.epochs.epoch,
+            healthy=self.healthy,
+            yielding=self.yielding,
         )
 
     @property
@@ -284,7 +313,9 @@ class WorkerNode:
 
     def _recover(self) -> None:
         if self.options.recovery is None:
-            self.events.log("no snapshot source to recover from: restart this worker to rejoin", tag="WARNING", level="warning")
+            self.events.log(
+                "no snapshot source to recover from: restart this worker to rejoin", tag="WARNING", level="warning"
+            )
             return
         try:
             path = self.options.recovery()
@@ -297,13 +328,17 @@ class WorkerNode:
                 if not all_finite(self.parameters):
                     raise SnapshotError(f"the snapshot at {path} holds non-finite weights")
         except Exception as error:  # stay out of routing; a restart rejoins through the join flow
-            self.events.emit(ErrorEvent(message=f"could not recover: {error}", hint="restart this worker", where="worker health"))
+            self.events.emit(
+                ErrorEvent(message=f"could not recover: {error}", hint="restart this worker", where="worker health")
+            )
             return
         remove_other_downloads(path)  # the snapshot just loaded is the one in use now
         self.sync.begin(self.epochs.stage_epoch)  # re-sync weights with peers before serving trainers again
         self.server.healthy.value = True
         self.server.announcer.refresh.set()
-        self.events.log(f"reloaded the {self.options.stage} snapshot of epoch {info.epoch}; re-syncing with peers", tag="SYNC")
+        self.events.log(
+            f"reloaded the {self.options.stage} snapshot of epoch {info.epoch}; re-syncing with peers", tag="SYNC"
+        )
 
     def add_round_hook(self, hook: Callable[[RoundReport], None]) -> None:
         """``hook(report)`` runs after every SPARTA round, from the round's thread."""
@@ -355,7 +390,10 @@ class WorkerNode:
         deadline = time.monotonic() + STABLE_WINDOW_MAX_WAIT
         while not stop.is_set() and time.monotonic() < deadline:
             progress = self.epochs.tracker.global_progress
-            if due_round(progress.epoch, period) is None and progress.samples_accumulated < progress.target_batch_size / 2:
+            if (
+                due_round(progress.epoch, period) is None
+                and progress.samples_accumulated < progress.target_batch_size / 2
+            ):
                 return
             stop.wait(0.5)
 
@@ -402,12 +440,16 @@ class WorkerNode:
             self.server.announcer.join(timeout=5)
         self.sparta.shutdown()  # leaves its averaging group, so peers need not wait for us
         self.epochs.shutdown()
-        self.events.log(f"the longest a request waited for the stage lock: {self.backend.longest_lock_wait_s:.3f} s",
-                        tag="TRAINING")
+        self.events.log(
+            f"the longest a request waited for the stage lock: {self.backend.longest_lock_wait_s:.3f} s", tag="TRAINING"
+        )
         if not self.state_writer.wait(WRITE_WAIT_AT_STOP_S):
-            self.events.log(f"still writing the stage's state after {WRITE_WAIT_AT_STOP_S:.0f} s: a snapshot is abandoned at "
-                            "exit (it never becomes visible in the store), a checkpoint is waited for", tag="SNAPSHOT",
-                            level="warning")
+            self.events.log(
+                f"still writing the stage's state after {WRITE_WAIT_AT_STOP_S:.0f} s: a snapshot is abandoned at "
+                "exit (it never becomes visible in the store), a checkpoint is waited for",
+                tag="SNAPSHOT",
+                level="warning",
+            )
         if self.checkpoints is not None:
             self.checkpoints.close(self.epochs.epoch)  # a stopped swarm resumes from where it stopped
         if self.server.ident is not None:

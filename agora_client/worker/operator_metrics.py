@@ -24,17 +24,32 @@ if TYPE_CHECKING:
     from agora_client.worker.node import WorkerNode
 
 REQUESTS = Series("agora_worker_rpc_requests", "counter", "trainer requests answered", ("stage", "kind"))
-REFUSED = Series("agora_worker_rpc_refused", "counter", "requests refused (trainer calls and averaging joins: bad "
-                 "ticket, size, values, an unhealthy worker), by reason", ("stage", "reason"))
-BYTES = Series("agora_worker_bytes", "counter", "payload bytes of requests, replies and SPARTA messages",
-               ("stage", "direction"))
-SPARTA_ROUNDS = Series("agora_worker_sparta_rounds", "counter", "SPARTA rounds by outcome: averaged, or failed "
-                       "(no group, timed out, skipped)", ("stage", "outcome"))
-SPARTA_DRIFT = Series("agora_worker_sparta_drift", "gauge", "relative L2 of the slice the latest SPARTA round averaged "
-                      "from its group's average, before and after the update (averaging/drift.py); absent until a "
-                      "round has averaged", ("stage", "when"))
-PHASE = Series("agora_worker_sync_phase", "gauge", "1 for the worker's sync phase now (sync1, sync2, active)",
-               ("stage", "phase"))
+REFUSED = Series(
+    "agora_worker_rpc_refused",
+    "counter",
+    "requests refused (trainer calls and averaging joins: bad ticket, size, values, an unhealthy worker), by reason",
+    ("stage", "reason"),
+)
+BYTES = Series(
+    "agora_worker_bytes", "counter", "payload bytes of requests, replies and SPARTA messages", ("stage", "direction")
+)
+SPARTA_ROUNDS = Series(
+    "agora_worker_sparta_rounds",
+    "counter",
+    "SPARTA rounds by outcome: averaged, or failed (no group, timed out, skipped)",
+    ("stage", "outcome"),
+)
+SPARTA_DRIFT = Series(
+    "agora_worker_sparta_drift",
+    "gauge",
+    "relative L2 of the slice the latest SPARTA round averaged "
+    "from its group's average, before and after the update (averaging/drift.py); absent until a "
+    "round has averaged",
+    ("stage", "when"),
+)
+PHASE = Series(
+    "agora_worker_sync_phase", "gauge", "1 for the worker's sync phase now (sync1, sync2, active)", ("stage", "phase")
+)
 EPOCH = Series("agora_worker_epoch", "gauge", "the worker's local epoch", ("stage",))
 HEALTHY = Series("agora_worker_healthy", "gauge", "1 while the worker's weights and outputs are finite", ("stage",))
 SERIES = (REQUESTS, REFUSED, BYTES, SPARTA_ROUNDS, SPARTA_DRIFT, PHASE, EPOCH, HEALTHY)

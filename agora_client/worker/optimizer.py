@@ -57,7 +57,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             moment = torch.zeros(param.shape, dtype=param.dtype, device="cpu", pin_memory=pin)
         if source is not None:
             if tuple(source.shape) != tuple(param.shape):
-                raise ValueError(f"optimizer state of shape {tuple(source.shape)} does not fit a parameter of shape {tuple(param.shape)}")
+                raise ValueError(
+                    f"optimizer state of shape {tuple(source.shape)} does not fit a parameter of shape {tuple(param.shape)}"
+                )
             moment.copy_(source)
         return moment
 

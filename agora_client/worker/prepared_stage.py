@@ -21,7 +21,9 @@ class PreparedStage:
     seeded: bool  # False: the weights are uninitialized memory until a snapshot is loaded into them
 
 
-def prepare_stage(config: RunConfig, stage: str, device: str | torch.device, *, seed: int, seeded_weights: bool) -> PreparedStage:
+def prepare_stage(
+    config: RunConfig, stage: str, device: str | torch.device, *, seed: int, seeded_weights: bool
+) -> PreparedStage:
     """Build the stage on its device and run it once on an example, as hivemind's backend would at start.
 
     That first call also pays the one-time costs of the first forward (torch's lazy imports, kernel

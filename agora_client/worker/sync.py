@@ -13,7 +13,9 @@ from agora_client.config import SyncConfig
 from agora_client.events import SyncEvent
 
 PHASE1_MESSAGE = "Synchronising weights with peers. Node won't process batches in this phase."
-PHASE2_MESSAGE = "Synchronising optimizer state. Node is now processing batches, but doesn't contribute to weight averaging yet."
+PHASE2_MESSAGE = (
+    "Synchronising optimizer state. Node is now processing batches, but doesn't contribute to weight averaging yet."
+)
 ACTIVE_MESSAGE = "Sync complete. Node is now fully contributing to training."
 NAMES = {1: "sync1", 2: "sync2", 0: "active"}
 

@@ -50,7 +50,7 @@ def value_ticks(low: float, high: float, rows: int) -> tuple[list[float], list[s
     that varies from one process to the next."""
     span, wanted = high - low, max(1, rows // 2)
     power = math.floor(math.log10(span))
-    steps = sorted(multiple * 10.0 ** exponent for exponent in range(power - 2, power + 1) for multiple in (1, 2, 5))
+    steps = sorted(multiple * 10.0**exponent for exponent in range(power - 2, power + 1) for multiple in (1, 2, 5))
     spaced = [step for step in steps if span / step <= wanted + 1 and len(_ticks(low, high, step)) >= 2]
     step = spaced[0] if spaced else next(step for step in reversed(steps) if len(_ticks(low, high, step)) >= 2)
     ticks, top = _ticks(low, high, step), max(abs(low), abs(high))
@@ -78,8 +78,14 @@ def y_range(values: Iterable[float], zero_based: bool) -> tuple[float, float]:
 
 class Chart(PlotextPlot):
     def __init__(
-        self, series: dict[str, Series], y_label: str, *, zero_based: bool = True, units: Units | None = None,
-        tz: tzinfo | None = None, **kwargs,
+        self,
+        series: dict[str, Series],
+        y_label: str,
+        *,
+        zero_based: bool = True,
+        units: Units | None = None,
+        tz: tzinfo | None = None,
+        **kwargs,
     ) -> None:
         super().__init__(**kwargs)
         self.spec, self.y_label, self.zero_based, self.units, self.tz = series, y_label, zero_based, units, tz

@@ -10,8 +10,21 @@ from textual.containers import Grid, Vertical, VerticalScroll
 from textual.widgets import TabbedContent, TabPane
 
 from agora_client.events import (
-    AuthEvent, DownloadEvent, Event, PointsEvent, QueueEvent, ReachabilityEvent, ResourcesEvent, SpartaEvent, StageEvent,
-    StepEvent, SwarmEvent, SyncEvent, TrafficEvent, EnergyEvent, YieldEvent,
+    AuthEvent,
+    DownloadEvent,
+    EnergyEvent,
+    Event,
+    PointsEvent,
+    QueueEvent,
+    ReachabilityEvent,
+    ResourcesEvent,
+    SpartaEvent,
+    StageEvent,
+    StepEvent,
+    SwarmEvent,
+    SyncEvent,
+    TrafficEvent,
+    YieldEvent,
 )
 from tui.widgets.connection import ConnectionPanel
 from tui.widgets.gpu import GpuPanel
@@ -38,7 +51,11 @@ class Dashboard(Vertical):
     def compose(self) -> ComposeResult:
         titles = [f"{number} {title}" for number, title in enumerate(TABS.values(), start=1)]  # the keys 1-4 open them
         with TabbedContent(id="tabs"):
-            with TabPane(titles[0], id="tab-contribution"), VerticalScroll(classes="tab-body"), Grid(id="contribution-panels", classes="panels"):
+            with (
+                TabPane(titles[0], id="tab-contribution"),
+                VerticalScroll(classes="tab-body"),
+                Grid(id="contribution-panels", classes="panels"),
+            ):
                 # Most wanted first: at 80x24 the first row is what shows without scrolling.
                 yield JoinPanel(id="join", classes="panel")
                 yield PointsPanel(tz=self.tz, id="points", classes="panel")

@@ -8,7 +8,15 @@ from textual.content import Content
 from textual.markup import escape
 
 from agora_client.events import (
-    AuthEvent, DownloadEvent, PointsEvent, QueueEvent, ResourcesEvent, SpartaEvent, SwarmEvent, SyncEvent, YieldEvent,
+    AuthEvent,
+    DownloadEvent,
+    PointsEvent,
+    QueueEvent,
+    ResourcesEvent,
+    SpartaEvent,
+    SwarmEvent,
+    SyncEvent,
+    YieldEvent,
 )
 from agora_client.frontend.lines import human_bytes, human_duration
 from tui.widgets.format import points_text
@@ -69,7 +77,9 @@ def auth_figure(event: AuthEvent | None) -> Figure:
     if event.status == "authorized":
         name = escape(event.identity or "?")
         slot = f" · slot {event.slot}" if event.slot is not None else ""
-        return Figure(f"[$text-success]✔[/] {name}", f"[$text-success]✔[/] {name} · stage {escape(event.stage or '?')}{slot}")
+        return Figure(
+            f"[$text-success]✔[/] {name}", f"[$text-success]✔[/] {name} · stage {escape(event.stage or '?')}{slot}"
+        )
     return Figure(f"[$text-error]✖ {event.status}[/]", f"[$text-error]✖ {event.status}: {escape(event.message)}[/]")
 
 
@@ -77,7 +87,9 @@ def download_figure(event: DownloadEvent | None) -> Figure:
     if event is None:
         return Figure(WAITING)
     if event.status in ("verified", "done"):
-        return Figure(f"[$text-success]✔[/] {_size(event.bytes)}", f"[$text-success]✔[/] {human_bytes(event.bytes)} verified")
+        return Figure(
+            f"[$text-success]✔[/] {_size(event.bytes)}", f"[$text-success]✔[/] {human_bytes(event.bytes)} verified"
+        )
     if event.status == "failed":
         return Figure("[$text-error]✖ failed[/]")
     if event.status == "retry":
@@ -87,7 +99,9 @@ def download_figure(event: DownloadEvent | None) -> Figure:
         eta = (event.total - event.bytes) / event.rate_bps
     done = f"[b]{event.bytes / event.total:.0%}[/]" if event.total else f"[b]{human_bytes(event.bytes)}[/]"
     total = f" of {human_bytes(event.total)}" if event.total else ""
-    return Figure(f"{done} ~{human_duration(eta)}", f"{done}{total} · {human_bytes(event.rate_bps)}/s · ETA {human_duration(eta)}")
+    return Figure(
+        f"{done} ~{human_duration(eta)}", f"{done}{total} · {human_bytes(event.rate_bps)}/s · ETA {human_duration(eta)}"
+    )
 
 
 def queue_figure(event: QueueEvent | None, admitted: bool) -> Figure:
@@ -110,7 +124,9 @@ def sync_figure(event: SyncEvent | None, epoch: int | None) -> Figure:
         return Figure(f"[b]{number}[/] {what}")
     current = epoch if epoch is not None else event.local_epoch
     done = min(event.steps_total, max(0, current - (event.target_epoch - event.steps_total)))
-    return Figure(f"[b]{number}[/] · {done}/{event.steps_total}", f"[b]{number}[/] {what} · step {done}/{event.steps_total}")
+    return Figure(
+        f"[b]{number}[/] · {done}/{event.steps_total}", f"[b]{number}[/] {what} · step {done}/{event.steps_total}"
+    )
 
 
 def gpu_figure(event: ResourcesEvent | None) -> Figure:
@@ -139,7 +155,10 @@ def sparta_figure(tally: SpartaTally) -> Figure:
         return Figure(WAITING)
     color = "$text-success" if tally.ok == tally.total else "$text-warning"
     rate = f" ({tally.ok / tally.total:.0%})"
-    return Figure(f"[{color}][b]{tally.ok}[/b]/{tally.total} ok[/]", f"[{color}][b]{tally.ok}[/b]/{tally.total} rounds ok{rate}[/]")
+    return Figure(
+        f"[{color}][b]{tally.ok}[/b]/{tally.total} ok[/]",
+        f"[{color}][b]{tally.ok}[/b]/{tally.total} rounds ok{rate}[/]",
+    )
 
 
 def points_figure(event: PointsEvent | None) -> Figure:

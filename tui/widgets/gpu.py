@@ -50,5 +50,9 @@ class GpuPanel(Widget):
         return (
             f"[b]{escape(gpu.name)}[/] [$text-muted]#{gpu.index}[/]\n"
             f"VRAM [b]{human_bytes(gpu.memory_used)}[/] / {human_bytes(gpu.memory_total)}{share} · util [b]{util}[/]\n"
-            + (self._yield_line() if self.yielding else f"[$text-muted]worker {human_bytes(sample.process_rss)} · {host}[/]")
+            + (
+                self._yield_line()
+                if self.yielding
+                else f"[$text-muted]worker {human_bytes(sample.process_rss)} · {host}[/]"
+            )
         )

@@ -34,7 +34,11 @@ class LogPane(Vertical):
     def compose(self) -> ComposeResult:
         with Horizontal(id="log-filters"):
             yield Select(
-                [(f"level ≥ {level}", level) for level in LEVELS], value="info", allow_blank=False, compact=True, id="log-level"
+                [(f"level ≥ {level}", level) for level in LEVELS],
+                value="info",
+                allow_blank=False,
+                compact=True,
+                id="log-level",
             )
             tags = [("all tags", ALL_TAGS), *((tag, tag) for tag in _TAG_CHOICES), ("other tags", OTHER_TAGS)]
             yield Select(tags, value=ALL_TAGS, allow_blank=False, compact=True, id="log-tag")

@@ -35,7 +35,13 @@ class LossPanel(ChartPanel):
         if event.loss is None and event.eval_loss is None:
             self.describe(f"[$text-muted]{event.trainers} trainer(s), no loss reported yet[/]")
             return
-        shown = [self.key(name, f"{value:.3f}") for name, value in (("loss", event.loss), ("eval", event.eval_loss)) if value is not None]
+        shown = [
+            self.key(name, f"{value:.3f}")
+            for name, value in (("loss", event.loss), ("eval", event.eval_loss))
+            if value is not None
+        ]
         # the trend of the held-out eval loss once there is one: the better sign of learning
-        change = trend(event.eval_history, "evals") if event.eval_loss is not None else trend(event.loss_history, "reports")
+        change = (
+            trend(event.eval_history, "evals") if event.eval_loss is not None else trend(event.loss_history, "reports")
+        )
         self.describe(f"{' · '.join(shown)}\n[$text-muted]{change or 'no trend yet'} · {event.trainers} trainer(s)[/]")

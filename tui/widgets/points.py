@@ -52,7 +52,9 @@ def verified_markup(event: PointsEvent) -> str:
     exceeds the trainers' receipts; nothing before the monitor has said."""
     if event.verified_compute is None or event.claimed_compute is None:
         return ""
-    figures = f"compute [b]{points_text(event.verified_compute)}[/b] verified of {points_text(event.claimed_compute)} claimed"
+    figures = (
+        f"compute [b]{points_text(event.verified_compute)}[/b] verified of {points_text(event.claimed_compute)} claimed"
+    )
     if event.flagged:
         return f"\n[$text-warning]{figures}: the claim exceeds the trainers' receipts[/]"
     return f"\n{figures}"

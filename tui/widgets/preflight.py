@@ -11,7 +11,13 @@ from agora_client.events import PREFLIGHT_CHECKS, PreflightEvent
 from tui.state import CHECK_LABELS, PreflightState
 
 MARKS = {"pass": "✔", "warn": "▲", "fail": "✖", "checking": "◌", "waiting": "○"}
-_MARK_STYLE = {"pass": "$text-success", "warn": "$text-warning", "fail": "$text-error", "checking": "$text-accent", "waiting": "$text-muted"}
+_MARK_STYLE = {
+    "pass": "$text-success",
+    "warn": "$text-warning",
+    "fail": "$text-error",
+    "checking": "$text-accent",
+    "waiting": "$text-muted",
+}
 _REASON_STYLE = {"pass": "$text-muted", "warn": "$text-warning", "fail": "$text-error"}
 
 
@@ -63,7 +69,9 @@ class PreflightPanel(Vertical):
             row = self.query_one(f"#check-{check}", Horizontal)
             for name in MARKS:
                 row.set_class(name == status, f"-{name}")
-            row.query_one(".check-label", Static).update(f"[{_MARK_STYLE[status]}]{MARKS[status]}[/] {CHECK_LABELS[check]}")
+            row.query_one(".check-label", Static).update(
+                f"[{_MARK_STYLE[status]}]{MARKS[status]}[/] {CHECK_LABELS[check]}"
+            )
             row.query_one(".check-text", Static).update(text)
         counts = state.counts()
         parts = [f"[$text-success]{counts['pass']} passed[/]"]

@@ -26,7 +26,9 @@ TITLE = "Not reachable: the swarm cannot connect to this worker"
 
 
 def _row(label: str, name: str) -> Horizontal:
-    return Horizontal(Static(label, classes="reach-label"), Static(id=f"reach-{name}", classes="reach-text"), classes="reach-row")
+    return Horizontal(
+        Static(label, classes="reach-label"), Static(id=f"reach-{name}", classes="reach-text"), classes="reach-row"
+    )
 
 
 class ReachabilityPanel(Vertical):
@@ -73,13 +75,19 @@ class ReachabilityPanel(Vertical):
         result = RESULTS.get(diagnosis.error, diagnosis.error or "the connection failed")
         network = f"\n{escape(network_summary(diagnosis.network))}" if diagnosis.network is not None else ""
         self.query_one("#reach-result", Static).update(f"[$text-error]{escape(result)}[/]{network}")
-        advice = list(diagnosis.advice[1:] if len(diagnosis.advice) > 1 else diagnosis.advice)  # [0] restates the rows above
+        advice = list(
+            diagnosis.advice[1:] if len(diagnosis.advice) > 1 else diagnosis.advice
+        )  # [0] restates the rows above
         if advice != self._advice:
             self._advice = advice
             box = self.query_one("#reach-advice", Vertical)
             box.remove_children()
             box.mount_all(
-                Horizontal(Static("•", classes="advice-bullet"), Static(escape(text), classes="advice-text"), classes="advice-row")
+                Horizontal(
+                    Static("•", classes="advice-bullet"),
+                    Static(escape(text), classes="advice-text"),
+                    classes="advice-row",
+                )
                 for text in advice
             )
 

@@ -10,7 +10,6 @@ from agora_client.events import StageEvent, StepEvent
 from tui.widgets.chart import Series
 from tui.widgets.chart_panel import ChartPanel
 
-
 SMOOTHING = 10  # epochs in the moving mean
 
 
@@ -47,4 +46,6 @@ class SharePanel(ChartPanel):
             return
         fair = f" · fair share {1 / self.stage_workers:.0%} of {self.stage_workers}" if self.stage_workers else ""
         share = self.key("share", f"{self.share:.0%}")
-        self.describe(f"{share} of {escape(self.stage)}'s samples (last {len(self._recent)} epochs)\n[$text-muted]{fair.lstrip(' ·')}[/]")
+        self.describe(
+            f"{share} of {escape(self.stage)}'s samples (last {len(self._recent)} epochs)\n[$text-muted]{fair.lstrip(' ·')}[/]"
+        )

@@ -61,7 +61,10 @@ def sparta_health(tally: SpartaTally, active: int | None) -> str:
         return "[$text-muted]no round yet[/]"
     rate = tally.ok / tally.total
     verdict = (
-        "[$text-success]✔ healthy[/]" if rate >= HEALTHY else "[$text-warning]▲ degraded[/]" if rate >= DEGRADED
+        "[$text-success]✔ healthy[/]"
+        if rate >= HEALTHY
+        else "[$text-warning]▲ degraded[/]"
+        if rate >= DEGRADED
         else "[$text-error]✖ failing[/]"
     )
     last = tally.last

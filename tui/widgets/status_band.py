@@ -9,16 +9,43 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 from agora_client.events import (
-    AuthEvent, DownloadEvent, Event, PointsEvent, QueueEvent, ResourcesEvent, SpartaEvent, StepEvent, SwarmEvent, SyncEvent,
+    AuthEvent,
+    DownloadEvent,
+    Event,
+    PointsEvent,
+    QueueEvent,
+    ResourcesEvent,
+    SpartaEvent,
+    StepEvent,
+    SwarmEvent,
+    SyncEvent,
     YieldEvent,
 )
 from tui.widgets.figures import (
-    WAITING, Figure, SpartaTally, auth_figure, download_figure, gpu_figure, loss_figure, points_figure, queue_figure, sparta_figure,
-    sync_figure, yield_figure,
+    WAITING,
+    Figure,
+    SpartaTally,
+    auth_figure,
+    download_figure,
+    gpu_figure,
+    loss_figure,
+    points_figure,
+    queue_figure,
+    sparta_figure,
+    sync_figure,
+    yield_figure,
 )
 
-CELLS = {"auth": "Auth", "download": "Download", "queue": "Queue", "sync": "Sync",
-         "gpu": "GPU", "sparta": "SPARTA", "points": "Points", "loss": "Loss"}
+CELLS = {
+    "auth": "Auth",
+    "download": "Download",
+    "queue": "Queue",
+    "sync": "Sync",
+    "gpu": "GPU",
+    "sparta": "SPARTA",
+    "points": "Points",
+    "loss": "Loss",
+}
 
 
 class FigureCell(Widget):

@@ -38,8 +38,11 @@ class PageFiles:
 
     def __init__(self) -> None:
         folder = resources.files(__package__) / "static"
-        self._files = {entry.name: entry.read_bytes() for entry in folder.iterdir()
-                       if entry.is_file() and any(entry.name.endswith(suffix) for suffix in CONTENT_TYPES)}
+        self._files = {
+            entry.name: entry.read_bytes()
+            for entry in folder.iterdir()
+            if entry.is_file() and any(entry.name.endswith(suffix) for suffix in CONTENT_TYPES)
+        }
 
     def html(self, name: str, status: int = HTTPStatus.OK) -> Reply:
         return self._reply(name, status, "no-cache")

@@ -20,8 +20,10 @@ class RunInfo:
 
 def run_info(config: RunConfig) -> RunInfo:
     model = config.model
-    shape = (f"{model.n_layers} layers, d_model {model.d_model}, {model.n_heads} heads, vocab {model.vocab_size:,}, "
-             f"{model.seq_len:,} tokens per sequence, {len(model.stages)} stages ({', '.join(model.stage_names)})")
+    shape = (
+        f"{model.n_layers} layers, d_model {model.d_model}, {model.n_heads} heads, vocab {model.vocab_size:,}, "
+        f"{model.seq_len:,} tokens per sequence, {len(model.stages)} stages ({', '.join(model.stage_names)})"
+    )
     return RunInfo(config.name, shape)
 
 
@@ -43,7 +45,9 @@ def contributor_view(store: PointsStore, identity: str, now: float) -> dict[str,
     if row is None:
         return None
     reasons = store.withheld_reasons()
-    peers = sorted((peer for peer in store.peers().values() if peer.identity == identity), key=lambda peer: peer.first_seen)
+    peers = sorted(
+        (peer for peer in store.peers().values() if peer.identity == identity), key=lambda peer: peer.first_seen
+    )
     return {
         "generated_at": now,
         "identity": identity,
