@@ -36,7 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "relay": ("agora_client.relay.main", "run a relay for workers no port mapping can open"),
     "snapshot-server": (
         "agora_client.snapshots.server_cli",
-        "serve a snapshot store directory over HTTP(S) (Range, HEAD, ETag)",
+        "serve a snapshot store directory over HTTP(S) with sendfile (Range, If-Range, HEAD, ETag)",
     ),
     "deploy": (
         "agora_client.deploy.cli",
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agora", description="Agora: train large models on volunteers' GPUs.")
     _load(CLIENT_MODULE).configure(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module_name, help_text) in COMMANDS.items():
+    for name, (_, help_text) in COMMANDS.items():
         # configure() is resolved lazily: only the chosen command's module is imported.
         sub.add_parser(name, help=help_text, add_help=False)
     return parser

@@ -5,9 +5,10 @@ Where: ``--config-dir``, else ``$XDG_CONFIG_HOME/agora``, else ``~/.config/agora
 typed it, goes to ``secrets.json`` with mode 0600 (never into config.json, argv or logs).
 
 Token, first found wins: ``HF_TOKEN`` in the environment; the token saved here; the token saved
-by ``hf auth login`` (huggingface_hub); else the user is asked. ``--reconfigure`` asks again
-(``HF_TOKEN`` still wins). The swarm (its auth service URL) is asked for when none was given or saved. The GPU is asked for
-when NVML sees several and none was chosen.
+by ``hf auth login`` (huggingface_hub) once the user confirms it (``--use-hf-login-token`` where nobody can be
+asked); else the user is asked. ``--reconfigure`` asks again
+(``HF_TOKEN`` still wins). The swarm (its auth service URL) is asked for when none was given or saved. The GPU is asked
+for when NVML sees several and none was chosen.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ class ClientConfigStore:
         except ValidationError as error:
             first = error.errors()[0]
             raise ClientConfigError(
-                f"{self.config_path}: {'.'.join(map(str, first['loc']))}: {first['msg']}; fix it or run with --reconfigure"
+                f"{self.config_path}: {'.'.join(map(str, first['loc']))}: {first['msg']}; fix it or run with "
+                "--reconfigure"
             ) from None
 
     def save(self, config: ClientConfig) -> None:
@@ -145,7 +147,8 @@ class ClientConfigStore:
 def _ask_token(prompts: Prompts, current: str | None) -> str:
     if not prompts.interactive:
         raise ClientConfigError(
-            f"no Hugging Face token: set HF_TOKEN, run `hf auth login`, or start the client once in a terminal ({TOKEN_PAGE})"
+            "no Hugging Face token: set HF_TOKEN, run `hf auth login`, or start the client once in a "
+            f"terminal ({TOKEN_PAGE})"
         )
     keep = " (Enter keeps the current one)" if current else ""
     for _ in range(_MAX_ATTEMPTS):
@@ -156,6 +159,20 @@ def _ask_token(prompts: Prompts, current: str | None) -> str:
             return token
         prompts.say(f"That is not a Hugging Face token: {TOKEN_RULE}. Create one at {TOKEN_PAGE}")
     raise ClientConfigError(f"no valid Hugging Face token after {_MAX_ATTEMPTS} tries; create one at {TOKEN_PAGE}")
+
+
+def _login_token_confirmed(prompts: Prompts, use_login_token: bool) -> bool:
+    """The token of ``hf auth login`` is often write-scoped and meant for the user's own tools: it goes to a swarm only
+    when the user says so (``--use-hf-login-token``, or yes when asked)."""
+    if use_login_token:
+        return True
+    if not prompts.interactive:
+        raise ClientConfigError(
+            "a token saved by `hf auth login` was found, but it is sent to a swarm only when you say so: pass "
+            "--use-hf-login-token, or set HF_TOKEN to a read-only token"
+        )
+    answer = prompts.ask("Send the token saved by `hf auth login` to this swarm's auth service? [y/N]: ")
+    return answer.strip().lower() in ("y", "yes")
 
 
 def _ask_swarm(prompts: Prompts, current: str | None) -> str:
@@ -213,6 +230,7 @@ def resolve_client(
     list_gpus: Callable[[], list] = _list_gpus,
     need_swarm: bool = True,
     use_gpu: bool = True,
+    use_login_token: bool = False,
 ) -> ResolvedClient:
     """Load, complete (asking only what is missing) and save the client config; return it with the token.
 
@@ -222,7 +240,7 @@ def resolve_client(
     store = ClientConfigStore(config_dir)
     previous, stored_token = _load_saved(store, reconfigure)
     swarm_url = validate_swarm_url(swarm) if swarm else (previous.swarm_url if previous else None)
-    token, source = _resolve_token(store, prompts, env, login_token, stored_token, reconfigure)
+    token, source = _resolve_token(store, prompts, env, login_token, stored_token, reconfigure, use_login_token)
     if need_swarm and (swarm_url is None or (reconfigure and not swarm and prompts.interactive)):
         swarm_url = _ask_swarm(prompts, swarm_url)
     saved_gpu_index = previous.gpu_index if previous else None
@@ -249,16 +267,18 @@ def _resolve_token(
     login_token: Callable[[], str | None],
     stored_token: str | None,
     reconfigure: bool,
+    use_login_token: bool = False,
 ) -> tuple[str, str]:
-    """The token and where it came from: HF_TOKEN, saved, hf auth login, else asked (and saved if typed)."""
+    """The token and where it came from: HF_TOKEN, saved, hf auth login (confirmed), else asked (and saved if typed)."""
     env_token = (env.get("HF_TOKEN") or "").strip()
     if env_token:
         return env_token, "HF_TOKEN"
     if stored_token and not reconfigure:
         return stored_token, "saved"
-    if not reconfigure and (logged_in := login_token()):
+    logged_in = login_token()
+    if not reconfigure and logged_in and _login_token_confirmed(prompts, use_login_token):
         return logged_in, "hf auth login"
-    current = stored_token or login_token()
+    current = stored_token or (logged_in if use_login_token else None)
     token = _ask_token(prompts, current)
     source = "kept" if token == current else "typed"
     if source == "typed":

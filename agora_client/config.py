@@ -153,7 +153,8 @@ class SpartaConfig(_Strict):
     max_peer_delta: float = Field(
         default=0.5,
         gt=0,
-        description="bound on one peer's pull: its part of a slice may differ from ours by at most this x our part's norm",
+        description="bound on one peer's pull: its part of a slice may differ from ours by at most this x our "
+        "part's norm",
     )
     payload: Literal["fp32", "bf16", "int8"] = Field(
         default="fp32",
@@ -169,8 +170,9 @@ class SpartaConfig(_Strict):
         default=0.0,
         ge=0,
         lt=1,
-        description="Nesterov momentum of an outer step on every averaged slice, as in DiLoCo (averaging/outer_momentum.py); "
-        "with outer_lr 1, 0 is plain averaging. Above 0 it keeps two float32 per trainable parameter in host memory",
+        description="Nesterov momentum of an outer step on every averaged slice, as in DiLoCo "
+        "(averaging/outer_momentum.py); with outer_lr 1, 0 is plain averaging. Above 0 it keeps two float32 per "
+        "trainable parameter in host memory",
     )
     outer_lr: float = Field(
         default=1.0,

@@ -1,4 +1,5 @@
-"""`agora describe --preset 8b`: a preset's stages, parameter counts, boundary traffic, memory plan and tokenizer, allocating nothing.
+"""`agora describe --preset 8b`: a preset's stages, parameter counts, boundary traffic, memory plan and tokenizer,
+allocating nothing.
 
 A tokenizer that cannot be fetched (a hub repo on a machine offline) is shown as not loaded; one that is
 loaded but does not fit the preset (another vocabulary size, another sha256 than pinned) fails the command.
@@ -17,7 +18,7 @@ from agora_client.averaging.link_timing import butterfly_bytes, round_timing
 from agora_client.config import ConfigError, ModelConfig, RunConfig, SubspaceConfig, load_config
 from agora_client.data.tokenizer import TokenizerError, TokenizerUnavailable, describe_tokenizer, load_run_tokenizer
 from agora_client.engine.averaging import DEFAULT_PART_SIZE_BYTES
-from agora_client.model.memory import gib, largest_microbatch, plan_stage
+from agora_client.model.memory import choose_layout, gib, largest_microbatch, plan_stage
 from agora_client.model.stages import boundary_width, param_counts
 
 FLOAT_BYTES = 4  # boundaries travel as float32
@@ -26,6 +27,11 @@ TOKEN_ID_BYTES = 8  # token ids travel as int64 beside every boundary, dense or 
 # (memory and communication: ~1.37B head, ~907M per body, ~2.73B tail).
 DOCUMENTED_8B = {"head": 1.37e9, "body": 907e6, "tail": 2.73e9}
 VRAM_SIZES_GIB = (24, 48, 80)  # cards the plan is shown for
+HOME_CARDS_GIB = (16, 24)  # the GPUs volunteers own
+HOME_RAM_GIB = (32, 64)  # their PCs' RAM, less HOME_OS_GIB for the system and desktop
+HOME_OS_GIB = 4
+PCIE_BYTES_PER_S = {"PCIe 4.0 x16": 31.5e9, "PCIe 4.0 x8": 15.75e9}
+RTX_4090_FLOPS = 0.4 * 165e12  # dense bf16 at 40% MFU
 UPLINKS_MBIT = (50, 100, 200)  # home uplinks a SPARTA round is timed for
 
 
@@ -83,8 +89,58 @@ def describe_memory(run: RunConfig) -> list[dict]:
         plan["largest_microbatch"] = {
             f"{size}GiB": largest_microbatch(run, name, size * 2**30) for size in VRAM_SIZES_GIB
         }
+        plan["home"] = describe_home(run, name)
         rows.append(plan)
     return rows
+
+
+def describe_home(run: RunConfig, stage: str) -> dict:
+    """On each home card: the layout it takes the stage in, what that costs per microbatch and per step, and
+    whether a home PC's RAM holds the host side."""
+    cards = {}
+    for size in HOME_CARDS_GIB:
+        layout = choose_layout(run, stage, size * 2**30)
+        if layout is None:
+            cards[f"{size}GiB"] = None
+            continue
+        plan = plan_stage(run, stage, layout=layout)
+        cards[f"{size}GiB"] = {
+            "layout": layout,
+            "gpu_peak": plan.gpu_peak,
+            "host_need": plan.host_need(True),
+            "pcie_per_microbatch": plan.pcie_per_microbatch,
+            "pcie_per_step": plan.pcie_per_step,
+            "host_traffic_per_microbatch": plan.host_traffic_per_microbatch,
+            "seconds": {link: plan.seconds(RTX_4090_FLOPS, rate) for link, rate in PCIE_BYTES_PER_S.items()},
+            "ram_holds": {f"{ram}GiB": plan.host_need(True) <= (ram - HOME_OS_GIB) * 2**30 for ram in HOME_RAM_GIB},
+        }
+    return cards
+
+
+def format_home(info: dict) -> list[str]:
+    links = list(PCIE_BYTES_PER_S)
+    lines = [
+        f"home cards ({' / '.join(str(s) for s in HOME_CARDS_GIB)} GiB): layout, GPU peak, host need, PCIe per "
+        f"microbatch / step, s at {' / '.join(links)}, beside compute at 40% MFU of an RTX 4090; "
+        f"PCs of {' / '.join(str(r) for r in HOME_RAM_GIB)} GiB RAM ({HOME_OS_GIB} GiB kept for the system)",
+    ]
+    for plan in info["memory"]:
+        for card, home in plan["home"].items():
+            if home is None:
+                lines.append(f"{plan['stage']:<8}{card:>6}  does not fit")
+                continue
+            seconds = home["seconds"]
+            transfer = " / ".join(f"{seconds[link]['pcie_microbatch']:.2f}" for link in links)
+            ram = ", ".join(f"{size}: {'yes' if holds else 'no'}" for size, holds in home["ram_holds"].items())
+            stage, layout, peak, need = plan["stage"], home["layout"], gib(home["gpu_peak"]), gib(home["host_need"])
+            moved = f"{home['pcie_per_microbatch'] / 1e9:>7.2f} / {home['pcie_per_step'] / 1e9:.2f} GB"
+            compute = f"{seconds[links[0]]['compute']:.2f} s compute"
+            added = f"host add {home['host_traffic_per_microbatch'] / 1e9:.1f} GB/microbatch"
+            lines.append(
+                f"{stage:<8}{card:>6}  {layout:<8}{peak:>11}{need:>11}{moved}   {transfer} s vs {compute}; {added}; "
+                f"RAM {ram}"
+            )
+    return lines
 
 
 def describe_sparta(run: RunConfig, counts: dict[str, int]) -> list[dict]:
@@ -135,7 +191,9 @@ def format_sparta(info: dict) -> list[str]:
 
 
 def describe_run_tokenizer(run: RunConfig) -> dict:
-    """The run's tokenizer as loaded, or its source and why it could not be loaded; TokenizerError if it does not fit."""
+    """The run's tokenizer as loaded, or its source and why it could not be loaded.
+
+    Raises TokenizerError if it does not fit the model."""
     try:
         return describe_tokenizer(load_run_tokenizer(run))
     except TokenizerUnavailable as error:
@@ -200,7 +258,7 @@ def format_description(name: str, info: dict) -> str:
         f"(x{per_token['ratio_forward_with_token_ids']:.1f} with it)"
     )
     if "memory" in info:
-        lines += format_memory(info)
+        lines += format_memory(info) + format_home(info)
     if "sparta" in info:
         lines += format_sparta(info)
     if "tokenizer" in info:

@@ -289,6 +289,10 @@ class ErrorEvent(_Event):
     where: str = ""
 
 
+# ErrorEvent.where of a runtime that could not begin the join (no usable GPU, bad transport, no run description)
+STARTING = "start-up"
+
+
 class ExitEvent(_Event):
     kind: Literal["exit"] = "exit"
     code: int
@@ -318,35 +322,6 @@ Event = Annotated[
     ],
     Field(discriminator="kind"),
 ]
-KINDS = (
-    "auth",
-    "download",
-    "queue",
-    "sync",
-    "step",
-    "sparta",
-    "resources",
-    "points",
-    "stage",
-    "traffic",
-    "swarm",
-    "auth",
-    "download",
-    "queue",
-    "sync",
-    "step",
-    "sparta",
-    "resources",
-    "points",
-    "stage",
-    "preflight",
-    "reachability",
-    "yield",
-    "energy",
-    "log",
-    "error",
-    "exit",
-)
 
 _adapter: TypeAdapter[Event] = TypeAdapter(Event)
 

@@ -27,10 +27,10 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agora_client.events import ErrorEvent, EventWriter, ExitEvent
+from agora_client.events import STARTING, ErrorEvent, EventWriter, ExitEvent
 from agora_client.frontend.exit_codes import EXIT_ERROR, EXIT_OK, EXIT_REJECTED, EXIT_USAGE
 from agora_client.system.gpu_yield import configure_yield, policy_of
-from agora_client.system.lifetime import stop_on_signals
+from agora_client.system.lifetime import on_signals, stop_on_signals
 from agora_client.system.log_events import logs_to_events
 
 if TYPE_CHECKING:
@@ -100,7 +100,9 @@ class _CannotStart(Exception):
 
 
 def run(args: argparse.Namespace) -> int:
-    """Token, run description, contributor, then contribute until stopped; the exit code as the module docstring says."""
+    """Token, run description, contributor, then contribute until stopped.
+
+    The exit code as the module docstring says."""
     stop = stop_on_signals()  # first: nothing forked later may inherit the handler
     events = EventWriter(sys.stdout)
     logs_to_events(events)  # the front end shows events; engine log records become events, not stderr
@@ -113,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         description = _run_description(args)
         _refuse_plain_http_services(args, description)
     except _CannotStart as failure:
-        return _exit(events, failure.code, str(failure), hint=failure.hint)
+        return _exit(events, failure.code, str(failure), hint=failure.hint, where=STARTING)
     return _contribute_while_allowed(args, device, description, events, stop, token)
 
 
@@ -134,7 +136,7 @@ def _contribute_while_allowed(
     try:
         while wait_until_free(policy, users, events, stop):
             contributor = _contributor(args, device, description, events, stop, policy)
-            signal.signal(signal.SIGUSR1, lambda *_: contributor.retry_now.set())  # the app's "retry now" key
+            on_signals((signal.SIGUSR1,), contributor.retry_now.set)  # the app's "retry now" key
             code = _contribute(contributor, token, events)
             if code is not None:
                 return code
@@ -146,7 +148,9 @@ def _contribute_while_allowed(
 
 
 def _secure_transport(args: argparse.Namespace) -> None:
-    """Refuse a plain http:// swarm on the internet before anything is sent to it, and trust ``--ca-cert`` from now on."""
+    """Refuse a plain http:// swarm on the internet before anything is sent to it.
+
+    Then trust ``--ca-cert`` from now on."""
     from agora_client.auth.transport import (
         TOKEN_IN_CLEAR,
         CaCertificateError,
@@ -209,7 +213,8 @@ def _device(args: argparse.Namespace) -> tuple[str, str]:
         raise _CannotStart(
             EXIT_ERROR,
             f"{error}. A worker needs a usable CUDA GPU",
-            hint="choose an NVIDIA GPU that CUDA can use with --gpu N; --cpu runs the worker on the CPU (the demo and tests only)",
+            hint="choose an NVIDIA GPU that CUDA can use with --gpu N; --cpu runs the worker on the CPU (the demo "
+            "and tests only)",
         ) from error
 
 
@@ -274,9 +279,11 @@ def _contribute(contributor: Contributor, token: str, events: EventWriter) -> in
     return None
 
 
-def _exit(events: EventWriter, code: int, reason: str, *, said: bool = False, hint: str | None = None) -> int:
+def _exit(
+    events: EventWriter, code: int, reason: str, *, said: bool = False, hint: str | None = None, where: str = "runtime"
+) -> int:
     if code != EXIT_OK and not said:
-        events.emit(ErrorEvent(message=reason, hint=hint or "", where="runtime"))
+        events.emit(ErrorEvent(message=reason, hint=hint or "", where=where))
     events.emit(ExitEvent(code=code, reason=reason))
     return code
 

@@ -21,7 +21,7 @@ from agora_client.config import RunConfig
 from agora_client.joining.gpu_fit import MIN_CAPABILITY, GpuRefused, fit_stage
 from agora_client.model import build_stage
 from agora_client.model.layers import native_bf16
-from agora_client.model.memory import CUDA_RESERVED_BYTES, gib, plan_stage, usable_bytes
+from agora_client.model.memory import CUDA_RESERVED_BYTES, LAYOUTS, card_layout, gib, plan_stage, usable_bytes
 from agora_client.model.subspace import fixed_embedding_rows
 from agora_client.system.gpu import (
     CardId,
@@ -34,7 +34,8 @@ from agora_client.system.gpu import (
     probe_cuda_device,
 )
 
-SMALL_CARD_BYTES = 24 * 2**30  # the card a contributor most often has (RTX 3090 / 4090): head or a body, never the tail
+HOME_CARD_BYTES = 24 * 2**30  # the card a contributor most often has (RTX 3090 / 4090): every stage, the tail offloaded
+SMALL_CARD_BYTES = 16 * 2**30  # a smaller home card (RTX 4080, 4060 Ti 16 GB): a body, never the tail
 COPY_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}  # per direction and repeat
 COPY_REPEATS = 5  # after one warm-up copy; the fastest is reported
 
@@ -118,23 +119,34 @@ def card_of(device: torch.device) -> GpuSpec:
     return GpuSpec(f"{_cpu_name()} (--dry: its RAM judged as a card)", psutil.virtual_memory().total, MIN_CAPABILITY)
 
 
-def dry_card_bytes(run: RunConfig) -> int:
-    """--dry's small card for a small preset: halfway between the largest head or body peak at the run's microbatch
-    and the tail's at one sequence, as 24 GiB lies between them for 8b; the fit check then decides as it does there."""
-    stages = run.model.stage_names
-    holds = max(plan_stage(run, stage).gpu_peak for stage in stages if stage != "tail")
-    refused = plan_stage(run, "tail", 1).gpu_peak
+def _peak(run: RunConfig, stage: str, layout: str, microbatch: int | None = None) -> int:
+    return plan_stage(run, stage, microbatch, layout=layout).gpu_peak
+
+
+def dry_card_bytes(run: RunConfig, home: bool) -> int:
+    """--dry's cards for a small preset, which the fit check then decides on as it does on the 8b's 24 and 16 GiB
+    cards. Home: halfway between what holds every head and body in fp32 and the tail in the offload layout, and the
+    tail's fp32 peak (so that the tail takes the offload layout). Small: halfway between the first body's least peak
+    (in the layout that holds the most) and the tail's in that layout (so that a body trains and the tail is
+    refused). Peaks at the run's microbatch, which --dry trains at."""
+    stages, last = run.model.stage_names, LAYOUTS[-1]
+    if home:
+        holds = max(*(_peak(run, stage, "fp32") for stage in stages if stage != "tail"), _peak(run, "tail", last))
+        refused = _peak(run, "tail", "fp32")
+    else:
+        holds, refused = _peak(run, stages[1], last), _peak(run, "tail", last)
     if holds >= refused:
         raise ValueError(
-            f"preset {run.name}: no card holds every head and body ({gib(holds)}) but not the tail "
-            f"({gib(refused)}); --dry needs a preset whose tail is the largest stage"
+            f"preset {run.name}: no {'home' if home else 'small'} card holds what it should ({gib(holds)}) without "
+            f"what it should not ({gib(refused)}); --dry needs a preset whose tail is the largest stage"
         )
     return CUDA_RESERVED_BYTES + (holds + refused) // 2
 
 
-def small_card(run: RunConfig, card: GpuSpec, dry: bool) -> GpuSpec:
-    """``card`` judged as a small one, as the contributor's JoinFit does with its ``capacity`` override."""
-    capacity = dry_card_bytes(run) if dry else SMALL_CARD_BYTES
+def emulated_card(run: RunConfig, card: GpuSpec, dry: bool, home: bool) -> GpuSpec:
+    """``card`` judged as a home (24 GiB) or small (16 GiB) one, as the contributor's JoinFit does with its
+    ``capacity`` override."""
+    capacity = dry_card_bytes(run, home) if dry else HOME_CARD_BYTES if home else SMALL_CARD_BYTES
     return replace(card.limited_to(capacity), name=f"{card.name} held to {gib(capacity)}")
 
 
@@ -166,9 +178,15 @@ def allocator_cap(device: torch.device, card_bytes: int) -> Iterator[dict]:
 
 
 def tail_refusal(run: RunConfig, card: GpuSpec) -> dict:
-    """The join-time fit check on the tail for ``card``: refused, with the plan's numbers, or the microbatch it took."""
-    plan = plan_stage(run, "tail", 1)
-    facts = {"planned_peak_one_sequence": plan.gpu_peak, "usable": usable_bytes(card.capacity)}
+    """The join-time fit check on the tail for ``card``: refused, with the plan's numbers in the layout the card
+    would take it in, or the microbatch it took."""
+    layout = card_layout(run, "tail", card.capacity)
+    facts = {
+        "layout": layout,
+        "planned_peak_one_sequence": _peak(run, "tail", layout, 1),
+        "planned_peak": _peak(run, "tail", layout),
+        "usable": usable_bytes(card.capacity),
+    }
     try:
         decision = fit_stage(run, "tail", card)
     except GpuRefused as refusal:

@@ -8,11 +8,18 @@ ModuleBackend.backward does, and the epoch's optimizer step (gradient clipping, 
 in pinned host memory when the run offloads them). Measured: peak device memory against the memory plan, the
 time of a forward plus a backward request, tokens/s, MFU, and the optimizer step on its own.
 
+In the offload layout (agora_client/model/memory.py LAYOUTS, a card the fp32 layout does not fit) the stage is
+built on the host and the requests run on its bf16 device copy (agora_client/serving/device_copy.py) under bf16
+autocast, as agora_client/serving/backend.py runs them: the copy refreshed before a request, each backward's
+gradients streamed to the host and added into the masters' fp32 sum; the optimizer step runs on the host, then the
+copy takes the new weights (timed with the step).
+
 Imports nothing that loads hivemind: this runs on a GPU machine that has only torch and a few wheels.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import re
@@ -27,6 +34,7 @@ from agora_client.config import RunConfig
 from agora_client.model import StageModule, build_stage, trainable_parameter_count
 from agora_client.model.layers import autocast_context, native_bf16
 from agora_client.model.memory import plan_stage
+from agora_client.serving.device_copy import DeviceCopy
 from agora_client.worker.optimizer import build_optimizer
 
 TIMED_REQUESTS = 3  # forward and backward requests timed after the warm-up; the median of each is reported
@@ -83,17 +91,25 @@ def timed(device: torch.device, work: Callable[[], Any]) -> tuple[Any, float]:
     return result, time.perf_counter() - started
 
 
-def build_in_background(run: RunConfig, stage: str, device: torch.device) -> tuple[StageModule, float]:
+def build_in_background(
+    run: RunConfig, stage: str, device: torch.device, layout: str = "fp32"
+) -> tuple[StageModule, DeviceCopy | None, float]:
     """The stage built in a thread of its own and run once at batch 1 with autograd on, as prepare_stage does
-    (agora_client/worker/prepared_stage.py, started by joining/preparation.py); (module, seconds)."""
+    (agora_client/worker/prepared_stage.py, started by joining/preparation.py); (masters, device copy, seconds).
+    In the offload layout the masters are built on the host and the example runs on the device copy."""
     outcome: dict[str, Any] = {}
 
     def build() -> None:
         try:
-            module = build_stage(run.model, stage, seed=run.seed, device=device)
-            module(*module.example_inputs(1))  # prepare_stage's schema run: the first forward's costs paid here
+            module = build_stage(run.model, stage, seed=run.seed, device="cpu" if layout == "offload" else device)
+            copy = DeviceCopy(module, run.model, device, seed=run.seed) if layout == "offload" else None
+            served = module if copy is None else copy.module
+            if copy is not None:
+                copy.refresh()
+            with contextlib.nullcontext() if copy is None else copy.autocast():
+                served(*served.example_inputs(1))  # prepare_stage's schema run: the first forward's costs paid here
             synchronize(device)
-            outcome["module"] = module
+            outcome["stage"] = module, copy
         except Exception as error:  # raised again in the waiting thread, as StagePreparation does
             outcome["error"] = error
 
@@ -103,7 +119,7 @@ def build_in_background(run: RunConfig, stage: str, device: torch.device) -> tup
     thread.join()
     if "error" in outcome:
         raise outcome["error"]
-    return outcome["module"], time.perf_counter() - started
+    return *outcome["stage"], time.perf_counter() - started
 
 
 def stage_inputs(module: StageModule, microbatch: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -119,15 +135,22 @@ def stage_inputs(module: StageModule, microbatch: int, device: torch.device) -> 
 
 
 class StageRequests:
-    """A worker's forward and backward requests on one microbatch, each asserting the autocast it runs under."""
+    """A worker's forward and backward requests on one microbatch, each asserting the autocast it runs under; with
+    ``copy`` (the offload layout) on the device copy, as StageBackend runs them there."""
 
     def __init__(
-        self, module: StageModule, inputs: tuple[torch.Tensor, ...], device: torch.device, mixed_precision: bool
+        self,
+        module: StageModule,
+        inputs: tuple[torch.Tensor, ...],
+        device: torch.device,
+        mixed_precision: bool,
+        copy: DeviceCopy | None = None,
     ):
-        self.module, self.inputs, self.device = module, inputs, device
-        self.autocast = autocast_context(device, mixed_precision)
-        # a GPU must run the run's bf16; a CPU without native bf16 computes in fp32, as its worker does
-        self.require_bf16 = mixed_precision and (device.type == "cuda" or native_bf16(device))
+        self.module, self.inputs, self.device, self.copy = module if copy is None else copy.module, inputs, device, copy
+        self.autocast = autocast_context(device, mixed_precision) if copy is None else copy.autocast
+        # a GPU must run the run's bf16; a CPU without native bf16 computes in fp32, as its worker does; the device
+        # copy is bf16 whatever the device
+        self.require_bf16 = copy is not None or (mixed_precision and (device.type == "cuda" or native_bf16(device)))
         self.autocast_dtype: str | None = None
         self._grad_output: torch.Tensor | None = None
 
@@ -142,17 +165,24 @@ class StageRequests:
         self.autocast_dtype = str(dtype or torch.float32).removeprefix("torch.")
 
     def forward(self) -> torch.Tensor:
+        if self.copy is not None:
+            self.copy.refresh()
         with torch.no_grad(), self.autocast():
             self._check_autocast()
             return self.module(*self.inputs).float()
 
     def backward(self) -> tuple[torch.Tensor, ...]:
-        """The forward again with autograd, then backward; parameter gradients accumulate, input gradients return."""
+        """The forward again with autograd, then backward; parameter gradients accumulate (offload: streamed to the
+        host and added into the masters' sum), input gradients return."""
+        if self.copy is not None:
+            self.copy.refresh()
         with torch.enable_grad(), self.autocast():
             self._check_autocast()
             args = [t.detach().requires_grad_(True) if t.is_floating_point() else t for t in self.inputs]
             output = self.module(*args)
             torch.autograd.backward((output,), grad_tensors=(self._grad_for(output),))
+        if self.copy is not None:
+            self.copy.collect_gradients()
         return tuple(arg.grad for arg in args if arg.is_floating_point())
 
     def _grad_for(self, output: torch.Tensor) -> torch.Tensor:
@@ -165,11 +195,16 @@ class StageRequests:
         return self._grad_output.to(output.dtype)
 
 
-def optimizer_step(run: RunConfig, stage: str, parameters: list[torch.nn.Parameter], optimizer) -> float:
-    """The epoch's step as agora_client/worker/epochs.py takes it; returns the gradient norm before clipping."""
+def optimizer_step(
+    run: RunConfig, stage: str, parameters: list[torch.nn.Parameter], optimizer, copy: DeviceCopy | None = None
+) -> float:
+    """The epoch's step as agora_client/worker/epochs.py takes it (offload: on the host masters, then the device copy
+    takes the new weights); returns the gradient norm before clipping."""
     norm = float(torch.nn.utils.clip_grad_norm_(parameters, run.clip_norm(stage)))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if copy is not None:
+        copy.refresh()
     return norm
 
 
@@ -202,8 +237,8 @@ def _throughput(parameters: int, tokens: int, seconds: float, peak_flops: float 
     return {"tokens_per_s": tokens / seconds, "mfu": mfu, "mfu_note": peak_note}
 
 
-def _against_plan(run: RunConfig, stage: str, microbatch: int, device: torch.device) -> dict:
-    planned = plan_stage(run, stage, microbatch).gpu_peak
+def _against_plan(run: RunConfig, stage: str, microbatch: int, device: torch.device, layout: str) -> dict:
+    planned = plan_stage(run, stage, microbatch, layout=layout).gpu_peak
     allocated, reserved = peaks(device)
     return {
         "planned_peak": planned,
@@ -215,28 +250,34 @@ def _against_plan(run: RunConfig, stage: str, microbatch: int, device: torch.dev
 
 
 def measure_stage(
-    run: RunConfig, stage: str, microbatch: int, device: torch.device, peak: tuple[float | None, str]
+    run: RunConfig,
+    stage: str,
+    microbatch: int,
+    device: torch.device,
+    peak: tuple[float | None, str],
+    layout: str = "fp32",
 ) -> dict:
-    """Build ``stage``, warm it up (one forward, backward and optimizer step), then measure as the module says."""
+    """Build ``stage`` in ``layout``, warm it up (one forward, backward and optimizer step), then measure as the
+    module says."""
     release(device)
-    module, build_s = build_in_background(run, stage, device)
+    module, copy, build_s = build_in_background(run, stage, device, layout)
     build_peak, _ = peaks(device)
     parameters = [param for param in module.parameters() if param.requires_grad]
     optimizer = build_optimizer(parameters, run)
-    requests = StageRequests(module, stage_inputs(module, microbatch, device), device, run.use_mixed_precision)
+    inputs = stage_inputs(module, microbatch, device)
+    requests = StageRequests(module, inputs, device, run.use_mixed_precision, copy)
     requests.forward()
     requests.backward()
-    optimizer_step(
-        run, stage, parameters, optimizer
-    )  # also allocates the moments (pinned when offloaded to a GPU's host)
+    optimizer_step(run, stage, parameters, optimizer, copy)  # also allocates the moments (pinned when offloaded)
     if device.type == "cuda":  # the window starts from what a worker holds between epochs, its allocator's cache kept
         torch.cuda.reset_peak_memory_stats(device)
     measured = _requests_timed(device, requests)
-    grad_norm, step_s = timed(device, lambda: optimizer_step(run, stage, parameters, optimizer))
+    grad_norm, step_s = timed(device, lambda: optimizer_step(run, stage, parameters, optimizer, copy))
     tokens, count = microbatch * run.model.seq_len, trainable_parameter_count(module)
     step = measured["forward_s"] + measured["backward_s"]
     return {
         "stage": stage,
+        "layout": layout,
         "microbatch": microbatch,
         "tokens": tokens,
         "parameters": count,
@@ -249,5 +290,5 @@ def measure_stage(
         "optimizer_step_s": step_s,
         "grad_norm": grad_norm,
         "finite": measured["outputs_finite"] and math.isfinite(grad_norm),
-        **_against_plan(run, stage, microbatch, device),
+        **_against_plan(run, stage, microbatch, device, layout),
     }

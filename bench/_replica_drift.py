@@ -64,7 +64,9 @@ def drift_between(rounds: list[RoundSeen], since: float, until: float) -> dict:
 
 
 def sparta_tally(rounds: list[RoundSeen]) -> dict:
-    """A stage's SPARTA rounds over the run: reported (every worker counts its own), averaged, bytes each worker sent."""
+    """A stage's SPARTA rounds over the run.
+
+    Reported (every worker counts its own), averaged, bytes each worker sent."""
     workers = {seen.worker for seen in rounds}
     return {
         "rounds_reported": len(rounds),

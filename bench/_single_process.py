@@ -78,7 +78,7 @@ class InProcessPipeline:
             return stage(*inputs).float()
 
     def _step(self) -> None:
-        for parameters, optimizer, clip in zip(self.parameters, self.optimizers, self.clip):
+        for parameters, optimizer, clip in zip(self.parameters, self.optimizers, self.clip, strict=True):
             for parameter in parameters:
                 if parameter.grad is not None:
                     parameter.grad.div_(self.samples)

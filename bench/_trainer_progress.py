@@ -40,7 +40,9 @@ def parse(line: str, at: float) -> ProgressPoint | None:
 
 
 class ProgressRecorder:
-    """An ``on_line`` callback for LocalSwarm: keeps every trainer's progress and evaluation points, stamped on arrival."""
+    """An ``on_line`` callback for LocalSwarm.
+
+    Keeps every trainer's progress and evaluation points, stamped on arrival."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

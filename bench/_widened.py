@@ -1,4 +1,6 @@
-"""The tiny preset with body1 widened to a size that matters, for the benches that need a large stage (not a bench itself).
+"""The tiny preset with body1 widened to a size that matters.
+
+For the benches that need a large stage (not a bench itself).
 
 The width is chosen by counting the built stage's parameters (on the meta device), not by a formula: the
 Subspace constraint makes a body layer's size depend on more than its width.

@@ -39,7 +39,7 @@ def measure_swarm(preset_path: Path, microbatches: int, run_dir: Path) -> dict[s
     with LocalSwarm(options) as swarm:
         trainer = swarm.trainers[0]
         trainer.wait_for("[TRAINER] stopped", timeout=600)
-        line = [l for l in trainer.lines() if l.startswith("[TRAFFIC]")][-1]
+        line = [text for text in trainer.lines() if text.startswith("[TRAFFIC]")][-1]
     traffic = json.loads(line.split(" ", 1)[1])
     return {key: traffic[key] for key in BOUNDARY_KEYS}
 
@@ -69,7 +69,8 @@ def main() -> None:
     }
     for name, per_token in figures["tiny_bytes_per_token"].items():
         print(
-            f"tiny {name:10s}: forward {per_token[BOUNDARY_KEYS[0]]:.1f} B/token, backward {per_token[BOUNDARY_KEYS[1]]:.1f} B/token"
+            f"tiny {name:10s}: forward {per_token[BOUNDARY_KEYS[0]]:.1f} B/token, backward "
+            f"{per_token[BOUNDARY_KEYS[1]]:.1f} B/token"
         )
     print(f"tiny ratio     : forward x{figures['tiny_ratio_forward']}, backward x{figures['tiny_ratio_backward']}")
     print(f"8b (head boundary, [1, {config_8b.seq_len}, d]): {json.dumps(big)}")

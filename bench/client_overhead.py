@@ -47,6 +47,7 @@ import termios
 import threading
 import time
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import httpx
@@ -212,7 +213,9 @@ class Contributor:
         return times.user + times.system, group
 
     def stop(self) -> float:
-        """Stop as a user does (`q` in the app, Ctrl-C headless); seconds it took. Kills what is left after a timeout."""
+        """Stop as a user does (`q` in the app, Ctrl-C headless); seconds it took.
+
+        Kills what is left after a timeout."""
         started = time.monotonic()
         if self.proc.poll() is None:
             if self.terminal is not None:
@@ -265,7 +268,7 @@ def worker_throughput(events: list[dict], start: float, end: float) -> dict:
             "stage": None,
         }
     forward = backward = 0.0
-    for previous, step in zip(steps, steps[1:]):
+    for previous, step in pairwise(steps):
         minutes = (step["ts"] - previous["ts"]) / 60  # each event's rates cover the time since the previous one
         forward += step["forward_per_min"] * minutes
         backward += step["backward_per_min"] * minutes
@@ -402,7 +405,7 @@ def main() -> int:
     app_rate = median(by_mode["app"], "requests_per_min")
     pair_ratios = [
         round(app["requests_per_min"] / headless["requests_per_min"], 3)
-        for headless, app in zip(by_mode["headless"], by_mode["app"])
+        for headless, app in zip(by_mode["headless"], by_mode["app"], strict=True)
         if headless["requests_per_min"] > 0
     ]
     result = {

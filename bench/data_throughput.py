@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Can the data pipeline keep a trainer fed? Its tokens/s against the tokens/s one trainer consumes (tiny), side by side.
+"""Can the data pipeline keep a trainer fed?
+
+Its tokens/s against the tokens/s one trainer consumes (tiny), side by side.
 
 - pipeline: the TokenStream a trainer builds (agora_client/data/stream.py) over the run's data (tiny: the
   standard library's source) with the run's tokenizer (tiny: the shipped BPE tokenizer demo-bpe-2k.json),

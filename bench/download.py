@@ -9,6 +9,8 @@ Both write to the same file system and delete their file afterwards. Two links: 
 (gigabytes per second: there the CPU binds, and hashing competes with receiving for the machine's
 cores) and a store paced to --line-mbit (a fast home or datacenter line). Then one download of ours
 through a store that cuts the connection once, halfway: the bytes fetched twice measure what a cut costs.
+The paced and the cutting stores are the server behind a front in its process (``tests/store_front.py``): the
+server sends with sendfile, so pacing and cuts happen in a front that forwards its bytes.
 
     python bench/download.py            # 500 MiB, 3 repeats per link: ~2 min
     python bench/download.py --mb 100 --repeats 5 --line-mbit 500
@@ -19,6 +21,7 @@ Last line: one JSON object.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import json
 import multiprocessing as mp
@@ -37,40 +40,42 @@ import httpx  # noqa: E402
 from agora_client.events import NULL_WRITER  # noqa: E402
 from agora_client.snapshots import download_snapshot  # noqa: E402
 from agora_client.snapshots.format import FORMAT, FORMAT_VERSION, LATEST_FILE, MANIFEST_FILE, PARAMS_FILE  # noqa: E402
-from agora_client.snapshots.server import RangeRequestHandler, serve_directory  # noqa: E402
+from agora_client.snapshots.server import serve_directory  # noqa: E402
+from tests.store_front import StoreFront  # noqa: E402
 
 STAGE, SNAPSHOT = "body1", "00000001-20260101T000000.000000Z"
 
 
-class PacedStore(RangeRequestHandler):
-    """Sends each response body at no more than ``rate`` bytes per second (None: as fast as it can)."""
+class PacedStore(StoreFront):
+    """A front to the store that passes each response body on at no more than ``rate`` bytes per second."""
 
-    rate: float | None = None  # set before the store's process is forked
+    rate = 1.0  # set before the store's process is forked
 
-    def send_head(self):
-        self._body_sent, self._body_started = 0, time.monotonic()
-        return super().send_head()
-
-    def send_body(self, block, outputfile):
-        super().send_body(block, outputfile)
-        self._body_sent += len(block)
-        if self.rate is not None:
-            time.sleep(max(0.0, self._body_started + self._body_sent / self.rate - time.monotonic()))
+    async def relay_body(self, target, blocks, send):
+        started, sent = time.monotonic(), 0
+        async for block in blocks:
+            await send(block)
+            sent += len(block)
+            await asyncio.sleep(max(0.0, started + sent / self.rate - time.monotonic()))
 
 
-class CutHalfwayOnce(PacedStore):
-    """Drops the first transfer of the snapshot file after ``half`` of its bytes."""
+class CutHalfwayOnce(StoreFront):
+    """A front to the store that drops the first transfer of the snapshot file after ``half`` of its bytes."""
 
     half = 0  # set before the store's process is forked
     cut = False
 
-    def send_body(self, block, outputfile):
-        if PARAMS_FILE in self.path and not CutHalfwayOnce.cut and self._body_sent + len(block) > self.half:
-            super().send_body(block[: self.half - self._body_sent], outputfile)
-            CutHalfwayOnce.cut = True
-            self.close_connection = True
-            raise ConnectionAbortedError("bench cut")
-        super().send_body(block, outputfile)
+    async def relay_body(self, target, blocks, send):
+        if PARAMS_FILE not in target or CutHalfwayOnce.cut:
+            return await super().relay_body(target, blocks, send)
+        sent = 0
+        async for block in blocks:
+            if sent + len(block) > self.half:
+                await send(block[: self.half - sent])
+                CutHalfwayOnce.cut = True
+                raise ConnectionAbortedError("bench cut")
+            await send(block)
+            sent += len(block)
 
 
 def publish(root: Path, megabytes: int) -> int:
@@ -100,21 +105,25 @@ def publish(root: Path, megabytes: int) -> int:
     return size
 
 
-def _serve(root: Path, handler: type[RangeRequestHandler], conn) -> None:
-    server = serve_directory(root, handler=handler)
-    conn.send(server.url)
+def _serve(root: Path, front: type[StoreFront] | None, conn) -> None:
+    server = serve_directory(root)
+    served = front(server.url) if front is not None else server
+    conn.send(served.url)
     conn.recv()  # until the bench is done
-    conn.send((server.bytes_sent, getattr(handler, "cut", None)))
+    conn.send((served.bytes_sent, getattr(front, "cut", None)))
+    if front is not None:
+        served.close()
     server.close()
 
 
 class Store:
-    """The file server in its own process, as a real store would be: it does not share our GIL."""
+    """The file server in its own process, as a real store would be: it does not share our GIL. With ``front`` (paced or
+    cutting) the bench talks to that front, in the same process, which forwards to the server."""
 
-    def __init__(self, root: Path, handler: type[RangeRequestHandler]):
+    def __init__(self, root: Path, front: type[StoreFront] | None):
         context = mp.get_context("fork")
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(root, handler, child), daemon=True)
+        self._process = context.Process(target=_serve, args=(root, front, child), daemon=True)
         self._process.start()
         self.url = self._conn.recv()
 
@@ -149,14 +158,15 @@ def main() -> int:
         root = scratch / "store"
         size = publish(root, args.mb)
         for link, rate in (("loopback", None), (f"{args.line_mbit:g}mbit", args.line_mbit * 1e6 / 8)):
-            PacedStore.rate = rate
-            store = Store(root, PacedStore)
+            if rate is not None:
+                PacedStore.rate = rate
+            store = Store(root, PacedStore if rate is not None else None)
             try:
                 links[link] = compare(store.url, scratch, size, args.repeats, link)
             finally:
                 store.close()
 
-        PacedStore.rate, CutHalfwayOnce.half = None, size // 2
+        CutHalfwayOnce.half = size // 2
         cut_store = Store(root, CutHalfwayOnce)
         try:
             target = download_snapshot(

@@ -9,20 +9,25 @@ budget is spent is cut: the check then reports what it has and ends):
 1. device: name, compute capability, memory, CUDA runtime; NVML's driver and its view of the same card, found by
    UUID (or PCI address); without NVML the JSON says so.
 2. stages: the head, the first body and the tail, each where the join-time fit check (agora_client/joining/
-   gpu_fit.py) takes it on this card, at the largest microbatch it allows: built in a background thread as a
-   contributor builds it, then a forward and a recomputing backward request under BF16 autocast (asserted on) and
-   the offloaded AdamW step (bench/_gpu_stage_run.py). Peak memory (allocated and reserved) over the plan's figure
+   gpu_fit.py) takes it on this card, at the largest microbatch it allows and in the layout it picks
+   (agora_client/model/memory.py LAYOUTS): built in a background thread as a contributor builds it, then a forward
+   and a recomputing backward request under BF16 autocast (asserted on) and the offloaded AdamW step
+   (bench/_gpu_stage_run.py). Peak memory (allocated and reserved) over the plan's figure
    (agora_client/model/memory.py), forward + backward time, tokens/s, MFU against the card's dense BF16 peak with
    6 x parameters x tokens as the useful work (the recomputed forward not counted), and the AdamW step on its own.
-3. small_card: a 24 GiB card emulated by holding torch's allocator to what such a card leaves it: the head and the
-   body train at the microbatch the plan picks for 24 GiB; the fit check refuses the tail with the plan's numbers.
-   --dry: a small card halfway between the tiny bodies' and tail's planned peaks, without a cap (the CPU has none).
-4. numerics: the body's BF16 forward against FP32 (relative error); E_f rows hashed on the device against the CPU.
-5. bandwidth: pinned host <-> device copy rate (GB/s each way), which the offloaded AdamW's chunks ride on.
+3. home_card: a 24 GiB card emulated by holding torch's allocator to what such a card leaves it: the head, the
+   body and the tail train at the microbatch and in the layout the plan picks for 24 GiB (the tail in the offload
+   layout: BF16 weights on the card, FP32 masters, gradient sum and AdamW on the host).
+4. small_card: a 16 GiB card emulated the same way: the body trains; the fit check refuses the tail with the
+   plan's numbers. --dry: cards sized from the tiny plan so that the fit check decides as it does at 8b
+   (bench/_gpu_sections.py, dry_card_bytes), without a cap (the CPU has none).
+5. numerics: the body's BF16 forward against FP32 (relative error); E_f rows hashed on the device against the CPU.
+6. bandwidth: pinned host <-> device copy rate (GB/s each way), which the offloaded AdamW's chunks ride on.
 
-Targets: peak / plan within 0.9-1.1 for every stage run; the small card holds the head and the body and refuses the
-tail; MFU >= 0.35 on the body; E_f rows match and the BF16 error is at most 0.05; hivemind never imported. A figure
-not measured (the CPU has no device peak and no MFU) is null. Each miss is printed, and listed in the JSON, with
+Targets: peak / plan within 0.9-1.1 for every stage run; the home card trains the head, the body and the tail (the
+tail in the offload layout); the small card trains the body and refuses the tail; MFU >= 0.35 on the body; E_f rows
+match and the BF16 error is at most 0.05; hivemind never imported. A figure not measured (the CPU has no device
+peak and no MFU) is null. Each miss is printed, and listed in the JSON, with
 the stage and by how much. The last line is one JSON object. Exit status: 0 when every section ran and nothing
 missed, 1 otherwise, 2 without a CUDA device (use --dry there), 3 when cut at the budget.
 
@@ -51,9 +56,9 @@ from _gpu_sections import (  # noqa: E402
     bf16_against_fp32,
     card_of,
     device_facts,
+    emulated_card,
     hashed_rows_against_cpu,
     pinned_copy_rate,
-    small_card,
     tail_refusal,
 )
 from _gpu_stage_run import measure_stage, peak_bf16_flops, release  # noqa: E402
@@ -63,7 +68,7 @@ from agora_client.joining.gpu_fit import GpuRefused, fit_stage  # noqa: E402
 from agora_client.model.memory import gib  # noqa: E402
 from agora_client.system.gpu import GpuSpec  # noqa: E402
 
-SECTIONS = ("device", "stages", "small_card", "numerics", "bandwidth")
+SECTIONS = ("device", "stages", "home_card", "small_card", "numerics", "bandwidth")
 BUDGET_S = 420.0
 PEAK_RANGE = (0.9, 1.1)
 MFU_TARGET = 0.35
@@ -163,7 +168,8 @@ def item_line(item: dict) -> str:
     mfu = "n/a" if item["mfu"] is None else f"{item['mfu']:.3f}"
     return (
         f"{name}: {item['microbatch']} seq, autocast {item['autocast']}, peak/plan {ratio}, forward + backward "
-        f"{item['step_s']:.3f} s, {item['tokens_per_s']:.0f} tokens/s, MFU {mfu}, AdamW step {item['optimizer_step_s']:.3f} s"
+        f"{item['step_s']:.3f} s, {item['tokens_per_s']:.0f} tokens/s, MFU {mfu}, AdamW step "
+        f"{item['optimizer_step_s']:.3f} s"
     )
 
 
@@ -188,7 +194,10 @@ def fitted_run(
     except GpuRefused as refusal:
         return {"stage": stage, "skipped": f"does not fit: {refusal}"}
     microbatch = decision.microbatch if max_microbatch is None else min(decision.microbatch, max_microbatch)
-    return {"largest_microbatch": decision.largest, **measure_stage(run, stage, microbatch, device, peak)}
+    return {
+        "largest_microbatch": decision.largest,
+        **measure_stage(run, stage, microbatch, device, peak, decision.layout),
+    }
 
 
 def peak_of(card: GpuSpec, device: torch.device) -> tuple[float | None, str]:
@@ -205,23 +214,21 @@ def stages_section(check: Check, run: RunConfig, device: torch.device, max_micro
     return {"card": card.name, "capacity": card.capacity, "peak_bf16": peak[1], "runs": runs}
 
 
-def small_card_section(
-    check: Check, run: RunConfig, device: torch.device, dry: bool, max_microbatch: int | None
+def emulated_card_section(
+    check: Check, run: RunConfig, device: torch.device, dry: bool, max_microbatch: int | None, home: bool
 ) -> dict:
+    """The home card (24 GiB) trains the head, the body and the tail; the small one (16 GiB) the body, and the fit
+    check's answer for the tail is reported."""
     real = card_of(device)
-    card, peak = small_card(run, real, dry), peak_of(real, device)
+    card, peak = emulated_card(run, real, dry, home), peak_of(real, device)
+    stages = checked_stages(run) if home else checked_stages(run)[1:2]
     with allocator_cap(device, card.capacity) as cap:
         runs = [
             check.attempt(lambda stage=stage: fitted_run(run, stage, card, device, max_microbatch, peak), stage=stage)
-            for stage in checked_stages(run)[:2]
+            for stage in stages
         ]
-    return {
-        "card": card.name,
-        "capacity": card.capacity,
-        "allocator": cap,
-        "runs": runs,
-        "tail": tail_refusal(run, card),
-    }
+    section = {"card": card.name, "capacity": card.capacity, "allocator": cap, "runs": runs}
+    return section if home else {**section, "tail": tail_refusal(run, card)}
 
 
 def numerics_section(check: Check, run: RunConfig, device: torch.device) -> dict:
@@ -251,7 +258,7 @@ def _unmeasured(on_gpu: bool, what: str) -> dict:
 def peak_target(report: dict, on_gpu: bool) -> tuple[dict, list[str]]:
     low, high = PEAK_RANGE
     ratios, misses = {}, []
-    for section in ("stages", "small_card"):
+    for section in ("stages", "home_card", "small_card"):
         for item in _runs(report, section):
             if item.get("peak_vs_plan") is None:
                 continue
@@ -268,20 +275,36 @@ def peak_target(report: dict, on_gpu: bool) -> tuple[dict, list[str]]:
     return {"pass": not misses, "detail": f"target {low}-{high}", "ratios": ratios}, misses
 
 
+def _untrained(section: dict, label: str) -> list[str]:
+    return [
+        f"{label} ({section['card']}): {item['stage']} did not train: {item.get('error') or item.get('skipped')}"
+        for item in section["runs"]
+        if "error" in item or "skipped" in item
+    ]
+
+
+def home_card_target(report: dict) -> tuple[dict, list[str]]:
+    section = report["sections"].get("home_card", {})
+    if not section.get("ok"):
+        return {"pass": False, "detail": "the section did not run to its end"}, ["home card: the section did not run"]
+    misses = _untrained(section, "home card")
+    tail = next((item for item in section["runs"] if item["stage"] == "tail"), {})
+    if "layout" in tail and tail["layout"] != "offload":
+        misses.append(f"home card ({section['card']}): the tail ran in the {tail['layout']} layout, not offload")
+    detail = f"{section['card']}: head, body and tail train, the tail in the offload layout"
+    return {"pass": not misses, "detail": detail}, misses
+
+
 def small_card_target(report: dict) -> tuple[dict, list[str]]:
     section = report["sections"].get("small_card", {})
     if not section.get("ok"):
         return {"pass": False, "detail": "the section did not run to its end"}, ["small card: the section did not run"]
-    misses = [
-        f"small card ({section['card']}): {item['stage']} did not train: {item.get('error') or item.get('skipped')}"
-        for item in section["runs"]
-        if "error" in item or "skipped" in item
-    ]
+    misses = _untrained(section, "small card")
     if not section["tail"]["refused"]:
         misses.append(
             f"small card ({section['card']}): the fit check took the tail at {section['tail']['microbatch']} seq"
         )
-    return {"pass": not misses, "detail": f"{section['card']}: head and body train, the tail is refused"}, misses
+    return {"pass": not misses, "detail": f"{section['card']}: the body trains, the tail is refused"}, misses
 
 
 def mfu_target(report: dict, body_stage: str, on_gpu: bool) -> tuple[dict, list[str]]:
@@ -318,6 +341,7 @@ def judge(report: dict, on_gpu: bool) -> tuple[dict, list[str]]:
     body = report["body_stage"]
     judged = {
         "peak_vs_plan": peak_target(report, on_gpu),
+        "home_card": home_card_target(report),
         "small_card": small_card_target(report),
         "mfu_body": mfu_target(report, body, on_gpu),
         "numerics": numerics_target(report),
@@ -334,7 +358,8 @@ def judge(report: dict, on_gpu: bool) -> tuple[dict, list[str]]:
 def passed(report: dict) -> bool:
     """Every section ran to its end, no stage run failed, and no target failed (null ones were not measured)."""
     sections_ok = not report["skipped"] and all(section["ok"] for section in report["sections"].values())
-    runs_ok = not any("error" in item for name in ("stages", "small_card") for item in _runs(report, name))
+    sections = ("stages", "home_card", "small_card")
+    runs_ok = not any("error" in item for name in sections for item in _runs(report, name))
     return sections_ok and runs_ok and all(target["pass"] is not False for target in report["targets"].values())
 
 
@@ -382,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     check.section("device", lambda: device_facts(device))
     check.section("stages", lambda: stages_section(check, run, device, max_microbatch))
-    check.section("small_card", lambda: small_card_section(check, run, device, args.dry, max_microbatch))
+    check.section("home_card", lambda: emulated_card_section(check, run, device, args.dry, max_microbatch, True))
+    check.section("small_card", lambda: emulated_card_section(check, run, device, args.dry, max_microbatch, False))
     check.section("numerics", lambda: numerics_section(check, run, device))
     check.section("bandwidth", lambda: pinned_copy_rate(device))
     return check.finish()

@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Pipeline tokens/s and SPARTA rounds of the tiny swarm on shaped home-like uplinks, subspace compression on against off.
+"""Pipeline tokens/s and SPARTA rounds of the tiny swarm on shaped home-like uplinks.
+
+Subspace compression on against off.
 
 Every worker of a local swarm (tiny preset, --workers per stage, one trainer) runs on a host of its own: a
 network namespace on a bridge (tests/netns.py BridgedHosts; needs root and tc). The seeds and the trainer
@@ -108,7 +110,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def bytes_per_token(preset: str) -> dict[str, int]:
-    """Forward bytes per token of one boundary with its token id, dense and compressed, as `agora describe` counts them."""
+    """Forward bytes per token of one boundary with its token id, dense and compressed.
+
+    As `agora describe` counts them."""
     figures = describe_model(load_config(preset).model)["bytes_per_token"]
     return {
         "dense": figures["dense_activation"] + figures["token_id"],
@@ -122,7 +126,9 @@ def link_tokens_per_s(mbit: float, per_token: int, workers: int) -> float:
 
 
 def plan_rates(args: argparse.Namespace, tiny: dict[str, int], big: dict[str, int]) -> list[Rate]:
-    """No shaping, then the home links scaled by the compressed bytes (the traffic Agora sends) and by the dense ones."""
+    """No shaping, then the home links scaled by the compressed bytes and by the dense ones.
+
+    The compressed bytes are the traffic Agora sends."""
     rates = [Rate("unshaped", None, "no limit: what the CPUs allow; the dense-binding check compares with it")]
     scaled = [("compressed", home) for home in args.home_mbit] + [("dense", home) for home in args.dense_home_mbit]
     for boundary, home in scaled:
@@ -132,9 +138,10 @@ def plan_rates(args: argparse.Namespace, tiny: dict[str, int], big: dict[str, in
             Rate(
                 f"{home:g} Mbit {boundary}",
                 mbit,
-                f"{REFERENCE} {boundary} ({big[boundary]:,} B/token) on a {home:g} Mbit/s home uplink spends as long per "
-                f"token on the link as {PRESET} {boundary} ({tiny[boundary]:,} B/token) at {mbit:.2f} Mbit/s; bandwidth "
-                f"alone lets a body stage's uplinks carry at most tokens/s: {carried}",
+                f"{REFERENCE} {boundary} ({big[boundary]:,} B/token) on a {home:g} Mbit/s home uplink spends "
+                f"as long per token on the link as {PRESET} {boundary} ({tiny[boundary]:,} B/token) at "
+                f"{mbit:.2f} Mbit/s; bandwidth alone lets a body stage's uplinks carry at most tokens/s: "
+                f"{carried}",
             )
         )
     return sorted(rates, key=lambda rate: -(rate.mbit or math.inf))  # widest first

@@ -1,15 +1,22 @@
 """Measured peak memory of one stage step against the memory plan (agora_client/model/memory.py).
 
-One stage step is what a worker does: a backward request (the forward re-run under the run's
-autocast, then backward, accumulating into fp32 gradients already there from earlier requests of
-the epoch), then the optimizer step (OffloadAdamW, moments on the host when the run offloads them).
-The peak over both is compared with the plan.
+One stage step is what a worker does: a backward request through the worker's StageBackend (the forward re-run
+under the run's autocast, then backward, accumulating into fp32 gradients already there from earlier requests of
+the epoch), then the optimizer step (OffloadAdamW, moments on the host when the run offloads them). The peak over
+both is compared with the plan for the precision the device really runs (a device without native bf16 runs the
+fp32 layout in fp32: model/layers.py, runs_bf16).
+
+Each stage is measured in the fp32 layout, and again in the layout the 8b preset's stage takes on a 24 GiB card
+where that is another (the tail: "offload", model/memory.py LAYOUTS). In the offload layout the device holds the
+bf16 copy (serving/device_copy.py) and the step runs on the host: the device's side of it is the refresh of the
+copy, measured on its own after the step.
 
 - CUDA (default when a GPU is present): the 8b preset; the peak is torch.cuda.max_memory_allocated.
   Stages whose plan exceeds the card are reported as skipped, with their planned bytes.
 - CPU: a scaled 8b (every width / 8, sequence 512, same layer split and GQA ratio); the peak is the
   CPU allocator's, from the profiler's running "Total Allocated" over the step, plus the bytes the
-  stage's tensors held when the step began (weights, frozen basis, gradients; moments if not offloaded).
+  stage's tensors held on the device when the step began (weights, frozen basis, gradients; moments if not
+  offloaded; in the offload layout the copy's bf16 weights and frozen basis).
 
 - Export (`agora export`): a checkpoint set of the 8b layer split at width --export-width (640: the scaled 8b
   above; 128 for a quick check) is exported in a fresh process, fp32 and bf16, while a thread samples its RSS
@@ -24,31 +31,35 @@ The peak over both is compared with the plan.
   memory by the plan on the CPU: weights, frozen basis and both moments (no gradients: they appear at the first
   backward). The streamed load may add one tensor of the files (``largest_tensor``) above that.
 
-Usage: python bench/memory.py [--device cuda|cpu] [--stages head,body1,tail] [--microbatch N] [--fp32] [--no-offload] [--export-width W]
-                              [--load-width W]
-The last line is one JSON object: per stage the measured and planned peaks and their ratio.
+Usage: python bench/memory.py [--device cuda|cpu] [--stages head,body1,tail] [--microbatch N] [--fp32] [--no-offload]
+                              [--export-width W] [--load-width W]
+The last line is one JSON object: per stage and layout the measured and planned peaks and their ratio, and
+max_ratio over them (target: every ratio within 0.9-1.1).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import multiprocessing
 import tempfile
 import threading
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import torch
-from hivemind.moe.server.module_backend import ModuleBackend
 from hivemind.utils.tensor_descr import BatchTensorDescriptor
 from torch.profiler import ProfilerActivity, profile
 
 from agora_client.config import RunConfig, load_config
 from agora_client.model import build_stage
-from agora_client.model.layers import autocast_context
-from agora_client.model.memory import gib, plan_stage, usable_bytes
+from agora_client.model.layers import runs_bf16
+from agora_client.model.memory import choose_layout, gib, plan_stage, usable_bytes
+from agora_client.serving.backend import StageBackend
+from agora_client.serving.device_copy import DeviceCopy
 from agora_client.snapshots import load_stage_snapshot, save_stage_snapshot
 from agora_client.worker.optimizer import build_optimizer
 
@@ -57,10 +68,11 @@ SCALED_8B = {
     "name": "8b-scaled",
     "model": {"d_model": 640, "n_heads": 5, "n_kv_heads": 1, "ffn_hidden": 2304, "vocab_size": 16032, "seq_len": 512},
 }
+HOME_CARD_BYTES = 24 * 2**30  # the card whose layout each 8b stage is measured in too
 
 
 def _inputs(
-    module, run: RunConfig, microbatch: int, device: torch.device
+    module, run: RunConfig, microbatch: int, device: torch.device, autocast=contextlib.nullcontext
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, run.model.vocab_size, (microbatch, run.model.seq_len), generator=generator).to(device)
@@ -69,7 +81,7 @@ def _inputs(
     else:
         boundary = torch.randn(microbatch, run.model.seq_len, module.boundary_width, generator=generator).to(device)
         inputs = (boundary, tokens, tokens) if module.stage == "tail" else (boundary, tokens)
-    with torch.no_grad():
+    with torch.no_grad(), autocast():
         output = module(*inputs)
     return inputs, torch.randn(output.shape, generator=generator).to(device) * 1e-3
 
@@ -79,7 +91,7 @@ def _tensor_bytes(tensors) -> int:
 
 
 def _resident_bytes(module, optimizer, offload: bool) -> int:
-    """Bytes the stage's own tensors hold on its device right now."""
+    """Bytes the stage's own tensors hold on its device right now (fp32 layout)."""
     tensors = [*module.parameters(), *module.buffers(), *(p.grad for p in module.parameters() if p.grad is not None)]
     if not offload:
         tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
@@ -87,10 +99,11 @@ def _resident_bytes(module, optimizer, offload: bool) -> int:
 
 
 class PeakMeter:
-    """The device allocator's peak over a window: CUDA's counter, or the profiler's running total on the CPU."""
+    """The device allocator's peak over a window: CUDA's counter, or on the CPU the profiler's running total above
+    ``resident()``, what the stage's tensors hold on the device when the window opens."""
 
-    def __init__(self, device: torch.device, module, optimizer, offload: bool):
-        self.device, self.module, self.optimizer, self.offload = device, module, optimizer, offload
+    def __init__(self, device: torch.device, resident: Callable[[], int]):
+        self.device, self.resident = device, resident
 
     def measure(self, work) -> int:
         if self.device.type == "cuda":
@@ -99,7 +112,7 @@ class PeakMeter:
             work()
             torch.cuda.synchronize(self.device)
             return torch.cuda.max_memory_allocated(self.device)
-        before = _resident_bytes(self.module, self.optimizer, self.offload)
+        before = self.resident()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
             work()
         with tempfile.TemporaryDirectory() as folder:
@@ -110,25 +123,47 @@ class PeakMeter:
         return before + max(totals, default=0)
 
 
-def measure_stage(run: RunConfig, stage: str, microbatch: int, device: torch.device) -> dict:
-    plan = plan_stage(run, stage, microbatch)
-    module = build_stage(run.model, stage, seed=0, device=device)
-    parameters = [p for p in module.parameters() if p.requires_grad]
-    optimizer = build_optimizer(parameters, run)
-    inputs, grad_output = _inputs(module, run, microbatch, device)
-    backend = ModuleBackend(
-        stage,
-        module,
+def planned_precision(run: RunConfig, device: torch.device, layout: str) -> bool | None:
+    """The precision to plan ``layout`` with on ``device``: what it really runs (the offload layout: bf16 always)."""
+    return None if layout == "offload" else runs_bf16(device, run.use_mixed_precision)
+
+
+def _stage_backend(run: RunConfig, module, copy: DeviceCopy | None, inputs, grad_output, device) -> StageBackend:
+    """The worker's backend (agora_client/worker/node.py) over the stage, or over its device copy."""
+    return StageBackend(
+        module.stage,
+        module if copy is None else copy.module,
+        device_copy=copy,
+        lock=threading.Lock(),
+        on_samples=lambda samples: None,
+        device=device,
+        mixed_precision=run.use_mixed_precision,
+        on_forward=lambda tokens, outputs: None,
+        on_backward=lambda tokens: None,
+        on_unhealthy=lambda reason: None,
         args_schema=tuple(BatchTensorDescriptor.from_tensor(t) for t in inputs),
         outputs_schema=BatchTensorDescriptor.from_tensor(grad_output),
         min_batch_size=1,
-        max_batch_size=microbatch,
+        max_batch_size=grad_output.shape[0],
     )
-    autocast = autocast_context(device, run.use_mixed_precision)
 
-    def backward_request() -> None:  # what StageBackend.backward runs: forward again, then backward
-        with autocast():
-            backend.backward(*inputs, grad_output)
+
+def measure_stage(run: RunConfig, stage: str, microbatch: int, device: torch.device, layout: str = "fp32") -> dict:
+    plan = plan_stage(run, stage, microbatch, layout=layout, mixed_precision=planned_precision(run, device, layout))
+    offload = layout == "offload"
+    module = build_stage(run.model, stage, seed=0, device="cpu" if offload else device)  # offload: masters on the host
+    copy = DeviceCopy(module, run.model, device, seed=0) if offload else None
+    parameters = [p for p in module.parameters() if p.requires_grad]
+    optimizer = build_optimizer(parameters, run)
+    if copy is None:
+        inputs, grad_output = _inputs(module, run, microbatch, device)
+    else:
+        copy.refresh()
+        inputs, grad_output = _inputs(copy.module, run, microbatch, device, copy.autocast)
+    backend = _stage_backend(run, module, copy, inputs, grad_output, device)
+
+    def backward_request() -> None:  # forward again, then backward (and, offload: the gradients to the host)
+        backend.backward(*inputs, grad_output)
 
     def optimizer_step() -> None:  # what EpochController._step runs
         torch.nn.utils.clip_grad_norm_(parameters, 1.0)
@@ -138,13 +173,21 @@ def measure_stage(run: RunConfig, stage: str, microbatch: int, device: torch.dev
     backward_request()  # warm-up: kernels, the optimizer's moments
     optimizer_step()
     backward_request()  # gradients now accumulate: the state of a worker for all but the first request of an epoch
-    meter = PeakMeter(device, module, optimizer, run.offload_optimizer)
-    backward_peak = meter.measure(backward_request)
-    step_peak = meter.measure(optimizer_step)
+    if copy is None:
+        meter = PeakMeter(device, lambda: _resident_bytes(module, optimizer, run.offload_optimizer))
+        backward_peak = meter.measure(backward_request)
+        step_peak = meter.measure(optimizer_step)
+    else:
+        meter = PeakMeter(device, copy.device_bytes)
+        backward_peak = meter.measure(backward_request)
+        optimizer_step()  # on the host; the device's part is the copy's refresh from the new masters
+        step_peak = meter.measure(copy.refresh)
     measured = max(backward_peak, step_peak)
     return {
         "stage": stage,
+        "layout": layout,
         "microbatch": microbatch,
+        "mixed_precision": plan.mixed_precision,
         "measured_peak": measured,
         "measured_backward_peak": backward_peak,
         "measured_step_peak": step_peak,
@@ -276,7 +319,9 @@ def width_scaled(width: int) -> RunConfig:
 
 
 def _save_snapshot_in_child(run: RunConfig, stage: str, folder: str) -> tuple[str, int]:
-    """(A process of its own.) The stage with both AdamW moments saved under folder: its directory, its largest tensor's bytes."""
+    """(A process of its own.) The stage with both AdamW moments saved under folder.
+
+    Its directory, its largest tensor's bytes."""
     module = build_stage(run.model, stage, seed=0)
     parameters = [p for p in module.parameters() if p.requires_grad]
     optimizer = build_optimizer(parameters, run)
@@ -324,6 +369,42 @@ def measure_snapshot_load(run: RunConfig, stage: str) -> dict:
     }
 
 
+def stage_layouts(stage: str, switches: dict) -> list[str]:
+    """fp32, and the layout the 8b preset's stage takes on a 24 GiB card where that is another."""
+    home = choose_layout(load_config("8b", switches), stage, HOME_CARD_BYTES)
+    return ["fp32"] + ([home] if home not in (None, "fp32") else [])
+
+
+def measure_stages(
+    run: RunConfig, stages: list[str], microbatch: int, device: torch.device, switches: dict
+) -> tuple[list[dict], list[dict]]:
+    """Each stage in each of its layouts (stage_layouts): (measured, skipped for exceeding this card)."""
+    results, skipped = [], []
+    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    for stage in stages:
+        for layout in stage_layouts(stage, switches):
+            precision = planned_precision(run, device, layout)
+            planned = plan_stage(run, stage, microbatch, layout=layout, mixed_precision=precision).gpu_peak
+            if capacity is not None and planned > usable_bytes(capacity):
+                print(
+                    f"{stage} ({layout}): skipped, planned peak {gib(planned)} exceeds this card's usable "
+                    f"{gib(usable_bytes(capacity))}"
+                )
+                skipped.append({"stage": stage, "layout": layout, "planned_peak": planned})
+                continue
+            result = measure_stage(run, stage, microbatch, device, layout)
+            print(
+                f"{stage} ({layout}, {'bf16' if result['mixed_precision'] else 'fp32'}): measured peak "
+                f"{gib(result['measured_peak'])} (backward {gib(result['measured_backward_peak'])}, optimizer step "
+                f"{gib(result['measured_step_peak'])}), planned {gib(result['planned_peak'])}, "
+                f"ratio {result['ratio']:.3f}"
+            )
+            results.append(result)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return results, skipped
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -348,25 +429,7 @@ def main() -> None:
     switches = {"use_mixed_precision": not args.fp32, "offload_optimizer": not args.no_offload}
     run = load_config("8b", switches) if device.type == "cuda" else load_config("8b", {**SCALED_8B, **switches})
     microbatch = args.microbatch or run.optim.microbatch_size
-    results, skipped = [], []
-    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    for stage in args.stages.split(","):
-        planned = plan_stage(run, stage, microbatch).gpu_peak
-        if capacity is not None and planned > usable_bytes(capacity):
-            print(
-                f"{stage}: skipped, planned peak {gib(planned)} exceeds this card's usable {gib(usable_bytes(capacity))}"
-            )
-            skipped.append({"stage": stage, "planned_peak": planned})
-            continue
-        result = measure_stage(run, stage, microbatch, device)
-        print(
-            f"{stage}: measured peak {gib(result['measured_peak'])} (backward {gib(result['measured_backward_peak'])}, "
-            f"optimizer step {gib(result['measured_step_peak'])}), planned {gib(result['planned_peak'])}, "
-            f"ratio {result['ratio']:.3f}"
-        )
-        results.append(result)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    results, skipped = measure_stages(run, args.stages.split(","), microbatch, device, switches)
     loads = (
         [measure_snapshot_load(width_scaled(args.load_width), stage) for stage in args.stages.split(",")]
         if args.load_width

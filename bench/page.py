@@ -87,8 +87,8 @@ def main() -> None:
                     raise SystemExit(f"load {index}: {timings['rows']} leaderboard rows, expected {args.contributors}")
                 loads.append(timings)
                 print(
-                    f"load {index}: first contentful paint {timings['fcp']:.0f} ms, first render {timings['render']:.0f} ms "
-                    f"({timings['rows']} rows)",
+                    f"load {index}: first contentful paint {timings['fcp']:.0f} ms, first render "
+                    f"{timings['render']:.0f} ms ({timings['rows']} rows)",
                     flush=True,
                 )
             errors = console_errors(driver)

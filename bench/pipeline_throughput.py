@@ -146,8 +146,8 @@ def main() -> int:
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="agora-bench-throughput-"))
     before = run_in_process(config, args.local_seconds)
     print(
-        f"one process (before): {before['tokens_per_s']:.0f} tokens/s, {before['tokens_per_cpu_s']:.0f} per CPU-second, "
-        f"over {before['microbatches']} microbatches",
+        f"one process (before): {before['tokens_per_s']:.0f} tokens/s, {before['tokens_per_cpu_s']:.0f} per "
+        f"CPU-second, over {before['microbatches']} microbatches",
         flush=True,
     )
     swarm = run_swarm(config, args, run_dir)

@@ -72,6 +72,7 @@ def start_worker(seeds: list[str], preset_path: Path, run_dir: Path, name: str, 
         "cpu",
         "--events",
         str(run_dir / f"{name}.events.jsonl"),
+        "--open",  # a bench's own swarm: no auth service
         *publish,
     ]
     output = run_dir / f"{name}.log"

@@ -109,7 +109,9 @@ def measure(swarm: LocalSwarm, recorder: ProgressRecorder, policy: str, args: ar
 def measure_policies(
     args: argparse.Namespace, options: SwarmOptions, quotas: CpuQuotas | None, results: dict[str, list[dict]]
 ) -> tuple[str, str]:
-    """Run the swarm (each worker in a quota group of its own, if ``quotas``) and measure each policy; (fast, slow) uid."""
+    """Run the swarm (each worker in a quota group of its own, if ``quotas``) and measure each policy.
+
+    Returns the (fast, slow) uid."""
     recorder = ProgressRecorder()
     place = None if quotas is None else (lambda stage, index: quotas.group(f"{stage}-{index}", args.cpus))
     swarm = LocalSwarm(options, on_line=recorder, place_worker=place)

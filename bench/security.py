@@ -31,10 +31,11 @@ body2 backward unverifiable at 1.413, every other stage and kind verifiable (hea
 0.838 / 1.133, body2 0.571 forward, tail 0.124 / 0.698).
 
 ``--receipts-cost`` measures what the trainers' receipts (agora_client.trainer.receipts) cost a trainer: one swarm
-(one worker per stage: the cost is the trainer's), two trainers side by side over the same seconds, one publishing receipts (``--receipts on``, as deployed) and one not
-(``--receipts off``), neither spot-checking; each round swaps their start order and data shards, so that neither
-keeps an advantage. Throughput is microbatches/s from each trainer's progress lines; the last line's
-``receipts_throughput_ratio`` is on / off (the mean of the rounds' ratios; target >= 0.98).
+(one worker per stage: the cost is the trainer's), two trainers side by side over the same seconds, one publishing
+receipts (``--receipts on``, as deployed) and one not (``--receipts off``), neither spot-checking; each round swaps
+their start order and data shards, so that neither keeps an advantage. Throughput is microbatches/s from each trainer's
+progress lines; the last line's ``receipts_throughput_ratio`` is on / off (the mean of the rounds' ratios; target >=
+0.98).
 
     python bench/security.py                       # ~7 min on 2 cores
     python bench/security.py --rounds 2 --fractions 0.02 0.1 0.5
@@ -183,7 +184,9 @@ def measure_swarm(
 
 
 def measure_calibration(run_dir: Path, args: argparse.Namespace) -> dict[str, object]:
-    """One honest swarm, three workers per stage, one trainer spot-checking for ``--seconds``: what calibration made of it."""
+    """One honest swarm, three workers per stage, one trainer spot-checking for ``--seconds``.
+
+    What calibration made of it."""
     options = SwarmOptions(workers_per_stage=3, trainers=0, run_dir=run_dir, report_every=5.0)
     swarm = LocalSwarm(options)
     try:
@@ -212,7 +215,9 @@ def measure_calibration(run_dir: Path, args: argparse.Namespace) -> dict[str, ob
 
 
 def measure_receipts_cost(run_dir: Path, args: argparse.Namespace) -> dict[str, object]:
-    """One swarm, a trainer with receipts and one without side by side each round (order and shards swapped per round)."""
+    """One swarm, a trainer with receipts and one without side by side each round.
+
+    Order and shards swapped per round."""
     recorder = ProgressRecorder()
     swarm = LocalSwarm(
         SwarmOptions(workers_per_stage=1, trainers=0, run_dir=run_dir, report_every=2.0), on_line=recorder
@@ -236,7 +241,7 @@ def measure_receipts_cost(run_dir: Path, args: argparse.Namespace) -> dict[str, 
             )
     finally:
         swarm.stop()
-    ratios = [on / max(off, 1e-9) for on, off in zip(rates["on"], rates["off"])]
+    ratios = [on / max(off, 1e-9) for on, off in zip(rates["on"], rates["off"], strict=True)]
     return {
         "bench": "security_receipts",
         "preset": "tiny",
@@ -291,7 +296,8 @@ def measure_side_by_side(
 def summarize_calibration(stages: dict[str, dict], banned: int, args: argparse.Namespace) -> dict[str, object]:
     margin = SpotCheckConfig().margin
     print(
-        f"stage    checks strikes bans  kind      state         tolerance (unverifiable from {RANDOM_DISTANCE - margin:.3f})"
+        "stage    checks strikes bans  kind      state         tolerance (unverifiable from "
+        f"{RANDOM_DISTANCE - margin:.3f})"
     )
     summary: dict[str, object] = {
         "bench": "security_calibration",

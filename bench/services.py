@@ -26,10 +26,10 @@ connections), not what running the attacker costs this machine. `--no-pin` runs 
 service for the whole run: the bench moves itself into a network namespace of its own (so the rules touch
 nothing else on this machine), loads the same ruleset there for the service's port, and removes it at the end
 (also on Ctrl-C). The kernel then drops the SYNs of an address that opens more than the guard's per-address cap
-at once and 3,000 a minute (50 a second) after that, before they reach accept(): the attacker still holds the cap, but its
-reconnections no longer cost the service an accept and a close each. 127.0.0.1 is not exempt: the honest client
-stands for many clients on addresses of their own, and opens 20 connections a second. An attacker's connect that
-gets no answer within `OPEN_TIMEOUT_S` counts as an open failure, so that its refills keep their pace.
+at once and 3,000 a minute (50 a second) after that, before they reach accept(): the attacker still holds the cap, but
+its reconnections no longer cost the service an accept and a close each. 127.0.0.1 is not exempt: the honest client
+stands for many clients on addresses of their own, and opens 20 connections a second. An attacker's connect that gets no
+answer within `OPEN_TIMEOUT_S` counts as an open failure, so that its refills keep their pace.
 
 Usage: python bench/services.py [--seconds 15] [--slow 1000,5000] [--joins 200] [--no-pin] [--firewall]
 The last line is one JSON object with the figures.
@@ -188,7 +188,7 @@ async def _attack(host: str, port: int, connections: int, trickle_s: float, conn
     first_round = True
     while not stop.is_set():
         await asyncio.sleep(trickle_s)
-        for index, writer in enumerate(writers):
+        for writer in writers:
             if writer is not None and not writer.is_closing():
                 writer.write(b"X-Trickle: 1\r\n")
         await asyncio.sleep(0)
@@ -350,7 +350,9 @@ def kernel_limit(port: int, enabled: bool) -> Iterator[None]:
 
 
 def cpu_split(no_pin: bool) -> tuple[set[int] | None, set[int] | None]:
-    """The CPUs of the service and the honest client, and those of the attacker and the storm (None, None: no pinning)."""
+    """The CPUs of the service and the honest client, and those of the attacker and the storm.
+
+    None, None: no pinning."""
     cpus = sorted(os.sched_getaffinity(0))
     if no_pin or len(cpus) < 2:
         return None, None

@@ -111,7 +111,9 @@ class Combination:
 
 
 def timeouts_for(link_s: float) -> dict[str, float]:
-    """Generous SPARTA timeouts for a round whose bytes take link_s over the uplink (link-derived ones replace these)."""
+    """Generous SPARTA timeouts for a round whose bytes take link_s over the uplink.
+
+    Link-derived ones replace these."""
     return {
         "allreduce_timeout": round(2 * link_s + 30),
         "sender_timeout": round(10 + link_s / 2),

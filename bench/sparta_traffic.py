@@ -89,18 +89,18 @@ def measure(peers: int, rounds: int) -> dict:
             conns.append(parent)
             if index == 0:
                 initial_peers = _recv(parent, process)
-        for conn, process in list(zip(conns, processes))[1:]:
+        for conn, process in list(zip(conns, processes, strict=True))[1:]:
             _recv(conn, process)
-        params = {_recv(conn, process) for conn, process in zip(conns, processes)}.pop()
+        params = {_recv(conn, process) for conn, process in zip(conns, processes, strict=True)}.pop()
         reports = {mode: [] for mode in MODES}
         for _ in range(rounds):
-            for mode in MODES:
+            for _mode in MODES:  # each peer runs the modes in this order and says which one it ran
                 for conn in conns:
                     conn.send("go")
-                for conn, process in zip(conns, processes):
+                for conn, process in zip(conns, processes, strict=True):
                     got_mode, report = _recv(conn, process)
                     reports[got_mode].append(report)
-        for conn, process in zip(conns, processes):
+        for conn, process in zip(conns, processes, strict=True):
             _recv(conn, process)
     finally:
         for process in processes:

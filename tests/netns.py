@@ -121,7 +121,9 @@ class Host:
             self.run("nft", "delete", "table", "inet", table, check=False)
 
     def shape_uplink(self, mbit: float) -> None:
-        """Limit what this host sends to ``mbit`` Mbit/s (a token bucket on its interface; replaces an earlier limit)."""
+        """Limit what this host sends to ``mbit`` Mbit/s.
+
+        A token bucket on its interface; replaces an earlier limit."""
         burst = max(TBF_MIN_BURST_BYTES, int(mbit * 1e6 / 8 / 100))  # at least 10 ms of traffic at the rate
         self.run(
             "tc",
@@ -211,7 +213,9 @@ class TwoHosts:
 
 
 class BridgedHosts:
-    """``count`` hosts ``<prefix>-h<i>`` (``BRIDGED_SUBNET``.<i+1>), each on a veth into one bridge in ``<prefix>-hub``."""
+    """``count`` hosts ``<prefix>-h<i>`` (``BRIDGED_SUBNET``.<i+1>).
+
+    Each on a veth into one bridge in ``<prefix>-hub``."""
 
     def __init__(self, prefix: str, count: int):
         if not 2 <= count <= 250:
@@ -229,7 +233,7 @@ class BridgedHosts:
             _add_namespace(self.hub)
             _ip("-n", self.hub, "link", "add", self.bridge, "type", "bridge")
             _ip("-n", self.hub, "link", "set", self.bridge, "up")
-            for host, port in zip(self.hosts, self.ports):
+            for host, port in zip(self.hosts, self.ports, strict=True):
                 self._plug(host, port)
         except BaseException:
             self.close()

@@ -23,7 +23,7 @@ SCRAPES = 6
 FLOPS_PER_SCRAPE = 0.5 * PFLOP
 TICKET = "TICKET-SECRET-never-on-the-page"
 WITHHELD_REASON = "trainer QmTrainer: tail.0.3 disagreed with its stage 4 times in 20 spot checks"
-POLICY = PointsPolicy(identity_cap=2, online_window_s=90.0)
+POLICY = PointsPolicy(identity_cap=2, online_window_s=1.5 * SCRAPE_INTERVAL_S)  # every scrape sees them live
 
 
 def usernames(contributors: int) -> list[str]:
@@ -98,7 +98,9 @@ def learning_curve(start: float, now: float) -> list[LearningPoint]:
 
 
 def record_swarm(path: Path, now: float, contributors: int = len(NAMED)) -> tuple[PointsStore, RunInfo]:
-    """The store after ``SCRAPES`` scrapes ``SCRAPE_INTERVAL_S`` apart, the last at ``now``; and the run it describes."""
+    """The store after ``SCRAPES`` scrapes ``SCRAPE_INTERVAL_S`` apart, the last at ``now``.
+
+    Also the run it describes."""
     store = PointsStore(path, POLICY)
     peers = peers_of(usernames(contributors))
     start = now - (SCRAPES - 1) * SCRAPE_INTERVAL_S
@@ -121,7 +123,18 @@ def record_swarm(path: Path, now: float, contributors: int = len(NAMED)) -> tupl
         }
         store.record_receipts([Receipt(trainer="QmTrainer", ticket=TICKET, run_id="t1", served=served, ts=ts)])
         observations = [
-            Observation(r.peer_id, r.identity, r.stage, r.run_id, r.sync_phase, r.active_seconds, r.compute_flops, ts)
+            Observation(
+                r.peer_id,
+                r.identity,
+                r.stage,
+                r.run_id,
+                r.sync_phase,
+                r.active_seconds,
+                r.compute_flops,
+                ts,
+                r.ts,
+                r.sync_phase,
+            )
             for r in records
         ]
         store.record_scrape(observations, {r.peer_id: r.model_dump_json(exclude={"ticket"}) for r in records}, ts)

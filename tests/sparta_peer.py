@@ -181,7 +181,9 @@ class SpartaPeer:
         try:
             got = self._events.get(timeout=timeout)
         except queue.Empty:
-            raise PeerFailed(f"peer {self.index} did not say {event!r} within {timeout:.0f}s; see {self.log_path}")
+            raise PeerFailed(
+                f"peer {self.index} did not say {event!r} within {timeout:.0f}s; see {self.log_path}"
+            ) from None
         if got is None:
             raise PeerFailed(
                 f"peer {self.index} exited (status {self.process.poll()}) before saying {event!r}:\n{self._log_tail()}"

@@ -161,10 +161,9 @@ def test_a_gpu_is_given_only_a_stage_it_can_hold(tmp_path: Path):
     users = ["small", "mid1", "mid2", "large", "cpu"]
     with auth_service(tmp_path, users=users, run=run, max_workers_per_stage=1) as (server, tokens):
         with pytest.raises(
-            AuthRejected, match=r"a GPU with 8\.00 GiB holds none of this swarm's stages: the smallest, body1, needs"
+            AuthRejected, match=r"a GPU with 4\.00 GiB holds none of this swarm's stages: the smallest, body1, needs"
         ):
-            join(server, tokens["small"], "peerS", gpu_memory=8 * gib)
-        # the 8b tail plans a 36 GiB peak: a 24 GiB card is given the head, then a body, never the tail
+            join(server, tokens["small"], "peerS", gpu_memory=4 * gib)
         assert join(server, tokens["mid1"], "peerM1", gpu_memory=24 * gib).stage == "head"
         assert join(server, tokens["mid2"], "peerM2", gpu_memory=24 * gib).stage == "body1"
         assert join(server, tokens["large"], "peerL", gpu_memory=80 * gib).stage == "body2"
@@ -177,12 +176,31 @@ def test_a_gpu_is_given_only_a_stage_it_can_hold(tmp_path: Path):
         per_identity_cap=8,
     ) as (server, tokens):
         for index, user in enumerate("abcdef"):  # head and the five bodies
-            join(server, tokens[user], f"peer{index}", gpu_memory=24 * gib)
+            join(server, tokens[user], f"peer{index}", gpu_memory=48 * gib, host_memory=24 * gib)
         with pytest.raises(
             AuthRejected, match=r"every stage your GPU can hold \(head, body1, body2, body3, body4, body5\) is full"
+        ):  # the tail's host needs (33 GiB in fp32) exceed 24 GiB of RAM
+            join(server, tokens["g"], "peer7", gpu_memory=48 * gib, host_memory=24 * gib)
+        assert join(server, tokens["g"], "peer8", gpu_memory=48 * gib, host_memory=64 * gib).stage == "tail"
+
+
+def test_admission_weighs_gpu_and_host_memory_together(tmp_path: Path):
+    config = load_config("8b")
+    llama3 = TokenizerSummary("0" * 64, config.model.vocab_size, config.tokenizer.eos_token)
+    run = describe_run(config, ("/ip4/127.0.0.1/tcp/4001/p2p/QmSeed",), None, None, llama3)
+    gib = 1 << 30
+    only_tail = {"stages": ("tail", "body1"), "max_workers_per_stage": 1}
+    with auth_service(tmp_path, users=["big", "home", "small"], run=run, **only_tail) as (server, tokens):
+        # both stages empty: tail comes first by order, but a 48 GiB GPU on a 24 GiB host cannot keep its host side
+        assert join(server, tokens["big"], "peerB", gpu_memory=48 * gib, host_memory=24 * gib).stage == "body1"
+        # a 24 GiB home card on a 64 GiB PC takes the tail in the offload layout (bf16 weights on the GPU)
+        assert join(server, tokens["home"], "peerH", gpu_memory=24 * gib, host_memory=64 * gib).stage == "tail"
+    with auth_service(tmp_path / "tight", users=["small"], run=run, stages=("tail",)) as (server, tokens):
+        # the tail alone on offer: the 48 GiB GPU holds it, its 24 GiB host does not (33 GiB in the fp32 layout)
+        with pytest.raises(
+            AuthRejected, match=r"24\.00 GiB of available RAM holds none of the stages its GPU can take"
         ):
-            join(server, tokens["g"], "peer7", gpu_memory=24 * gib)
-        assert join(server, tokens["g"], "peer8", gpu_memory=48 * gib).stage == "tail"
+            join(server, tokens["small"], "peerS", gpu_memory=48 * gib, host_memory=24 * gib)
 
 
 def test_full_swarm_rejects_at_once_with_the_message(tmp_path: Path):

@@ -221,6 +221,6 @@ def test_an_operators_worker_says_when_the_host_lacks_memory_for_its_state_copy(
         (10 * plan.host_need(False, writes_state=True), 0),
     ):
         sink = Recorder()
-        monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
+        monkeypatch.setattr(psutil, "virtual_memory", lambda available=available: SimpleNamespace(available=available))
         _warn_if_host_memory_short(options, EventWriter(sink))
         assert sink.count('"warning"', "stage body1 needs", "with the host copy of its state") == warned

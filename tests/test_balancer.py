@@ -81,7 +81,7 @@ def test_concurrent_choices_spread_and_least_loaded_goes_next() -> None:
     leases = [balancer.choose("forward", units=1) for _ in range(3)]
     assert {lease.worker.uid for lease in leases} == {"body1.0.0", "body1.0.1", "body1.0.2"}
 
-    for lease, seconds in zip(leases, (0.5, 0.2, 0.9)):
+    for lease, seconds in zip(leases, (0.5, 0.2, 0.9), strict=True):
         balancer.report_success(lease, duration_s=seconds)
     # runtimes are now 0.5, 0.2, 0.9; each choice charges the chosen worker its learned estimate up front
     concurrent = [balancer.choose("forward").worker.uid[-1] for _ in range(5)]

@@ -75,13 +75,9 @@ def leaderboard_names(driver) -> list[str]:
 
 
 def no_dialog(driver) -> bool:
-    from selenium.common.exceptions import NoAlertPresentException
+    from selenium.webdriver.support.expected_conditions import alert_is_present
 
-    try:
-        driver.switch_to.alert
-    except NoAlertPresentException:
-        return True
-    return False
+    return not alert_is_present()(driver)
 
 
 def test_browser_swarm_page_shows_run_stages_chart_and_leaderboard(page, monitor):
@@ -134,7 +130,9 @@ def test_browser_page_refreshes_itself(page, monitor):
     page.get(f"{monitor.url}/")
     wait_for(page, "document.querySelectorAll('#leaderboard tbody tr').length", "no leaderboard row appeared")
     now = time.time()
-    monitor.store.record_scrape([Observation("QmNewcomer", "erin", "head", "r1", "sync1", 60.0, 0.0, now)], {}, now)
+    monitor.store.record_scrape(
+        [Observation("QmNewcomer", "erin", "head", "r1", "sync1", 60.0, 0.0, now, now, "sync1")], {}, now
+    )
     wait_for(
         page,
         "[...document.querySelectorAll('#leaderboard td.name a')].some(a => a.textContent === 'erin')",

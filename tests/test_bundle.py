@@ -18,7 +18,11 @@ from agora_client.system.redact import REDACTED, redact_data, redact_line, redac
 
 TOKEN = "hf_PlantedToken0123456789abcdef"
 PEER = "12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo"
-PEM = "-----BEGIN PRIVATE KEY-----\nMC4CAQAwBQYDK2VwBCIEIJ+DYvh6SEqVTm50DFtMDoQikTmiCqirVv9mWG9qfSnF\n-----END PRIVATE KEY-----"
+PEM = (
+    "-----BEGIN PRIVATE KEY-----\n"
+    "MC4CAQAwBQYDK2VwBCIEIJ+DYvh6SEqVTm50DFtMDoQikTmiCqirVv9mWG9qfSnF\n"
+    "-----END PRIVATE KEY-----"
+)
 
 
 @pytest.fixture

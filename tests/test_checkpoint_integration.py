@@ -1,10 +1,10 @@
 """A real tiny swarm checkpoints by timestamp; stopped, it resumes where it was, and its export is the model.
 
 One trained swarm serves every test: it trains until the loss has clearly fallen (by a nat, while every stage
-steps at least 3 times), then stops (each stage writes a final checkpoint). The export of its newest set must give the same logits as its
-stages run in sequence; its trainer's record in the set holds its data position and eval loss; a second
-swarm resumed from the set must start near the last loss, far below the loss of a fresh start, with its
-trainer's data continuing from the recorded position.
+steps at least 3 times), then stops (each stage writes a final checkpoint). The export of its newest set must give the
+same logits as its stages run in sequence; its trainer's record in the set holds its data position and eval loss; a
+second swarm resumed from the set must start near the last loss, far below the loss of a fresh start, with its trainer's
+data continuing from the recorded position.
 """
 
 from __future__ import annotations

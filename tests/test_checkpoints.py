@@ -401,7 +401,8 @@ def test_export_refuses_stages_that_record_different_tokenizers(tmp_path):
     save(store, "body2", T0 + 1, config=unpinned)
     with pytest.raises(
         CheckpointError,
-        match=r"body2 checkpoint records the tokenizer .*'sha256': None.* but the head checkpoint .*'sha256': 'f2290bf2",
+        match=r"body2 checkpoint records the tokenizer .*'sha256': None.* but the head checkpoint "
+        r".*'sha256': 'f2290bf2",
     ):
         export_set(store, select_set(store, T0 + 1), tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -64,13 +64,24 @@ def test_first_run_asks_saves_the_token_0600_and_not_again(tmp_path):
     assert again.asked == []
 
 
-def test_hf_token_env_wins_and_hf_login_token_is_used_without_asking(tmp_path):
+def test_hf_token_env_wins_and_hf_login_token_is_used_only_once_confirmed(tmp_path):
     ClientConfigStore(tmp_path).save_token(TYPED)
     assert resolve(tmp_path, Answers(), env={"HF_TOKEN": ENV}, login=LOGIN).token == ENV
     fresh = tmp_path / "fresh"
-    client = resolve(fresh, Answers(), login=LOGIN)
+    confirmed = Answers("y")
+    client = resolve(fresh, confirmed, login=LOGIN)
     assert (client.token, client.token_source) == (LOGIN, "hf auth login")
+    assert "hf auth login" in confirmed.asked[0]
     assert not ClientConfigStore(fresh).secrets_path.exists()  # not copied: hf keeps it
+    declined = Answers("n", TYPED)  # declined: the user types another token
+    assert resolve(tmp_path / "declined", declined, login=LOGIN).token == TYPED
+    headless = dict(env={}, login_token=lambda: LOGIN, list_gpus=list, need_swarm=False)
+    with pytest.raises(ClientConfigError, match="--use-hf-login-token"):
+        resolve_client(tmp_path / "headless", prompts=Answers().prompts(interactive=False), **headless)
+    flagged = resolve_client(
+        tmp_path / "flagged", prompts=Answers().prompts(interactive=False), use_login_token=True, **headless
+    )
+    assert flagged.token == LOGIN
 
 
 def test_reconfigure_asks_again(tmp_path):

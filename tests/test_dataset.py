@@ -24,6 +24,7 @@ BYTES = load_run_tokenizer(
 )
 BPE = load_run_tokenizer(load_config("tiny"))
 NO_HOLDOUT = EvalConfig(split="validation")  # held-out data comes from a split: the training stream filters nothing
+WHOLE = Shard(0, 1)  # one shard: every document
 SEQ_LEN = 31  # a window is 32 byte tokens: each test document plus its blank line fills exactly one
 
 
@@ -48,9 +49,7 @@ def _hub_like(root: Path, texts: list[str], files: int = 4, field: str = "conten
     return root
 
 
-def _stream(
-    spec: DataConfig, shard: Shard = Shard(0, 1), *, tokenizer=BYTES, held_out=NO_HOLDOUT, seed=0, position=None
-):
+def _stream(spec: DataConfig, shard: Shard = WHOLE, *, tokenizer=BYTES, held_out=NO_HOLDOUT, seed=0, position=None):
     return TokenStream(spec, held_out, tokenizer, SEQ_LEN, shard, seed=seed, position=position)
 
 

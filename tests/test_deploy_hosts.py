@@ -28,7 +28,9 @@ AUTH_PORT, MONITOR_PORT, METRICS_PORT = 8440, 8090, 9400
 
 
 def _deploy_file(tmp_path: Path, operator: Host) -> Path:
-    """The operator's whole swarm: seeds, snapshot server, auth (local identities), monitor, a worker per stage, a trainer."""
+    """The operator's whole swarm.
+
+    Seeds, snapshot server, auth (local identities), monitor, a worker per stage, a trainer."""
     spec = {
         "run": {"config": "tiny2", "dir": "run"},
         "secrets": "secrets",
@@ -98,7 +100,7 @@ def test_operator_host_from_a_deploy_file_and_contributors_with_only_the_url(tmp
                 )
             assert up.returncode == 0, up.stdout + up.stderr
             assert f"[DEPLOY] auth ready: http://{operator.address}:{AUTH_PORT}\n" in up.stdout
-            for home, user in zip(homes, USERS):
+            for home, user in zip(homes, USERS, strict=True):
                 with home.entered():  # only the URL and the CPU opt-in: everything else comes from the swarm
                     runtimes.append(
                         ManagedProcess(
@@ -117,7 +119,9 @@ def test_operator_host_from_a_deploy_file_and_contributors_with_only_the_url(tmp
                     )
             for runtime in runtimes:
                 wait_until(
-                    lambda: _processed_a_batch(runtime) or not runtime.alive, 240, f"{runtime.name} to process a batch"
+                    lambda runtime=runtime: _processed_a_batch(runtime) or not runtime.alive,
+                    240,
+                    f"{runtime.name} to process a batch",
                 )
                 assert runtime.alive, f"{runtime.name} exited; see {runtime.log_path}"
             wait_until(lambda: set(USERS) <= _leaderboard_names(operator), 90, "every contributor on the leaderboard")

@@ -161,7 +161,16 @@ def test_retry_every_reaches_the_runtime_with_a_default(monkeypatch, tmp_path):
 
     def runtime_argv(*flags: str) -> tuple[str, ...]:
         args = build_parser().parse_args(
-            ["--headless", "--swarm", "http://127.0.0.1:9", "--config-dir", str(tmp_path), *flags]
+            # --allow-write-token: no Hugging Face here to ask what the token may do (test_token_scope.py)
+            [
+                "--headless",
+                "--swarm",
+                "http://127.0.0.1:9",
+                "--config-dir",
+                str(tmp_path),
+                "--allow-write-token",
+                *flags,
+            ]
         )
         session = prepare(args)
         assert not isinstance(session, int)

@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from itertools import pairwise
 from typing import Iterator
 
 import pytest
 import torch
 from hivemind import DHT
 from hivemind.compression import serialize_torch_tensor
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import iter_as_aiter
 
@@ -246,7 +247,7 @@ def test_random_bytes(attacker: Attacker) -> None:
     garbage.buffer = os.urandom(1000)
     attacker.refused("short of its declared shape", tensors=(garbage, tokens))
     started = time.monotonic()
-    with pytest.raises(Exception):  # not even a protobuf message: hivemind's parser refuses it
+    with pytest.raises(P2PHandlerError):  # not even a protobuf message: hivemind's parser refuses it
         attacker.run(
             attacker.p2p._client.call_unary_handler(
                 attacker.worker_peer, "ConnectionHandler.rpc_forward", os.urandom(4096)
@@ -263,7 +264,9 @@ def test_oversized_requests_are_refused_from_their_headers(attacker: Attacker) -
 
 
 def _huge_stream(attacker: Attacker, declared_batch: int, megabytes: int):
-    """A streamed forward of ``megabytes`` MB, built part by part as it is sent: a hidden tensor's header, then raw bytes."""
+    """A streamed forward of ``megabytes`` MB, built part by part as it is sent.
+
+    A hidden tensor's header, then raw bytes."""
     header = serialize_torch_tensor(torch.zeros(1, SEQ, WIDTH))
     header.size[:] = [declared_batch, SEQ, WIDTH]
     chunk = bytes(DEFAULT_MAX_MSG_SIZE)
@@ -331,7 +334,7 @@ def test_refusals_were_logged_once_for_this_peer_and_the_worker_stayed_healthy(t
     refusals = [e for e in seen if e["kind"] == "log" and e["tag"] == "SECURITY" and attacker.peer_id in e["message"]]
     # dozens of refusals, at most one line per peer per minute (a slow machine may run the module past one)
     assert refusals and all("refused in all" in e["message"] for e in refusals), refusals
-    gaps = [later["ts"] - earlier["ts"] for earlier, later in zip(refusals, refusals[1:])]
+    gaps = [later["ts"] - earlier["ts"] for earlier, later in pairwise(refusals)]
     assert all(gap >= LOG_INTERVAL_S - 1 for gap in gaps), gaps
     assert len(refusals) < attacker.refused_calls, refusals  # the rest were folded into those lines
     assert not [e for e in seen if e["kind"] == "error" and e.get("where") == "worker health"]

@@ -62,19 +62,35 @@ def test_dry_run_trains_head_body_and_tail_under_the_workers_autocast(dry_report
         assert run["microbatch"] == run_config.optim.microbatch_size  # --dry caps the plan's pick at the run's own
         assert run["largest_microbatch"] >= run["microbatch"]
         assert run["step_s"] > 0 and run["optimizer_step_s"] > 0 and run["tokens_per_s"] > 0
+        assert run["layout"] == "fp32"  # the CPU's RAM as a card holds every tiny stage in fp32
         assert run["planned_peak"] == plan_stage(run_config, stage, run["microbatch"]).gpu_peak
         assert run["peak_vs_plan"] is None and run["mfu"] is None  # the CPU has neither
     assert math.isfinite(runs["tail"]["loss"]) and 0 < runs["tail"]["loss"] < 2 * math.log(run_config.model.vocab_size)
 
 
-def test_dry_run_small_card_holds_head_and_body_and_refuses_the_tail(dry_report: dict) -> None:
+def test_dry_run_home_card_trains_head_body_and_the_tail_offloaded(dry_report: dict) -> None:
+    """The 24 GiB card's stand-in: head and body in fp32, the tail (which fp32 does not fit) in the offload layout,
+    its bf16 copy under bf16 autocast whatever the CPU, its peak planned in that layout."""
+    section, run_config = dry_report["sections"]["home_card"], load_config("tiny")
+    runs = {run["stage"]: run for run in section["runs"]}
+    assert list(runs) == ["head", "body1", "tail"] and all(run["finite"] for run in runs.values())
+    assert [runs[stage]["layout"] for stage in runs] == ["fp32", "fp32", "offload"]
+    assert runs["tail"]["autocast"] == "bfloat16"
+    tail = runs["tail"]
+    assert tail["planned_peak"] == plan_stage(run_config, "tail", tail["microbatch"], layout="offload").gpu_peak
+    assert usable_bytes(section["capacity"]) < plan_stage(run_config, "tail").gpu_peak  # fp32 does not fit
+    assert math.isfinite(tail["loss"]) and math.isfinite(tail["grad_norm"]) and tail["grad_norm"] > 0
+    assert dry_report["targets"]["home_card"]["pass"] is True
+
+
+def test_dry_run_small_card_trains_the_body_and_refuses_the_tail(dry_report: dict) -> None:
     section = dry_report["sections"]["small_card"]
-    assert [run["stage"] for run in section["runs"]] == ["head", "body1"]
-    assert all(run["finite"] for run in section["runs"])
+    assert [run["stage"] for run in section["runs"]] == ["body1"] and section["runs"][0]["finite"]
     tail = section["tail"]
-    assert tail["refused"] is True and "cannot hold stage tail" in tail["reason"]
-    assert tail["usable"] == usable_bytes(section["capacity"]) < tail["planned_peak_one_sequence"]
-    assert tail["planned_peak_one_sequence"] == plan_stage(load_config("tiny"), "tail", 1).gpu_peak
+    assert tail["refused"] is True and "stage tail" in tail["reason"] and tail["layout"] == "offload"
+    assert tail["usable"] == usable_bytes(section["capacity"]) < tail["planned_peak"]
+    tiny = load_config("tiny")
+    assert tail["planned_peak"] == plan_stage(tiny, "tail", layout="offload").gpu_peak  # at the run's microbatch
     assert dry_report["targets"]["small_card"]["pass"] is True
 
 
@@ -212,13 +228,19 @@ def test_a_miss_says_which_stage_and_by_how_much() -> None:
                 "ok": True,
                 "runs": [_stage_run("head", "stages", 1.02, 0.4), _stage_run("body1", "stages", 1.17, 0.29)],
             },
-            "small_card": {
+            "home_card": {
                 "ok": True,
                 "card": "H100 held to 24.00 GiB",
                 "runs": [
-                    _stage_run("head", "small_card", 0.85, 0.4),
+                    _stage_run("head", "home_card", 0.85, 0.4),
                     {"stage": "body1", "error": "OutOfMemoryError: CUDA out of memory"},
+                    {**_stage_run("tail", "home_card", 1.0, None), "layout": "fp32"},
                 ],
+            },
+            "small_card": {
+                "ok": True,
+                "card": "H100 held to 16.00 GiB",
+                "runs": [_stage_run("body1", "small_card", 1.0, 0.4)],
                 "tail": {"refused": False, "microbatch": 1},
             },
             "numerics": {
@@ -230,11 +252,13 @@ def test_a_miss_says_which_stage_and_by_how_much() -> None:
     }
     targets, misses = gpu_check.judge(report, on_gpu=True)
     assert targets["peak_vs_plan"]["pass"] is False and targets["mfu_body"]["pass"] is False
-    assert targets["small_card"]["pass"] is False and targets["numerics"]["pass"] is True
+    assert targets["home_card"]["pass"] is False and targets["small_card"]["pass"] is False
+    assert targets["numerics"]["pass"] is True
     text = "\n".join(misses)
     assert "body1 (stages, 4 seq) is 1.170, 0.070 above 1.1" in text
-    assert "head (small_card, 4 seq) is 0.850, 0.050 below 0.9" in text
+    assert "head (home_card, 4 seq) is 0.850, 0.050 below 0.9" in text
     assert "MFU of body1 is 0.290, 0.060 below 0.35" in text
-    assert "body1 did not train: OutOfMemoryError" in text and "took the tail at 1 seq" in text
+    assert "body1 did not train: OutOfMemoryError" in text and "the tail ran in the fp32 layout" in text
+    assert "took the tail at 1 seq" in text
     report["targets"] = targets
     assert gpu_check.passed(report) is False

@@ -83,13 +83,15 @@ def test_sync_lines_are_the_runtime_messages_exactly():
             steps_total=100,
             target_epoch=7,
             message=(
-                "Synchronising optimizer state. Node is now processing batches, but doesn't contribute to weight averaging yet.\n"
+                "Synchronising optimizer state. Node is now processing batches, but doesn't contribute to "
+                "weight averaging yet.\n"
                 "This phase will last 100 steps (until local epoch 7)."
             ),
         )
     )
     assert [line.render() for line in lines] == [
-        "[SYNC] Synchronising optimizer state. Node is now processing batches, but doesn't contribute to weight averaging yet.",
+        "[SYNC] Synchronising optimizer state. Node is now processing batches, but doesn't contribute to "
+        "weight averaging yet.",
         "[SYNC] This phase will last 100 steps (until local epoch 7).",
     ]
     assert LineFormatter().format(SyncEvent(phase="sync1", steps_left=3, steps_total=40)) == []

@@ -49,7 +49,7 @@ from agora_client.auth.run_description import (
 )
 from agora_client.config import load_config
 from agora_client.data.tokenizer import load_run_tokenizer
-from agora_client.events import MACHINE_CHECKS, EventWriter, PreflightEvent, ReachabilityEvent
+from agora_client.events import MACHINE_CHECKS, EventWriter, PreflightEvent, ReachabilityEvent, parse_event
 from agora_client.frontend.lines import LineFormatter
 from agora_client.joining.peer_key import PeerKeyError, key_path, load_or_create_peer_key, peer_id_of
 from agora_client.joining.preflight import (
@@ -452,6 +452,24 @@ def test_the_runtime_refuses_to_fall_back_to_the_cpu(tmp_path):
         assert "--cpu runs the worker on the CPU" in next(e["hint"] for e in events if e["kind"] == "error")
     code, events = _runtime_exit("--cpu", "--swarm", f"http://127.0.0.1:{closed_port()}", "--config-dir", str(tmp_path))
     assert code == 1 and "could not read the run description" in events[-1]["reason"]  # --cpu got past the device
+
+
+def test_a_runtime_that_cannot_start_fails_no_join_step_in_the_app(tmp_path):
+    """No usable GPU is a failure to start, shown as such: authorization was never tried, so no step is marked."""
+    from tui.state import JoinStep, JoinTracker
+    from tui.widgets.stepper import Stepper
+
+    code, events = _runtime_exit("--swarm", "http://127.0.0.1:1", "--config-dir", str(tmp_path))
+    error = next(event for event in events if event["kind"] == "error")
+    assert code == 1 and error["where"] == "start-up"
+    tracker = JoinTracker()
+    tracker.apply(parse_event(json.dumps(error)))
+    assert tracker.failure is not None and tracker.failure.step is None and tracker.step == JoinStep.AUTHORIZATION
+    stepper = Stepper()
+    stepper.show(tracker.step, tracker.failure, tracker.status)
+    shown = stepper.render()
+    assert "Starting the worker failed:" in shown and "no GPU chosen" in shown
+    assert "Authorization failed" not in shown and "✖" not in shown and "● Authorization" not in shown
 
 
 def test_the_app_tracker_offers_a_retry_while_unreachable():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from importlib import resources
+from itertools import pairwise
 
 import httpx
 import psutil
@@ -240,7 +241,7 @@ def _check_counts_and_points(events: list[dict], stage: str, preset_path) -> Non
     per_request = {kind: request_flops(config.model, stage, kind, rows, seq) for kind in ("forward", "backward")}
     points = [(i, e) for i, e in enumerate(events) if e["kind"] == "points"]
     assert _compute_grew(events), _compute_points_once_active(events)
-    for (i, event), (_, following) in zip(points, points[1:]):
+    for (_, event), (_, following) in pairwise(points):
         # presence accrues with wall time while registered (1 point per hour)
         gained = (following["presence"] - event["presence"]) * SECONDS_PER_HOUR
         assert abs(gained - (following["ts"] - event["ts"])) < 3.0, (gained, following["ts"] - event["ts"])

@@ -167,13 +167,26 @@ def test_microbatch_picked_for_each_card_follows_the_plan(vram_gb: int) -> None:
 
 def test_a_gpu_too_small_for_the_stage_is_refused_with_the_numbers() -> None:
     run = load_config("8b")
-    needed = plan_stage(run, "tail", 1).gpu_peak
+    needed = plan_stage(run, "tail", 1, layout="offload").gpu_peak  # the layout that holds the most
     with pytest.raises(GpuRefused) as refused:
-        fit_stage(run, "tail", _card(24))
+        fit_stage(run, "tail", _card(16))
     message = str(refused.value)
-    assert "cannot hold stage tail" in message and f"{needed / GIB:.2f} GiB" in message and "24.00 GiB" in message
-    # just enough memory is accepted
-    assert fit_stage(run, "tail", GpuSpec("big", needed + CUDA_RESERVED_BYTES, (9, 0))).microbatch == 1
+    assert "cannot hold stage tail" in message and f"{needed / GIB:.2f} GiB" in message and "16.00 GiB" in message
+    # just enough memory is accepted, in the offload layout; the fp32 layout's peak takes the fp32 layout
+    decision = fit_stage(run, "tail", GpuSpec("home", needed + CUDA_RESERVED_BYTES, (8, 9)))
+    assert (decision.microbatch, decision.layout) == (1, "offload")
+    fp32 = plan_stage(run, "tail", 1).gpu_peak
+    assert fit_stage(run, "tail", GpuSpec("big", fp32 + CUDA_RESERVED_BYTES, (9, 0))).layout == "fp32"
+
+
+def test_the_8b_tail_fits_a_24_gib_card_and_a_contributors_host() -> None:
+    run = load_config("8b")
+    layout = fit_stage(run, "tail", _card(24)).layout
+    plan = plan_stage(run, "tail", 1, layout=layout)  # at one sequence of 4,096 tokens
+    assert layout == "offload" and plan.gpu_peak <= 22.5 * GIB
+    assert plan.host_need(True) <= 80 * GB
+    for stage in ("head", "body1"):  # where the fp32 layout fits, nothing changes
+        assert fit_stage(run, stage, _card(24)).layout == "fp32"
 
 
 def test_compute_capability_below_8_is_refused_with_the_reason() -> None:
@@ -217,6 +230,18 @@ def test_preflight_needs_come_from_the_plan_of_the_smallest_stage(tmp_path: Path
     assert f"about {human_bytes(on_cpu)} needed" in check_host_ram(run, on_cpu=True).value
 
 
+def test_preflight_ram_need_on_a_gpu_follows_the_layout_the_card_takes() -> None:
+    """On a 12 GiB card the 8b bodies fit only in the offload layout, whose fp32 masters, gradient sum and staging sit
+    in host RAM: the preflight asks for that, not for the fp32 body's smaller need; on a 24 GiB card the fp32 one."""
+    config = load_config("8b")
+    summary = TokenizerSummary("0" * 64, config.model.vocab_size, config.tokenizer.eos_token)
+    run = describe_run(config, (), None, None, summary)
+    fp32_body, offload_body = plan_stage(config, "body1"), plan_stage(config, "body1", layout="offload")
+    assert offload_body.host > fp32_body.host  # 19.4 GiB against 11.0 GiB
+    assert f"about {human_bytes(offload_body.host)} needed" in check_host_ram(run, False, gpu_memory=12 * GIB).value
+    assert f"about {human_bytes(fp32_body.host)} needed" in check_host_ram(run, False, gpu_memory=24 * GIB).value
+
+
 def test_a_16_gb_host_is_admitted_for_a_body_and_refused_for_the_tail_with_the_numbers() -> None:
     run, host = load_config("8b"), 16 * GB
     body, tail = plan_stage(run, "body1"), plan_stage(run, "tail")
@@ -241,8 +266,8 @@ def test_the_fit_plans_with_the_cards_free_memory_and_an_explicit_capacity() -> 
     )
     held = idle.limited_to(24 * GIB)  # a 48 GB card held to half by a torch memory fraction is judged as a 24 GB one
     assert fit_stage(run, "body1", held).largest == fit_stage(run, "body1", _card(24)).largest
-    with pytest.raises(GpuRefused, match=r"48\.00 GiB \(20\.00 GiB free\)"):
-        fit_stage(run, "tail", GpuSpec("desktop card", 48 * GIB, (8, 9), memory_free=20 * GIB))
+    with pytest.raises(GpuRefused, match=r"48\.00 GiB \(12\.00 GiB free\)"):
+        fit_stage(run, "tail", GpuSpec("desktop card", 48 * GIB, (8, 9), memory_free=12 * GIB))
 
 
 def test_batch_size_override_may_only_lower_the_microbatch() -> None:
@@ -264,14 +289,14 @@ def test_join_check_refuses_before_the_download_starts(tmp_path: Path, monkeypat
     )  # whatever this disk has
     out = io.StringIO()
     started: list[StageAssignment] = []
-    fit = JoinFit(load_config("8b"), 0, None, EventWriter(out), disk_dir=tmp_path, probe=lambda index: _card(24))
-    start = fit.guard(started.append)
+    fit = JoinFit(load_config("8b"), 0, None, EventWriter(out), disk_dir=tmp_path, probe=lambda index: _card(16))
+    start = fit.guard(lambda assignment, device: started.append(assignment))
     with pytest.raises(GpuRefused, match="cannot hold stage tail"):
         start(StageAssignment("tail", "http://127.0.0.1:1/snapshot"))
     assert started == []  # no download for a stage this GPU cannot hold
     start(StageAssignment("body1", "http://127.0.0.1:1/snapshot"))
     assert [a.stage for a in started] == ["body1"] and fit.max_batch_size == largest_microbatch(
-        load_config("8b"), "body1", 24 * GIB
+        load_config("8b"), "body1", 16 * GIB
     )
     logged = [json.loads(line) for line in out.getvalue().splitlines()]
     assert any(event["kind"] == "log" and "holds stage body1" in event["message"] for event in logged)
@@ -295,7 +320,7 @@ def test_describe_8b_prints_counts_beside_the_documents_and_the_memory_plan(
     assert describe.run(argparse.Namespace(preset="8b", json=True)) == 0
     info = json.loads(capsys.readouterr().out)
     run = load_config("8b")
-    for stage, plan in zip(info["stages"], info["memory"]):
+    for stage, plan in zip(info["stages"], info["memory"], strict=True):
         assert 0.99 < stage["parameters"] / stage["documented"] < 1.01
         assert plan["gpu_peak"] == plan_stage(run, stage["name"]).gpu_peak
         assert plan["largest_microbatch"]["24GiB"] == largest_microbatch(run, stage["name"], 24 * GIB)

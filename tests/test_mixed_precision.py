@@ -42,7 +42,7 @@ def test_bf16_autocast_training_tracks_fp32_on_cpu() -> None:
     steps = 20
     fp32, bf16 = _train(False, steps), _train(True, steps)
     assert fp32[-1] < fp32[0] - 1.5 and bf16[-1] < bf16[0] - 1.5  # both really learn the rule
-    for step, (full, mixed) in enumerate(zip(fp32, bf16)):
+    for step, (full, mixed) in enumerate(zip(fp32, bf16, strict=True)):
         assert abs(mixed - full) < 0.03 * full, (step, full, mixed)
     assert fp32 != bf16  # bf16 really ran
 
@@ -81,7 +81,7 @@ def test_chunked_offloaded_adamw_equals_adamw(offload: bool) -> None:
     chunked = OffloadAdamW(actual, **HYPER, offload=offload, chunk_numel=4)  # every tensor spans several chunks
     _run(reference, expected, 5, seed=2)
     _run(chunked, actual, 5, seed=2)
-    for want, got in zip(expected, actual):
+    for want, got in zip(expected, actual, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     for param in actual:
         state = chunked.state[param]
@@ -102,7 +102,7 @@ def test_offloaded_adamw_state_dict_round_trips_and_reads_adamw_state() -> None:
     assert resumed.param_groups[0]["lr"] == HYPER["lr"]
     _run(optimizer, first, 2, seed=5)
     _run(resumed, resumed_params, 2, seed=5)
-    for want, got in zip(first, resumed_params):
+    for want, got in zip(first, resumed_params, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
     # torch's AdamW state has the same keys: a snapshot taken with it loads
@@ -111,7 +111,7 @@ def test_offloaded_adamw_state_dict_round_trips_and_reads_adamw_state() -> None:
     _run(adamw, adamw_params, 2, seed=6)
     loaded = OffloadAdamW([torch.nn.Parameter(p.detach().clone()) for p in adamw_params], **HYPER)
     loaded.load_state_dict(adamw.state_dict())
-    for param, original in zip(loaded.param_groups[0]["params"], adamw_params):
+    for param, original in zip(loaded.param_groups[0]["params"], adamw_params, strict=True):
         torch.testing.assert_close(loaded.state[param]["exp_avg"], adamw.state[original]["exp_avg"])
 
 
@@ -166,7 +166,7 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradient(chunk: int) -> None
     chunked_grads = torch.autograd.grad((chunked.double() * upstream).sum(), (hidden, weight))
 
     torch.testing.assert_close(chunked.double(), plain, rtol=1e-6, atol=1e-6)
-    for got, want in zip(chunked_grads, plain_grads):
+    for got, want in zip(chunked_grads, plain_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
@@ -214,7 +214,7 @@ def test_a_stage_snapshot_carries_the_offloaded_optimizer_state(tmp_path) -> Non
     restored = build_stage(config.model, "body1", seed=5)
     restored_optimizer = build_optimizer([p for p in restored.parameters() if p.requires_grad], config)
     assert load_stage_snapshot(path, restored, restored_optimizer, stage="body1").epoch == 7
-    for (name, param), copy in zip(module.named_parameters(), restored.parameters()):
+    for (name, param), copy in zip(module.named_parameters(), restored.parameters(), strict=True):
         assert torch.equal(param, copy), name
         assert torch.equal(optimizer.state[param]["exp_avg_sq"], restored_optimizer.state[copy]["exp_avg_sq"])
         assert restored_optimizer.state[copy]["step"] == 2

@@ -56,7 +56,7 @@ def assert_grads_close(actual: dict, expected: dict) -> None:
     assert actual.keys() == expected.keys()
     for name, grad in expected.items():
         assert grad.abs().sum() > 0, f"{name} got no gradient"
-        torch.testing.assert_close(actual[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(actual[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("subspace", [True, False], ids=["subspace", "dense"])
@@ -94,7 +94,7 @@ def run_with_recomputation(stages: list[StageModule], tokens, labels) -> torch.T
             received.append(stage(*inputs_for(stage, received[-1], tokens, labels)).detach())
         loss = stages[-1](*inputs_for(stages[-1], received[-1], tokens, labels))
     grad_out = torch.full_like(loss, 1.0 / loss.shape[0])  # d(mean over the batch)/d(per-sample loss)
-    for stage, boundary in zip(reversed(stages), reversed(received)):
+    for stage, boundary in zip(reversed(stages), reversed(received), strict=True):
         if boundary is not None:
             boundary = boundary.clone().requires_grad_(True)
         output = stage(*inputs_for(stage, boundary, tokens, labels))
@@ -119,7 +119,7 @@ def test_init_depends_on_seed_and_stage_only() -> None:
     first, again = build_stage(config, "body1", seed=3), build_stage(config, "body1", seed=3)
     other_seed = build_stage(config, "body1", seed=4)
     for (name, a), b, c in zip(
-        first.state_dict().items(), again.state_dict().values(), other_seed.state_dict().values()
+        first.state_dict().items(), again.state_dict().values(), other_seed.state_dict().values(), strict=True
     ):
         assert torch.equal(a, b), name
         if "norm" not in name:  # norm gains all start at 1
@@ -172,7 +172,9 @@ def test_example_inputs_fit_forward_with_batch_first(subspace: bool) -> None:
 
 
 def test_a_hivemind_module_backend_hosts_a_stage() -> None:
-    """The worker's seam: ModuleBackend builds schemas from example_inputs, backward recomputes and returns input grads."""
+    """The worker's seam.
+
+    ModuleBackend builds schemas from example_inputs, backward recomputes and returns input grads."""
     config = tiny(True)
     stage = build_stage(config, "body1", seed=SEED)
     schema = tuple(BatchTensorDescriptor.from_tensor(tensor) for tensor in stage.example_inputs(1))

@@ -1,9 +1,9 @@
 """Signed metrics on real hivemind DHT nodes (127.0.0.1) and the monitor service as a real process.
 
 Forged records sit in the same DHT key as the real ones the whole time; the monitor's totals must
-equal exactly what the honest workers' counters say (a ticketed trainer's receipts vouch for that work). Validating nodes refuse unsigned and badly signed
-entries at write time, so those reach a reader only through a permissive node near the key.
-The monitor's scraper also keeps the trainers' (unsigned) loss and eval-loss points, each once.
+equal exactly what the honest workers' counters say (a ticketed trainer's receipts vouch for that work). Validating
+nodes refuse unsigned and badly signed entries at write time, so those reach a reader only through a permissive node
+near the key. The monitor's scraper also keeps the trainers' (unsigned) loss and eval-loss points, each once.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from agora_client.auth.tickets import generate_signing_key, issue_ticket, public_key_text
 from agora_client.config import load_config
+from agora_client.discovery.roster import WorkerRecord, announce, stage_uid
 from agora_client.discovery.signed_records import Receipt, ServedCounts
 from agora_client.monitor.estimate import fetch_confirmed
 from agora_client.monitor.http_api import LeaderboardServer
@@ -56,6 +57,12 @@ MODEL = load_config("tiny").model
 TTL = 300.0
 
 pytestmark = pytest.mark.integration
+
+
+def announce_active(dht: DHT, metrics: WorkerMetrics) -> None:
+    """The worker's roster entry, active: the phase the monitor checks a record's claim against."""
+    record = WorkerRecord(uid=stage_uid(metrics.stage, 0), peer_id=metrics.peer_id, stage=metrics.stage, sync_phase=0)
+    assert announce(dht, record, TTL)
 
 
 class ForgingValidator(RSASignatureValidator):
@@ -280,6 +287,8 @@ def test_monitor_killed_mid_run_keeps_every_total_and_never_counts_forgeries(swa
             head.on_backward((8, 128))
         assert publish_metrics(swarm.alice_body, body.snapshot(), swarm.alice_body_validator, TTL)
         assert publish_metrics(swarm.alice_head, head.snapshot(), swarm.alice_head_validator, TTL)
+        announce_active(swarm.alice_body, body)
+        announce_active(swarm.alice_head, head)
         served = {
             metrics.peer_id: ServedCounts(
                 stage=metrics.stage, forwards=0, backwards=metrics.batches, flops=metrics.flops_total
@@ -409,6 +418,7 @@ def test_a_worker_signing_ten_times_its_flops_earns_no_more_than_an_honest_one_s
                 update={"compute_flops": 10 * record.compute_flops, "flops_total": 10 * record.flops_total}
             )
         assert publish_metrics(dht, record, validator, TTL)
+        announce_active(dht, metrics)
         workers[identity] = record
     trainer = trainer_peer_id(swarm.trainer_validator)
     assert publish_receipt(

@@ -77,7 +77,9 @@ def value(samples: dict, name: str, **labels: str) -> float:
 
 
 def scrape_until(url: str, name: str, expected: float, **labels: str) -> dict:
-    """A scrape where ``name`` has reached ``expected`` (a count a handler thread adds just after its client is done)."""
+    """A scrape where ``name`` has reached ``expected``.
+
+    A count a handler thread adds just after its client is done."""
     deadline = time.monotonic() + 10
     while value(samples := scrape(url), name, **labels) != expected:
         assert time.monotonic() < deadline, f"{name} stayed at {value(samples, name, **labels)}, not {expected}"
@@ -117,7 +119,7 @@ def test_the_auth_service_counts_joins_and_reports_queues_and_slots_as_its_statu
 
 
 def test_the_monitor_reports_points_contributors_and_the_swarm_as_its_leaderboard_does(tmp_path: Path):
-    store = PointsStore(tmp_path / "points.sqlite", PointsPolicy(online_window_s=90.0))
+    store = PointsStore(tmp_path / "points.sqlite", PointsPolicy(online_window_s=900.0))
     now = time.time()
 
     def seen(peer: str, identity: str, at: float, active: float) -> Observation:
@@ -130,10 +132,15 @@ def test_the_monitor_reports_points_contributors_and_the_swarm_as_its_leaderboar
             active_seconds=active,
             compute_flops=0.0,
             seen_at=at,
+            published_at=at,
+            swarm_phase="active",
         )
 
-    store.record_scrape([seen("p1", "alice", now - 3600, 0), seen("p2", "bob", now - 3600, 0)], {}, now - 3600)
-    store.record_scrape([seen("p1", "alice", now, 3600), seen("p2", "bob", now - 1800, 1800)], {}, now)
+    # Presence is the time the monitor saw each peer live: p1 for the hour, p2 for its first half.
+    for ago in (3600, 2700, 1800, 900, 0):
+        at = now - ago
+        live = [seen("p1", "alice", at, 3600 - ago)] + ([seen("p2", "bob", at, 3600 - ago)] if ago >= 1800 else [])
+        store.record_scrape(live, {}, at)
     server = LeaderboardServer(store).start()
     try:
         samples = scrape(f"{server.url}/metrics")

@@ -41,7 +41,7 @@ def test_the_first_round_over_a_slice_adopts_the_average() -> None:
 @pytest.mark.parametrize("mu, eta", [(0.9, 0.7), (0.5, 1.0), (0.0, 0.5), (0.0, 1.0)])
 def test_every_round_moves_the_slice_to_the_nesterov_target(mu: float, eta: float) -> None:
     outer, rounds = OuterMomentum(mu, eta), _rounds(1, 5)
-    for (sent, average), target in zip(rounds, _reference_targets(rounds, mu, eta)):
+    for (sent, average), target in zip(rounds, _reference_targets(rounds, mu, eta), strict=True):
         delta = outer.delta(0, sent, average)
         # the delta is taken from what was sent: training that stepped meanwhile stays in the live slice
         torch.testing.assert_close((sent + delta).double(), target, rtol=1e-6, atol=1e-6)
@@ -80,7 +80,7 @@ def test_replicas_that_averaged_together_land_on_the_same_values() -> None:
 def test_slices_keep_their_own_anchors_and_momenta() -> None:
     together, apart = OuterMomentum(0.9, 0.7), [OuterMomentum(0.9, 0.7), OuterMomentum(0.9, 0.7)]
     first, second = _rounds(4, 3), _rounds(5, 3)
-    for (sent_a, average_a), (sent_b, average_b) in zip(first, second):
+    for (sent_a, average_a), (sent_b, average_b) in zip(first, second, strict=True):
         assert torch.equal(together.delta(0, sent_a, average_a), apart[0].delta(0, sent_a, average_a))
         assert torch.equal(together.delta(1, sent_b, average_b), apart[1].delta(0, sent_b, average_b))
 

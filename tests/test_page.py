@@ -112,7 +112,7 @@ def test_page_contributor_view_takes_an_escaped_name_and_says_why_points_are_wit
 
 
 def observe(store: PointsStore, ts: float, active: float) -> None:
-    store.record_scrape([Observation("QmP", "alice", "head", "r1", "active", active, 0.0, ts)], {}, ts)
+    store.record_scrape([Observation("QmP", "alice", "head", "r1", "active", active, 0.0, ts, ts, "active")], {}, ts)
 
 
 def test_page_history_keeps_one_point_per_bucket_and_a_bounded_span(tmp_path):

@@ -18,13 +18,15 @@ from agora_client.monitor.http_api import LeaderboardServer
 from agora_client.monitor.leaderboard_cli import fetch_rows, format_table
 from agora_client.monitor.learning import LearningPoint, learning_points
 from agora_client.monitor.points import PFLOP, Observation, PointsPolicy
-from agora_client.monitor.store import PointsStore
+from agora_client.monitor.store import _SCHEMA, PointsStore
 
 REPO = Path(__file__).resolve().parents[1]
 POLICY = PointsPolicy(identity_cap=2, online_window_s=90.0)
 
 
-def obs(peer: str, t: float, active: float, flops: float, identity: str = "alice") -> Observation:
+def obs(
+    peer: str, t: float, active: float, flops: float, identity: str = "alice", published: float | None = None
+) -> Observation:
     return Observation(
         peer_id=peer,
         identity=identity,
@@ -34,6 +36,8 @@ def obs(peer: str, t: float, active: float, flops: float, identity: str = "alice
         active_seconds=active,
         compute_flops=flops,
         seen_at=t,
+        published_at=t if published is None else published,
+        swarm_phase="active",
     )
 
 
@@ -57,15 +61,18 @@ def test_a_reopened_store_keeps_every_total_and_does_not_recredit(tmp_path):
     store = PointsStore(db, POLICY)  # the monitor restarted
     assert store.peers() == before
     # The same records read again after the restart credit nothing more.
-    store.record_scrape([obs("p1", 70, 60, 2 * PFLOP), obs("p2", 70, 60, PFLOP)], {}, now=70)
+    store.record_scrape(
+        [obs("p1", 70, 60, 2 * PFLOP, published=60), obs("p2", 70, 60, PFLOP, published=60)], {}, now=70
+    )
     assert store.peer("p1").score == pytest.approx(before["p1"].score)
-    # The monitor was down for an hour: the peers' counters kept running, nothing is lost.
+    # The monitor was down for an hour: the compute counter kept running and loses nothing; presence is what the
+    # monitor saw live, so the hour it did not watch earns none.
     store.record_scrape([obs("p1", 3670, 3660, 5 * PFLOP)], {}, now=3670)
     assert store.peer("p1").compute_points == pytest.approx(5.0)
-    assert store.peer("p1").presence_seconds == pytest.approx(3660)
+    assert store.peer("p1").presence_seconds == pytest.approx(60)
     rows = store.leaderboard(now=3670)
     assert rows[0].username == "alice"
-    assert rows[0].score == pytest.approx(3660 / 3600 + 5 + 60 / 3600 + 1, rel=1e-6)
+    assert rows[0].score == pytest.approx(60 / 3600 + 5 + 60 / 3600 + 1, rel=1e-6)
     store.close()
 
 
@@ -233,3 +240,34 @@ def test_learning_endpoint_serves_the_stored_curves(tmp_path):
     assert empty.status_code == 200 and empty.json() == {"loss": [], "eval_loss": []}
     assert reply.status_code == 200
     assert reply.json() == {"loss": [[10.0, 5.0], [11.0, 4.8]], "eval_loss": [[12.0, 5.3]]}  # merged, oldest first
+
+
+OBSERVATIONS_BEFORE_OBSERVED_PRESENCE = """
+CREATE TABLE observations (
+    peer_id TEXT PRIMARY KEY REFERENCES peers(peer_id),
+    run_id TEXT NOT NULL,
+    run_first_seen REAL NOT NULL,
+    run_presence_seconds REAL NOT NULL,
+    active_seconds REAL NOT NULL,
+    compute_flops REAL NOT NULL,
+    record_json TEXT NOT NULL
+);
+"""
+
+
+def test_a_ledger_from_before_observed_presence_opens_with_its_totals(tmp_path):
+    db = tmp_path / "points.sqlite"
+    old = sqlite3.connect(db)
+    old.executescript(OBSERVATIONS_BEFORE_OBSERVED_PRESENCE + _SCHEMA)
+    old.execute("INSERT INTO identities VALUES ('alice', 0)")
+    old.execute("INSERT INTO peers VALUES ('p1', 'alice', 'head', 0, 60, 'active')")
+    old.execute("INSERT INTO observations VALUES ('p1', 'r1', 0, 60, 60, 0, '{}')")
+    old.execute("INSERT INTO totals VALUES ('p1', 60, 0)")
+    old.commit()
+    old.close()
+    store = PointsStore(db, POLICY)
+    peer = store.peer("p1")
+    assert (peer.presence_seconds, peer.last_published_at) == (60, 0)  # the next record is fresh
+    store.record_scrape([obs("p1", 120, 120, 0)], {}, now=120)
+    assert store.peer("p1").presence_seconds == pytest.approx(120)
+    store.close()

@@ -26,6 +26,8 @@ def _claim(peer: str, t: float, flops: float, identity: str) -> Observation:
         active_seconds=t,
         compute_flops=flops,
         seen_at=t,
+        published_at=t,
+        swarm_phase="active",
     )
 
 

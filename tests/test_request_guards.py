@@ -1,5 +1,6 @@
 """The worker's request guards as units: tickets, tensor headers, value magnitudes, the step guard,
-plus the trainer's side (self-issued tickets, non-finite loss). The same guards on a real worker: test_fuzz_worker.py."""
+plus the trainer's side (self-issued tickets, non-finite loss). The same guards on a real worker:
+test_fuzz_worker.py."""
 
 from __future__ import annotations
 

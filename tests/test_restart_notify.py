@@ -12,6 +12,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -64,6 +65,39 @@ def wait_for_runtime(pid: int, other_than: int | None = None, timeout: float = 3
     raise AssertionError("no runtime was started")
 
 
+class OutputLines:
+    """The client's stdout, read line by line on a thread, so that a test can wait for a line before it signals."""
+
+    def __init__(self, client: subprocess.Popen):
+        self.lines: list[str] = []
+        self.errors: list[str] = []  # stderr, drained so that the client never blocks writing it
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, args=(client.stdout,), daemon=True)
+        self._reader.start()
+        threading.Thread(target=lambda: self.errors.extend(client.stderr), daemon=True).start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+
+    def wait_for(self, text: str, count: int = 1, timeout: float = 30.0) -> None:
+        """Until ``count`` lines hold ``text``."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: sum(text in line for line in self.lines) >= count, timeout):
+                raise AssertionError(f"not {count} lines with {text!r} in {timeout:.0f}s: {self.lines}")
+
+    def rest(self, timeout: float = 30.0) -> str:
+        """Everything the client printed, once its stdout closed."""
+        self._reader.join(timeout)
+        return "\n".join(self.lines)
+
+
+# The stand-in's first line: it printed it after setting its own SIGINT disposition (replay.main).
+STAND_IN_READY = "Agora client 0.1.0"
+
+
 def headless(tmp_path: Path, *flags: str, replay_args: tuple[str, ...] = ()) -> subprocess.Popen:
     runtime = shlex.join(replay_argv(FIXTURES / "sync1.jsonl", "--hold", *replay_args))
     argv = [
@@ -84,18 +118,20 @@ def headless(tmp_path: Path, *flags: str, replay_args: tuple[str, ...] = ()) -> 
 
 def test_a_runtime_killed_with_sigkill_is_restarted_after_the_backoff_and_sigterm_then_stops_it(tmp_path):
     client = headless(tmp_path, "--restart", "on-failure")
+    output = OutputLines(client)
     try:
         first = wait_for_runtime(client.pid)
         command = first.cmdline()
-        time.sleep(0.3)
+        output.wait_for(STAND_IN_READY)
         killed_at = time.monotonic()
         first.send_signal(signal.SIGKILL)
         second = wait_for_runtime(client.pid, other_than=first.pid, timeout=20)
         waited = time.monotonic() - killed_at
         assert second.cmdline() == command  # the same command: the same token, config dir and identity
-        time.sleep(0.3)
+        output.wait_for(STAND_IN_READY, count=2)
         client.send_signal(signal.SIGTERM)
-        out, _ = client.communicate(timeout=30)
+        client.wait(timeout=30)
+        out = output.rest()
     finally:
         if client.poll() is None:
             client.kill()
@@ -112,13 +148,15 @@ def test_a_runtime_killed_with_sigkill_is_restarted_after_the_backoff_and_sigter
 def test_ctrl_c_is_never_restarted_even_when_the_runtime_dies_of_the_stop(tmp_path):  # SIGTERM: the test above
     # The stand-in ignores SIGINT: the second Ctrl-C gives it SIGTERM, which kills it, as a crash would.
     client = headless(tmp_path, "--restart", "on-failure", replay_args=("--ignore-sigint",))
+    output = OutputLines(client)
     try:
         runtime = wait_for_runtime(client.pid)
-        time.sleep(0.3)
+        output.wait_for(STAND_IN_READY)
         client.send_signal(signal.SIGINT)
-        time.sleep(0.3)
+        output.wait_for("Interrupted: stopping the worker")
         client.send_signal(signal.SIGINT)
-        out, _ = client.communicate(timeout=30)
+        client.wait(timeout=30)
+        out = output.rest()
     finally:
         if client.poll() is None:
             client.kill()
@@ -155,8 +193,8 @@ def test_restarts_double_their_wait_and_give_up_with_the_last_error(tmp_path, mo
         "(crash 2; giving up at 3 within 1 minutes)",
     ]
     assert (
-        lines[-1]
-        == f"[ERROR] The worker runtime crashed 3 times within 1 minutes; not starting it again. Last error: {last_error}"
+        lines[-1] == "[ERROR] The worker runtime crashed 3 times within 1 minutes; not starting it again. "
+        f"Last error: {last_error}"
     )
     notes = [json.loads(line) for line in (tmp_path / "notes.jsonl").read_text().splitlines()]
     # each run ran out of memory once (its error event) and dropped out once; the last says it gave up

@@ -7,6 +7,7 @@ An in-process DHT peer stands in for the seeds: the runtime opens its port on th
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -33,22 +34,22 @@ from agora_client.config import load_config
 from agora_client.data.tokenizer import load_run_tokenizer
 from agora_client.model import build_stage
 from agora_client.snapshots import save_stage_snapshot
-from agora_client.snapshots.server import RangeRequestHandler, serve_directory
+from agora_client.snapshots.server import serve_directory
+from tests.store_front import StoreFront
 
 ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.timeout(300)  # process start-up is slow on a loaded machine; the 5 s bound is on the stop
 
 
-class Trickle(RangeRequestHandler):
+class Trickle(StoreFront):
     """Sends a few KB per second: a download that takes minutes."""
 
-    def send_body(self, block: bytes, outputfile) -> None:
-        for start in range(0, len(block), 4096):
-            outputfile.write(block[start : start + 4096])
-            outputfile.flush()
-            self.server.count_sent(len(block[start : start + 4096]))
-            time.sleep(0.5)
+    async def relay_body(self, target, blocks, send) -> None:
+        async for block in blocks:
+            for start in range(0, len(block), 4096):
+                await send(block[start : start + 4096])
+                await asyncio.sleep(0.5)
 
 
 def _group_alive(pgid: int) -> list[int]:
@@ -72,7 +73,7 @@ def test_ctrl_c_during_the_download_stops_within_5s_and_frees_the_slot(tmp_path)
     seed = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     seeds = tuple(str(maddr) for maddr in seed.get_visible_maddrs())
     try:
-        with serve_directory(tmp_path / "snaps", handler=Trickle) as snapshots:
+        with serve_directory(tmp_path / "snaps") as store, Trickle(store.url) as snapshots:
             settings = ServiceSettings(
                 policy=AdmissionPolicy(stages=tuple(config.model.stage_names), pacing_s=0.0),
                 snapshot_url=snapshots.url,

@@ -62,7 +62,7 @@ def s3_endpoint():
                 break
             except httpx.TransportError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("moto's S3 server did not start")
+                    raise RuntimeError("moto's S3 server did not start") from None
                 time.sleep(0.2)
         for name, value in {
             "AWS_ENDPOINT_URL": endpoint,
@@ -96,7 +96,7 @@ def test_save_list_prune_and_load_round_trip(store, tmp_path):
     info = load_stage_snapshot(local, module, optimizer, stage="body1")
     expected, _ = perturbed_stage("body1", 2)
     assert info.epoch == 2
-    for (name, value), reference in zip(module.state_dict().items(), expected.state_dict().values()):
+    for (name, value), reference in zip(module.state_dict().items(), expected.state_dict().values(), strict=True):
         assert torch.equal(value, reference), name
 
 

@@ -64,7 +64,7 @@ def whole_file_load(directory: Path, module: nn.Module, optimizer: torch.optim.O
         )
     groups = [
         {name: tuple(value) if isinstance(current.get(name), tuple) else value for name, value in saved.items()}
-        for saved, current in zip(meta["param_groups"], optimizer.param_groups)
+        for saved, current in zip(meta["param_groups"], optimizer.param_groups, strict=True)
     ]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
@@ -98,7 +98,7 @@ def test_a_streamed_load_equals_a_whole_file_load(tmp_path: Path, has_state: boo
     whole_file_load(directory, *whole)
     assert_same(streamed, whole)
     # and both go on alike: the streamed optimizer carries the moments and step counts where it keeps them
-    for module, optimizer in (streamed, whole):
+    for _, optimizer in (streamed, whole):
         for parameter in optimizer.param_groups[0]["params"]:
             parameter.grad = torch.full_like(parameter, 1e-3)
         optimizer.step()

@@ -6,6 +6,7 @@ import io
 import json
 import shutil
 import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -16,7 +17,6 @@ from torch import nn
 from agora_client.events import DownloadEvent, EventWriter, parse_event
 from agora_client.snapshots import (
     DownloadError,
-    RangeRequestHandler,
     SnapshotError,
     download_snapshot,
     latest_snapshot,
@@ -24,6 +24,7 @@ from agora_client.snapshots import (
     save_stage_snapshot,
     serve_directory,
 )
+from tests.store_front import StoreFront
 
 CHUNK = 64 * 1024  # one network block: a cut connection must cost less than this
 
@@ -212,40 +213,43 @@ def test_download_round_trip(tmp_path: Path):
         )
 
 
-class CutOnce(RangeRequestHandler):
+Send = Callable[[bytes], Awaitable[None]]
+
+
+class CutOnce(StoreFront):
     """Drops the connection once, after CUT_AFTER bytes of the optimizer file's body."""
 
     CUT_AFTER = 300_000
     cut_done = threading.Event()
     ranges: list[str] = []
 
-    def send_head(self):
-        if "optimizer" in self.path:
-            type(self).ranges.append(self.headers.get("Range", ""))
-        self._body_sent = 0
-        return super().send_head()
+    async def on_request(self, target, headers):
+        if "optimizer" in target:
+            type(self).ranges.append(headers.get("Range", ""))
 
-    def send_body(self, block, outputfile):
-        if "optimizer" in self.path and not self.cut_done.is_set():
-            room = self.CUT_AFTER - self._body_sent
+    async def relay_body(self, target: str, blocks: AsyncIterator[bytes], send: Send) -> None:
+        if "optimizer" not in target or self.cut_done.is_set():
+            return await super().relay_body(target, blocks, send)
+        sent = 0
+        async for block in blocks:
+            room = self.CUT_AFTER - sent
             if room < len(block):
-                super().send_body(block[:room], outputfile)
+                await send(block[:room])
                 self.cut_done.set()
-                self.close_connection = True
                 raise ConnectionAbortedError("test cut")
-            self._body_sent += len(block)
-        super().send_body(block, outputfile)
+            await send(block)
+            sent += len(block)
 
 
 def test_cut_download_resumes_and_refetches_less_than_a_chunk(tmp_path: Path):
     root, directory, module, optimizer = published(tmp_path)
     assert (directory / "optimizer.safetensors").stat().st_size > CutOnce.CUT_AFTER + CHUNK
     buffer = io.StringIO()
-    with serve_directory(root, handler=CutOnce) as server:
+    with serve_directory(root) as server, CutOnce(server.url) as front:
         target = download_snapshot(
-            f"{server.url}/body2/latest.json", tmp_path / "dest", events=EventWriter(buffer), backoff_s=0.05
+            f"{front.url}/body2/latest.json", tmp_path / "dest", events=EventWriter(buffer), backoff_s=0.05
         )
-        sent = server.bytes_sent
+        sent = front.bytes_sent
     assert CutOnce.cut_done.is_set()
     refetched = sent - body_bytes(directory, root)
     assert 0 <= refetched < CHUNK
@@ -297,24 +301,25 @@ def test_a_damaged_part_left_by_an_earlier_run_fails_its_hash_and_is_fetched_aga
     assert_same_state(module, optimizer, restored, restored_opt)
 
 
-class CorruptOnce(RangeRequestHandler):
+class CorruptOnce(StoreFront):
     """Flips one byte of the first params.safetensors body it sends."""
 
     corrupted = threading.Event()
 
-    def send_body(self, block, outputfile):
-        if "params" in self.path and not self.corrupted.is_set():
-            self.corrupted.set()
-            block = bytes([block[0] ^ 0xFF]) + block[1:]
-        super().send_body(block, outputfile)
+    async def relay_body(self, target: str, blocks: AsyncIterator[bytes], send: Send) -> None:
+        async for block in blocks:
+            if "params" in target and not self.corrupted.is_set():
+                self.corrupted.set()
+                block = bytes([block[0] ^ 0xFF]) + block[1:]
+            await send(block)
 
 
 def test_corrupted_file_is_detected_and_fetched_again(tmp_path: Path):
     root, directory, module, optimizer = published(tmp_path)
     buffer = io.StringIO()
-    with serve_directory(root, handler=CorruptOnce) as server:
-        target = download_snapshot(f"{server.url}/body2/latest.json", tmp_path / "dest", events=EventWriter(buffer))
-        sent = server.bytes_sent
+    with serve_directory(root) as server, CorruptOnce(server.url) as front:
+        target = download_snapshot(f"{front.url}/body2/latest.json", tmp_path / "dest", events=EventWriter(buffer))
+        sent = front.bytes_sent
     assert CorruptOnce.corrupted.is_set()
     assert sent == body_bytes(directory, root) + (directory / "params.safetensors").stat().st_size
     retries = [event for event in events_of(buffer) if event.status == "retry"]
@@ -334,12 +339,11 @@ def test_a_store_that_keeps_serving_a_damaged_file_fails_clearly(tmp_path: Path)
     assert events_of(buffer)[-1].status == "failed"
 
 
-class RecordingHandler(RangeRequestHandler):
+class RecordingFront(StoreFront):
     requested: list[str] = []
 
-    def send_head(self):
-        type(self).requested.append(self.path)
-        return super().send_head()
+    async def on_request(self, target, headers):
+        type(self).requested.append(target)
 
 
 def test_presigned_style_urls_keep_their_own_query_strings(tmp_path: Path):
@@ -348,19 +352,19 @@ def test_presigned_style_urls_keep_their_own_query_strings(tmp_path: Path):
     bucket.mkdir()
     for name in ("params.safetensors", "optimizer.safetensors"):
         shutil.copy(directory / name, bucket / f"obj-{name}")
-    RecordingHandler.requested = []
-    with serve_directory(tmp_path, handler=RecordingHandler) as server:
+    RecordingFront.requested = []
+    with serve_directory(tmp_path) as server, RecordingFront(server.url) as front:
         manifest = json.loads((directory / "manifest.json").read_text())
         for name in manifest["files"]:
             manifest["files"][name]["url"] = (
-                f"{server.url}/bucket/obj-{name}?X-Amz-Signature=sig-{name[:3]}&X-Amz-Expires=600"
+                f"{front.url}/bucket/obj-{name}?X-Amz-Signature=sig-{name[:3]}&X-Amz-Expires=600"
             )
         (bucket / "manifest.json").write_text(json.dumps(manifest))
         target = download_snapshot(
-            f"{server.url}/bucket/manifest.json?X-Amz-Signature=sig-man", tmp_path / "dest", events=EventWriter()
+            f"{front.url}/bucket/manifest.json?X-Amz-Signature=sig-man", tmp_path / "dest", events=EventWriter()
         )
-    assert "/bucket/obj-params.safetensors?X-Amz-Signature=sig-par&X-Amz-Expires=600" in RecordingHandler.requested
-    assert "/bucket/obj-optimizer.safetensors?X-Amz-Signature=sig-opt&X-Amz-Expires=600" in RecordingHandler.requested
+    assert "/bucket/obj-params.safetensors?X-Amz-Signature=sig-par&X-Amz-Expires=600" in RecordingFront.requested
+    assert "/bucket/obj-optimizer.safetensors?X-Amz-Signature=sig-opt&X-Amz-Expires=600" in RecordingFront.requested
     local_manifest = (target / "manifest.json").read_text()
     assert "X-Amz-Signature" not in local_manifest  # presigned signatures are not written to disk
     restored, restored_opt = fresh()
@@ -370,15 +374,15 @@ def test_presigned_style_urls_keep_their_own_query_strings(tmp_path: Path):
 
 def test_relative_file_urls_drop_the_manifest_query_string(tmp_path: Path):
     root, directory, _, _ = published(tmp_path, width=32)
-    RecordingHandler.requested = []
-    with serve_directory(root, handler=RecordingHandler) as server:
+    RecordingFront.requested = []
+    with serve_directory(root) as server, RecordingFront(server.url) as front:
         download_snapshot(
-            f"{server.url}/body2/{directory.name}/manifest.json?sig=only-for-the-manifest",
+            f"{front.url}/body2/{directory.name}/manifest.json?sig=only-for-the-manifest",
             tmp_path / "d",
             events=EventWriter(),
         )
-    assert f"/body2/{directory.name}/params.safetensors" in RecordingHandler.requested
-    assert not any("sig=" in path for path in RecordingHandler.requested[1:])
+    assert f"/body2/{directory.name}/params.safetensors" in RecordingFront.requested
+    assert not any("sig=" in path for path in RecordingFront.requested[1:])
 
 
 def test_unreachable_store_fails_with_a_clear_message(tmp_path: Path):

@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from contextlib import suppress
+from itertools import pairwise
 from multiprocessing.connection import Connection
 from typing import Any, Iterator
 
@@ -123,7 +124,7 @@ def _peer_main(
                 break
             if command == "set":
                 with lock:
-                    for parameter, value in zip(parameters, args[0]):
+                    for parameter, value in zip(parameters, args[0], strict=True):
                         parameter.data.copy_(value)
                 conn.send(_flat(parameters))
             elif command == "round":
@@ -213,7 +214,7 @@ class Swarm:
         return self.conns[index].recv()
 
     def set_values(self, values: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        for conn, peer_values in zip(self.conns, values):
+        for conn, peer_values in zip(self.conns, values, strict=True):
             conn.send(("set", peer_values))
         return [self._recv(index) for index in range(len(values))]
 
@@ -228,7 +229,7 @@ class Swarm:
         """One round on ``peers``; the ``late`` ones start it a second after the others, so they cannot lead it."""
         commands = {
             index: ("round", round_no, weight, move)
-            for index, weight, move in zip(peers, weights, moves or [0.0] * len(peers))
+            for index, weight, move in zip(peers, weights, moves or [0.0] * len(peers), strict=True)
         }
         for index in (i for i in peers if i not in late):
             self.conns[index].send(commands[index])
@@ -306,14 +307,14 @@ def test_rounds_converge_and_cover_every_parameter_once(swarm: Swarm) -> None:
         expected = 3 * _expected_traffic(3, partition.slice_size(round_no))
         for moved in (sum(report.bytes_sent for report in reports), sum(report.bytes_received for report in reports)):
             assert abs(moved - expected) <= 0.1 * expected, (reports, expected)
-        changed = torch.stack([after != before for after, before in zip(current, previous)]).any(0)
+        changed = torch.stack([after != before for after, before in zip(current, previous, strict=True)]).any(0)
         assert torch.equal(changed, _slice_mask(round_no, total)), "a round changed elements outside its slice"
         covered += changed
         for flat in current:
             torch.testing.assert_close(flat[changed], mean[changed])
         spreads.append(float(torch.stack(current).std(0).norm()))
         previous = current
-    assert all(later < earlier for earlier, later in zip(spreads, spreads[1:])), spreads
+    assert all(later < earlier for earlier, later in pairwise(spreads)), spreads
     assert torch.equal(covered, torch.ones(total, dtype=torch.int64)), "every element is averaged exactly once"
     largest_difference = float((torch.stack(previous).max(0).values - torch.stack(previous).min(0).values).max())
     assert largest_difference < 1e-5
@@ -536,7 +537,7 @@ def test_compressed_rounds_move_fewer_bytes_and_reach_the_fp32_average(payload: 
         expected = _expected_traffic(2, slice_size) * WIRE_RATIO[payload]
         for round_no in (0, PARTITIONS):  # the same slice twice: the second round sends what the first dropped
             results = swarm.round([0, 1], round_no, [1.0, 1.0])
-            for report, after in results:
+            for report, _ in results:
                 assert report.ok and report.fraction == 1.0 and report.reason is None, report
                 moved = report.bytes_sent + report.bytes_received
                 assert abs(moved - 2 * expected) <= 0.1 * 2 * expected + 2 * codebooks, (report, expected)

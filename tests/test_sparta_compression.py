@@ -164,7 +164,8 @@ class _SimulatedStage:
         sent = [buffer.clone() for buffer in buffers]
         own_parts = [[index for index, reducer in enumerate(reducer_of) if reducer == peer] for peer in peers]
         received = [
-            transmitted_values(values, self.compression, self.part_values, own) for values, own in zip(sent, own_parts)
+            transmitted_values(values, self.compression, self.part_values, own)
+            for values, own in zip(sent, own_parts, strict=True)
         ]
         for index, reducer in enumerate(reducer_of):
             chunk = slice(index * self.part_values, (index + 1) * self.part_values)
@@ -176,7 +177,7 @@ class _SimulatedStage:
             averaged = self.feedback[peer].averaged(part, buffers[peer][:size])
             self.partition.add_([self.params[peer]], part, averaged - slices[peer])
         step = torch.stack([self._step(values) for values in sent]).amax(0)[:size]
-        residual = max(float((values - got).abs().max()) for values, got in zip(sent, received))
+        residual = max(float((values - got).abs().max()) for values, got in zip(sent, received, strict=True))
         return _Round(part, step, residual)
 
     def _step(self, values: torch.Tensor) -> torch.Tensor:
@@ -231,7 +232,7 @@ def _train_and_average(payload: str, params: list[torch.Tensor], rounds: int) ->
     stage = _SimulatedStage([value.clone() for value in params], payload, partitions=2)
     residuals, errors = [], []
     for round_no in range(rounds):
-        for peer_values, update in zip(stage.params, updates):
+        for peer_values, update in zip(stage.params, updates, strict=True):
             peer_values += update
         fp32_average += torch.stack(updates).mean(0)
         result = stage.round(round_no)

@@ -77,7 +77,9 @@ def test_the_metrics_record_keeps_the_latest_measured_drift() -> None:
 
 
 def test_the_dht_schema_accepts_records_with_and_without_drift() -> None:
-    """What every node checks before storing a worker's metrics: the published JSON, after msgpack, validated strictly."""
+    """What every node checks before storing a worker's metrics.
+
+    The published JSON, after msgpack, validated strictly."""
     schema = swarm_key_schemas(["body1"])[metrics_key("body1")].model
     metrics = _metrics()
     old = metrics.snapshot().model_dump(mode="json")

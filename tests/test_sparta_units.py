@@ -47,7 +47,7 @@ def test_gather_and_add_follow_the_flat_vector_in_any_dtype(dtype: torch.dtype) 
         assert torch.equal(out[: partition.slice_size(part)], flat[mask])
         before = [tensor.clone() for tensor in tensors]
         partition.add_(tensors, part, torch.ones(partition.slice_size(part)))
-        moved = torch.cat([(after - old).reshape(-1) for after, old in zip(tensors, before)]).float()
+        moved = torch.cat([(after - old).reshape(-1) for after, old in zip(tensors, before, strict=True)]).float()
         assert torch.equal(moved, mask.float())
 
 
@@ -134,7 +134,7 @@ def test_a_lone_worker_reports_a_failed_round_and_keeps_its_weights(dht: object)
         assert not report.ok and report.group_size == 0 and report.fraction == 0.0 and report.partition == 2
         assert "no other worker" in report.reason
         assert seen == [superseded, report], "one report, hence one event, per failed round"
-        assert all(torch.equal(parameter, old) for parameter, old in zip(parameters, before))
+        assert all(torch.equal(parameter, old) for parameter, old in zip(parameters, before, strict=True))
         for failed in seen:  # what the app and headless show of each: one warning line with its reason
             (line,) = LineFormatter().format(parse_event(dump_event(failed.to_event(sparta.partition))))
             assert (line.tag, line.level) == ("SPARTA", "warning") and failed.reason in line.text, line

@@ -180,6 +180,8 @@ def test_a_withheld_peer_keeps_presence_loses_compute_and_stays_withheld_across_
             active_seconds=t,
             compute_flops=flops,
             seen_at=t,
+            published_at=t,
+            swarm_phase="active",
         )
 
     store = PointsStore(tmp_path / "points.sqlite", PointsPolicy())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from pathlib import Path
@@ -17,7 +18,6 @@ from agora_client.joining.preparation import StagePreparation
 from agora_client.model import build_stage
 from agora_client.snapshots import (
     DownloadError,
-    RangeRequestHandler,
     load_stage_snapshot,
     save_stage_snapshot,
     serve_directory,
@@ -25,19 +25,19 @@ from agora_client.snapshots import (
 from agora_client.worker.node import WorkerNode, WorkerOptions
 from agora_client.worker.optimizer import build_optimizer
 from agora_client.worker.prepared_stage import prepare_stage
+from tests.store_front import StoreFront
 
 CONFIG = load_config("tiny")
 WAIT_S = 60.0  # bounds every wait of this module
 
 
-class HeldUntilReleased(RangeRequestHandler):
+class HeldUntilReleased(StoreFront):
     """A store whose every answer waits until the test releases it: a download that is still running."""
 
     release = threading.Event()
 
-    def send_head(self):
-        type(self).release.wait(WAIT_S)
-        return super().send_head()
+    async def on_request(self, target, headers):
+        await asyncio.to_thread(type(self).release.wait, WAIT_S)
 
 
 def _wait_until(condition, what: str) -> None:
@@ -57,7 +57,7 @@ def test_the_stage_is_built_while_its_snapshot_still_downloads_and_both_are_hand
     save_stage_snapshot(tmp_path / "store", "body1", published, optimizer, epoch=3, keep=1)
     HeldUntilReleased.release.clear()
     preparation = StagePreparation(CONFIG, "cpu", tmp_path / "downloads", NULL_WRITER)
-    with serve_directory(tmp_path / "store", handler=HeldUntilReleased) as server:
+    with serve_directory(tmp_path / "store") as store, HeldUntilReleased(store.url) as server:
         try:
             preparation.start(StageAssignment("body1", f"{server.url}/body1/latest.json"))
             assert _alive("stage build") and _alive("snapshot download")  # side by side, not one after the other
@@ -77,7 +77,7 @@ def test_the_stage_is_built_while_its_snapshot_still_downloads_and_both_are_hand
 def test_waiting_gives_up_when_stopped_and_a_failed_download_is_raised(tmp_path: Path) -> None:
     HeldUntilReleased.release.clear()
     stopped = StagePreparation(CONFIG, "cpu", tmp_path / "a", NULL_WRITER)
-    with serve_directory(tmp_path, handler=HeldUntilReleased) as server:
+    with serve_directory(tmp_path) as store, HeldUntilReleased(store.url) as server:
         try:
             stopped.start(StageAssignment("head", f"{server.url}/head/latest.json"))
             stop = threading.Event()

@@ -48,7 +48,7 @@ def run_detached(stages: list[StageModule], tokens, labels) -> tuple[torch.Tenso
         outputs.append(boundary)
     loss = outputs[-1]
     grad = torch.full_like(loss, 1.0 / loss.shape[0])
-    for received, output in zip(reversed(received_inputs), reversed(outputs)):
+    for received, output in zip(reversed(received_inputs), reversed(outputs), strict=True):
         output.backward(grad)
         grad = None if received is None else received.grad
     return loss.detach(), [output.detach() for output in outputs[:-1]]
@@ -64,12 +64,12 @@ def test_compressed_pipeline_equals_dense_pipeline() -> None:
     assert all(sent.shape[-1] == config.d_model for sent in dense_sent)
     assert all(sent.shape[-1] == config.subspace_rank for sent in compressed_sent)
     torch.testing.assert_close(compressed_loss, dense_loss, rtol=1e-5, atol=1e-6)
-    for dense_stage, compressed_stage in zip(dense, compressed):
+    for dense_stage, compressed_stage in zip(dense, compressed, strict=True):
         compressed_grads = dict(compressed_stage.named_parameters())
         for name, param in dense_stage.named_parameters():
             assert param.grad is not None and param.grad.abs().sum() > 0, name
             torch.testing.assert_close(
-                compressed_grads[name].grad, param.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}"
+                compressed_grads[name].grad, param.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
             )
 
 

@@ -114,7 +114,9 @@ def test_each_stage_shows_the_mean_drift_of_its_workers_verified_metrics_records
     try:
         # two workers that averaged, and one whose ticket another auth service signed (records without a drift:
         # tests/test_replica_drift.py)
-        for (dht, validator), drift, key in zip(workers, (0.02, 0.05, 0.9), (auth_key, auth_key, stranger_key)):
+        for (dht, validator), drift, key in zip(
+            workers, (0.02, 0.05, 0.9), (auth_key, auth_key, stranger_key), strict=True
+        ):
             peer_id = dht.peer_id.to_base58()
             ticket = issue_ticket(key, identity=peer_id[-6:], peer_id=peer_id, stage="body1", slot=0, ttl_s=3600)
             metrics = WorkerMetrics(model, "body1", peer_id=peer_id, identity=peer_id[-6:], ticket=ticket)

@@ -41,6 +41,7 @@ from agora_client.auth.transport import PlainHttpRefused, refuse_plain_http, tru
 from agora_client.config import load_config
 from agora_client.events import EventWriter, parse_event
 from agora_client.http_service import (
+    PLAIN_HTTP,
     Exposure,
     HttpService,
     RateLimit,
@@ -66,7 +67,7 @@ INTERNET_URL = "http://11.77.0.2:8470"  # a public address: nothing here ever co
 def auth_server(
     tmp_path: Path,
     *,
-    exposure: Exposure = Exposure(),
+    exposure: Exposure = PLAIN_HTTP,
     snapshot_url: str | None = None,
     run=None,
     dial_back: bool = False,
@@ -283,7 +284,8 @@ def test_x_forwarded_for_from_a_trusted_proxy_sets_the_dial_back_target_and_is_i
         port = contributor.getsockname()[1]
         exposure = Exposure(trusted_proxies=TrustedProxies.parse(["127.0.0.1"]))
         with auth_server(tmp_path, exposure=exposure, dial_back=True) as (server, tokens):
-            # The proxy at 127.0.0.1 appended the contributor's address; what the contributor wrote before it is not believed.
+            # The proxy at 127.0.0.1 appended the contributor's address; what the contributor wrote before it is not
+            # believed.
             proxied = post_join(
                 server, tokens["alice"], "peerA", port, source="127.0.0.1", forwarded_for="6.6.6.6, 127.0.0.3"
             )
@@ -341,6 +343,7 @@ def test_the_front_end_hands_insecure_and_ca_cert_to_the_runtime_which_takes_the
 
     monkeypatch.setenv("HF_TOKEN", "hf_abcdefghijkl")
     flags = ["--headless", "--swarm", INTERNET_URL, "--config-dir", str(tmp_path), "--insecure", "--ca-cert", "ca.pem"]
+    flags.append("--allow-write-token")  # no Hugging Face here to ask what the token may do (test_token_scope.py)
     session = prepare(build_parser().parse_args(flags))
     assert not isinstance(session, int)
     argv = session.command.argv

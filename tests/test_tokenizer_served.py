@@ -197,7 +197,9 @@ def test_tokenizer_vocab_mismatch_stops_the_auth_service_at_start(tmp_path):
 
 
 def test_tokenizer_altered_on_the_way_stops_a_joining_worker(tmp_path):
-    """The headless client, against a service whose tokenizer file is not the one its description pins: it does not join."""
+    """The headless client, against a service whose tokenizer file is not the one its description pins.
+
+    It does not join."""
     with socket.socket() as seed:  # preflight dials the seeds: one that answers
         seed.bind(("127.0.0.1", 0))
         seed.listen()
@@ -211,6 +213,7 @@ def test_tokenizer_altered_on_the_way_stops_a_joining_worker(tmp_path):
                     sys.executable,
                     str(REPO / "agora_cli.py"),
                     "--headless",
+                    "--allow-write-token",  # no Hugging Face here to ask what hf_test may do (test_token_scope.py)
                     "--cpu",
                     "--swarm",
                     url,

@@ -1,4 +1,6 @@
-"""Pilot tests: the preflight view and the reachability diagnosis, driven by recorded streams replayed by a real child."""
+"""Pilot tests: the preflight view and the reachability diagnosis.
+
+Driven by recorded streams replayed by a real child."""
 
 from __future__ import annotations
 

@@ -49,7 +49,8 @@ def wait_for(name: str, crashed: bool = False):
 
 
 SIZES = {"80x24": (80, 24), "160x50": (160, 50)}  # the smallest usual terminal, and a large one
-# What the status band must show of each state, at both sizes (the long forms at 160 columns hold the short ones' figures).
+# What the status band must show of each state, at both sizes (the long forms at 160 columns hold the short ones'
+# figures).
 FIGURES = {
     "authorizing": {"Auth": "asking"},
     "downloading": {"Auth": "✔ alice", "Download": "46%"},

@@ -127,7 +127,8 @@ def test_stop_signal_leaves_forked_helpers_their_default_sigterm():
 
 def test_a_second_signal_ends_the_process_at_once():
     code = (
-        f"import sys, time; sys.path.insert(0, {str(ROOT)!r})\nfrom agora_client.system.lifetime import stop_on_signals\n"
+        f"import sys, time; sys.path.insert(0, {str(ROOT)!r})\n"
+        "from agora_client.system.lifetime import stop_on_signals\n"
         "stop = stop_on_signals(); print('ready', flush=True); stop.wait(30); time.sleep(30)"
     )
     process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

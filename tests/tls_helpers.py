@@ -22,7 +22,9 @@ class TlsFiles:
 
 
 def make_tls_files(directory: Path, *, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> TlsFiles:
-    """A CA, and a server certificate for ``hosts`` (IP addresses or names) signed by it, as PEM files in ``directory``."""
+    """A CA, and a server certificate for ``hosts`` (IP addresses or names) signed by it.
+
+    As PEM files in ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())

@@ -8,6 +8,7 @@ from enum import IntEnum
 
 from agora_client.events import (
     MACHINE_CHECKS,  # the machine's preflight checks, in the order the runtime runs them
+    STARTING,
     AuthEvent,
     DownloadEvent,
     ErrorEvent,
@@ -39,7 +40,9 @@ LABELS = {
 }
 # What to do when a step fails and the runtime gave no hint.
 ADVICE = {
-    JoinStep.AUTHORIZATION: "check your Hugging Face token (agora_cli.py --reconfigure) and the --swarm address, then restart",
+    JoinStep.AUTHORIZATION: (
+        "check your Hugging Face token (agora_cli.py --reconfigure) and the --swarm address, then restart"
+    ),
     JoinStep.DOWNLOAD: "check your connection and free disk space; a restart resumes the download where it stopped",
     JoinStep.QUEUE: "restart to rejoin the queue; the downloaded snapshot is kept",
     JoinStep.SYNC1: "restart; if it keeps failing, export a support bundle (e) and open a ticket",
@@ -47,6 +50,7 @@ ADVICE = {
     JoinStep.ACTIVE: "restart; if it keeps failing, export a support bundle (e) and open a ticket",
 }
 REJECTED_ADVICE = "the swarm is full or this identity reached its cap: try again later"
+START_ADVICE = "fix what the message says, then restart; export a support bundle (e) if it is unclear"
 PREFLIGHT_ADVICE = "fix what the failed preflight check says (see the Preflight panel), then restart (r)"
 JOIN_TAG = "JOIN"  # log events with this tag say what happens between two steps (starting the worker...)
 _SYNC_STEPS = {"sync1": JoinStep.SYNC1, "sync2": JoinStep.SYNC2, "active": JoinStep.ACTIVE}
@@ -122,7 +126,7 @@ class PreflightState:
 
 @dataclass(frozen=True)
 class Failure:
-    step: JoinStep
+    step: JoinStep | None  # None: the runtime failed before the join began (no step was tried)
     reason: str
     advice: str
 
@@ -253,7 +257,11 @@ class JoinTracker:
         return True
 
     def _on_error(self, event: ErrorEvent) -> bool:
-        """Fail the current step; without a hint, advise fixing a failed preflight check if one failed before authorization."""
+        """Fail the current step, or the start where the runtime could not begin the join; without a hint, advise
+        fixing a failed preflight check if one failed before authorization."""
+        if event.where == STARTING:
+            self.failure = Failure(None, event.message, event.hint or START_ADVICE)
+            return True
         preflight_failed = self.step == JoinStep.AUTHORIZATION and not self.authorized and self.preflight.failed()
         self._fail(event.message, event.hint or (PREFLIGHT_ADVICE if preflight_failed else ""))
         return True

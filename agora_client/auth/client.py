@@ -7,11 +7,12 @@ internet, nor does a snapshot come from one, unless the contributor passed ``--i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,59 +94,73 @@ def authorize(
     port: int | None = None,
     announce: str | None = None,
     gpu_memory: int | None = None,
+    host_memory: int | None = None,
     peer_key: RSAPrivateKey | None = None,
     insecure: bool = False,
 ) -> Authorization:
     """Join the swarm at ``swarm_url`` (the auth service); wait in its queue if it paces joins.
 
-    Emits AuthEvent authorizing -> authorized | rejected | failed, and while queued a QueueEvent at
-    once and then every ``queue_log_every`` seconds. ``on_assigned`` is called once, as soon as the
-    stage is known (possibly while still queued), so the caller can start the snapshot download.
-    ``port`` (or ``announce`` HOST:PORT) is where this peer listens: the service dials it back before
-    admission and raises PeerUnreachable (no event: the caller diagnoses and retries) if it cannot connect.
-    ``gpu_memory`` (bytes) lets the service assign only a stage that GPU can hold.
-    ``peer_key``, the key ``peer_id`` is derived from, signs each join (the service may require that proof).
-    Plain http:// outside loopback and the private networks (the service, its snapshots) fails unless ``insecure``.
-    Raises AuthRejected or AuthFailed (after emitting the matching event).
+    Emits AuthEvent authorizing -> authorized | rejected | failed, and while queued a QueueEvent at once and then every
+    ``queue_log_every`` seconds. ``on_assigned`` is called once, as soon as the stage is known (possibly while still
+    queued), so the caller can start the snapshot download. ``port`` (or ``announce`` HOST:PORT) is where this peer
+    listens: the service dials it back before admission and raises PeerUnreachable (no event: the caller diagnoses and
+    retries) if it cannot connect. ``gpu_memory`` (bytes) lets the service assign only a stage that GPU can hold,
+    and ``host_memory`` (available RAM, bytes) only one whose host needs in that GPU's layout this machine holds.
+    ``peer_key``, the key ``peer_id`` is derived from, signs each join (the service may require that proof). Plain
+    http:// outside loopback and the private networks (the service, its snapshots) fails unless ``insecure``. Raises
+    AuthRejected or AuthFailed (after emitting the matching event).
     """
     secret = Secret(token)
     base = swarm_url.rstrip("/")
     events.emit(AuthEvent(status="authorizing", peer_id=peer_id, message=f"Authorizing with {base}"))
-    try:
-        refuse_plain_http(base, insecure=insecure, what="the swarm's auth service", why=TOKEN_IN_CLEAR)
-    except PlainHttpRefused as error:
-        raise _fail(events, peer_id, str(error)) from None
-    http = client or httpx.Client(timeout=timeout_s)
-    try:
-        attempt = _JoinAttempt(
+    _refuse_plain_http_service(base, insecure, events, peer_id)
+    with _http_client(client, timeout_s) as http:
+        return _JoinAttempt(
             http=http,
             base=base,
             secret=secret,
             peer_id=peer_id,
             peer_key=peer_key,
             events=events,
-            where=_listening_fields(port, announce, gpu_memory),
+            where=_listening_fields(port, announce, gpu_memory, host_memory),
             poll_every=poll_every,
             queue_log_every=queue_log_every,
             on_assigned=on_assigned,
             waiter=stop or threading.Event(),
             insecure=insecure,
-        )
-        authorization = attempt.run()
+        ).run()
+
+
+def _refuse_plain_http_service(base: str, insecure: bool, events: EventWriter, peer_id: str) -> None:
+    """Plain http:// to an auth service on the internet emits a failure and raises: the token would travel in clear."""
+    try:
+        refuse_plain_http(base, insecure=insecure, what="the swarm's auth service", why=TOKEN_IN_CLEAR)
+    except PlainHttpRefused as error:
+        raise _fail(events, peer_id, str(error)) from None
+
+
+@contextlib.contextmanager
+def _http_client(client: httpx.Client | None, timeout_s: float) -> Iterator[httpx.Client]:
+    """The caller's client, left open; or a new one, closed on the way out."""
+    http = client or httpx.Client(timeout=timeout_s)
+    try:
+        yield http
     finally:
         if client is None:
             http.close()
-    _emit_authorized(events, peer_id, authorization)
-    return authorization
 
 
-def _listening_fields(port: int | None, announce: str | None, gpu_memory: int | None) -> dict[str, Any]:
-    """The join's fields saying where this peer listens and what its GPU holds, those given."""
-    return {
-        key: value
-        for key, value in (("port", port), ("announce", announce), ("gpu_memory_bytes", gpu_memory))
-        if value is not None
-    }
+def _listening_fields(
+    port: int | None, announce: str | None, gpu_memory: int | None, host_memory: int | None
+) -> dict[str, Any]:
+    """The join's fields saying where this peer listens and what its GPU and host hold, those given."""
+    fields = (
+        ("port", port),
+        ("announce", announce),
+        ("gpu_memory_bytes", gpu_memory),
+        ("host_memory_bytes", host_memory),
+    )
+    return {key: value for key, value in fields if value is not None}
 
 
 @dataclass
@@ -171,7 +186,7 @@ class _JoinAttempt:
     poll_rate_limited: bool = False  # said once per authorization, however often it happens
 
     def run(self) -> Authorization:
-        """The slot granted; calls ``on_assigned`` once the stage is known, if the queue did not already."""
+        """The slot granted, its event emitted; calls ``on_assigned`` once the stage is known, if the queue did not."""
         reply = self._send_join()
         dial = reply.get("dial")  # only the join's reply carries it; polls come later
         reply = self._wait_in_queue(reply)
@@ -179,10 +194,13 @@ class _JoinAttempt:
         authorization = self._read_authorization(reply, dial)
         if self._stage_unannounced():
             self._announce_stage(StageAssignment(authorization.stage, authorization.snapshot_url))
+        _emit_authorized(self.events, self.peer_id, authorization)
         return authorization
 
     def _send_join(self) -> dict[str, Any]:
-        """POST /v1/join, again after each rate limit's Retry-After (a few times); a failure emits its event and raises."""
+        """POST /v1/join, again after each rate limit's Retry-After (a few times).
+
+        A failure emits its event and raises."""
         rate_limits = 0
         while True:
             try:
@@ -440,7 +458,10 @@ def _fail(events: EventWriter, peer_id: str, message: str) -> AuthFailed:
 
 
 def _unreachable_message(url: str, error: httpx.HTTPError) -> str:
-    return f"could not reach the auth service at {url} ({connection_failure(error)}); check the address and your network, then try again"
+    return (
+        f"could not reach the auth service at {url} ({connection_failure(error)}); check the address and your "
+        "network, then try again"
+    )
 
 
 def _authorization(reply: dict[str, Any], base: str, waited_s: float, dial: Any) -> Authorization:

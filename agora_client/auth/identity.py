@@ -13,9 +13,10 @@ from typing import Any, Protocol
 
 import yaml
 
+from agora_client.token_scope import hf_endpoint
+
 from .secret import Secret, token_fingerprint
 
-DEFAULT_HF_ENDPOINT = "https://huggingface.co"
 _HASHED_KEY = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
@@ -43,7 +44,7 @@ class HuggingFaceIdentity:
     """Asks ``whoami-v2`` of a Hugging Face endpoint; the token needs no scope."""
 
     def __init__(self, endpoint: str | None = None, *, timeout_s: float = 15.0):
-        self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_HF_ENDPOINT).rstrip("/")
+        self.endpoint = (endpoint or hf_endpoint()).rstrip("/")
         self.timeout_s = timeout_s
 
     def resolve(self, token: Secret) -> str:

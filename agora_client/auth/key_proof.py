@@ -17,8 +17,9 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.p2p import PeerID
-from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+
+from agora_client.engine.identity import encoded_public_key
 
 from .secret import Secret, token_fingerprint
 
@@ -38,7 +39,7 @@ def peer_id_of_public_key(openssh_public_key: bytes) -> str:
     if not isinstance(public_key, rsa.RSAPublicKey):
         raise ValueError("the key is not an RSA key")
     der = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    encoded = encoded_public_key(der)
     digest = multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))
     return PeerID(digest).to_base58()
 
@@ -83,8 +84,8 @@ def check_join_proof(body: dict[str, Any], peer_id: str, token: Secret, now: flo
         raise KeyProofError(f"the key sent with the join is the key of peer id {owner}, not of {peer_id}")
     if abs(now - signed_at) > MAX_SKEW_S:
         raise KeyProofError(
-            f"the join was signed at a time {abs(now - signed_at):.0f} s off the service's clock (at most {MAX_SKEW_S:.0f} s "
-            "either way); set this machine's clock right (enable NTP) and join again"
+            f"the join was signed at a time {abs(now - signed_at):.0f} s off the service's clock (at most "
+            f"{MAX_SKEW_S:.0f} s either way); set this machine's clock right (enable NTP) and join again"
         )
     if not public_key.verify(_message(peer_id, signed_at, token), proof.encode("utf-8")):
         raise KeyProofError(f"the key proof does not verify: this join was not signed by the key of peer id {peer_id}")

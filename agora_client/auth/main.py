@@ -27,6 +27,17 @@ log = logging.getLogger(__name__)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    _add_service_arguments(parser)
+    _add_identity_arguments(parser)
+    _add_admission_arguments(parser)
+    _add_run_description_arguments(parser)
+    _add_presence_arguments(parser)
+    add_exposure_arguments(parser)
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def _add_service_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the service listens, what it keeps on disk and which run it describes."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
     parser.add_argument("--port", type=int, default=0, help="TCP port (default: any free port)")
     parser.add_argument(
@@ -38,6 +49,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", default="tiny", help="run preset or YAML file: gives the stage names (default: tiny)"
     )
+
+
+def _add_identity_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a joiner's token is checked."""
     parser.add_argument(
         "--identity",
         choices=("huggingface", "token-file"),
@@ -48,6 +63,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--hf-endpoint", default=None, help="Hugging Face endpoint (default: $HF_ENDPOINT or huggingface.co)"
     )
+
+
+def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
+    """How many peers a stage takes, how fast, and how long a ticket lasts."""
     parser.add_argument("--max-workers-per-stage", type=int, default=8)
     parser.add_argument("--per-identity-cap", type=int, default=2, help="active peers one identity may run")
     parser.add_argument("--pacing", type=float, default=30.0, help="seconds between two admissions to one stage")
@@ -59,6 +78,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="seconds after which an admitted peer no longer holds back joins to its stage",
     )
     parser.add_argument("--ticket-ttl", type=float, default=3600.0, help="ticket lifetime in seconds (renewable)")
+
+
+def _add_run_description_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where joiners find snapshots, seeds, relays and the monitor."""
     parser.add_argument(
         "--snapshot-url",
         default=None,
@@ -79,6 +102,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--monitor-url", default=None, help="the monitor's base URL, given to joiners in the run description"
     )
+
+
+def _add_presence_arguments(parser: argparse.ArgumentParser) -> None:
+    """Checking a joiner can be reached, and freeing the slots of peers gone from the DHT."""
     parser.add_argument(
         "--dial-back",
         action=argparse.BooleanOptionalAction,
@@ -93,8 +120,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="free the slot of a peer absent from its stage's DHT roster this many seconds",
     )
     parser.add_argument("--presence-every", type=float, default=30.0, help="seconds between two reads of the rosters")
-    add_exposure_arguments(parser)
-    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
 def build_identity_source(args: argparse.Namespace) -> IdentitySource:
@@ -200,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
     stages, seeds, policy = config.model.stage_names, settings.seeds, settings.policy
     if len(seeds) < 2:
         print(
-            f"[AUTH] warning: {len(seeds)} seed(s) given; give two or more (--seed) so joiners survive a seed going down",
+            f"[AUTH] warning: {len(seeds)} seed(s) given; give two or more (--seed) so joiners survive a "
+            "seed going down",
             file=sys.stderr,
             flush=True,
         )

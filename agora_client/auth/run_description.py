@@ -1,12 +1,12 @@
 """The run description: everything a joiner needs to know about a swarm, served by its auth service.
 
 ``GET /v1/run`` answers ``{"v": 1, "config": {...}, "seeds": [...], "snapshot_url": ..., "monitor_url": ...,
-"tokenizer": {"sha256": ..., "vocab_size": ..., "eos_token": ...}, "relays": ["host:port", ...], "hash": "sha256:<hex>"}``
-(``relays``: the operator's relays, for workers no port mapping can open; may be empty). ``config`` is the
-full run config (model shapes, stage split, optimizer and batch targets, SPARTA, sync phases); the hash covers
-every other field, so a client can tell that the swarm it joined is still the same run (``watch`` re-reads it
-while the worker runs). ``GET /v1/tokenizer`` serves the tokenizer's JSON file; ``fetch_tokenizer`` checks it
-against the description's sha256 and the model's vocabulary.
+"tokenizer": {"sha256": ..., "vocab_size": ..., "eos_token": ...}, "relays": ["host:port", ...], "hash":
+"sha256:<hex>"}`` (``relays``: the operator's relays, for workers no port mapping can open; may be empty). ``config`` is
+the full run config (model shapes, stage split, optimizer and batch targets, SPARTA, sync phases); the hash covers every
+other field, so a client can tell that the swarm it joined is still the same run (``watch`` re-reads it while the worker
+runs). ``GET /v1/tokenizer`` serves the tokenizer's JSON file; ``fetch_tokenizer`` checks it against the description's
+sha256 and the model's vocabulary.
 """
 
 from __future__ import annotations
@@ -155,7 +155,8 @@ def fetch_description(swarm_url: str, *, client: httpx.Client | None = None, tim
         response = http.get(url)
     except httpx.HTTPError as error:
         raise RunDescriptionError(
-            f"could not read the run description at {url} ({connection_failure(error)}); check the swarm URL and your network"
+            f"could not read the run description at {url} ({connection_failure(error)}); check the swarm URL "
+            "and your network"
         ) from None
     finally:
         if client is None:
@@ -210,7 +211,8 @@ def _download_tokenizer(url: str, timeout_s: float) -> bytes:
                     )
     except httpx.HTTPError as error:
         raise RunDescriptionError(
-            f"could not download the run's tokenizer from {url} ({type(error).__name__}); check your network and try again"
+            f"could not download the run's tokenizer from {url} ({type(error).__name__}); check your network "
+            "and try again"
         ) from None
     return bytes(content)
 

@@ -2,16 +2,19 @@
 
 JSON API (every answer is a JSON object with ``status``):
   GET  /v1/run                                -> the run description (run_description.py); 503 if none is set
-  GET  /v1/tokenizer                          -> the run's tokenizer.json, whose sha256 the description gives; 503 if none
+  GET  /v1/tokenizer                          -> the run's tokenizer.json, whose sha256 the description gives;
+                                                 503 if none
   POST /v1/join    {token, peer_id, port, announce?, gpu_memory_bytes?, peer_key?, signed_at?, key_proof?}
-                                              -> 200 authorized | 200 queued | 403 rejected | 409 unreachable | 400 | 401 | 503
+                                              -> 200 authorized | 200 queued | 403 rejected | 409 unreachable
+                                                 | 400 | 401 | 503
   POST /v1/join/poll {queue_id, peer_id}      -> as /v1/join; 404 if the queue place is gone
   POST /v1/active  {ticket}                   -> 200 ok: the peer is up in the swarm (ends join pacing for it)
   POST /v1/renew   {ticket}                   -> 200 {ticket, expires_at}; 404 if the slot is gone
   POST /v1/leave   {ticket}                   -> 200 {freed: bool}
   POST /v1/trainer/ticket {credential, peer_id} -> 200 {ticket, expires_at}: a trainer ticket for a live trainer
                                               credential (trainer_credentials.py); 403 unknown or revoked
-  GET  /v1/status                             -> occupancy per stage, capacity, queue length, public key, seeds
+  GET  /v1/status                             -> occupancy per stage, capacity, queue length, public key, seeds,
+                                                 and the peer ids holding a slot per stage (the monitor's presence)
   POST /v1/probe/upload (any bytes, < 16 MiB)  -> 200 {received, timed_bytes, seconds}: the body's arrival timed
                                                and dropped by the front (the contributor's uplink preflight)
   GET  /metrics                               -> Prometheus text: joins by outcome, queues, slots (operator_metrics.py)
@@ -44,15 +47,24 @@ from pathlib import Path
 from typing import Any, Callable
 
 from agora_client.data.tokenizer import sha256_of
-from agora_client.http_service import Exposure, HttpService, RateLimit, Reply, Request, ServiceLimits, json_reply
+from agora_client.http_service import (
+    PLAIN_HTTP,
+    Exposure,
+    HttpService,
+    RateLimit,
+    Reply,
+    Request,
+    ServiceLimits,
+    json_reply,
+)
 from agora_client.operator_metrics import METRICS_PATH, http_front_collector, metrics_reply, new_registry
 
-from .admission import AdmissionPolicy, Decision, Queued, Rejected, UnknownQueueEntry
+from .admission import AdmissionPolicy, Admitted, Decision, Queued, Rejected, UnknownQueueEntry
 from .bindings import PeerBindings
 from .identity import IdentitySource, IdentityUnavailable, InvalidToken
 from .key_proof import KeyProofError, check_join_proof
 from .operator_metrics import auth_collector
-from .reachability import AnnounceError, dial_back, parse_announce
+from .reachability import AnnounceError, DialResult, dial_back, parse_announce
 from .run_description import RunDescription
 from .secret import Secret, token_digest
 from .state_store import AuthStateStore, open_book
@@ -93,7 +105,9 @@ class ServiceSettings:
     key_proof: bool = False
     """Admit only joins signed by the key of the peer id they name (the CLI turns this on)."""
     tokenizer_json: bytes | None = field(default=None, repr=False)
-    """The run's tokenizer file (``RunTokenizer.content``), served to joiners; it must hash to ``run.tokenizer.sha256``."""
+    """The run's tokenizer file (``RunTokenizer.content``), served to joiners.
+
+    It must hash to ``run.tokenizer.sha256``."""
 
     def snapshot_url_for(self, stage: str) -> str | None:
         if self.snapshot_links is not None:
@@ -155,20 +169,44 @@ class AuthService:
         token = _field(body, "token", str)
         peer_id = _peer_id(body)
         target = self._dial_target(body, source) if self.settings.dial_back else None
-        if not token.strip() or len(token) > MAX_TOKEN_CHARS or any(ch.isspace() for ch in token):
-            raise RequestError(
-                HTTPStatus.BAD_REQUEST, "the token is empty, too long or holds spaces; paste the token again"
-            )
-        secret = Secret(token)
+        secret = _token_secret(token)
         del token, body["token"]  # from here on only the Secret exists
         digest = token_digest(self._hash_key, secret)
+        identity = self._identity(secret, digest, peer_id)
+        refusal = self._key_refusal(body, peer_id, secret, digest, identity)
+        if refusal is not None:
+            return refusal
+        dial = None
+        if target is not None:
+            host, port, relayed = target
+            dial = dial_back(host, port, timeout_s=self.settings.dial_timeout_s, through_relay=relayed)
+            if not dial.reachable:
+                return self._unreachable(dial, digest, identity, peer_id)
+        stages = self._stages_that_fit(body.get("gpu_memory_bytes"), body.get("host_memory_bytes"))
+        if stages == ():
+            self._audit("gpu_too_small", token_hash=digest[:16], identity=identity, peer_id=peer_id)
+            reason = self._too_small(body.get("gpu_memory_bytes"), body.get("host_memory_bytes"))
+            return HTTPStatus.FORBIDDEN, {"status": "rejected", "reason": reason}
+        now = time.time()
+        status, payload = self._answer(self.book.join(identity, peer_id, now, stages), now, digest)
+        if dial is not None and payload["status"] != "rejected":
+            payload["dial"] = dial.to_json()  # the joiner shows where it was reached from
+        return status, payload
+
+    def _identity(self, secret: Secret, digest: str, peer_id: str) -> str:
+        """The identity the token belongs to; 401 for a token that is not valid, 503 while it cannot be checked."""
         try:
-            identity = self._resolve(secret, digest)
+            return self._resolve(secret, digest)
         except InvalidToken as error:
             self._audit("invalid_token", token_hash=digest[:16], peer_id=peer_id)
             raise RequestError(HTTPStatus.UNAUTHORIZED, str(error)) from None
         except IdentityUnavailable as error:
             raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, str(error)) from None
+
+    def _key_refusal(
+        self, body: dict[str, Any], peer_id: str, secret: Secret, digest: str, identity: str
+    ) -> tuple[HTTPStatus, dict[str, Any]] | None:
+        """The 403 answer when the join does not prove its peer key (if required) or the key is another account's."""
         if self.settings.key_proof:
             try:
                 check_join_proof(body, peer_id, secret, time.time())
@@ -184,58 +222,63 @@ class AuthService:
             )
             self._audit("key_of_other_identity", token_hash=digest[:16], identity=identity, peer_id=peer_id)
             return HTTPStatus.FORBIDDEN, {"status": "rejected", "reason": reason}
-        dial = None
-        if target is not None:
-            host, port, relayed = target
-            dial = dial_back(host, port, timeout_s=self.settings.dial_timeout_s, through_relay=relayed)
-            if not dial.reachable:
-                log.info("peer %s of %s is not reachable at %s (%s)", peer_id, identity, dial.address, dial.error)
-                self._audit(
-                    "unreachable",
-                    token_hash=digest[:16],
-                    identity=identity,
-                    peer_id=peer_id,
-                    address=dial.address,
-                    error=dial.error,
-                )
-                return HTTPStatus.CONFLICT, {
-                    "status": "unreachable",
-                    "dial": dial.to_json(),
-                    "reason": f"could not connect to {dial.address} ({dial.error})",
-                }
-        stages = self._stages_that_fit(body.get("gpu_memory_bytes"))
-        if stages == ():
-            self._audit("gpu_too_small", token_hash=digest[:16], identity=identity, peer_id=peer_id)
-            return HTTPStatus.FORBIDDEN, {"status": "rejected", "reason": self._too_small(body["gpu_memory_bytes"])}
-        now = time.time()
-        status, payload = self._answer(self.book.join(identity, peer_id, now, stages), now, digest)
-        if dial is not None and payload["status"] != "rejected":
-            payload["dial"] = dial.to_json()  # the joiner shows where it was reached from
-        return status, payload
+        return None
 
-    def _stages_that_fit(self, memory: Any) -> tuple[str, ...] | None:
-        """The stages a GPU of ``memory`` bytes holds at the run's microbatch (None: any stage, for CPU joiners)."""
+    def _unreachable(
+        self, dial: DialResult, digest: str, identity: str, peer_id: str
+    ) -> tuple[HTTPStatus, dict[str, Any]]:
+        """The 409 answer to a joiner the dial-back could not reach, logged and audited."""
+        log.info("peer %s of %s is not reachable at %s (%s)", peer_id, identity, dial.address, dial.error)
+        self._audit(
+            "unreachable",
+            token_hash=digest[:16],
+            identity=identity,
+            peer_id=peer_id,
+            address=dial.address,
+            error=dial.error,
+        )
+        return HTTPStatus.CONFLICT, {
+            "status": "unreachable",
+            "dial": dial.to_json(),
+            "reason": f"could not connect to {dial.address} ({dial.error})",
+        }
+
+    def _stages_that_fit(self, memory: Any, host_memory: Any = None) -> tuple[str, ...] | None:
+        """The stages a GPU of ``memory`` bytes holds at the run's microbatch, in the layout that card takes them
+        in, whose host needs in that layout fit ``host_memory`` bytes of available RAM when it is given (None: any
+        stage, for CPU joiners)."""
         if memory is None or self.settings.run is None:
             return None
-        if not isinstance(memory, int) or isinstance(memory, bool) or memory <= 0:
-            raise RequestError(
-                HTTPStatus.BAD_REQUEST, "gpu_memory_bytes must be the GPU's memory as a positive whole number"
-            )
+        for value, name in ((memory, "gpu_memory_bytes"), (host_memory, "host_memory_bytes")):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise RequestError(HTTPStatus.BAD_REQUEST, f"{name} must be a positive whole number of bytes")
         from agora_client.model.memory import holds_stage  # imports torch: only joiners that name a GPU need it
 
         run = self.settings.run.config
-        return tuple(stage for stage in self.book.policy.stages if holds_stage(run, stage, memory))
+        return tuple(stage for stage in self.book.policy.stages if holds_stage(run, stage, memory, host_memory))
 
-    def _too_small(self, memory: int) -> str:
-        from agora_client.model.memory import CUDA_RESERVED_BYTES, gib, plan_stage
+    def _too_small(self, memory: int, host_memory: int | None) -> str:
+        from agora_client.model.memory import CUDA_RESERVED_BYTES, choose_layout, gib, layouts_for, plan_stage
 
         run = self.settings.run.config
-        plans = [plan_stage(run, stage) for stage in self.book.policy.stages]
+        layouts = {stage: choose_layout(run, stage, memory) for stage in self.book.policy.stages}
+        held = {stage: layout for stage, layout in layouts.items() if layout is not None}
+        if held:  # the GPU holds some stage: the host is what is short
+            needs = {stage: plan_stage(run, stage, layout=layout).host_need(True) for stage, layout in held.items()}
+            stage = min(needs, key=needs.get)
+            return (
+                f"this machine's {gib(host_memory)} of available RAM holds none of the stages its GPU can take: the "
+                f"smallest need, {stage}'s, is {gib(needs[stage])}; close other programs or join from a machine with "
+                "more RAM"
+            )
+        last = layouts_for(run)[-1]  # the layout that holds the most on a GPU
+        plans = [plan_stage(run, stage, layout=last) for stage in self.book.policy.stages]
         smallest = min(plans, key=lambda plan: plan.gpu_peak)
         return (
             f"a GPU with {gib(memory)} holds none of this swarm's stages: the smallest, {smallest.stage}, needs "
             f"{gib(smallest.gpu_peak + CUDA_RESERVED_BYTES)} at {run.optim.microbatch_size} sequence(s) per pass "
-            f"(its planned peak plus {gib(CUDA_RESERVED_BYTES)} for CUDA itself); join with a GPU with more memory"
+            f"(its planned peak in the {last} layout, plus {gib(CUDA_RESERVED_BYTES)} for CUDA itself); "
+            "join with a GPU with more memory"
         )
 
     def _dial_target(self, body: dict[str, Any], source: str) -> tuple[str, int, bool]:
@@ -334,7 +377,8 @@ class AuthService:
         return HTTPStatus.OK, {"status": "ok", "ticket": ticket, "expires_at": now + TRAINER_TICKET_TTL_S}
 
     def status(self) -> dict[str, Any]:
-        stages = self.book.occupancy(time.time())
+        now = time.time()
+        stages = self.book.occupancy(now)
         return {
             "status": "ok",
             "stages": stages,
@@ -343,7 +387,17 @@ class AuthService:
             "queue_length": sum(stage["queued"] for stage in stages.values()),
             "public_key": self.public_key,
             "seeds": list(self.settings.seeds),
+            "holders": self._slot_holders(now),
         }
+
+    def _slot_holders(self, now: float) -> dict[str, list[str]]:
+        """Peer ids holding a live slot, per stage: a peer earns presence only while it holds one (monitor/points.py).
+        Peer ids are public in the stages' rosters already."""
+        holders: dict[str, list[str]] = {stage: [] for stage in self.settings.policy.stages}
+        for slot in self.store.load_book().slots:
+            if slot.expires_at > now and slot.stage in holders:
+                holders[slot.stage].append(slot.peer_id)
+        return {stage: sorted(peers) for stage, peers in holders.items()}
 
     # -- helpers -------------------------------------------------------------------------------------
 
@@ -353,32 +407,40 @@ class AuthService:
             self._audit("rejected", token_hash=(digest or "")[:16], reason=decision.reason)
             return HTTPStatus.FORBIDDEN, {"status": "rejected", "reason": decision.reason}
         if isinstance(decision, Queued):
-            entry = decision.entry
-            if digest is not None:  # a join, not a poll
-                log.info(
-                    "peer %s of %s queued for stage %s at position %d",
-                    entry.peer_id,
-                    entry.identity,
-                    entry.stage,
-                    decision.position,
-                )
-                self._audit(
-                    "queued",
-                    token_hash=digest[:16],
-                    identity=entry.identity,
-                    peer_id=entry.peer_id,
-                    stage=entry.stage,
-                    position=decision.position,
-                )
-            return HTTPStatus.OK, {
-                "status": "queued",
-                "queue_id": entry.queue_id,
-                "position": decision.position,
-                "estimated_wait_s": decision.estimated_wait_s,
-                "stage": entry.stage,
-                "snapshot_url": self.settings.snapshot_url_for(entry.stage),
-                "poll_every_s": self.settings.poll_every_s,
-            }
+            return HTTPStatus.OK, self._queued(decision, digest)
+        return HTTPStatus.OK, self._authorized(decision, now, digest)
+
+    def _queued(self, decision: Queued, digest: str | None) -> dict[str, Any]:
+        """The answer to a queued joiner: its place, the wait, and its stage's snapshot to fetch meanwhile."""
+        entry = decision.entry
+        if digest is not None:  # a join, not a poll
+            log.info(
+                "peer %s of %s queued for stage %s at position %d",
+                entry.peer_id,
+                entry.identity,
+                entry.stage,
+                decision.position,
+            )
+            self._audit(
+                "queued",
+                token_hash=digest[:16],
+                identity=entry.identity,
+                peer_id=entry.peer_id,
+                stage=entry.stage,
+                position=decision.position,
+            )
+        return {
+            "status": "queued",
+            "queue_id": entry.queue_id,
+            "position": decision.position,
+            "estimated_wait_s": decision.estimated_wait_s,
+            "stage": entry.stage,
+            "snapshot_url": self.settings.snapshot_url_for(entry.stage),
+            "poll_every_s": self.settings.poll_every_s,
+        }
+
+    def _authorized(self, decision: Admitted, now: float, digest: str | None) -> dict[str, Any]:
+        """The answer to an admitted joiner: its slot, stage, seeds, snapshot and ticket."""
         slot = decision.slot
         log.info("admitted peer %s of %s to stage %s slot %d", slot.peer_id, slot.identity, slot.stage, slot.index)
         self._audit(
@@ -390,7 +452,7 @@ class AuthService:
             slot=slot.index,
             waited_s=round(decision.waited_s, 1),
         )
-        return HTTPStatus.OK, {
+        return {
             "status": "authorized",
             "identity": slot.identity,
             "peer_id": slot.peer_id,
@@ -471,7 +533,7 @@ class AuthServer:
         limits: ServiceLimits = AUTH_LIMITS,
         join_rate: RateLimit = JOIN_RATE,
         poll_rate: RateLimit = POLL_RATE,
-        exposure: Exposure = Exposure(),
+        exposure: Exposure = PLAIN_HTTP,
     ):
         self.service = service
         self._http = HttpService(
@@ -582,6 +644,15 @@ def _field(body: dict[str, Any], name: str, kind: type) -> Any:
     return value
 
 
+def _token_secret(token: str) -> Secret:
+    """The join's token, held as a Secret; 400 if it is empty, too long or holds spaces."""
+    if not token.strip() or len(token) > MAX_TOKEN_CHARS or any(ch.isspace() for ch in token):
+        raise RequestError(
+            HTTPStatus.BAD_REQUEST, "the token is empty, too long or holds spaces; paste the token again"
+        )
+    return Secret(token)
+
+
 def _peer_id(body: dict[str, Any]) -> str:
     peer_id = _field(body, "peer_id", str)
     if not PEER_ID.match(peer_id):
@@ -597,8 +668,9 @@ def _check_tokenizer_matches(settings: ServiceSettings) -> None:
         return
     if sha256_of(settings.tokenizer_json) != settings.run.tokenizer.sha256:
         raise ValueError(
-            f"the tokenizer file to serve has sha256 {sha256_of(settings.tokenizer_json)[:16]}..., but the run description "
-            f"says {settings.run.tokenizer.sha256[:16]}...: describe the run with the tokenizer it serves"
+            f"the tokenizer file to serve has sha256 {sha256_of(settings.tokenizer_json)[:16]}..., but the "
+            f"run description says {settings.run.tokenizer.sha256[:16]}...: describe the run with the tokenizer "
+            "it serves"
         )
 
 

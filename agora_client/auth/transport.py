@@ -21,7 +21,9 @@ POINTS_IN_CLEAR = "what it says of your points would come unauthenticated: anyon
 
 
 class PlainHttpRefused(ValueError):
-    """A plain ``http://`` URL to a host on the internet, without ``--insecure``; the message says why and what to do."""
+    """A plain ``http://`` URL to a host on the internet, without ``--insecure``.
+
+    The message says why and what to do."""
 
 
 class CaCertificateError(ValueError):
@@ -43,7 +45,9 @@ def refuse_plain_http(url: str, *, insecure: bool, what: str, why: str) -> None:
 
 
 def _on_a_private_network(host: str) -> bool:
-    """True for loopback and private (RFC 1918, unique-local, link-local) addresses, and names that resolve only to them."""
+    """True for loopback and private addresses, and names that resolve only to them.
+
+    Private: RFC 1918, unique-local, link-local."""
     try:
         addresses = [ipaddress.ip_address(host)]
     except ValueError:

@@ -110,7 +110,7 @@ def transmitted_values(
     """
     info = CompressionInfo.from_tensor(values, key=0)
     received = torch.empty(values.shape, dtype=torch.float32)
-    parts = zip(values.detach().view(-1).split(part_values), received.view(-1).split(part_values))
+    parts = zip(values.detach().view(-1).split(part_values), received.view(-1).split(part_values), strict=True)
     for index, (part, out) in enumerate(parts):
         if index in local_parts:
             out.copy_(part)
@@ -203,18 +203,15 @@ class SlicePayload:
 
     @property
     def bytes_per_value(self) -> float:
-        """Bytes per slice value a peer sends (and receives) in a butterfly: as many parts go out as answers come back."""
+        """Bytes per slice value a peer sends (and receives) in a butterfly.
+
+        As many parts go out as answers come back."""
         return (self.out_bytes_per_value + self.back_bytes_per_value) / 2
 
     @property
     def largest_message_bytes(self) -> int:
         """The largest single part or answer of a round."""
         return int(self.part_values * max(self.out_bytes_per_value, self.back_bytes_per_value))
-
-    @property
-    def residual_bytes(self) -> int:
-        """Host memory the error feedback holds now."""
-        return 0 if self._feedback is None else self._feedback.nbytes
 
     def parameters_replaced(self) -> None:
         """The parameters were loaded wholesale: what earlier rounds dropped no longer belongs to them. Any thread;

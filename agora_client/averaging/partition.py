@@ -16,7 +16,9 @@ import torch
 
 @dataclass(frozen=True)
 class Segment:
-    """The elements one parameter contributes to one slice: flat[start::stride][:count] -> buffer[offset:offset+count]."""
+    """The elements one parameter contributes to one slice.
+
+    flat[start::stride][:count] -> buffer[offset:offset+count]."""
 
     tensor_index: int
     start: int

@@ -19,9 +19,9 @@ group's average, not against the step's target.
 Matchmaking: every round has its own group key, so workers on different rounds never meet. The first
 worker of the stage to reach a round leads it and waits up to ``2 x matchmaking_time`` for the others
 (their epoch boundaries arrive at slightly different moments), and never past half the time between
-two rounds; the group is assembled as soon as every worker the stage counts has joined. A round still looking for its group when the next one is due
-gives way to it, so one missed round never makes the next one miss as well; a round due while the
-previous one is still averaging waits for it (another slice: the two never touch the same parameters).
+two rounds; the group is assembled as soon as every worker the stage counts has joined. A round still looking for its
+group when the next one is due gives way to it, so one missed round never makes the next one miss as well; a round due
+while the previous one is still averaging waits for it (another slice: the two never touch the same parameters).
 
 Each peer's influence is bounded (bounds.py): reducers bound every sender's part, senders bound every
 averaged part that comes back; the peers that had to be bounded are named in the round's report.
@@ -88,7 +88,9 @@ class RoundReport:
     drift_after: float | None = None
 
     def to_event(self, layout: StridedPartition) -> SpartaEvent:
-        """The round as an event; ``layout`` (the averager's ``partition``) says what share of the stage its slice is."""
+        """The round as an event.
+
+        ``layout`` (the averager's ``partition``) says what share of the stage its slice is."""
         return SpartaEvent(
             round=self.round,
             partition=self.partition,
@@ -173,7 +175,7 @@ class _GroupAverager(RoundAverager):
         return None if self._admission is None else self._admission.refusal(peer.to_base58(), data)
 
     def group_refusal(self, peer_ids: Sequence[PeerID], members: Sequence[Any]) -> str | None:
-        for peer, data in zip(peer_ids, members):
+        for peer, data in zip(peer_ids, members, strict=True):
             refusal = None if peer == self.peer_id else self.joiner_refusal(peer, data)
             if refusal is not None:
                 return f"refused: peer {peer.to_base58()} may not average with this stage ({refusal})"
@@ -423,8 +425,9 @@ class SpartaAverager:
         moved = butterfly_bytes(self._round_bytes, group_size)
         return (
             f"a round moves {moved / 1e6:.0f} MB each way per peer; at this worker's measured link "
-            f"({rates.up * 8 / 1e6:.0f} Mbit/s up, {rates.down * 8 / 1e6:.0f} down) it takes ~{timing.expected_s:.0f}s, "
-            f"but rounds start every {interval_s:.0f}s: rounds will be skipped while one is in flight; "
+            f"({rates.up * 8 / 1e6:.0f} Mbit/s up, {rates.down * 8 / 1e6:.0f} down) it takes "
+            f"~{timing.expected_s:.0f}s, but rounds start every {interval_s:.0f}s: rounds will be skipped while "
+            "one is in flight; "
             "a faster link, a larger sparta.period or a smaller sparta.fraction makes them fit"
         )
 

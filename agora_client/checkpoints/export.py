@@ -53,7 +53,8 @@ def set_run_config(checkpoints: CheckpointSet) -> RunConfig:
     if odd:
         raise CheckpointError(
             f"the {', '.join(odd)} checkpoint records the tokenizer {tokenizers[odd[0]].model_dump()} but the "
-            f"{checkpoints.expected[0]} checkpoint {tokenizer.model_dump()}: these stages were not trained on the same tokens"
+            f"{checkpoints.expected[0]} checkpoint {tokenizer.model_dump()}: these stages were not trained "
+            "on the same tokens"
         )
     try:
         return parse_config(
@@ -152,26 +153,8 @@ def export_set(
         # pad = eos: generate() pads finished sequences of a batch with it (OLMo2's own generation config has one)
         _write_json(staging / "generation_config.json", {"do_sample": False, "eos_token_id": eos, "pad_token_id": eos})
         write_tokenizer(staging, tokenizer, config.seq_len)
-        _write_json(
-            staging / "agora_export.json",
-            {
-                "at": format_time(checkpoints.at),
-                "run": checkpoints.run() | {"tokenizer": describe_tokenizer(tokenizer)},
-                "loss": checkpoints.loss,
-                "dtype": dtype,
-                "stages": {
-                    stage: {
-                        "checkpoint": snapshot.name,
-                        "time": format_time(snapshot.timestamp),
-                        "epoch": snapshot.epoch,
-                    }
-                    for stage, snapshot in checkpoints.members.items()
-                },
-            },
-        )
-        for path in staging.iterdir():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
+        _write_json(staging / "agora_export.json", _export_record(checkpoints, tokenizer, dtype))
+        _fsync_files(staging)
         os.rename(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -179,8 +162,35 @@ def export_set(
     return out
 
 
+def _export_record(checkpoints: CheckpointSet, tokenizer: RunTokenizer, dtype: str) -> dict:
+    """agora_export.json: the checkpoint set the directory holds (time, run, loss, dtype, each stage's file)."""
+    return {
+        "at": format_time(checkpoints.at),
+        "run": checkpoints.run() | {"tokenizer": describe_tokenizer(tokenizer)},
+        "loss": checkpoints.loss,
+        "dtype": dtype,
+        "stages": {
+            stage: {
+                "checkpoint": snapshot.name,
+                "time": format_time(snapshot.timestamp),
+                "epoch": snapshot.epoch,
+            }
+            for stage, snapshot in checkpoints.members.items()
+        },
+    }
+
+
+def _fsync_files(directory: Path) -> None:
+    """Flush every file of ``directory`` to disk, so the rename that publishes it never shows a partial file."""
+    for path in directory.iterdir():
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+
+
 def _eos_token_id(tokenizer: RunTokenizer) -> int | None:
-    """The id that ends a document, where the tokenizer has one (the byte-level one ends documents with a blank line)."""
+    """The id that ends a document, where the tokenizer has one.
+
+    The byte-level one ends documents with a blank line."""
     return None if tokenizer.eos_token is None else tokenizer.backend.token_to_id(tokenizer.eos_token)
 
 

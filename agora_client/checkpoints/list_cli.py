@@ -1,4 +1,6 @@
-"""`agora checkpoints`: the consistent checkpoint sets in a store, per-stage times, the loss and eval loss around each."""
+"""`agora checkpoints`: the consistent checkpoint sets in a store.
+
+Per-stage times, the loss and eval loss around each."""
 
 from __future__ import annotations
 

@@ -101,7 +101,8 @@ def check_layers(config: ModelConfig, layers: list[int]) -> None:
     """The layer indices the exported stages held cover the model once each, or ExportError."""
     if sorted(layers) != list(range(config.n_layers)):
         raise ExportError(
-            f"the stages hold layers {sorted(layers)} but the model has {config.n_layers}: a stage is missing or doubled"
+            f"the stages hold layers {sorted(layers)} but the model has {config.n_layers}: a stage is "
+            "missing or doubled"
         )
 
 
@@ -110,7 +111,8 @@ def _embedding(config: ModelConfig, head: StageModule, take: Take, dtype: torch.
     subspace = head.subspace
     if subspace is None:
         return weight.to(dtype)
-    # E_f + emb' U^T, built chunk by chunk into the one table in its final dtype (E_f is hashed row by row, never stored)
+    # E_f + emb' U^T, built chunk by chunk into the one table in its final dtype (E_f is hashed row by row, never
+    # stored)
     table = torch.empty(config.vocab_size, config.d_model, dtype=dtype)
     for start in range(0, config.vocab_size, EMBEDDING_ROWS_PER_CHUNK):
         end = min(start + EMBEDDING_ROWS_PER_CHUNK, config.vocab_size)

@@ -116,7 +116,8 @@ class CheckpointSet:
             stage = odd[0]
             raise CheckpointError(
                 f"the {', '.join(odd)} checkpoint {self.members[stage].name} belongs to another run config than the "
-                f"{reference} checkpoint {self.members[reference].name} ({_difference(records[stage], records[reference])}); "
+                f"{reference} checkpoint {self.members[reference].name} "
+                f"({_difference(records[stage], records[reference])}); "
                 "these stages cannot form one model"
             )
         return _normalized(records[reference]) | {"name": records[reference].get("name")}

@@ -84,7 +84,7 @@ class ShardWriter:
             os.rename(self._provisional(index), self.directory / name)
         files = [self.directory / name for name in names]
         if count > 1:
-            weight_map = {tensor: name for name, shard in zip(names, self.written) for tensor in shard}
+            weight_map = {tensor: name for name, shard in zip(names, self.written, strict=True) for tensor in shard}
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
             (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2), encoding="utf-8")
             files.append(self.directory / INDEX_FILE)

@@ -63,8 +63,8 @@ def open_split(spec: DataConfig, split: str):
         if kind != "hub":
             raise DataError(f"could not read {spec.source or 'the standard library'}: {error}") from None
         raise DataError(
-            f"could not reach the Hugging Face hub for {spec.source!r} ({error.__class__.__name__}): this machine looks "
-            "offline; pass local .txt/.jsonl/.parquet files with --data PATH"
+            f"could not reach the Hugging Face hub for {spec.source!r} ({error.__class__.__name__}): this "
+            "machine looks offline; pass local .txt/.jsonl/.parquet files with --data PATH"
         ) from None
 
 

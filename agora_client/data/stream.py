@@ -5,7 +5,8 @@ random one, which leaves for packing (the buffer is flushed in shuffled order at
 concatenates documents, each followed by the tokenizer's end-of-document ids, and cuts windows of
 ``seq_len + 1`` tokens (inputs and shifted labels). ``position()`` is everything needed to continue with the
 next token: the pass, the ``datasets`` stream's own state, the texts drawn but not yet packed (the buffer and
-the rest of the batch being tokenized), the random generator and the tokens packed but not yet cut. A stream built with that position yields exactly what the first one would have.
+the rest of the batch being tokenized), the random generator and the tokens packed but not yet cut. A stream built with
+that position yields exactly what the first one would have.
 
 Documents held out for evaluation (``heldout.py``) never enter the stream.
 """
@@ -103,7 +104,7 @@ class TokenStream:
         self.rng.setstate(_rng_from_json(position["rng"]))
 
     def _tokenized(self, texts: list[str]) -> list[tuple[str, list[int]]]:
-        return list(zip(texts, self.tokenizer.encode_batch(list(texts))))
+        return list(zip(texts, self.tokenizer.encode_batch(list(texts)), strict=True))
 
     def sequences(self) -> Iterator[torch.Tensor]:
         """Endless int64 windows of seq_len + 1 tokens; a new pass over the shard starts when one ends."""

@@ -1,4 +1,6 @@
-"""`agora deploy up|down|units|firewall FILE [--host NAME]`: this host's roles of a swarm, from the operator's deploy file."""
+"""This host's roles of a swarm, from the operator's deploy file.
+
+`agora deploy up|down|units|firewall FILE [--host NAME]`."""
 
 from __future__ import annotations
 

@@ -6,10 +6,10 @@ that reopens them thousands of times a second still costs the service an accept 
 drops those SYNs for almost nothing. Each address (an IPv6 /64, as the guard counts them) may open ``burst``
 connections at once, the guard's own per-address cap, and ``per_minute`` more each minute (50 a second): far above
 what a contributor's client, a browser on the public page or a NAT full of contributors opens, far below an
-attacker's reconnection loop. A limit on rate, not on connections held: nftables' ``ct count`` kept counting the attempts it
-had dropped and shut an address out for many seconds after one burst. Exempt sources (the host's trusted reverse
-proxies, which carry every client on one address) are accepted first. The script replaces the table
-``inet agora_guard`` whole, so applying it again is safe.
+attacker's reconnection loop. A limit on rate, not on connections held: nftables' ``ct count`` kept counting the
+attempts it had dropped and shut an address out for many seconds after one burst. Exempt sources (the host's trusted
+reverse proxies, which carry every client on one address) are accepted first. The script replaces the table ``inet
+agora_guard`` whole, so applying it again is safe.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ NFT_TIMEOUT_S = 30
 
 
 class FirewallError(RuntimeError):
-    """nft is missing, the caller may not change the firewall, or nft refused the script; the message says what to do."""
+    """nft is missing, the caller may not change the firewall, or nft refused the script.
+
+    The message says what to do."""
 
 
 def render_ruleset(

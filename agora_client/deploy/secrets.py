@@ -83,8 +83,8 @@ def _issue_trainer_credentials(spec: DeploySpec, store: SecretStore) -> None:
         except ValueError:
             raise DeployError(
                 f"the trainer credential {name} was made before, but its file {path} is gone: put it back (from the "
-                f"trainer's host), or revoke it (agora trainer-credential revoke {name} --state-dir {store.auth_state}) "
-                "and give the trainer's host another name in the deploy file"
+                f"trainer's host), or revoke it (agora trainer-credential revoke {name} --state-dir "
+                f"{store.auth_state}) and give the trainer's host another name in the deploy file"
             ) from None
         path.parent.mkdir(mode=0o700, exist_ok=True)
         with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:

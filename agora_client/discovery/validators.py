@@ -20,12 +20,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from operator import attrgetter
 
-from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
-from hivemind.dht.schema import SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.optim.progress_tracker import TrainingProgressSchema
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import BaseModel, ValidationError
 
@@ -37,6 +33,12 @@ from agora_client.discovery.signed_records import (
     Receipt,
     Verdict,
     metrics_key,
+)
+from agora_client.engine.records import (
+    decode_record_field,
+    is_reserved_subkey,
+    progress_schema_validator,
+    signature_validator,
 )
 
 MAX_BODIES = 254
@@ -67,11 +69,11 @@ class SwarmSchemaValidator(RecordValidatorBase):
         schema = self._schemas.get(record.key)
         if schema is None:
             return True
-        if record.subkey in DHTProtocol.RESERVED_SUBKEYS:
+        if is_reserved_subkey(record.subkey):
             return False  # the swarm's keys hold one entry per owner, never a bare value
         try:
-            subkey = DHTProtocol.serializer.loads(record.subkey)
-            value = DHTProtocol.serializer.loads(record.value)
+            subkey = decode_record_field(record.subkey)
+            value = decode_record_field(record.value)
         except Exception:  # undecodable bytes from a stranger: refuse, whatever msgpack raised
             return False
         if value is None:
@@ -115,7 +117,7 @@ def record_validators(private_key: RSAPrivateKey | None = None) -> list[RecordVa
     default hivemind's process-wide key)."""
     stages = possible_stage_names()
     return [
-        RSASignatureValidator(private_key),
+        signature_validator(private_key),
         SwarmSchemaValidator(swarm_key_schemas(stages)),
-        *(SchemaValidator(TrainingProgressSchema, prefix=progress_prefix(stage)) for stage in stages),
+        *(progress_schema_validator(progress_prefix(stage)) for stage in stages),
     ]

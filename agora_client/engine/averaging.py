@@ -137,8 +137,8 @@ def parts_by_reducer(
     # of them for peer i
     ratio = container.compression.estimate_compression_ratio(container.tensor_infos[0])
     part_values = int(container.part_size_bytes / (local.element_size() * ratio))
-    parts = iter(zip(local.view(-1).split(part_values), delta.view(-1).split(part_values)))
-    for peer, count in zip(ordered_peer_ids, container.num_parts_by_peer):
+    parts = iter(zip(local.view(-1).split(part_values), delta.view(-1).split(part_values), strict=True))
+    for peer, count in zip(ordered_peer_ids, container.num_parts_by_peer, strict=True):
         for own, change in (next(parts) for _ in range(count)):
             yield peer, own, change
 
@@ -257,7 +257,9 @@ class RoundAverager(DecentralizedAverager):
             self.wait_until_ready(timeout)
 
     def set_round(self, group_bits: str, target_group_size: int | None) -> MPFuture:
-        """Use this group key, and assemble the group as soon as it has target_group_size peers (None: at the deadline)."""
+        """Use this group key, and assemble the group as soon as it has target_group_size peers.
+
+        target_group_size None: at the deadline."""
         self.set_group_bits(group_bits, wait=False)
         future = MPFuture()
         # upstream fixes the target group size at construction; its process takes calls through this pipe

@@ -1,14 +1,16 @@
 """hivemind's RSA keys, as a peer whose identity lives in a file needs them.
 
 hivemind makes an RSAPrivateKey only fresh (or by unpickling), and signs every DHT record of a process
-(metrics, ProgressTracker) with ``RSAPrivateKey.process_wide()``, which has no setter.
+(metrics, ProgressTracker) with ``RSAPrivateKey.process_wide()``, which has no setter. A libp2p identity file
+and a peer id's public key are encoded with hivemind's copy of libp2p's crypto protobuf.
 """
 
 from __future__ import annotations
 
+from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
-__all__ = ["key_from_der", "use_as_process_key"]
+__all__ = ["encoded_identity", "encoded_public_key", "key_from_der", "rsa_der_of_identity", "use_as_process_key"]
 
 
 def key_from_der(der: bytes) -> RSAPrivateKey:
@@ -26,3 +28,22 @@ def use_as_process_key(key: RSAPrivateKey) -> None:
         if current is not None and current.to_bytes() != key.to_bytes():
             raise RuntimeError("hivemind's process-wide key was already used before the peer key was loaded")
         RSAPrivateKey._process_wide_key = key
+
+
+def encoded_identity(key: RSAPrivateKey) -> bytes:
+    """``key`` as a libp2p identity file holds it (what ``identity_path`` of a DHT or P2P reads)."""
+    return crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=key.to_bytes()).SerializeToString()
+
+
+def rsa_der_of_identity(identity: bytes) -> bytes:
+    """The PKCS#1 DER bytes of the RSA key in a libp2p identity file's ``identity`` bytes; ValueError if it
+    holds another kind of key (protobuf raises its own DecodeError on damaged bytes)."""
+    decoded = crypto_pb2.PrivateKey.FromString(identity)
+    if decoded.key_type != crypto_pb2.KeyType.RSA:
+        raise ValueError("not an RSA key")
+    return decoded.data
+
+
+def encoded_public_key(der: bytes) -> bytes:
+    """An RSA public key (SubjectPublicKeyInfo DER) as libp2p encodes it before hashing it into a peer id."""
+    return crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()

@@ -22,6 +22,7 @@ from agora_client.frontend.restart import RESTART_MODES, RestartMode, RestartPol
 from agora_client.frontend.supervisor import ChildCommand, runtime_command
 from agora_client.logs import EventLog, log_name, logs_dir
 from agora_client.system.gpu_yield import configure_yield, yield_argv
+from agora_client.token_scope import TokenRefused, check_token_scope
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,9 @@ def _command_line(text: str) -> str:
 
 
 def configure_supervision(parser: argparse.ArgumentParser) -> None:
-    """--restart and --notify-cmd: what the front end does when the runtime crashes or something worth hearing happens."""
+    """--restart and --notify-cmd.
+
+    What the front end does when the runtime crashes or something worth hearing happens."""
     parser.add_argument("--restart", choices=RESTART_MODES, default="never", help=restart_help())
     parser.add_argument(
         "--notify-cmd",
@@ -85,7 +88,8 @@ def configure_supervision(parser: argparse.ArgumentParser) -> None:
         type=_command_line,
         help="run CMD (split as a shell would, run without one) with a short message as its last argument, also in "
         "$AGORA_NOTIFY_MESSAGE (kind in $AGORA_NOTIFY_KIND), when the runtime drops out, is refused or banned, "
-        f"runs out of memory, or leaves the queue for Active; never with the token; killed after {NOTIFY_TIMEOUT_S:.0f}s",
+        "runs out of memory, or leaves the queue for Active; never with the token; killed after "
+        f"{NOTIFY_TIMEOUT_S:.0f}s",
     )
 
 
@@ -98,7 +102,30 @@ def configure(parser: argparse.ArgumentParser) -> None:
     device.add_argument("--gpu", metavar="N", type=int, help="GPU to contribute (NVML index)")
     device.add_argument("--cpu", action="store_true", help="run the worker on the CPU: the demo and tests only")
     parser.add_argument("--reconfigure", action="store_true", help="ask for the token, swarm and GPU again")
+    _add_token_arguments(parser)
     parser.add_argument("--config-dir", type=Path, help="client config dir (default: $XDG_CONFIG_HOME/agora)")
+    _add_network_arguments(parser)
+    configure_yield(parser)
+    configure_supervision(parser)
+    parser.add_argument(
+        "--runtime-cmd", metavar="CMD", help="run CMD instead of the built-in worker runtime (replays, testing)"
+    )
+
+
+def _add_token_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--use-hf-login-token",
+        action="store_true",
+        help="use the token saved by `hf auth login` without asking (where nobody can be asked: headless)",
+    )
+    parser.add_argument(
+        "--allow-write-token",
+        action="store_true",
+        help="send a token that can write to the swarm all the same (a read-only token is all a swarm needs)",
+    )
+
+
+def _add_network_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host-port", type=int, help="TCP port peers reach the worker on (default: 49200 + GPU number)"
     )
@@ -129,12 +156,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         type=_positive_seconds,
         default=DEFAULT_RETRY_EVERY_S,
-        help=f"while the swarm cannot reach this worker, ask again this often (default: {DEFAULT_RETRY_EVERY_S:.0f}; r in the app: now)",
-    )
-    configure_yield(parser)
-    configure_supervision(parser)
-    parser.add_argument(
-        "--runtime-cmd", metavar="CMD", help="run CMD instead of the built-in worker runtime (replays, testing)"
+        help="while the swarm cannot reach this worker, ask again this often (default: "
+        f"{DEFAULT_RETRY_EVERY_S:.0f}; r in the app: now)",
     )
 
 
@@ -170,7 +193,13 @@ def prepare(args: argparse.Namespace) -> ClientSession | int:
             use_gpu=not args.cpu,
             prompts=Prompts(interactive=sys.stdin.isatty()),
             need_swarm=not args.runtime_cmd,
+            use_login_token=args.use_hf_login_token,
         )
+        if not args.runtime_cmd:  # before the first join: the token goes nowhere Hugging Face says it may write
+            check_token_scope(client.token, allow_write=args.allow_write_token)
+    except TokenRefused as error:
+        print(f"agora: {error}", file=sys.stderr)
+        return EXIT_USAGE
     except ClientConfigError as error:
         print(f"agora: {error}", file=sys.stderr)
         return EXIT_USAGE

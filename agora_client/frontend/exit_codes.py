@@ -7,7 +7,7 @@
 | 2 | bad usage or config (bad flag, no token or swarm in a non-interactive start, unknown GPU) |
 | 3 | rejected by the swarm (token refused, swarm full, or this identity's cap reached) |
 | 130 | interrupted (Ctrl-C; the runtime was stopped gracefully first) |
-"""
+"""  # noqa: E501 - a Markdown table row cannot be wrapped
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Tagged lines from the runtime's stream: what the headless client prints and the app's log pane shows.
 
-Tags: ``[PREFLIGHT] [REACHABILITY] [NETWORK] [AUTH] [DOWNLOAD] [QUEUE] [SYNC] [TRAINING] [PROGRESS] [SPARTA] [POINTS] [YIELD] [RESTART] [WARNING] [ERROR]``
+Tags: ``[PREFLIGHT] [REACHABILITY] [NETWORK] [AUTH] [DOWNLOAD] [QUEUE] [SYNC] [TRAINING] [PROGRESS] [SPARTA]
+[POINTS] [YIELD] [RESTART] [WARNING] [ERROR]``
 (``[RESTART]``: the front end's own line before it starts a crashed runtime again, see frontend/restart.py).
 What each event kind gives:
 
@@ -16,8 +17,9 @@ What each event kind gives:
 - step: ``[TRAINING]`` when the local epoch changes; ``[PROGRESS]`` requests per minute, at most
   once per 60 s of event time.
 - sparta: ``[SPARTA]`` each round: which partition of how many (numbered from 0) and its share of the stage's
-  parameters, e.g. ``partition 10 of 20 (5% of the stage)`` (failed rounds at level warning); points: ``[POINTS]`` at most
-  once per 60 s, with the monitor's verified compute of the claimed once it has them; stage: ``[TRAINING]`` when the stage, peer or occupancy changes.
+  parameters, e.g. ``partition 10 of 20 (5% of the stage)`` (failed rounds at level warning); points: ``[POINTS]`` at
+  most once per 60 s, with the monitor's verified compute of the claimed once it has them; stage: ``[TRAINING]`` when
+  the stage, peer or occupancy changes.
 - yield: ``[YIELD]`` when the worker starts yielding the GPU to its owner (and why), when the reason changes, when
   it serves again, and when it gave its slot back after the grace (level warning); energy: ``[POINTS]`` the kWh
   used while serving and the points per kWh, at most once per 60 s, where the card reports energy.
@@ -234,7 +236,10 @@ class LineFormatter:
         if event.status == "authorizing":
             return [self._line(event, "AUTH", event.message or "Authorizing with the swarm...")]
         if event.status == "authorized":
-            default = f"Authorized as {event.identity or 'unknown'}: stage {event.stage or '?'}, slot {event.slot if event.slot is not None else '?'}"
+            default = (
+                f"Authorized as {event.identity or 'unknown'}: stage {event.stage or '?'}, slot "
+                f"{event.slot if event.slot is not None else '?'}"
+            )
             return [self._line(event, "AUTH", event.message or default)]
         what = "rejected by the swarm" if event.status == "rejected" else "failed"
         return [self._line(event, "ERROR", f"Authorization {what}: {event.message or 'no reason given'}", "error")]
@@ -286,7 +291,10 @@ class LineFormatter:
             lines.append(self._line(event, "TRAINING", f"Local epoch {event.local_epoch} on stage {event.stage}{loss}"))
         if self._last_progress is None or event.ts - self._last_progress >= self.summary_interval_s:
             self._last_progress = event.ts
-            text = f"Serving {event.forward_per_min:.0f} forward and {event.backward_per_min:.0f} backward requests per minute"
+            text = (
+                f"Serving {event.forward_per_min:.0f} forward and {event.backward_per_min:.0f} backward requests "
+                "per minute"
+            )
             lines.append(self._line(event, "PROGRESS", text))
         return lines
 
@@ -297,7 +305,10 @@ class LineFormatter:
                     event, "SPARTA", f"Round {event.round} failed: {event.reason or 'no reason given'}", "warning"
                 )
             ]
-        text = f"Round {event.round}: averaged {averaged_text(event)} in a group of {event.group_size} in {event.duration_s:.1f}s"
+        text = (
+            f"Round {event.round}: averaged {averaged_text(event)} in a group of {event.group_size} in "
+            f"{event.duration_s:.1f}s"
+        )
         return [self._line(event, "SPARTA", text)]
 
     def _points(self, event: PointsEvent) -> list[TaggedLine]:

@@ -149,7 +149,8 @@ class Notifier:
             said = redact_text(err.decode("utf-8", errors="replace").strip(), self.secrets).splitlines()[-1:]
             detail = f": {said[0][:120]}" if said else ""
             self.report(
-                f"Notification ({alert.kind}) not sent: {self.argv[0]} ended with {describe_end(process.returncode)}{detail}"
+                f"Notification ({alert.kind}) not sent: {self.argv[0]} ended with "
+                f"{describe_end(process.returncode)}{detail}"
             )
 
     def _environment(self, kind: NotifyKind, message: str) -> dict[str, str]:

@@ -1,8 +1,8 @@
 """Replays a recorded event stream (JSONL) as if it were the runtime: the child the tests and
 demos run in place of ``agora runtime``.
 
-    python -m agora_client.frontend.replay FILE [--delay S] [--hold] [--exit-code N] [--ignore-sigint] [--spawn-grandchild]
-        [--on-retry FILE]
+    python -m agora_client.frontend.replay FILE [--delay S] [--hold] [--exit-code N] [--ignore-sigint]
+        [--spawn-grandchild] [--on-retry FILE]
 
 Lines go to stdout unchanged (malformed ones too), one every ``--delay`` seconds. ``--hold`` keeps
 running after the last line, like a live worker. SIGINT makes it exit 0 after an ``exit`` event,
@@ -18,17 +18,20 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+from agora_client.system.lifetime import on_signals
 
 _GRANDCHILD = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(3600)"
 
 
-def _graceful_exit(signum: int, frame: object) -> None:
+def _stopped() -> int:
     print(
         json.dumps({"v": 1, "ts": time.time(), "kind": "exit", "code": 0, "reason": "stopped by request"}), flush=True
     )
-    sys.exit(0)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         "--on-retry", type=Path, metavar="FILE", help="play FILE when SIGUSR1 asks for a retry (with --hold)"
     )
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN if args.ignore_sigint else _graceful_exit)
+    stop = threading.Event()  # SIGINT: the lines stop, and an exit event ends the stream
+    if args.ignore_sigint:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    else:
+        on_signals((signal.SIGINT,), stop.set)
     retries: list[int] = []  # SIGUSR1 arrivals not played yet; the handler only counts, the loop below writes
     if args.on_retry is not None:
         signal.signal(signal.SIGUSR1, lambda signum, frame: retries.append(signum))
@@ -59,26 +66,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"replay: cannot read {args.file}: {error}", file=sys.stderr)
         return 2
     for _ in range(args.repeat):
-        for line in lines:
-            sys.stdout.write(line + "\n")
-            sys.stdout.flush()
-            if args.delay:
-                time.sleep(args.delay)
+        if not _play(lines, args.delay, stop):
+            return _stopped()
     if args.stderr:
         print(args.stderr, file=sys.stderr, flush=True)
-    while args.hold:
-        if args.on_retry is None:
-            time.sleep(3600)
-            continue
-        time.sleep(0.05)
-        if retries:
-            retries.clear()
-            for line in args.on_retry.read_text(encoding="utf-8").splitlines():
-                sys.stdout.write(line + "\n")
-                sys.stdout.flush()
-                if args.delay:
-                    time.sleep(args.delay)
+    if args.hold:
+        return _hold(args.on_retry, args.delay, stop, retries)
     return args.exit_code
+
+
+def _hold(on_retry: Path | None, delay: float, stop: threading.Event, retries: list[int]) -> int:
+    """Keep running after the last line, like a live worker: play ``on_retry`` at each SIGUSR1, until SIGINT."""
+    while not stop.wait(0.05):
+        if retries and on_retry is not None:
+            retries.clear()
+            if not _play(on_retry.read_text(encoding="utf-8").splitlines(), delay, stop):
+                break
+    return _stopped()
+
+
+def _play(lines: list[str], delay: float, stop: threading.Event) -> bool:
+    """Write ``lines`` to stdout, ``delay`` seconds apart; False as soon as ``stop`` is set."""
+    for line in lines:
+        if stop.is_set():
+            return False
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+        if delay and stop.wait(delay):
+            return False
+    return True
 
 
 if __name__ == "__main__":

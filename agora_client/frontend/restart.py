@@ -119,7 +119,9 @@ class RestartPolicy:
 
 
 class LastWords:
-    """Why a runtime ended, from its own output: its error event, else its exit event's reason, else its last stderr line."""
+    """Why a runtime ended, from its own output.
+
+    Its error event, else its exit event's reason, else its last stderr line."""
 
     def __init__(self) -> None:
         self.error = self.exit_reason = self.stderr = ""

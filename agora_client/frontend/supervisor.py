@@ -67,35 +67,58 @@ def runtime_command(
     ca_cert: Path | None = None,
     yield_args: tuple[str, ...] = (),
 ) -> ChildCommand:
-    """The real runtime: ``agora runtime [--swarm URL] [--gpu N | --cpu] [--config-dir D] [--monitor URL] [--host-port P]
-    [--announce-addr HOST:PORT] [--no-port-mapping] [--retry-every S] [--insecure] [--ca-cert PEM]`` and ``yield_args``
-    (--yield, --active-hours, --yield-grace), token in HF_TOKEN."""
+    """The real runtime: ``agora runtime [--swarm URL] [--gpu N | --cpu] [--config-dir D] [--monitor URL] [--host-port
+    P] [--announce-addr HOST:PORT] [--no-port-mapping] [--retry-every S] [--insecure] [--ca-cert PEM]`` and
+    ``yield_args`` (--yield, --active-hours, --yield-grace), token in HF_TOKEN."""
     root = str(Path(agora_client.__file__).resolve().parent.parent)
     argv = [sys.executable, "-c", _BOOTSTRAP.format(root=root), "runtime"]
-    if swarm:
-        argv += ["--swarm", swarm]
-    if gpu is not None:
-        argv += ["--gpu", str(gpu)]
-    if cpu:
-        argv += ["--cpu"]
-    if config_dir is not None:
-        argv += ["--config-dir", str(config_dir)]
-    if monitor:
-        argv += ["--monitor", monitor]
-    if host_port is not None:
-        argv += ["--host-port", str(host_port)]
-    if announce_addr:
-        argv += ["--announce-addr", announce_addr]
-    if not port_mapping:
-        argv += ["--no-port-mapping"]
+    argv += _run_flags(swarm, gpu, cpu, config_dir, monitor)
+    argv += _reachability_flags(host_port, announce_addr, port_mapping)
     argv += yield_args
-    if retry_every is not None:
-        argv += ["--retry-every", repr(float(retry_every))]
-    if insecure:
-        argv += ["--insecure"]
-    if ca_cert is not None:
-        argv += ["--ca-cert", str(ca_cert)]
+    argv += _join_flags(retry_every, insecure, ca_cert)
     return ChildCommand(tuple(argv), {"HF_TOKEN": token, "PYTHONUNBUFFERED": "1"})
+
+
+def _run_flags(
+    swarm: str | None, gpu: int | None, cpu: bool, config_dir: Path | None, monitor: str | None
+) -> list[str]:
+    """The runtime's flags for the swarm to join, the device to train on, its config folder and the monitor."""
+    flags = []
+    if swarm:
+        flags += ["--swarm", swarm]
+    if gpu is not None:
+        flags += ["--gpu", str(gpu)]
+    if cpu:
+        flags += ["--cpu"]
+    if config_dir is not None:
+        flags += ["--config-dir", str(config_dir)]
+    if monitor:
+        flags += ["--monitor", monitor]
+    return flags
+
+
+def _reachability_flags(host_port: int | None, announce_addr: str | None, port_mapping: bool) -> list[str]:
+    """The runtime's flags for how the swarm reaches this worker: its port, announced address and port mapping."""
+    flags = []
+    if host_port is not None:
+        flags += ["--host-port", str(host_port)]
+    if announce_addr:
+        flags += ["--announce-addr", announce_addr]
+    if not port_mapping:
+        flags += ["--no-port-mapping"]
+    return flags
+
+
+def _join_flags(retry_every: float | None, insecure: bool, ca_cert: Path | None) -> list[str]:
+    """The runtime's flags for the wait between join attempts, plain http:// to the swarm, and a CA to trust."""
+    flags = []
+    if retry_every is not None:
+        flags += ["--retry-every", repr(float(retry_every))]
+    if insecure:
+        flags += ["--insecure"]
+    if ca_cert is not None:
+        flags += ["--ca-cert", str(ca_cert)]
+    return flags
 
 
 def _stop_when_front_end_dies() -> None:
@@ -115,6 +138,22 @@ def group_members(pgid: int) -> list[psutil.Process]:
         except (ProcessLookupError, psutil.Error):
             continue
     return members
+
+
+async def _pump(reader: asyncio.StreamReader, name: Stream, queue: asyncio.Queue[tuple[Stream, str] | None]) -> None:
+    """Put each line of ``reader`` on ``queue`` as (name, line), then None once the stream is closed."""
+    try:
+        while True:
+            try:
+                raw = await reader.readline()
+            except ValueError:  # longer than LINE_LIMIT: asyncio dropped it
+                await queue.put(("oversize", ""))
+                continue
+            if not raw:
+                break
+            await queue.put((name, raw.decode("utf-8", errors="replace").rstrip("\r\n")))
+    finally:
+        await queue.put(None)
 
 
 class RuntimeProcess:
@@ -164,20 +203,6 @@ class RuntimeProcess:
         assert self._process is not None and self._process.stdout and self._process.stderr
         queue: asyncio.Queue[tuple[Stream, str] | None] = asyncio.Queue()
 
-        async def pump(reader: asyncio.StreamReader, name: Stream) -> None:
-            try:
-                while True:
-                    try:
-                        raw = await reader.readline()
-                    except ValueError:  # longer than LINE_LIMIT: asyncio dropped it
-                        await queue.put(("oversize", ""))
-                        continue
-                    if not raw:
-                        break
-                    await queue.put((name, raw.decode("utf-8", errors="replace").rstrip("\r\n")))
-            finally:
-                await queue.put(None)
-
         async def clear_leftovers() -> None:
             # What the child left in its group (a daemon that inherited our pipes) would keep the streams
             # open for ever once the child is gone: terminate it, as wait() does, so that they end.
@@ -185,8 +210,8 @@ class RuntimeProcess:
             await self._clear_group()
 
         pumps = [
-            asyncio.create_task(pump(self._process.stdout, "stdout")),
-            asyncio.create_task(pump(self._process.stderr, "stderr")),
+            asyncio.create_task(_pump(self._process.stdout, "stdout", queue)),
+            asyncio.create_task(_pump(self._process.stderr, "stderr", queue)),
         ]
         reaper = asyncio.create_task(clear_leftovers())
         try:

@@ -7,7 +7,7 @@ the snapshot server all run on it. TLS and trusted reverse proxies (``X-Forwarde
 (``exposure``, ``tls``, ``forwarded``).
 """
 
-from .exposure import Exposure, add_exposure_arguments, exposure_from_arguments
+from .exposure import PLAIN_HTTP, Exposure, add_exposure_arguments, exposure_from_arguments
 from .forwarded import TrustedProxies
 from .limits import RateLimit, ServiceLimits, raise_open_file_limit
 from .messages import Reply, Request, json_reply
@@ -17,6 +17,7 @@ from .tls import TlsSetupError, server_tls_context
 __all__ = [
     "Exposure",
     "HttpService",
+    "PLAIN_HTTP",
     "RateLimit",
     "Reply",
     "Request",

@@ -23,6 +23,9 @@ class Exposure:
         return "https" if self.tls is not None else "http"
 
 
+PLAIN_HTTP = Exposure()  # every service's default: no TLS of its own, no trusted proxies
+
+
 def add_exposure_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tls-cert",

@@ -22,7 +22,9 @@ class TrustedProxies:
 
     @classmethod
     def parse(cls, entries: Iterable[str]) -> "TrustedProxies":
-        """From addresses or CIDR ranges as the operator gives them (``--trusted-proxy``); ValueError says which is wrong."""
+        """From addresses or CIDR ranges as the operator gives them (``--trusted-proxy``).
+
+        ValueError says which is wrong."""
         networks = []
         for entry in entries:
             try:
@@ -54,6 +56,9 @@ class TrustedProxies:
                 break
             address = str(hop)
         return address
+
+
+NO_TRUSTED_PROXIES = TrustedProxies()
 
 
 def _ip(text: str) -> IpAddress | None:

@@ -18,7 +18,7 @@ import logging
 import ssl
 from collections.abc import Callable
 
-from .forwarded import TrustedProxies
+from .forwarded import NO_TRUSTED_PROXIES, TrustedProxies
 from .limits import client_key
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ class ConnectionTable:
     Connections from ``uncapped`` addresses (trusted proxies) count against the overall cap alone.
     """
 
-    def __init__(self, max_total: int, max_per_key: int, uncapped: TrustedProxies = TrustedProxies()):
+    def __init__(self, max_total: int, max_per_key: int, uncapped: TrustedProxies = NO_TRUSTED_PROXIES):
         self.max_total, self.max_per_key, self.uncapped = max_total, max_per_key, uncapped
         self.total = 0
         self._per_key: dict[str, int] = {}

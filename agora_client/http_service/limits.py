@@ -24,8 +24,6 @@ class ServiceLimits:
     """Longest a client may take to send a whole request body."""
     keepalive_timeout_s: float = 15.0
     """How long an idle keep-alive connection stays open."""
-    write_timeout_s: float = 60.0
-    """Longest a response write may wait for a client that does not read."""
     max_connections: int = 4096
     """Open client connections overall (lowered to fit the open-file limit); more are closed at once."""
     max_connections_per_address: int = 64
@@ -37,7 +35,7 @@ class ServiceLimits:
     """Requests waiting for or running in a handler thread; more are answered 503 at once."""
 
     def __post_init__(self) -> None:
-        if min(self.header_timeout_s, self.body_timeout_s, self.keepalive_timeout_s, self.write_timeout_s) <= 0:
+        if min(self.header_timeout_s, self.body_timeout_s, self.keepalive_timeout_s) <= 0:
             raise ValueError("HTTP timeouts must be positive")
         if (
             min(self.max_connections, self.max_connections_per_address, self.handler_threads, self.max_pending_requests)
@@ -46,6 +44,9 @@ class ServiceLimits:
             raise ValueError("HTTP connection caps, handler threads and pending requests must be at least 1")
         if self.max_body_bytes < 0:
             raise ValueError("the HTTP body size limit must not be negative")
+
+
+DEFAULT_LIMITS = ServiceLimits()
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ def raise_open_file_limit() -> int:
     if soft != resource.RLIM_INFINITY and soft < wanted:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            log.info("raised the open-file limit from %d to %d (its hard limit)", soft, wanted)
             soft = wanted
         except (ValueError, OSError) as error:
             log.warning(

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,6 @@ class Reply:
     status: int
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
-    stream: Callable[[BinaryIO], None] | None = None
-    """Writes the body in a handler thread instead of ``body`` (headers must then give its Content-Length);
-    raising from it cuts the connection."""
 
 
 def json_reply(status: int, payload: Any, headers: Mapping[str, str] | None = None) -> Reply:

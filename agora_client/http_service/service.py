@@ -14,15 +14,23 @@ import asyncio
 import logging
 import socket
 import threading
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 
 from aiohttp import web
 
-from .exposure import Exposure
+from .exposure import PLAIN_HTTP, Exposure
 from .guard import ConnectionGuard, ConnectionTable
-from .limits import RateLimit, RateLimiter, ServiceLimits, connection_cap, raise_open_file_limit, retry_after_header
+from .limits import (
+    DEFAULT_LIMITS,
+    RateLimit,
+    RateLimiter,
+    ServiceLimits,
+    connection_cap,
+    raise_open_file_limit,
+    retry_after_header,
+)
 from .messages import Reply, Request, json_reply
 from .upload_probe import measure_upload, probe_response
 
@@ -45,7 +53,8 @@ class HttpService:
     ``quick_routes`` (method, path) never block: they get handler threads of their own, so that handlers blocked
     elsewhere (a dial-back, a write to disk) never hold them up. ``upload_probes`` (method, path) are answered by
     the front itself: the body is timed as it arrives and dropped (``upload_probe.py``), never given to the handler.
-    ``exposure``: TLS and trusted reverse proxies.
+    ``direct`` answers requests without a body on the event loop itself, so it must not block (the snapshot server
+    sends files with it); its None hands the request on to ``handler``. ``exposure``: TLS and trusted reverse proxies.
     """
 
     def __init__(
@@ -55,13 +64,15 @@ class HttpService:
         port: int,
         *,
         name: str,
-        limits: ServiceLimits = ServiceLimits(),
+        limits: ServiceLimits = DEFAULT_LIMITS,
         rate_limits: Mapping[tuple[str, str], RateLimit] | None = None,
         quick_routes: Collection[tuple[str, str]] = (),
         upload_probes: Collection[tuple[str, str]] = (),
-        exposure: Exposure = Exposure(),
+        direct: Callable[[web.BaseRequest], Awaitable[web.StreamResponse | None]] | None = None,
+        exposure: Exposure = PLAIN_HTTP,
     ):
         self.handler, self.name, self.limits, self.exposure = handler, name, limits, exposure
+        self._direct = direct
         self._table = ConnectionTable(
             connection_cap(limits, raise_open_file_limit()),
             limits.max_connections_per_address,
@@ -147,7 +158,9 @@ class HttpService:
         return response
 
     async def _answer(self, request: web.BaseRequest, source: str) -> web.StreamResponse:
-        """The handler's answer, or the front's refusal; ``source`` is the client's address (through trusted proxies)."""
+        """The handler's answer, or the front's refusal.
+
+        ``source`` is the client's address (through trusted proxies)."""
         limiter = self._limiters.get((request.method, request.path))
         wait_s = limiter.wait_s(source) if limiter is not None else 0.0
         if wait_s > 0:
@@ -157,6 +170,11 @@ class HttpService:
                 f"wait {retry_after_header(wait_s)} s (Retry-After) and try again",
                 retry_after_s=wait_s,
             )
+        if self._direct is not None and not request.body_exists:
+            response = await self._direct(request)
+            if response is not None:
+                response.headers.update(SERVER_HEADER)
+                return response
         if (request.method, request.path) in self._upload_probes:
             status, payload = await measure_upload(request, self.limits.body_timeout_s)
             return probe_response(status, payload, {**SERVER_HEADER, "Cache-Control": "no-store"})
@@ -180,9 +198,10 @@ class HttpService:
         message = Request(request.method, request.path, request.raw_path, request.headers, body, source)
         pool.pending += 1
         try:
-            return await self._respond(request, await self._run(pool, message), pool)
+            reply = await self._run(pool, message)
         finally:
             pool.pending -= 1
+        return web.Response(status=reply.status, body=reply.body, headers={**SERVER_HEADER, **reply.headers})
 
     async def _run(self, pool: "_HandlerPool", message: Request) -> Reply:
         try:
@@ -193,29 +212,6 @@ class HttpService:
                 HTTPStatus.INTERNAL_SERVER_ERROR, {"status": "error", "error": "internal error; try again later"}
             )
 
-    async def _respond(self, request: web.BaseRequest, reply: Reply, pool: "_HandlerPool") -> web.StreamResponse:
-        headers = {**SERVER_HEADER, **reply.headers}
-        if "Content-Length" not in headers:
-            return web.Response(status=reply.status, body=reply.body, headers=headers)
-        # A length given up front: a HEAD answer, or a body the handler streams.
-        response = web.StreamResponse(status=reply.status, headers=headers)
-        await response.prepare(request)
-        if reply.stream is not None and request.method != "HEAD":
-            loop = asyncio.get_running_loop()
-            try:
-                await loop.run_in_executor(
-                    pool.executor, reply.stream, _LoopWriter(loop, response, self.limits.write_timeout_s)
-                )
-            except Exception:  # a client gone mid-transfer is routine for a download server, not a crash
-                log.debug(
-                    "%s: transfer of %s to %s ended early", self.name, request.path, request.remote, exc_info=True
-                )
-                if request.transport is not None:
-                    request.transport.abort()
-                return response
-        await response.write_eof()
-        return response
-
 
 class _HandlerPool:
     """Handler threads and the requests waiting for or running in them (counted from the event loop only)."""
@@ -223,23 +219,6 @@ class _HandlerPool:
     def __init__(self, threads: int, max_pending: int, name: str):
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix=name)
         self.max_pending, self.pending = max_pending, 0
-
-
-class _LoopWriter:
-    """A blocking file-like ``write`` for a handler thread, onto a response the event loop sends."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, response: web.StreamResponse, timeout_s: float):
-        self._loop, self._response, self._timeout_s = loop, response, timeout_s
-
-    def write(self, data: bytes) -> int:
-        sent = asyncio.run_coroutine_threadsafe(
-            asyncio.wait_for(self._response.write(data), self._timeout_s), self._loop
-        )
-        sent.result(timeout=self._timeout_s + 5)  # bounded even if the loop stops before running the write
-        return len(data)
-
-    def flush(self) -> None:
-        """Every write is handed to the connection before it returns."""
 
 
 async def _read_body(request: web.BaseRequest, limit: int) -> bytes:
@@ -257,7 +236,9 @@ async def _read_body(request: web.BaseRequest, limit: int) -> bytes:
 def _refusal(
     status: HTTPStatus, message: str, *, retry_after_s: float | None = None, close: bool = False
 ) -> web.Response:
-    """An answer the service gives without the handler: JSON with ``error`` (what Agora's clients read) and ``message``."""
+    """An answer the service gives without the handler.
+
+    JSON with ``error`` (what Agora's clients read) and ``message``."""
     headers = {**SERVER_HEADER, "Cache-Control": "no-store"}
     if retry_after_s is not None:
         headers["Retry-After"] = retry_after_header(retry_after_s)

@@ -1,4 +1,6 @@
-"""A contributor's worker joining a running swarm: preflight -> authorize -> download -> queue -> sync 1 -> sync 2 -> active.
+"""A contributor's worker joining a running swarm.
+
+Its steps: preflight -> authorize -> download -> queue -> sync 1 -> sync 2 -> active.
 
 Everything about the run comes from the swarm's run description (``RunDescription``): the stage is
 built from its config, never from a preset; the tokenizer the swarm serves must be the one the
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+import psutil
 from hivemind.utils.crypto import RSAPrivateKey
 
 from agora_client.auth.client import (
@@ -207,7 +210,9 @@ class Contributor:
         )
 
     def _start_staging(self) -> _Staging:
-        """Check the GPU against the run (unfit ones are refused) and get ready to prepare whichever stage is assigned."""
+        """Check the GPU against the run (unfit ones are refused).
+
+        Then get ready to prepare whichever stage is assigned."""
         options = self.options
         config = options.run.config
         preparation = StagePreparation(config, options.device, options.snapshot_dir, self.events)
@@ -249,6 +254,7 @@ class Contributor:
                 snapshot=snapshot,
                 prepared=built,
                 max_batch_size=fit.max_batch_size,
+                layout=fit.layout,
                 dht_kwargs=identity.dht_kwargs,
                 auth_public_key=auth.public_key,
                 tickets=self.ticket,
@@ -283,7 +289,8 @@ class Contributor:
     def _start_node(self, node: WorkerNode) -> None:
         """Start the worker: it waits for a calm moment in the stage, then passes sync phases 1 and 2."""
         self.events.log(
-            "Worker up. Waiting for a calm moment in the stage (no averaging round, early in its step) to begin sync 1...",
+            "Worker up. Waiting for a calm moment in the stage (no averaging round, early in its step) to "
+            "begin sync 1...",
             tag="JOIN",
         )
         node.start(self.stop)
@@ -301,10 +308,13 @@ class Contributor:
             raise PreflightFailed("preflight failed: " + "; ".join(failed))
 
     def _check_tokenizer(self) -> None:
-        """The swarm's tokenizer against its description and the model; RunDescriptionError (not joining) if it differs."""
+        """The swarm's tokenizer against its description and the model.
+
+        RunDescriptionError (not joining) if it differs."""
         tokenizer = fetch_tokenizer(self.options.swarm_url, self.options.run)
         self.events.log(
-            f"Tokenizer checked: sha256 {tokenizer.sha256[:16]}, {tokenizer.vocab_size:,} tokens, as the run description says",
+            f"Tokenizer checked: sha256 {tokenizer.sha256[:16]}, {tokenizer.vocab_size:,} tokens, as the run "
+            "description says",
             tag="JOIN",
         )
 
@@ -331,6 +341,7 @@ class Contributor:
                     port=port,
                     announce=announce,
                     gpu_memory=gpu_memory,
+                    host_memory=psutil.virtual_memory().available if gpu_memory is not None else None,
                     peer_key=identity.key,
                     insecure=options.insecure,
                 )
@@ -343,22 +354,26 @@ class Contributor:
                     self._dht.shutdown()
                     self._start_dht(identity)
                 continue
-            if auth.dial is not None:
-                self.events.emit(
-                    ReachabilityEvent(
-                        status="reachable",
-                        address=auth.dial.address,
-                        port=auth.dial.port,
-                        tested_from=auth.dial.tested_from,
-                        path=self.path.kind,
-                        relay=self.path.relay,
-                        relay_cost=self.path.relay_cost(),
-                        network=self.path.report(self._seen_address(auth.dial)),
-                    )
-                )
-            self.events.emit(reachability_result(auth.dial, port, self.path.describe()))
+            self._say_reachable(auth.dial, port)
             return auth
         return None
+
+    def _say_reachable(self, dial: DialResult | None, port: int) -> None:
+        """The dial-back that succeeded (if the service made one), how the swarm reaches us, and the check's result."""
+        if dial is not None:
+            self.events.emit(
+                ReachabilityEvent(
+                    status="reachable",
+                    address=dial.address,
+                    port=dial.port,
+                    tested_from=dial.tested_from,
+                    path=self.path.kind,
+                    relay=self.path.relay,
+                    relay_cost=self.path.relay_cost(),
+                    network=self.path.report(self._seen_address(dial)),
+                )
+            )
+        self.events.emit(reachability_result(dial, port, self.path.describe()))
 
     def _wait_for_retry(self) -> None:
         """Until the next join attempt is due, the front end asks for one now, or the runtime stops."""
@@ -400,11 +415,7 @@ class Contributor:
         last_description = time.monotonic()
         previous: MetricsRecord | None = None
         while not self.stop.wait(TICK_SECONDS):
-            if self.events.broken:  # nobody reads our events any more: leave the swarm cleanly
-                self.stop.set()
-                break
-            if not owner.tick():  # yielded past the grace: leave (the runtime joins again once the GPU is free)
-                self.gave_way = True
+            if self._must_leave(owner):
                 break
             metrics.set_phase(None if node.yielding else NAMES[node.sync.phase])  # yielding earns no presence
             now = time.monotonic()
@@ -424,6 +435,16 @@ class Contributor:
                 last_description = now
                 self._check_description()
 
+    def _must_leave(self, owner: YieldControl) -> bool:
+        """True when the worker leaves the swarm: nobody reads its events, or it yielded the GPU past the grace."""
+        if self.events.broken:  # nobody reads our events any more: leave the swarm cleanly
+            self.stop.set()
+            return True
+        if not owner.tick():  # yielded past the grace: leave (the runtime joins again once the GPU is free)
+            self.gave_way = True
+            return True
+        return False
+
     def _publish_metrics(
         self, node: WorkerNode, metrics: WorkerMetrics, validator, previous: MetricsRecord | None, owner: YieldControl
     ) -> MetricsRecord:
@@ -436,7 +457,9 @@ class Contributor:
         return record
 
     def _check_description(self) -> None:
-        """RunChanged ends the run (the caller exits cleanly); a description that cannot be read now is only a warning."""
+        """RunChanged ends the run (the caller exits cleanly).
+
+        A description that cannot be read now is only a warning."""
         try:
             check_unchanged(self.options.swarm_url, self.options.run)
         except RunChanged:

@@ -13,10 +13,9 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 from hivemind.p2p import PeerID
-from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
-from agora_client.engine.identity import key_from_der
+from agora_client.engine.identity import key_from_der, rsa_der_of_identity
 from agora_client.monitor.records import write_identity_file
 
 
@@ -38,16 +37,14 @@ def load_or_create_peer_key(path: Path) -> RSAPrivateKey:
     if stat.S_IMODE(path.stat().st_mode) & 0o077:
         os.chmod(path, 0o600)  # a key others can read is a key others can use
     try:
-        identity = crypto_pb2.PrivateKey.FromString(path.read_bytes())
-        if identity.key_type != crypto_pb2.KeyType.RSA:
-            raise ValueError("not an RSA key")
-        serialization.load_der_private_key(identity.data, password=None)
+        der = rsa_der_of_identity(path.read_bytes())
+        serialization.load_der_private_key(der, password=None)
     except Exception:  # protobuf and cryptography raise several unrelated types for a damaged file
         raise PeerKeyError(
             f"{path} is not a usable peer key; move it away to start with a new peer id "
             "(the swarm then sees a new peer, bound to the account you join with)"
         ) from None
-    return key_from_der(identity.data)
+    return key_from_der(der)
 
 
 def peer_id_of(path: Path) -> str:

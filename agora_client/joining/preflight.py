@@ -5,7 +5,9 @@ runtime emits them before it asks for a slot; the app shows them and ``--headles
 ``[PREFLIGHT]`` lines. Reachability is checked by the auth service during the join (``reachability_result``).
 Memory and disk needs come from the smallest stage's memory plan (agora_client/model/memory.py), allocating
 nothing: the stage is assigned later, and then checked itself; the GPU must pass the fit check's capability rule
-(agora_client/joining/gpu_fit.py).
+(agora_client/joining/gpu_fit.py). The RAM need on a GPU is that of the stages in the layout the card takes each
+in (the fit check's rule, model/memory.py card_layout): a stage the offload layout puts on a small card keeps its
+fp32 masters in host RAM.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from agora_client.describe import sparta_round
 from agora_client.events import MACHINE_CHECKS, PreflightCheck, PreflightEvent
 from agora_client.frontend.lines import human_bytes as human
 from agora_client.joining.gpu_fit import GpuRefused, check_capability
-from agora_client.model.memory import StagePlan, plan_stage
+from agora_client.model.memory import StagePlan, card_layout, choose_layout, plan_stage
 from agora_client.model.stages import param_counts
-from agora_client.system.gpu import GpuSpec
+from agora_client.system.gpu import GpuSpec, probe_cuda_device
 
 SLOW_DOWNLOAD_BPS = 5e6
 SLOW_UPLOAD_BPS = 10e6 / 8  # 10 Mbit/s: below it, averaging rounds of any large stage run for minutes
@@ -43,6 +45,29 @@ def _smallest_plan(run: RunDescription) -> StagePlan:
     return min(
         (plan_stage(run.config, stage) for stage in run.config.model.stage_names), key=lambda plan: plan.snapshot
     )
+
+
+def _least_host_plan(run: RunDescription, gpu_memory: int | None) -> StagePlan:
+    """The plan of the stage needing the least host RAM on this machine. On a GPU of ``gpu_memory`` bytes each stage
+    is planned in the layout the card takes it in, among the stages it holds (all, if it holds none: the fit check
+    refuses it later with its numbers); on the CPU, or a GPU of unknown size, in fp32."""
+    config, stages = run.config, run.config.model.stage_names
+    if gpu_memory is None:
+        plans = [plan_stage(config, stage) for stage in stages]
+    else:
+        held = [stage for stage in stages if choose_layout(config, stage, gpu_memory) is not None] or stages
+        plans = [plan_stage(config, stage, layout=card_layout(config, stage, gpu_memory)) for stage in held]
+    return min(plans, key=lambda plan: plan.host_need(on_gpu=gpu_memory is not None))
+
+
+def gpu_capacity(device: str) -> int | None:
+    """What the fit check plans with on ``device`` (GpuSpec.capacity), or None for the CPU."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    spec = probe_cuda_device(torch.device(device).index or 0)
+    return None if spec is None else spec.capacity
 
 
 def check_gpu(device: str, note: str) -> PreflightEvent:
@@ -59,8 +84,9 @@ def check_gpu(device: str, note: str) -> PreflightEvent:
     return PreflightEvent(check="gpu", status="pass", value=value, reason=note)
 
 
-def check_host_ram(run: RunDescription, on_cpu: bool) -> PreflightEvent:
-    plan = _smallest_plan(run)
+def check_host_ram(run: RunDescription, on_cpu: bool, gpu_memory: int | None = None) -> PreflightEvent:
+    """``gpu_memory``: the card's (gpu_capacity), so that each stage is planned in the layout it takes there."""
+    plan = _smallest_plan(run) if on_cpu else _least_host_plan(run, gpu_memory)
     need = plan.host_need(on_gpu=not on_cpu)
     available = psutil.virtual_memory().available
     return _headroom(
@@ -68,8 +94,8 @@ def check_host_ram(run: RunDescription, on_cpu: bool) -> PreflightEvent:
         available,
         need,
         f"{human(available)} available, about {human(need)} needed",
-        fail=f"not enough free RAM even for the smallest stage ({plan.stage}): close other programs or "
-        "use a larger machine",
+        fail=f"not enough free RAM even for the smallest stage ({plan.stage}, {plan.layout} layout): close other "
+        "programs or use a larger machine",
         warn="little headroom beyond the stage itself",
     )
 
@@ -223,9 +249,10 @@ def machine_checks(
     run: RunDescription, swarm_url: str, device: str, device_note: str, config_dir: Path
 ) -> list[Callable[[], PreflightEvent]]:
     """The checks that run before the join, in ``MACHINE_CHECKS`` order (reachability comes with the join)."""
+    on_cpu = not device.startswith("cuda")
     checks: dict[PreflightCheck, Callable[[], PreflightEvent]] = {
         "gpu": lambda: check_gpu(device, device_note),
-        "host_ram": lambda: check_host_ram(run, on_cpu=not device.startswith("cuda")),
+        "host_ram": lambda: check_host_ram(run, on_cpu=on_cpu, gpu_memory=gpu_capacity(device)),
         "disk": lambda: check_disk(run, config_dir),
         "download_rate": lambda: check_download_rate(run),
         "upload_rate": lambda: check_upload_rate(run, swarm_url),

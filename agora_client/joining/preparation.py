@@ -61,8 +61,9 @@ class StagePreparation:
     def stage(self) -> str | None:
         return self.assignment.stage if self.assignment is not None else None
 
-    def start(self, assignment: StageAssignment) -> None:
-        """Start both for this stage; another stage (a re-join in the queue was given one) starts them again,
+    def start(self, assignment: StageAssignment, layout: str = "fp32") -> None:
+        """Start both for this stage, the build in the card's ``layout`` (see prepare_stage); another stage (a
+        re-join in the queue was given one) starts them again,
         and what the earlier threads produce is dropped. The same stage again is ignored, even under a new
         URL (an object store presigns a new one at every answer)."""
         if assignment.stage == self.stage:
@@ -82,6 +83,7 @@ class StagePreparation:
             self.device,
             seed=self.config.seed,
             seeded_weights=not url,  # a snapshot will set every weight
+            layout=layout,
         )
 
     def result(self, stop: threading.Event) -> tuple[Path | None, PreparedStage] | None:

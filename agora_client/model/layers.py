@@ -87,11 +87,16 @@ def native_bf16(device: torch.device) -> bool:
     return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def runs_bf16(device: torch.device, mixed_precision: bool) -> bool:
+    """Whether a worker of the fp32 layout on ``device`` computes in bf16: the run asks for mixed precision and the
+    device runs bf16 natively. Elsewhere it runs fp32 (GPUs without native bf16 are refused at join, see
+    agora_client/joining/gpu_fit.py), and its memory plan is fp32's (model/memory.py, ``mixed_precision``)."""
+    return mixed_precision and native_bf16(device)
+
+
 def autocast_context(device: torch.device, mixed_precision: bool) -> Callable[[], AbstractContextManager]:
-    """bf16 autocast when the run asks for mixed precision and the device runs bf16 natively; parameters and
-    grads stay fp32 either way. Elsewhere it runs fp32 (GPUs without native bf16 are refused at join, see
-    agora_client/model/memory.py)."""
-    if not mixed_precision or not native_bf16(device):
+    """bf16 autocast where ``runs_bf16``; parameters and grads stay fp32 either way."""
+    if not runs_bf16(device, mixed_precision):
         return nullcontext
     return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 

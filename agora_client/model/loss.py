@@ -2,7 +2,8 @@
 
 Forward keeps only the per-token losses; backward recomputes each chunk's logits to form its
 gradient (softmax - one_hot), so at most one chunk of logits (and its gradient) is alive. Under
-autocast the products run in autocast's dtype and the saved hidden state is stored in it too.
+autocast the products run in autocast's dtype and the saved hidden state is stored in it too; the
+weight's gradient is summed over the chunks in fp32 whatever the weight's dtype.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_losses: torch.Tensor):
         low, weight, labels = ctx.saved_tensors
         grad_hidden = torch.empty(low.shape, dtype=ctx.hidden_dtype, device=low.device)
-        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        # summed over the chunks in fp32 even for bf16 weights (the offload layout), cast once at the end
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        )
         with autocast_off(low.device):
             low_weight = weight.to(low.dtype)
             for start in range(0, labels.numel(), ctx.chunk):
@@ -43,6 +47,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_hidden[rows] = grad_logits @ low_weight
                 if grad_weight is not None:
                     grad_weight.add_(grad_logits.T @ low[rows])
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None
 
 

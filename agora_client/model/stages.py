@@ -52,7 +52,8 @@ def _check_tokens(name: str, tokens: torch.Tensor, config: ModelConfig, batch_li
         raise ValueError(f"{name} must be int64 [batch, seq]; got {tokens.dtype} of shape {tuple(tokens.shape)}")
     if batch_like is not None and tuple(batch_like.shape[:2]) != tuple(tokens.shape):
         raise ValueError(
-            f"{name} shape {tuple(tokens.shape)} does not match the boundary's [batch, seq] {tuple(batch_like.shape[:2])}"
+            f"{name} shape {tuple(tokens.shape)} does not match the boundary's [batch, seq] "
+            f"{tuple(batch_like.shape[:2])}"
         )
     if not tokens.is_meta and tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < config.vocab_size:
         raise ValueError(
@@ -215,8 +216,10 @@ def build_stage(
     device: str | torch.device = "cpu",
     compress_boundary: bool | None = None,
     seeded_weights: bool = True,
+    weight_dtype: torch.dtype = torch.float32,
 ) -> StageModule:
-    """Build one stage; compress_boundary defaults to config.subspace.enabled.
+    """Build one stage; compress_boundary defaults to config.subspace.enabled. ``weight_dtype`` is the trainable
+    parameters' (bf16: the GPU copy of the offload layout, serving/device_copy.py); frozen tensors stay fp32.
 
     seeded_weights=False leaves the weights uninitialized for a caller that loads all of them (a snapshot):
     a large stage's random init costs seconds to minutes of CPU that the load would throw away.
@@ -229,6 +232,9 @@ def build_stage(
     stage_class = HeadStage if stage == "head" else TailStage if stage == "tail" else BodyStage
     with torch.device("meta"):
         module = stage_class(config, stage, compress_boundary)
+        for param in module.parameters():
+            if param.requires_grad:
+                param.data = param.data.to(weight_dtype)
     return _materialize(module, config, seed, device, weights=seeded_weights)
 
 

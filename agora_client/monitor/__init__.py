@@ -1,7 +1,8 @@
 """Metrics -> points -> leaderboard.
 
 Workers: ``WorkerMetrics`` (agora_client.worker.metrics) counts, ``publish_metrics`` signs and stores.
-Monitor: ``Scraper`` + ``PointsStore`` + ``LeaderboardServer``. Client: ``estimate_points``, ``fetch_confirmed``, ``fetch_rank``.
+Monitor: ``Scraper`` + ``PointsStore`` + ``LeaderboardServer``.
+Client: ``estimate_points``, ``fetch_confirmed``, ``fetch_rank``.
 Names that need hivemind or the auth package are imported on first use, so that the light
 parts (points, FLOPs, the leaderboard table) load without them.
 """

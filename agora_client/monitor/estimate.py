@@ -90,7 +90,9 @@ def fetch_confirmed(monitor_url: str, peer_id: str, *, timeout: float = 5.0) -> 
 
 
 def fetch_rank(monitor_url: str, identity: str, *, timeout: float = 5.0) -> tuple[int, int] | None:
-    """(place, contributors) of this identity on the monitor's leaderboard, or None if it is not listed or unreachable."""
+    """(place, contributors) of this identity on the monitor's leaderboard.
+
+    None if it is not listed or unreachable."""
     try:
         response = httpx.get(f"{monitor_url.rstrip('/')}/leaderboard", timeout=timeout)
         rows = response.json()["rows"] if response.status_code == 200 else []

@@ -30,7 +30,7 @@ from http import HTTPStatus
 from typing import Any
 from urllib.parse import unquote
 
-from agora_client.http_service import Exposure, HttpService, Reply, Request, ServiceLimits, json_reply
+from agora_client.http_service import PLAIN_HTTP, Exposure, HttpService, Reply, Request, ServiceLimits, json_reply
 from agora_client.monitor.operator_metrics import monitor_collector
 from agora_client.monitor.page import PageFiles, RunInfo, contributor_name, contributor_view, swarm_view
 from agora_client.monitor.points import PFLOP, PeerState
@@ -74,7 +74,7 @@ class LeaderboardServer:
         clock: Callable[[], float] = time.time,
         limits: ServiceLimits = MONITOR_LIMITS,
         run: RunInfo | None = None,
-        exposure: Exposure = Exposure(),
+        exposure: Exposure = PLAIN_HTTP,
     ):
         self.store, self.clock, self.run = store, clock, run
         self._page = PageFiles()

@@ -77,7 +77,10 @@ _RIGHT_ALIGNED = {0, 2, 3}  # rank, score, active hours
 
 
 def _render(line: list[str], widths: list[int]) -> str:
-    cells = (cell.rjust(w) if i in _RIGHT_ALIGNED else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+    cells = (
+        cell.rjust(w) if i in _RIGHT_ALIGNED else cell.ljust(w)
+        for i, (cell, w) in enumerate(zip(line, widths, strict=True))
+    )
     return "  ".join(cells).rstrip()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -106,18 +107,10 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         exposure = _check(args)
-        stages = (config := load_config(args.config)).model.stage_names
-        if args.stages:
-            wanted = tuple(name.strip() for name in args.stages.split(",") if name.strip())
-            unknown = [name for name in wanted if name not in stages]
-            if unknown:
-                raise ValueError(
-                    f"--stages names unknown stage(s) {', '.join(unknown)}; this run has {', '.join(stages)}"
-                )
-            stages = wanted
+        config = load_config(args.config)
+        stages = _stages_to_scrape(args.stages, config.model.stage_names)
         public_key = auth_public_key(args)
-        window = args.online_window if args.online_window is not None else max(90.0, 3 * args.interval)
-        store = PointsStore(args.db, PointsPolicy(identity_cap=args.identity_cap, online_window_s=window))
+        store = _open_store(args)
     except (ConfigError, ValueError, OSError) as error:
         print(f"[MONITOR] cannot start the monitor: {error}", file=sys.stderr)
         return 2
@@ -137,19 +130,46 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     scraper = Scraper(dht, stages, store, public_key, auth_url=args.auth_url)
-    server.start()
-    print(f"{READY_PREFIX}{server.url}/leaderboard", flush=True)
-    print(f"[MONITOR] scraping {', '.join(stages)} every {args.interval:g}s into {args.db}", flush=True)
+    _start_serving(server, stages, args)
     try:
-        while not stop.is_set():
-            try:
-                updated = scraper.scrape_once()
-                log.debug("scrape credited %d peer(s)", len(updated))
-            except Exception:  # a failed scrape (DHT hiccup) must not stop the service: the next one retries
-                log.exception("scrape failed; retrying in %.0fs", args.interval)
-            stop.wait(args.interval)
+        _scrape_until_stopped(scraper, stop, args.interval)
     finally:
         server.stop()
         dht.shutdown()
         store.close()
     return 0
+
+
+def _stages_to_scrape(names: str | None, stages: tuple[str, ...]) -> tuple[str, ...]:
+    """The run's stages, or those ``--stages`` names (comma-separated); ValueError names a stage the run lacks."""
+    if not names:
+        return stages
+    wanted = tuple(name.strip() for name in names.split(",") if name.strip())
+    unknown = [name for name in wanted if name not in stages]
+    if unknown:
+        raise ValueError(f"--stages names unknown stage(s) {', '.join(unknown)}; this run has {', '.join(stages)}")
+    return wanted
+
+
+def _open_store(args: argparse.Namespace) -> PointsStore:
+    """The points database, crediting under the identity cap and online window the flags give."""
+    window = args.online_window if args.online_window is not None else max(90.0, 3 * args.interval)
+    return PointsStore(args.db, PointsPolicy(identity_cap=args.identity_cap, online_window_s=window))
+
+
+def _start_serving(server: LeaderboardServer, stages: tuple[str, ...], args: argparse.Namespace) -> None:
+    """Start the HTTP API and say where the leaderboard is (the ready line) and what is scraped how often."""
+    server.start()
+    print(f"{READY_PREFIX}{server.url}/leaderboard", flush=True)
+    print(f"[MONITOR] scraping {', '.join(stages)} every {args.interval:g}s into {args.db}", flush=True)
+
+
+def _scrape_until_stopped(scraper: Scraper, stop: threading.Event, interval: float) -> None:
+    """Scrape every ``interval`` seconds until ``stop`` is set."""
+    while not stop.is_set():
+        try:
+            updated = scraper.scrape_once()
+            log.debug("scrape credited %d peer(s)", len(updated))
+        except Exception:  # a failed scrape (DHT hiccup) must not stop the service: the next one retries
+            log.exception("scrape failed; retrying in %.0fs", interval)
+        stop.wait(interval)

@@ -80,7 +80,9 @@ def monitor_collector(store: PointsStore, clock: Callable[[], float] = time.time
 
 
 def _swarm_values(summary: SwarmSummary) -> dict[str, Values]:
-    """The latest scrape's figures (absent before the monitor's first scrape); queued only when it knows the auth service."""
+    """The latest scrape's figures (absent before the monitor's first scrape).
+
+    Queued only when it knows the auth service."""
     workers: dict[tuple[str, str], float] = {}
     for stage in summary.stages:
         workers[stage.stage, "active"], workers[stage.stage, "syncing"] = stage.active, stage.syncing

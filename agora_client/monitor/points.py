@@ -5,12 +5,18 @@ Compute: the PFLOPs a peer processed, from sync phase 2 on, as far as trainers' 
 the lesser of what the peer claims (the rules below) and what ticketed trainers receipted it
 (``monitor/receipts.py``). A claim more than ``claim_margin`` over its receipts is flagged.
 
-The monitor observes each peer's monotonic counters (``active_seconds``: seconds since the
-worker entered sync phase 1; ``compute_flops``: FLOPs processed from phase 2 on) and credits the
-increments between successive observations, so a disconnect (of the peer or of the monitor)
-loses nothing already earned. A new run of a worker (new ``run_id``, or a counter lower than
-last seen) starts from zero: its whole counter value is the increment. Presence a run claims is
-bounded by the time the monitor has watched that run, plus a grace for the time before.
+Presence is what the swarm saw, never what a worker says: the monitor's own clock between two successive
+fresh records of the peer (each signed by its key, carrying a live slot ticket, and newer than the last one
+credited) while its stage's roster shows it (``swarm_phase``) and the auth service lists it holding a slot
+(``holds_slot``; both set by monitor/scraper.py), at most ``online_window_s`` apart. The operator's own workers, whose
+tickets it signs itself, hold no slot there: they earn compute, never presence. Run ids and counters a worker
+publishes do not touch it, a replayed record is not fresh, and a crash and rejoin loses the gap.
+
+Compute comes from the peer's monotonic counter (``compute_flops``: FLOPs processed from phase 2 on): the
+monitor credits its increments between successive fresh records, so a disconnect (of the peer or of the monitor)
+loses nothing already earned; a new run (new ``run_id``, or a lower counter) starts from zero. An increment
+earns only while both the peer's claim and its stage's roster (what trainers route on) put it in phase 2 or
+active: a worker the roster keeps in phase 1 is one trainers never routed to.
 
 An identity earns with at most ``identity_cap`` concurrently online peers, ranked by first seen;
 a peer over the cap keeps being observed (its counters advance) but earns nothing.
@@ -35,9 +41,8 @@ COMPUTE_PHASES: frozenset[str] = frozenset({"sync2", "active"})
 @dataclass(frozen=True)
 class PointsPolicy:
     identity_cap: int = 2
-    online_window_s: float = 90.0  # a peer not observed for this long is offline
-    # A run's presence may exceed the time the monitor has watched it by this much (its time before the first sighting).
-    presence_grace_s: float = 120.0
+    # A peer not observed for this long is offline; two fresh records further apart than this credit no presence.
+    online_window_s: float = 90.0
     # A claim this far over its receipts is flagged; receipts trail claims by a publishing period, hence the slack.
     claim_margin: float = 0.25
     claim_slack_flops: float = 1e13
@@ -51,10 +56,13 @@ class Observation:
     identity: str
     stage: str
     run_id: str
-    sync_phase: SyncPhase
+    sync_phase: SyncPhase  # what the peer claims
     active_seconds: float
     compute_flops: float
     seen_at: float
+    published_at: float  # the record's own signed timestamp: a record not newer than the last one is not fresh
+    swarm_phase: SyncPhase | None  # the phase its stage's roster shows (what trainers route on); None: not in it
+    holds_slot: bool = True  # the auth service lists it holding a slot in its stage (True where the monitor cannot ask)
 
 
 @dataclass(frozen=True)
@@ -70,8 +78,7 @@ class PeerState:
     run_id: str
     last_active_seconds: float
     last_compute_flops: float
-    run_first_seen: float  # when the monitor first saw this run
-    run_presence_seconds: float = 0.0  # presence this run claimed and was accepted, cap or not
+    last_published_at: float  # the own timestamp of its latest fresh record (seen at ``last_seen``)
     presence_seconds: float = 0.0  # credited
     compute_flops: float = 0.0  # claimed and accepted by the rules (phases, restarts, the identity cap)
     withheld: bool = False  # a trainer's spot checks caught it returning wrong outputs: its compute earns nothing
@@ -113,38 +120,37 @@ class LeaderboardRow:
 
 
 def _is_new_run(previous: PeerState, observation: Observation) -> bool:
-    return (
-        previous.run_id != observation.run_id
-        or observation.compute_flops < previous.last_compute_flops
-        or observation.active_seconds < previous.last_active_seconds
-    )
+    return previous.run_id != observation.run_id or observation.compute_flops < previous.last_compute_flops
+
+
+def is_fresh(previous: PeerState | None, observation: Observation) -> bool:
+    """A record newer than the last one credited: the peer signed it since (a replay or a stale copy is not)."""
+    return previous is None or observation.published_at > previous.last_published_at
 
 
 @dataclass(frozen=True)
 class Increment:
     presence_seconds: float
     compute_flops: float
-    run_first_seen: float
-    run_presence_seconds: float  # after this increment
 
 
 def increments(previous: PeerState | None, observation: Observation, policy: PointsPolicy) -> Increment:
-    """What ``observation`` earns over ``previous``, before the identity cap."""
-    if previous is None or _is_new_run(previous, observation):
-        base_seconds, base_flops = 0.0, 0.0
-        run_first_seen, run_presence = observation.seen_at, 0.0
-    else:
-        base_seconds, base_flops = previous.last_active_seconds, previous.last_compute_flops
-        run_first_seen, run_presence = previous.run_first_seen, previous.run_presence_seconds
-    # A worker's own clock cannot claim more presence than the monitor has watched the run for (plus grace).
-    budget = max(0.0, observation.seen_at - run_first_seen + policy.presence_grace_s - run_presence)
-    presence = min(max(0.0, observation.active_seconds - base_seconds), budget)
-    if observation.sync_phase not in PRESENCE_PHASES:
-        presence = 0.0
+    """What a fresh ``observation`` earns over ``previous``, before the identity cap."""
+    presence = 0.0
+    # A first sighting proves nothing about the time before it.
+    live_for = observation.seen_at - previous.last_seen if previous is not None else 0.0
+    if (
+        0.0 < live_for <= policy.online_window_s
+        and observation.holds_slot
+        and observation.sync_phase in PRESENCE_PHASES
+        and observation.swarm_phase in PRESENCE_PHASES
+    ):
+        presence = live_for
+    base_flops = 0.0 if previous is None or _is_new_run(previous, observation) else previous.last_compute_flops
     compute = max(0.0, observation.compute_flops - base_flops)
-    if observation.sync_phase not in COMPUTE_PHASES:
-        compute = 0.0  # strict: FLOPs reported while in phase 1 never earn, now or later
-    return Increment(presence, compute, run_first_seen, run_presence + presence)
+    if observation.sync_phase not in COMPUTE_PHASES or observation.swarm_phase not in COMPUTE_PHASES:
+        compute = 0.0  # strict: FLOPs counted while the swarm saw no phase 2 never earn, now or later
+    return Increment(presence, compute)
 
 
 def capped_peers(peers: Iterable[PeerState], now: float, policy: PointsPolicy) -> set[str]:
@@ -165,18 +171,19 @@ def apply_observations(
 ) -> dict[str, PeerState]:
     """Credit one scrape's observations; return the new state of every observed peer.
 
-    ``peers`` is the state before the scrape (not modified). Peers of another identity than
-    the one first recorded for their peer id are skipped: a peer id belongs to one identity.
+    ``peers`` is the state before the scrape (not modified). Peers of another identity than the one first
+    recorded for their peer id are skipped (a peer id belongs to one identity), and so are records that are not
+    fresh: a stale or replayed record neither earns nor keeps its peer online.
     """
     latest: dict[str, Observation] = {}
     for observation in observations:
         known = latest.get(observation.peer_id)
-        if known is None or observation.seen_at >= known.seen_at:
+        if known is None or (observation.seen_at, observation.published_at) >= (known.seen_at, known.published_at):
             latest[observation.peer_id] = observation
     latest = {
         peer_id: obs
         for peer_id, obs in latest.items()
-        if peer_id not in peers or peers[peer_id].identity == obs.identity
+        if peer_id not in peers or (peers[peer_id].identity == obs.identity and is_fresh(peers[peer_id], obs))
     }
 
     # Who is online during this scrape: everyone observed now, plus peers seen recently.
@@ -201,8 +208,7 @@ def apply_observations(
             run_id=obs.run_id,
             last_active_seconds=obs.active_seconds,
             last_compute_flops=obs.compute_flops,
-            run_first_seen=earned.run_first_seen,
-            run_presence_seconds=earned.run_presence_seconds,
+            last_published_at=obs.published_at,
             presence_seconds=base.presence_seconds + presence,
             compute_flops=base.compute_flops + compute,
         )
@@ -220,7 +226,7 @@ def _new_peer(obs: Observation) -> PeerState:
         run_id=obs.run_id,
         last_active_seconds=0.0,
         last_compute_flops=0.0,
-        run_first_seen=obs.seen_at,
+        last_published_at=obs.published_at,
     )
 
 

@@ -27,9 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hivemind import DHT
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
-from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import ValidationError
@@ -38,6 +36,8 @@ from agora_client.auth.tickets import TicketClaims
 from agora_client.discovery.replica_drift import replica_drift
 from agora_client.discovery.signed_records import MetricsRecord, metrics_key
 from agora_client.discovery.validators import record_validators
+from agora_client.engine.identity import encoded_identity
+from agora_client.engine.records import RSASignatureValidator
 from agora_client.monitor.signatures import check_signed, has_owner, owner_subkey
 
 
@@ -62,7 +62,7 @@ def write_identity_file(path: Path | str, key: RSAPrivateKey | None = None) -> s
     key = key or RSAPrivateKey.process_wide()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    identity = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=key.to_bytes()).SerializeToString()
+    identity = encoded_identity(key)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:

@@ -1,8 +1,10 @@
 """One scrape: read the stages' metrics records from the DHT, keep the verified ones, credit them as far as
 ticketed trainers' receipts vouch for them (a claim far over its receipts is logged once); withhold the
 compute points of workers that a ticketed trainer's verdict names; keep the points of the trainers' loss and
-eval-loss curves from their progress records; and the swarm's summary for the public page (monitor/swarm_summary.py),
-with the auth service's queue lengths when the monitor knows its URL."""
+eval-loss curves from their progress records; and the swarm's summary for the public page (monitor/swarm_summary.py).
+A record's phase is checked against its stage's roster and, when the monitor knows the auth service's URL, its peer
+against the service's slot holders (monitor/auth_view.py: it also gives the queue lengths); a scrape that cannot read
+the service counts every peer as holding its slot."""
 
 from __future__ import annotations
 
@@ -13,19 +15,33 @@ from collections.abc import Callable, Sequence
 from hivemind import DHT
 
 from agora_client.discovery.progress_records import fetch_progress
+from agora_client.discovery.roster import WorkerRecord, fetch_roster
+from agora_client.events import SyncPhase
+from agora_client.monitor.auth_view import fetch_auth_view
 from agora_client.monitor.learning import learning_points
 from agora_client.monitor.points import Observation, PeerState
 from agora_client.monitor.receipts import fetch_receipts
 from agora_client.monitor.records import VerifiedRecord, fetch_metrics
 from agora_client.monitor.store import PointsStore
-from agora_client.monitor.swarm_summary import TokenTally, fetch_queued, summarize
+from agora_client.monitor.swarm_summary import TokenTally, summarize
 from agora_client.monitor.verdicts import fetch_verdicts
 
 log = logging.getLogger(__name__)
 
 
-def observation_of(verified: VerifiedRecord, seen_at: float) -> Observation:
+ROSTER_PHASES: dict[int, SyncPhase] = {0: "active", 1: "sync1", 2: "sync2"}
+
+
+def observation_of(
+    verified: VerifiedRecord,
+    seen_at: float,
+    roster: dict[str, WorkerRecord],
+    holders: frozenset[str] | None = None,
+) -> Observation:
+    """What the swarm saw of the record's peer: its phase in its stage's ``roster`` by peer id (what trainers route on),
+    and whether it is among the stage's slot ``holders`` at the auth service (None: the monitor does not know them)."""
     record = verified.record
+    announced = roster.get(record.peer_id)
     return Observation(
         peer_id=record.peer_id,
         identity=verified.claims.identity,
@@ -35,6 +51,9 @@ def observation_of(verified: VerifiedRecord, seen_at: float) -> Observation:
         active_seconds=record.active_seconds,
         compute_flops=record.compute_flops,
         seen_at=seen_at,
+        published_at=record.ts,
+        swarm_phase=ROSTER_PHASES[announced.sync_phase] if announced is not None else None,
+        holds_slot=holders is None or record.peer_id in holders,
     )
 
 
@@ -76,12 +95,23 @@ class Scraper:
                 log.warning("withholding the compute points of peer %s (%s)", verdict.peer_id, reason)
         self.store.record_receipts(fetch_receipts(self.dht, self.auth_public_key, now=now, on_reject=self._reject))
         verified = fetch_metrics(self.dht, self.stages, self.auth_public_key, now=now, on_reject=self._reject)
-        observations = [observation_of(item, now) for item in verified]
+        rosters = {stage: fetch_roster(self.dht, stage) for stage in self.stages}
+        auth = fetch_auth_view(self.auth_url) if self.auth_url else None
+        holders = auth.holders if auth is not None else None
+        observations = [
+            observation_of(
+                item,
+                now,
+                rosters.get(item.record.stage, {}),
+                None if holders is None else holders.get(item.record.stage, frozenset()),
+            )
+            for item in verified
+        ]
         records = {item.record.peer_id: item.record.model_dump_json(exclude={"ticket"}) for item in verified}
         updated = self.store.record_scrape(observations, records, now)
         progress = fetch_progress(self.dht)
         self.store.record_learning(learning_points(progress))
-        queued = fetch_queued(self.auth_url) if self.auth_url else None
+        queued = auth.queued if auth is not None else None
         self.store.set_summary(
             summarize(self.stages, [item.record for item in verified], progress, queued, self._tokens, now)
         )

@@ -11,18 +11,17 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from hivemind.dht.crypto import RSASignatureValidator
-
 from agora_client.auth.key_proof import peer_id_of_public_key
 from agora_client.auth.tickets import InvalidTicket, TicketClaims, verify_ticket
+from agora_client.engine.records import OWNER_KEY_PATTERN, RSASignatureValidator, owner_marker
 
-_OWNER_RE = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
+_OWNER_RE = re.compile(OWNER_KEY_PATTERN)
 _CLAIM_LABELS = {"peer_id": "peer", "stage": "stage", "identity": "identity"}
 
 
 def owner_subkey(name: str, validator: RSASignatureValidator) -> bytes:
     """``name + [owner:<the validator's public key>]``: a subkey only that key's holder can write."""
-    return name.encode() + validator.local_public_key
+    return name.encode() + owner_marker(validator)
 
 
 def has_owner(subkey: object) -> bool:

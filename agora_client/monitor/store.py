@@ -29,6 +29,8 @@ from agora_client.monitor.points import (
 )
 from agora_client.monitor.swarm_summary import SwarmSummary
 
+DEFAULT_POLICY = PointsPolicy()
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS identities (
     identity TEXT PRIMARY KEY,
@@ -45,8 +47,7 @@ CREATE TABLE IF NOT EXISTS peers (
 CREATE TABLE IF NOT EXISTS observations (
     peer_id TEXT PRIMARY KEY REFERENCES peers(peer_id),
     run_id TEXT NOT NULL,
-    run_first_seen REAL NOT NULL,
-    run_presence_seconds REAL NOT NULL,
+    published_at REAL NOT NULL,
     active_seconds REAL NOT NULL,
     compute_flops REAL NOT NULL,
     record_json TEXT NOT NULL
@@ -88,7 +89,7 @@ CREATE TABLE IF NOT EXISTS history (
 _LOAD = """
 SELECT p.peer_id, p.identity, p.stage, p.first_seen, p.last_seen, p.sync_phase,
        o.run_id, o.active_seconds, o.compute_flops, t.presence_seconds, t.compute_flops,
-       o.run_first_seen, o.run_presence_seconds, w.peer_id IS NOT NULL, COALESCE(r.flops, 0)
+       o.published_at, w.peer_id IS NOT NULL, COALESCE(r.flops, 0)
 FROM peers p JOIN observations o USING (peer_id) JOIN totals t USING (peer_id) LEFT JOIN withheld w USING (peer_id)
 LEFT JOIN (SELECT peer_id, SUM(flops) AS flops FROM receipts GROUP BY peer_id) r USING (peer_id)
 """
@@ -97,7 +98,7 @@ LEFT JOIN (SELECT peer_id, SUM(flops) AS flops FROM receipts GROUP BY peer_id) r
 class PointsStore:
     """The monitor's ledger on disk. Thread-safe: the scraper writes while HTTP handlers read."""
 
-    def __init__(self, path: Path | str, policy: PointsPolicy = PointsPolicy()) -> None:
+    def __init__(self, path: Path | str, policy: PointsPolicy = DEFAULT_POLICY) -> None:
         self.path = Path(path)
         self.policy = policy
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -106,6 +107,7 @@ class PointsStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA foreign_keys=ON")
+        _migrate(self._db)
         self._db.executescript(_SCHEMA)
         self._summary: SwarmSummary | None = None
 
@@ -123,7 +125,9 @@ class PointsStore:
     def record_scrape(
         self, observations: Iterable[Observation], records_json: dict[str, str], now: float
     ) -> dict[str, PeerState]:
-        """Credit one scrape and persist it atomically; ``records_json`` maps peer id -> the raw record kept as last observation."""
+        """Credit one scrape and persist it atomically.
+
+        ``records_json`` maps peer id -> the raw record kept as last observation."""
         with self._lock:
             before = self._load()
             updated = apply_observations(before, observations, now, self.policy)
@@ -228,10 +232,9 @@ class PointsStore:
                 last_compute_flops=row[8],
                 presence_seconds=row[9],
                 compute_flops=row[10],
-                run_first_seen=row[11],
-                run_presence_seconds=row[12],
-                withheld=bool(row[13]),
-                receipted_flops=row[14],
+                last_published_at=row[11],
+                withheld=bool(row[12]),
+                receipted_flops=row[13],
             )
         return peers
 
@@ -260,13 +263,12 @@ class PointsStore:
             (peer.peer_id, peer.identity, peer.stage, peer.first_seen, peer.last_seen, peer.sync_phase),
         )
         db.execute(
-            "INSERT OR REPLACE INTO observations (peer_id, run_id, run_first_seen, run_presence_seconds, "
-            "active_seconds, compute_flops, record_json) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            "INSERT OR REPLACE INTO observations (peer_id, run_id, published_at, "
+            "active_seconds, compute_flops, record_json) VALUES (?, ?, ?, ?, ?, ?)",
             (
                 peer.peer_id,
                 peer.run_id,
-                peer.run_first_seen,
-                peer.run_presence_seconds,
+                peer.last_published_at,
                 peer.last_active_seconds,
                 peer.last_compute_flops,
                 record_json,
@@ -276,3 +278,13 @@ class PointsStore:
             "INSERT OR REPLACE INTO totals (peer_id, presence_seconds, compute_flops) VALUES (?, ?, ?)",
             (peer.peer_id, peer.presence_seconds, peer.compute_flops),
         )
+
+
+def _migrate(db: sqlite3.Connection) -> None:
+    """A ledger from before presence was observed: its per-run presence budget gives way to the record's timestamp
+    (0: the next record is fresh)."""
+    columns = {row[1] for row in db.execute("PRAGMA table_info(observations)")}
+    if "run_first_seen" in columns:
+        db.execute("ALTER TABLE observations DROP COLUMN run_first_seen")
+        db.execute("ALTER TABLE observations DROP COLUMN run_presence_seconds")
+        db.execute("ALTER TABLE observations ADD COLUMN published_at REAL NOT NULL DEFAULT 0")

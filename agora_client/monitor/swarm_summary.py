@@ -7,19 +7,14 @@ knows the auth service, its per-stage queue lengths. Nothing here is credited: i
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-
-import httpx
 
 from agora_client.discovery.progress_records import CheckStanding, TrainerProgress
 from agora_client.discovery.signed_records import MetricsRecord
 
-log = logging.getLogger(__name__)
-
-QUEUE_TIMEOUT_S = 5.0
-# A kind of request is judged if any trainer can judge it; unverifiable beats calibrating: it will not change by waiting.
+# A kind of request is judged if any trainer can judge it; unverifiable beats calibrating: it will not change by
+# waiting.
 _STANDING_ORDER = ("verifiable", "unverifiable", "calibrating")
 
 
@@ -120,15 +115,3 @@ def summarize(
             for stage in stages
         ),
     )
-
-
-def fetch_queued(auth_url: str) -> dict[str, int] | None:
-    """Joiners waiting per stage, from the auth service's ``/v1/status``; None (logged at debug level) if it cannot say."""
-    url = f"{auth_url.rstrip('/')}/v1/status"
-    try:
-        response = httpx.get(url, timeout=QUEUE_TIMEOUT_S)
-        response.raise_for_status()
-        return {stage: int(figures["queued"]) for stage, figures in response.json()["stages"].items()}
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
-        log.debug("no queue lengths from %s: %s", url, error)
-        return None

@@ -19,19 +19,19 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hivemind import DHT
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from pydantic import ValidationError
 
 from agora_client.auth.key_proof import peer_id_of_public_key
 from agora_client.auth.tickets import TRAINER as TRAINER_ROLE
 from agora_client.discovery.signed_records import VERDICTS_KEY, Verdict
+from agora_client.engine.records import RSASignatureValidator, owner_marker
 from agora_client.monitor.signatures import check_signed, owner_subkey
 
 
 def trainer_peer_id(validator: RSASignatureValidator) -> str:
     """The peer id of the key this validator signs with (the ``[owner:...]`` wrapper removed)."""
-    return peer_id_of_public_key(validator.local_public_key.removeprefix(b"[owner:").removesuffix(b"]"))
+    return peer_id_of_public_key(owner_marker(validator).removeprefix(b"[owner:").removesuffix(b"]"))
 
 
 def publish_verdict(dht: DHT, verdict: Verdict, validator: RSASignatureValidator, ttl: float) -> bool:

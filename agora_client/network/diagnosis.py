@@ -43,9 +43,10 @@ def diagnose(facts: NetworkFacts) -> NetworkReport:
     if double:
         findings.append(
             Finding(
-                what=f"Double NAT: your router's internet side ({facts.router_external}) is itself inside another router's network "
-                "(often the provider's box)",
-                action=f"Put the provider's box in bridge mode, or forward TCP port {facts.port} on it to {facts.router_external}.",
+                what=f"Double NAT: your router's internet side ({facts.router_external}) is itself inside another "
+                "router's network (often the provider's box)",
+                action=f"Put the provider's box in bridge mode, or forward TCP port {facts.port} on it to "
+                f"{facts.router_external}.",
             )
         )
     if nat and not (cgnat or double):  # beyond a second NAT, what the home router does cannot help
@@ -83,7 +84,8 @@ def _cgnat_finding(facts: NetworkFacts) -> Finding:
         else "Ask the swarm's operator to run a relay (agora relay) for such workers."
     )
     return Finding(
-        what=f"Carrier-grade NAT: your provider shares one internet address among many customers (your router has {shown}"
+        what="Carrier-grade NAT: your provider shares one internet address among many customers (your router has "
+        f"{shown}"
         + (f", the swarm sees {facts.seen_address})" if facts.seen_address and facts.seen_address != shown else ")")
         + ": no forward on your own router can make this machine reachable",
         action=f"{relay} To serve directly, ask your provider for a public IPv4 address (often called a 'public IP' "
@@ -106,7 +108,8 @@ def _mapping_findings(facts: NetworkFacts) -> list[Finding]:
         return [
             Finding(
                 what="No router on this network offered automatic port mapping (UPnP or NAT-PMP)",
-                action=f"Turn on UPnP or NAT-PMP in your router's settings (often under 'NAT' or 'Advanced'), or {forward}.",
+                action="Turn on UPnP or NAT-PMP in your router's settings (often under 'NAT' or 'Advanced'), or "
+                f"{forward}.",
             )
         ]
     return [

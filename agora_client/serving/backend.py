@@ -15,12 +15,15 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from hivemind.moe.server.module_backend import ModuleBackend
 
 from agora_client.model.layers import autocast_context
+
+if TYPE_CHECKING:
+    from agora_client.serving.device_copy import DeviceCopy
 
 
 class WorkerUnhealthy(RuntimeError):
@@ -36,13 +39,18 @@ class WorkerYielding(RuntimeError):
     """This worker gave the GPU back to its owner for now; callers should go elsewhere."""
 
     # "not ready" is what trainers read as: send it elsewhere (trainer/errors.py)
-    MESSAGE = "this worker is not ready: it yields its GPU to the owner for now; send the request to another worker of the stage"
+    MESSAGE = (
+        "this worker is not ready: it yields its GPU to the owner for now; send the request to another worker of "
+        "the stage"
+    )
 
 
 class StageBackend(ModuleBackend):
     """A stage served to trainers: requests run under ``lock`` (held by the training loop while it changes the
     parameters), and every backward reports its sample count to ``on_samples`` (the stage's epoch counter).
-    ``longest_lock_wait_s`` is the longest any request waited for the lock."""
+    ``longest_lock_wait_s`` is the longest any request waited for the lock. With ``device_copy`` (the offload
+    layout) ``module`` is its bf16 copy: refreshed from the masters before each request, its gradients summed
+    into the masters' after each backward."""
 
     def __init__(
         self,
@@ -56,11 +64,14 @@ class StageBackend(ModuleBackend):
         on_forward: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], None],
         on_backward: Callable[[torch.Tensor], None],
         on_unhealthy: Callable[[str], None],
+        device_copy: DeviceCopy | None = None,
         **kwargs,
     ):
+        if device_copy is not None and module is not device_copy.module:
+            raise ValueError("with a device copy, the backend serves the copy's module")
         super().__init__(name, module, **kwargs)
-        self.lock, self._on_samples = lock, on_samples
-        self._autocast = autocast_context(device, mixed_precision)
+        self.lock, self._on_samples, self._device_copy = lock, on_samples, device_copy
+        self._autocast = autocast_context(device, mixed_precision) if device_copy is None else device_copy.autocast
         self._on_forward, self._on_backward, self._on_unhealthy = on_forward, on_backward, on_unhealthy
         self.longest_lock_wait_s = 0.0
 
@@ -69,6 +80,8 @@ class StageBackend(ModuleBackend):
         asked = time.monotonic()
         with self.lock:
             self.longest_lock_wait_s = max(self.longest_lock_wait_s, time.monotonic() - asked)
+            if self._device_copy is not None:
+                self._device_copy.refresh()
             yield
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -80,7 +93,7 @@ class StageBackend(ModuleBackend):
         return outputs
 
     def backward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        with self._locked(), self._autocast():
+        with self._locked(), self._autocast(), self._discarding_on_failure():
             grads = super().backward(*inputs)  # re-runs forward, autograd, then calls on_backward
         grads = tuple(grad.float() if grad.is_floating_point() else grad for grad in grads)
         self._require_finite(grads, "input gradients")
@@ -92,8 +105,19 @@ class StageBackend(ModuleBackend):
             self._on_unhealthy(f"its {what} turned non-finite on finite inputs")
             raise WorkerUnhealthy(WorkerUnhealthy.MESSAGE)
 
+    @contextlib.contextmanager
+    def _discarding_on_failure(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            if self._device_copy is not None:
+                self._device_copy.discard_gradients()
+            raise
+
     def on_backward(self, batch_size: int) -> None:
         # Replaces hivemind's per-request optimizer step: gradients accumulate until the stage epoch.
+        if self._device_copy is not None:
+            self._device_copy.collect_gradients()
         self._on_samples(batch_size)
 
 

@@ -130,7 +130,9 @@ class GuardedConnectionHandler(CheckedConnectionHandler):
     async def _checked_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext, kind: str
     ) -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        """The parts of a streamed request, each checked before hivemind deserializes it (the ticket is on the first)."""
+        """The parts of a streamed request, each checked before hivemind deserializes it.
+
+        The ticket is on the first."""
         check: DescriptorCheck | None = None
         async for request in requests:
             if check is None:

@@ -73,7 +73,8 @@ class DescriptorCheck:
     def _end_tensor(self) -> None:
         if self._index >= 0 and self._exact and self._budget != _BYTES_SLACK:
             raise BadRequest(
-                f"tensor {self._index} is {_BYTES_SLACK - self._budget} bytes short of its declared shape {tuple(self._declared)}"
+                f"tensor {self._index} is {_BYTES_SLACK - self._budget} bytes short of its declared shape "
+                f"{tuple(self._declared)}"
             )
 
     def _start_tensor(self, part: runtime_pb2.Tensor) -> None:
@@ -90,7 +91,8 @@ class DescriptorCheck:
         batch = declared[0]
         if not 1 <= batch <= self.max_batch_size:
             raise BadRequest(
-                f"batch size {batch} is outside 1..{self.max_batch_size}, the stage's largest microbatch; split the request",
+                f"batch size {batch} is outside 1..{self.max_batch_size}, the stage's largest microbatch; "
+                "split the request",
                 reason="oversized" if batch > self.max_batch_size else "malformed",
             )
         if self._batch is not None and batch != self._batch:
@@ -107,7 +109,7 @@ class DescriptorCheck:
         """Payload bytes of the largest request the schema allows (every tensor at the largest batch)."""
         return sum(
             self.max_batch_size * math.prod(descriptor.shape[1:]) * len(wire.buffer) + _BYTES_SLACK
-            for descriptor, wire in zip(self.schema, self._wire)
+            for descriptor, wire in zip(self.schema, self._wire, strict=True)
         )
 
     def finish(self) -> None:
@@ -142,10 +144,11 @@ def validate_inputs(
     batch = batch_sizes.pop()
     if not 1 <= batch <= max_batch_size:
         raise BadRequest(f"batch size {batch} is outside 1..{max_batch_size}")
-    for position, (tensor, descriptor) in enumerate(zip(tensors, schema)):
+    for position, (tensor, descriptor) in enumerate(zip(tensors, schema, strict=True)):
         if tuple(tensor.shape[1:]) != tuple(descriptor.shape[1:]):
             raise BadRequest(
-                f"tensor {position} has shape {tuple(tensor.shape)}, expected (batch, {', '.join(map(str, descriptor.shape[1:]))})"
+                f"tensor {position} has shape {tuple(tensor.shape)}, expected (batch, "
+                f"{', '.join(map(str, descriptor.shape[1:]))})"
             )
         if tensor.dtype != descriptor.dtype:
             raise BadRequest(f"tensor {position} has dtype {tensor.dtype}, expected {descriptor.dtype}")
@@ -178,8 +181,8 @@ class MagnitudeGuard:
             peak = float(values.abs().max())
             if peak > ABSOLUTE_LIMIT:
                 raise BadRequest(
-                    f"{self.kind} tensor {position} holds values up to {peak:.3g}, over the limit {ABSOLUTE_LIMIT:.0e} for any "
-                    "activation or gradient",
+                    f"{self.kind} tensor {position} holds values up to {peak:.3g}, over the limit "
+                    f"{ABSOLUTE_LIMIT:.0e} for any activation or gradient",
                     reason="too_large",
                 )
             for statistic, value in (("rms", float(values.pow(2).mean().sqrt())), ("peak", peak)):
@@ -190,8 +193,8 @@ class MagnitudeGuard:
                 typical = self._levels.get(key)
                 if typical is not None and level - typical > OUTLIER_ORDERS:
                     raise BadRequest(
-                        f"{self.kind} tensor {key[0]} has {key[1]} magnitude {10**level:.3g}, over {10**OUTLIER_ORDERS:.0f}x "
-                        f"this stage's running typical {10**typical:.3g}",
+                        f"{self.kind} tensor {key[0]} has {key[1]} magnitude {10**level:.3g}, over "
+                        f"{10**OUTLIER_ORDERS:.0f}x this stage's running typical {10**typical:.3g}",
                         reason="outlier",
                     )
         self.count += 1

@@ -1,5 +1,5 @@
 """Stage snapshots: the on-disk format, where they are stored (local directory or S3), a Range-capable
-HTTP file server, and the resumable download."""
+HTTP file server (sendfile on aiohttp), and the resumable download."""
 
 from .download import DownloadError, download_snapshot, remove_other_downloads
 from .format import (
@@ -10,14 +10,13 @@ from .format import (
     read_manifest,
 )
 from .location import open_store
-from .server import RangeRequestHandler, SnapshotServer, serve_directory
+from .server import SnapshotServer, serve_directory
 from .store import KeepPolicy, LocalStore, SnapshotStore, StoredSnapshot, keep_newest, save_stage_snapshot
 
 __all__ = [
     "DownloadError",
     "KeepPolicy",
     "LocalStore",
-    "RangeRequestHandler",
     "SnapshotError",
     "SnapshotInfo",
     "SnapshotServer",

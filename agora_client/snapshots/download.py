@@ -213,8 +213,9 @@ class _FileFetch:
                     failures = 0 if reached > offset else failures + 1
                     if failures > max_retries:
                         raise DownloadError(
-                            f"downloading {self.name} from {_shown(self.url)} failed {failures} times in a row ({error}); "
-                            "check your connection and start again: the bytes already received are kept"
+                            f"downloading {self.name} from {_shown(self.url)} failed {failures} times in a "
+                            f"row ({error}); check your connection and start again: the bytes already received "
+                            "are kept"
                         ) from None
                     self.progress.emit("retry", f"{self.name}: {error}; resuming at byte {reached}")
                     time.sleep(backoff_s * 2 ** max(0, failures - 1))
@@ -226,18 +227,22 @@ class _FileFetch:
                 self.progress.file_done(self.name, self.size, f"{self.name} verified (sha256 {digest[:12]})")
                 return
             corrupt += 1
-            self.part.unlink()
-            self._hasher = _Hasher()
-            if corrupt > max_corrupt_retries:
-                raise DownloadError(
-                    f"{self.name} from {_shown(self.url)} failed its sha256 check {corrupt} times: the snapshot store "
-                    "serves a damaged file; tell the swarm operator"
-                )
-            self.progress.current = 0
-            self.progress.emit(
-                "retry",
-                f"sha256 mismatch for {self.name} (expected {self.sha256[:12]}, got {digest[:12]}): downloading it again",
+            self._discard_corrupt_part(digest, corrupt, max_corrupt_retries)
+
+    def _discard_corrupt_part(self, digest: str, corrupt: int, max_corrupt_retries: int) -> None:
+        """Drop a .part that failed its sha256 check, to download it again; DownloadError once it happened too often."""
+        self.part.unlink()
+        self._hasher = _Hasher()
+        if corrupt > max_corrupt_retries:
+            raise DownloadError(
+                f"{self.name} from {_shown(self.url)} failed its sha256 check {corrupt} times: the snapshot store "
+                "serves a damaged file; tell the swarm operator"
             )
+        self.progress.current = 0
+        self.progress.emit(
+            "retry",
+            f"sha256 mismatch for {self.name} (expected {self.sha256[:12]}, got {digest[:12]}): downloading it again",
+        )
 
     def _hash_part_up_to(self, offset: int) -> None:
         """Make _hasher cover the first ``offset`` bytes of .part: kept across retries, rebuilt after a restart."""
@@ -316,7 +321,8 @@ def _get_json(http: httpx.Client, url: str, max_retries: int, backoff_s: float) 
             failures += 1
             if failures > max_retries:
                 raise DownloadError(
-                    f"could not reach {_shown(url)} ({type(error).__name__}); check the snapshot URL and your connection"
+                    f"could not reach {_shown(url)} ({type(error).__name__}); check the snapshot URL and "
+                    "your connection"
                 ) from None
             time.sleep(backoff_s * 2 ** (failures - 1))
     if response.status_code != 200:

@@ -186,7 +186,8 @@ def verify_files(directory: Path, manifest: dict[str, Any]) -> None:
             raise SnapshotError(f"{path} is missing; download the snapshot again")
         if path.stat().st_size != expected["size"] or file_sha256(path) != expected["sha256"]:
             raise SnapshotError(
-                f"{path} does not match its sha256 in the manifest (corrupted or truncated); download the snapshot again"
+                f"{path} does not match its sha256 in the manifest (corrupted or truncated); download the "
+                "snapshot again"
             )
 
 
@@ -225,25 +226,45 @@ def latest_snapshot(stage_dir: Path) -> Path | None:
 def _manifest_problem(manifest: Any) -> str | None:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         return f"its format is not {FORMAT}"
+    return _header_problem(manifest) or _files_problem(manifest.get("files")) or _optimizer_problem(manifest)
+
+
+def _header_problem(manifest: dict) -> str | None:
+    """What is wrong with the manifest's version, stage, epoch or timestamp, if anything."""
     if manifest.get("version") != FORMAT_VERSION:
         return f"its version is {manifest.get('version')!r}, this client reads version {FORMAT_VERSION}"
     if not isinstance(manifest.get("stage"), str) or not isinstance(manifest.get("epoch"), int):
         return "stage or epoch missing"
     if not isinstance(manifest.get("timestamp"), (int, float)):
         return "timestamp missing"
-    files = manifest.get("files")
+    return None
+
+
+def _files_problem(files: Any) -> str | None:
+    """What is wrong with the manifest's file list (the parameters file listed, each entry well formed), if anything."""
     if not isinstance(files, dict) or PARAMS_FILE not in files:
         return f"no entry for {PARAMS_FILE}"
     for name, entry in files.items():
-        # File names come from the network: only plain names, never paths.
-        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name.startswith("."):
-            return f"file name {name!r} is not a plain file name"
-        if not isinstance(entry, dict) or not re.fullmatch(r"[0-9a-f]{64}", str(entry.get("sha256"))):
-            return f"{name} has no sha256"
-        if not isinstance(entry.get("size"), int) or entry["size"] < 0:
-            return f"{name} has no size"
-        if "url" in entry and not (isinstance(entry["url"], str) and entry["url"].startswith(("http://", "https://"))):
-            return f"{name} has a url that is not http(s)"
+        problem = _file_entry_problem(name, entry)
+        if problem:
+            return problem
+    return None
+
+
+def _file_entry_problem(name: Any, entry: Any) -> str | None:
+    # File names come from the network: only plain names, never paths.
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name.startswith("."):
+        return f"file name {name!r} is not a plain file name"
+    if not isinstance(entry, dict) or not re.fullmatch(r"[0-9a-f]{64}", str(entry.get("sha256"))):
+        return f"{name} has no sha256"
+    if not isinstance(entry.get("size"), int) or entry["size"] < 0:
+        return f"{name} has no size"
+    if "url" in entry and not (isinstance(entry["url"], str) and entry["url"].startswith(("http://", "https://"))):
+        return f"{name} has a url that is not http(s)"
+    return None
+
+
+def _optimizer_problem(manifest: dict) -> str | None:
     optimizer = manifest.get("optimizer")
     if optimizer is not None and not (
         isinstance(optimizer, dict)
@@ -257,7 +278,9 @@ def _manifest_problem(manifest: Any) -> str | None:
 
 
 def _cpu_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Detached CPU tensors; a tensor sharing storage with an earlier one is copied (safetensors refuses shared storage)."""
+    """Detached CPU tensors.
+
+    A tensor sharing storage with an earlier one is copied (safetensors refuses shared storage)."""
     seen: set[int] = set()
     tensors = {}
     for key, value in state.items():
@@ -344,11 +367,12 @@ class _OptimizerLoad:
             self.state.setdefault(index, {})[name] = value
         if len(meta["param_groups"]) != len(optimizer.param_groups):
             raise SnapshotError(
-                f"{where} has {len(meta['param_groups'])} parameter groups, this optimizer {len(optimizer.param_groups)}"
+                f"{where} has {len(meta['param_groups'])} parameter groups, this optimizer "
+                f"{len(optimizer.param_groups)}"
             )
         self.groups = [
             {name: tuple(value) if isinstance(current.get(name), tuple) else value for name, value in saved.items()}
-            for saved, current in zip(meta["param_groups"], optimizer.param_groups)
+            for saved, current in zip(meta["param_groups"], optimizer.param_groups, strict=True)
         ]
 
     def _place(self, key: str, shape: tuple[int, ...], names: list[str | None]) -> tuple[int, str]:

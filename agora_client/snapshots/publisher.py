@@ -29,8 +29,8 @@ class SnapshotPublisher:
         )
         if not started and not self._skipping:
             self.events.log(
-                f"skipped the {self.stage} snapshot of epoch {epoch}: the previous snapshot or checkpoint is still being "
-                "written (said once until a snapshot starts again)",
+                f"skipped the {self.stage} snapshot of epoch {epoch}: the previous snapshot or checkpoint is "
+                "still being written (said once until a snapshot starts again)",
                 tag="SNAPSHOT",
                 level="warning",
             )
@@ -43,7 +43,8 @@ class SnapshotPublisher:
         self.store.prune(self.stage, self.keep)
         self.events.log(
             f"published the {self.stage} snapshot {written.name} to {self.store.location}: copied in "
-            f"{self.writer.last_lock_hold_s:.3f} s (steps wait for the copy, requests do not), written in {time.monotonic() - started:.1f} s",
+            f"{self.writer.last_lock_hold_s:.3f} s (steps wait for the copy, requests do not), written in "
+            f"{time.monotonic() - started:.1f} s",
             tag="SNAPSHOT",
         )
 
@@ -53,7 +54,8 @@ class SnapshotPublisher:
         self.events.emit(
             ErrorEvent(
                 message=message,
-                hint="joiners get the previous snapshot meanwhile; free disk space or check the store, the next one is retried",
+                hint="joiners get the previous snapshot meanwhile; free disk space or check the store, the next "
+                "one is retried",
                 where="snapshot publication",
             )
         )

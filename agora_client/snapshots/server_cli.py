@@ -1,7 +1,8 @@
 """`agora snapshot-server`: serve a snapshot store directory over HTTP(S) until stopped, for operators without S3.
 
-GET and HEAD with one byte range (206 / 416), ETag and Last-Modified (``server.py``), so that joiners resume an
-interrupted download. Give its URL to the auth service as ``--snapshot-url``.
+GET and HEAD with one byte range (206 / 416), ETag and Last-Modified, If-Range and If-None-Match, files sent with
+sendfile on aiohttp (``server.py``), so that joiners resume an interrupted download and never resume a changed file.
+Give its URL to the auth service as ``--snapshot-url``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Both hold the same layout (see ``format.py``): ``<stage>/<epoch>-<UTC time>/{params,optimizer}.safetensors``,
 its ``manifest.json`` written last, and ``<stage>/latest.json``. A snapshot counts as present once its
 manifest is, so a reader never sees half of one. Beside the stages, ``trainers/`` holds small JSON records
-(``put_record``: the trainers' data positions and eval losses, see checkpoints/trainer_records.py). ``location.open_store`` picks the backend from the location.
+(``put_record``: the trainers' data positions and eval losses, see checkpoints/trainer_records.py).
+``location.open_store`` picks the backend from the location.
 """
 
 from __future__ import annotations
@@ -122,7 +123,9 @@ class SnapshotStore(ABC):
 
     @abstractmethod
     def put_record(self, key: str, data: dict[str, Any]) -> None:
-        """Write one small JSON record at ``key`` (``folder/name.json``) in one step: readers see all of it or nothing."""
+        """Write one small JSON record at ``key`` (``folder/name.json``) in one step.
+
+        Readers see all of it or nothing."""
 
     @abstractmethod
     def get_record(self, key: str) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from agora_client.swarm.roles import (
     worker_args,
 )
 from agora_client.swarm.roles import auth_args as auth_role_args
+from agora_client.system.lifetime import on_signals
 
 RELAY_PORTS = (47000, 47099)  # the ports the local swarm's relay holds for workers
 START_TIMEOUT = 180.0
@@ -404,8 +405,7 @@ def _relay_trainer_line(name: str, line: str) -> None:
 def _event_set_on_stop_signals() -> threading.Event:
     """An event that SIGINT and SIGTERM set."""
     stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+    on_signals((signal.SIGINT, signal.SIGTERM), stop.set)
     return stop
 
 
@@ -415,7 +415,8 @@ def _start_and_watch(swarm: LocalSwarm, stop: threading.Event) -> int:
         checkpoints = swarm.prepare_resume()
         for stage, snapshot in checkpoints.members.items():
             print(
-                f"[SWARM] {stage} resumes from {snapshot.name} (epoch {snapshot.epoch}, {format_time(snapshot.timestamp)})",
+                f"[SWARM] {stage} resumes from {snapshot.name} (epoch {snapshot.epoch}, "
+                f"{format_time(snapshot.timestamp)})",
                 flush=True,
             )
         for shard, record in sorted(checkpoints.trainers.items()):

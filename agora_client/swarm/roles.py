@@ -134,10 +134,11 @@ def worker_args(
     snapshot: Path | None = None,
     device: str | None = None,
 ) -> list[str]:
-    """An operator's worker: it signs its own ticket with the auth service's key (``ticket_key``; None: no tickets)."""
+    """An operator's worker: it signs its own ticket with the auth service's key (``ticket_key``; None: an open worker,
+    which serves callers without tickets)."""
     args = ["worker", "--stage", stage, "--index", str(index), "--preset", preset, "--host", host, "--seeds", *seeds]
     args += [
-        *_optional("--ticket-key", ticket_key),
+        *(_optional("--ticket-key", ticket_key) if ticket_key is not None else ["--open"]),
         "--events",
         str(events),
         *_optional("--recover-from", recover_from),

@@ -1,4 +1,6 @@
-"""When a contributor gives its GPU back to the owner: ``--yield never|games|always``, ``--active-hours``, ``--yield-grace``.
+"""When a contributor gives its GPU back to the owner.
+
+Flags: ``--yield never|games|always``, ``--active-hours``, ``--yield-grace``.
 
 - ``games`` (the default, for home machines): yield while another program draws on the card, a game or any 3D
   program (NVML's graphics process list); a compute job beside the worker is left to share the card.

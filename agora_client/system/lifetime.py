@@ -8,11 +8,14 @@ forked after ``die_with_parent()`` gets SIGKILL when the thread that forked it e
 
 from __future__ import annotations
 
+import collections
 import ctypes
+import logging
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable, Iterable
 from typing import NoReturn
 
 _PR_SET_PDEATHSIG = 1
@@ -60,6 +63,62 @@ def _reset_signals_in_child() -> None:
     _unblock_stop_signals()
 
 
+class _SignalRelay:
+    """Runs what signal handlers ask for on a thread of its own, so that no handler takes a lock.
+
+    A Python signal handler runs in the main thread between two bytecodes, maybe while that thread holds a lock
+    (inside ``Event.wait`` or ``Event.clear``, a logging handler, ``Queue.put``): a handler that takes the same lock
+    waits for its own thread forever. A handler here only appends to a deque and writes a byte to a pipe, neither
+    of which takes a lock; this thread, woken by the byte, runs the action.
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._actions: collections.deque[Callable[[], None]] = collections.deque()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_write, False)  # a handler must never block
+        threading.Thread(target=self._run, name="signal-relay", daemon=True).start()
+
+    def call(self, action: Callable[[], None]) -> None:
+        """From a signal handler: run ``action`` on the relay thread."""
+        self._actions.append(action)
+        try:
+            os.write(self._wake_write, b"\0")
+        except BlockingIOError:  # the pipe is full of wake-ups the thread has not read yet: it will come
+            pass
+
+    def _run(self) -> None:
+        while True:
+            os.read(self._wake_read, 512)
+            while self._actions:
+                action = self._actions.popleft()
+                try:
+                    action()
+                except Exception:  # one failed action must not end the thread every later signal needs
+                    logging.getLogger(__name__).exception("a signal's action failed")
+
+
+_relay: _SignalRelay | None = None
+
+
+def _signal_relay() -> _SignalRelay:
+    """This process's relay, started before any handler needs it (a forked child has none of its parent's threads)."""
+    global _relay
+    if _relay is None or _relay.pid != os.getpid():
+        _relay = _SignalRelay()
+    return _relay
+
+
+def on_signals(signums: Iterable[int], action: Callable[[], None]) -> None:
+    """Run ``action`` (such as an event's ``set``) each time one of ``signums`` arrives, outside the signal handler.
+
+    Every handler that does more than record a value goes through here: see _SignalRelay for why.
+    """
+    relay = _signal_relay()
+    for signum in signums:
+        signal.signal(signum, lambda signum, frame: relay.call(action))
+
+
 def stop_on_signals() -> threading.Event:
     """An event the first SIGINT or SIGTERM sets, for a graceful stop; a second one ends the process at once.
 
@@ -67,11 +126,15 @@ def stop_on_signals() -> threading.Event:
     """
     global _children_reset_registered
     stop = threading.Event()
+    relay = _signal_relay()
+    asked = False
 
     def handle(signum: int, frame: object) -> None:
-        if stop.is_set():  # asked twice: stop now (forked helpers die with us, see die_with_parent)
+        nonlocal asked
+        if asked or stop.is_set():  # asked twice: stop now (forked helpers die with us, see die_with_parent)
             os._exit(128 + signum)
-        stop.set()
+        asked = True
+        relay.call(stop.set)
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, handle)
@@ -90,8 +153,6 @@ def exit_process(code: int) -> NoReturn:
     their event loop is gone, and their ``__del__`` prints errors about it; there is nothing left for
     that teardown to do.
     """
-    import logging
-
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -40,9 +40,9 @@ def _level(record: logging.LogRecord) -> Level:
 
 def logs_to_events(events: EventWriter, engine_level: int = logging.WARNING) -> None:
     """Send every log record of this process (and of the helpers it forks) to ``events`` instead of stderr."""
-    from hivemind.utils.logging import use_hivemind_log_handler
+    from agora_client.engine.logs import propagate_hivemind_logs
 
-    use_hivemind_log_handler("nowhere")  # hivemind's records propagate to the root logger, handled here
+    propagate_hivemind_logs()  # hivemind's records go to the root logger, handled here
     for name in ("hivemind", "httpx", "httpcore"):  # their routine records (every request) are not news
         logging.getLogger(name).setLevel(engine_level)
     root = logging.getLogger()

@@ -52,13 +52,18 @@ def _redact_assignment(match: re.Match[str]) -> str:
     return f"{match['key']}{match['sep']}{match['quote']}{REDACTED}"
 
 
+def _redact_pattern_match(match: re.Match[str]) -> str:
+    """A pattern's first group (what precedes the secret), if it has one, then REDACTED."""
+    return f"{match[1] or ''}{REDACTED}" if match.re.groups else REDACTED
+
+
 def redact_text(text: str, secrets: Iterable[str] = ()) -> str:
     """Text with known secret values and every recognisable secret replaced by REDACTED."""
     for secret in secrets:
         if secret and len(secret) >= 4:
             text = text.replace(secret, REDACTED)
     for pattern in _PATTERNS:
-        text = pattern.sub(lambda match: f"{match[1] or ''}{REDACTED}" if pattern.groups else REDACTED, text)
+        text = pattern.sub(_redact_pattern_match, text)
     return _ASSIGNMENT.sub(_redact_assignment, text)
 
 

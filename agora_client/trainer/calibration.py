@@ -97,6 +97,7 @@ def describe(stage: str, kind: str, standing: CheckStanding, margin: float) -> s
     if standing.state == "verifiable":
         return f"{where}: verifiable, tolerance {standing.tolerance:.3f} from {standing.samples} honest distances"
     return (
-        f"{where}: unverifiable, honest replicas drift to a tolerance of {standing.tolerance:.3f}, within {margin:g} of "
-        f"random answers' {RANDOM_DISTANCE:.3f}; its disagreements strike no one until it drifts less"
+        f"{where}: unverifiable, honest replicas drift to a tolerance of {standing.tolerance:.3f}, within "
+        f"{margin:g} of random answers' {RANDOM_DISTANCE:.3f}; its disagreements strike no one until it drifts "
+        "less"
     )

@@ -50,7 +50,8 @@ _ROUTE_ON_DAEMON_FAILURE = {
     DaemonFailure.OWN_LIMIT: ErrorClass.FATAL,
     DaemonFailure.UNREACHABLE: ErrorClass.RETRY_OTHER,
     DaemonFailure.TIMEOUT: ErrorClass.RETRY_SAME,
-    DaemonFailure.OTHER: ErrorClass.RETRY_OTHER,  # the daemon could not deliver to that peer for a reason we do not know
+    # the daemon could not deliver to that peer for a reason we do not know
+    DaemonFailure.OTHER: ErrorClass.RETRY_OTHER,
 }
 
 
@@ -99,3 +100,6 @@ class RetryPolicy:
         if error_class is ErrorClass.RETRY_SAME and attempts_on_worker < self.max_same_worker:
             return ErrorClass.RETRY_SAME
         return ErrorClass.RETRY_OTHER
+
+
+DEFAULT_RETRY = RetryPolicy()

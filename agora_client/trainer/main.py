@@ -2,7 +2,8 @@
 
 Output lines (stdout), parseable by tests and the swarm launcher:
   [TRAINER] waiting for workers: ...
-  [PROGRESS] microbatches=<n> loss=<mean since last line, n/a if none finished> tokens_per_s=<x> | <per-stage roster, bans, served per uid>
+  [PROGRESS] microbatches=<n> loss=<mean since last line, n/a if none finished> tokens_per_s=<x>
+              | <per-stage roster, bans, served per uid>
   [ROSTER] <stage>: +<uid joined> -<uid gone> (<n> workers)
   [TRAFFIC] {"<stage>.<forward|backward>_<request|reply>": serialized bytes per token, ...}
   [RETRY] <stage> <kind> on <uid> failed after <s>s (<error class>[, banned]): <error>; <what happens next>
@@ -32,7 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from hivemind.dht.crypto import RSASignatureValidator
 
 from agora_client.auth.client import AuthFailed
 from agora_client.auth.secret import Secret
@@ -46,8 +46,9 @@ from agora_client.data.stream import TokenStream
 from agora_client.data.tokenizer import TokenizerError, load_run_tokenizer
 from agora_client.discovery.dht import NoSeedAnswered, connect_dht
 from agora_client.discovery.roster import WorkerRecord, fetch_roster
+from agora_client.engine.records import signature_validator
 from agora_client.monitor.verdicts import Verdict, publish_verdict, trainer_peer_id
-from agora_client.operator_metrics import add_metrics_arguments, open_metrics_endpoint
+from agora_client.operator_metrics import MetricsEndpoint, add_metrics_arguments, open_metrics_endpoint
 from agora_client.snapshots import SnapshotError, open_store
 from agora_client.system.lifetime import stop_on_signals
 from agora_client.trainer.balancer import RoundRobinBalancer, Router, StageBalancer
@@ -70,15 +71,35 @@ BALANCERS = {"least-loaded": StageBalancer, "round-robin": RoundRobinBalancer}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    _add_swarm_arguments(parser)
+    _add_data_arguments(parser)
+    _add_loop_arguments(parser)
+    _add_ticket_arguments(parser)
+    parser.add_argument(
+        "--routing",
+        choices=sorted(BALANCERS),
+        default="least-loaded",
+        help="how a stage's worker is picked (round-robin is the baseline of bench/routing.py)",
+    )
+    add_metrics_arguments(parser)
+
+
+def _add_swarm_arguments(parser: argparse.ArgumentParser) -> None:
+    """The swarm to join and the run config it trains."""
     parser.add_argument("--seeds", nargs="+", required=True, help="seed multiaddrs")
     parser.add_argument(
         "--host", default="127.0.0.1", help="address the trainer's DHT peers listen on (default: loopback)"
     )
     parser.add_argument("--preset", default="tiny", help="run config preset name or YAML path")
+
+
+def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """The text this trainer streams, where it starts, and where its position is saved."""
     parser.add_argument(
         "--data",
         default=None,
-        help="local .txt/.jsonl/.parquet file or folder, a hub-like folder, or a hub dataset (default: the run config's data.source)",
+        help="local .txt/.jsonl/.parquet file or folder, a hub-like folder, or a hub dataset (default: the run "
+        "config's data.source)",
     )
     parser.add_argument("--data-subset", default=None, help="the dataset's config name, e.g. sample-10BT (data.subset)")
     parser.add_argument("--data-split", default=None, help="the split to train on (data.split, default train)")
@@ -99,6 +120,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="a trainer record from a checkpoint set: continue the data with its next token",
     )
     parser.add_argument("--shard", default="0/1", help="this trainer's shard as INDEX/COUNT (default 0/1)")
+
+
+def _add_loop_arguments(parser: argparse.ArgumentParser) -> None:
+    """Microbatches in flight, reporting and roster periods, request timeouts and spot checks."""
     parser.add_argument("--inflight", type=int, default=None, help="microbatches in flight at once (optim.inflight)")
     parser.add_argument("--report-every", type=float, default=60.0, help="seconds between progress lines")
     parser.add_argument("--roster-every", type=float, default=5.0, help="seconds between roster reads")
@@ -111,6 +136,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="share of requests also sent to a second worker (default: the run config's spot_checks.fraction)",
     )
+
+
+def _add_ticket_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the trainer gets its tickets, and whether it publishes signed receipts."""
     parser.add_argument(
         "--ticket-key",
         type=Path,
@@ -142,13 +171,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="publish signed receipts of what each worker served, which the monitor checks compute "
         "points against (default on); off only in a private swarm without a monitor or points",
     )
-    parser.add_argument(
-        "--routing",
-        choices=sorted(BALANCERS),
-        default="least-loaded",
-        help="how a stage's worker is picked (round-robin is the baseline of bench/routing.py)",
-    )
-    add_metrics_arguments(parser)
 
 
 _SAY_LOCK = threading.Lock()
@@ -235,21 +257,34 @@ def run(args: argparse.Namespace) -> int:
         say("ERROR", str(error))
         return 2
     finally:
-        stop.set()
-        if receipts_thread is not None:
-            receipts_thread.join(LAST_RECEIPT_S)
-        for client in clients.values():
-            client.close()
-        for dht in dhts.values():
-            dht.shutdown()
-        metrics.close()
+        _shut_down(stop, receipts_thread, clients, dhts, metrics)
     say("TRAINER", f"stopped after {done} microbatches")
     return 0
 
 
+def _shut_down(
+    stop: threading.Event,
+    receipts_thread: threading.Thread | None,
+    clients: dict[str, StageClient],
+    dhts: dict,
+    metrics: MetricsEndpoint,
+) -> None:
+    """Stop the trainer's threads, let the last receipt be stored, then close the stage clients, DHTs and metrics."""
+    stop.set()
+    if receipts_thread is not None:
+        receipts_thread.join(LAST_RECEIPT_S)
+    for client in clients.values():
+        client.close()
+    for dht in dhts.values():
+        dht.shutdown()
+    metrics.close()
+
+
 @dataclass
 class _TrainerInputs:
-    """What the trainer reads before joining: the run config, its tokenizer and data, and the operator's key, if given."""
+    """What the trainer reads before joining.
+
+    The run config, its tokenizer and data, and the operator's key, if given."""
 
     config: RunConfig
     stream: TokenStream
@@ -259,7 +294,9 @@ class _TrainerInputs:
 
     @classmethod
     def load(cls, args: argparse.Namespace) -> "_TrainerInputs":
-        """Raises ConfigError, DataError, TokenizerError or ValueError on a bad preset, tokenizer, shard, data or key."""
+        """Raises on a bad preset, tokenizer, shard, data or key.
+
+        ConfigError, DataError, TokenizerError or ValueError."""
         config = load_config(args.preset, _overrides(args))
         shard = _parse_shard(args.shard)
         tokenizer = load_run_tokenizer(config)
@@ -417,7 +454,7 @@ def _start_receipts(
         )
         return None, None
     book = ReceiptBook(inputs.config.model)
-    validator = RSASignatureValidator()  # hivemind's process-wide key: the one the trainer's DHTs sign with
+    validator = signature_validator()  # hivemind's process-wide key: the one the trainer's DHTs sign with
     trainer = trainer_peer_id(validator)
 
     def publish() -> None:
@@ -444,7 +481,7 @@ def _name_liar(finding: Finding, dhts: dict, tickets: TicketSource | None) -> No
         f"banned {worker.uid} (peer {worker.peer_id}) of {finding.stage}: its outputs disagreed with "
         f"the stage's majority {finding.disagreements} times in {finding.checks} checks",
     )
-    validator = RSASignatureValidator()  # hivemind's process-wide key: the one the trainer's DHTs sign with
+    validator = signature_validator()  # hivemind's process-wide key: the one the trainer's DHTs sign with
     trainer = trainer_peer_id(validator)
     try:
         ticket = tickets.ticket_for(trainer) if tickets is not None else None

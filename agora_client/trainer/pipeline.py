@@ -16,8 +16,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from agora_client.trainer.balancer import FailureVerdict, Kind, Router, WorkerKey
-from agora_client.trainer.errors import ErrorClass, RetryPolicy
+from agora_client.trainer.balancer import FailureVerdict, Kind, Lease, Router, WorkerKey
+from agora_client.trainer.errors import DEFAULT_RETRY, ErrorClass, RetryPolicy
 from agora_client.trainer.receipts import ReceiptBook
 from agora_client.trainer.rpc import StageClient
 from agora_client.trainer.spotcheck import SpotChecker
@@ -60,7 +60,7 @@ class Pipeline:
         router: Router,
         stall: StallNotice,
         *,
-        policy: RetryPolicy = RetryPolicy(),
+        policy: RetryPolicy = DEFAULT_RETRY,
         stop: threading.Event | None = None,
         on_failure: Callable[[str], None] = lambda message: None,
         spot_checks: SpotChecker | None = None,
@@ -124,18 +124,11 @@ class Pipeline:
         grad_outputs: tuple[torch.Tensor, ...] = (),
         prefer: WorkerKey | None = None,
     ) -> tuple[WorkerKey, list[torch.Tensor]]:
-        balancer, client = self.router[stage], self.clients[stage]
+        client = self.clients[stage]
         excluded: set[WorkerKey] = set()
         attempts, attempts_on_worker = 0, 0
         while True:
-            lease = balancer.choose(kind, units, exclude=excluded, prefer=prefer)
-            while lease is None:  # whole stage unreachable or banned: wait, it resumes by itself
-                if self.stop.is_set():
-                    raise RequestFailed("stopping")
-                self.stall.stalled(stage)
-                excluded.clear()
-                time.sleep(STALL_POLL_SECONDS)
-                lease = balancer.choose(kind, units, prefer=prefer)
+            lease = self._lease(stage, kind, units, excluded, prefer)
             attempts_on_worker = attempts_on_worker + 1 if lease.key == prefer else 1
             attempts += 1
             started = time.monotonic()
@@ -145,26 +138,66 @@ class Pipeline:
                 else:
                     outputs = client.backward(lease.worker, inputs, grad_outputs)
             except Exception as error:  # every RPC failure is classified; none may kill the trainer
-                verdict = balancer.report_failure(lease, error)
-                step = self.policy.next_step(verdict.error_class, attempts, attempts_on_worker)
-                self._report_failure(stage, kind, lease.worker.uid, time.monotonic() - started, verdict, step, error)
-                if step is None:
-                    raise RequestFailed(
-                        f"{stage} {kind} given up after {attempts} attempt(s) on {lease.worker.uid}: {error}"
-                    ) from error
+                step = self._retry_step(stage, kind, lease, error, started, attempts, attempts_on_worker)
                 if step is ErrorClass.RETRY_SAME:
                     prefer = lease.key
                 else:
                     excluded.add(lease.key)
                     prefer = None
                 continue
-            balancer.report_success(lease)
-            self.stall.resumed(stage)  # only a request that succeeded proves the stage is back
-            if self.receipts is not None:
-                self.receipts.count(stage, kind, lease.worker.peer_id, inputs)
-            if self.spot_checks is not None:
-                outputs = self.spot_checks.review(stage, kind, units, lease.worker, inputs, grad_outputs, outputs)
-            return lease.key, outputs
+            return lease.key, self._succeeded(stage, kind, units, lease, inputs, grad_outputs, outputs)
+
+    def _lease(self, stage: str, kind: Kind, units: float, excluded: set[WorkerKey], prefer: WorkerKey | None) -> Lease:
+        """A worker of ``stage`` for one request; while the whole stage is unreachable or banned, wait for one."""
+        balancer = self.router[stage]
+        lease = balancer.choose(kind, units, exclude=excluded, prefer=prefer)
+        while lease is None:  # whole stage unreachable or banned: wait, it resumes by itself
+            if self.stop.is_set():
+                raise RequestFailed("stopping")
+            self.stall.stalled(stage)
+            excluded.clear()
+            time.sleep(STALL_POLL_SECONDS)
+            lease = balancer.choose(kind, units, prefer=prefer)
+        return lease
+
+    def _retry_step(
+        self,
+        stage: str,
+        kind: Kind,
+        lease: Lease,
+        error: Exception,
+        started: float,
+        attempts: int,
+        attempts_on_worker: int,
+    ) -> ErrorClass:
+        """Report a failed request; how to retry it, or RequestFailed when the policy gives up."""
+        verdict = self.router[stage].report_failure(lease, error)
+        step = self.policy.next_step(verdict.error_class, attempts, attempts_on_worker)
+        self._report_failure(stage, kind, lease.worker.uid, time.monotonic() - started, verdict, step, error)
+        if step is None:
+            raise RequestFailed(
+                f"{stage} {kind} given up after {attempts} attempt(s) on {lease.worker.uid}: {error}"
+            ) from error
+        return step
+
+    def _succeeded(
+        self,
+        stage: str,
+        kind: Kind,
+        units: float,
+        lease: Lease,
+        inputs: tuple[torch.Tensor, ...],
+        grad_outputs: tuple[torch.Tensor, ...],
+        outputs: list[torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """Count a request that succeeded (the stage is back, a receipt); its outputs, spot-checked if due."""
+        self.router[stage].report_success(lease)
+        self.stall.resumed(stage)  # only a request that succeeded proves the stage is back
+        if self.receipts is not None:
+            self.receipts.count(stage, kind, lease.worker.peer_id, inputs)
+        if self.spot_checks is not None:
+            outputs = self.spot_checks.review(stage, kind, units, lease.worker, inputs, grad_outputs, outputs)
+        return outputs
 
     def _report_failure(
         self,

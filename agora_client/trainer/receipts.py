@@ -19,11 +19,11 @@ from functools import lru_cache
 
 import torch
 from hivemind import DHT
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
 from agora_client.config import ModelConfig
 from agora_client.discovery.signed_records import RECEIPTS_KEY, Receipt, ServedCounts
+from agora_client.engine.records import RSASignatureValidator
 from agora_client.monitor.flops import request_flops
 from agora_client.monitor.signatures import owner_subkey
 

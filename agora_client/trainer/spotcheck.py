@@ -56,7 +56,7 @@ def relative_distance(first: Sequence[torch.Tensor], second: Sequence[torch.Tens
     if len(first) != len(second):
         return math.inf
     worst = 0.0
-    for a, b in zip(first, second):
+    for a, b in zip(first, second, strict=True):
         if a.shape != b.shape:
             return math.inf
         a, b = a.detach().double(), b.detach().double()

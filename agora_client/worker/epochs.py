@@ -181,11 +181,11 @@ def scaled_lr(optimizer: torch.optim.Optimizer, scale: float) -> Iterator[None]:
         return
     saved = [group["lr"] for group in optimizer.param_groups]
     try:
-        for group, lr in zip(optimizer.param_groups, saved):
+        for group, lr in zip(optimizer.param_groups, saved, strict=True):
             group["lr"] = lr * scale
         yield
     finally:
-        for group, lr in zip(optimizer.param_groups, saved):
+        for group, lr in zip(optimizer.param_groups, saved, strict=True):
             group["lr"] = lr
 
 

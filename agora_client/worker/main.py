@@ -53,16 +53,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--snapshot", type=Path, default=None, help="start from this downloaded snapshot directory")
     parser.add_argument("--events", default=None, help="also write JSON-line events to this file ('-' = stdout)")
-    parser.add_argument(
-        "--auth-public-key", default=None, help="the auth service's public key: serve only its ticket holders"
-    )
-    parser.add_argument(
-        "--ticket-key",
-        type=Path,
-        default=None,
-        metavar="PEM",
-        help="operator-run worker: the auth service's signing key, to issue this worker's own ticket (implies its public key)",
-    )
+    _add_admission_arguments(parser)
     parser.add_argument(
         "--recover-from",
         type=Path,
@@ -80,6 +71,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_metrics_arguments(parser)
 
 
+def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
+    """Whom the worker serves: ticket holders of the auth service's key, or anyone with --open."""
+    parser.add_argument(
+        "--auth-public-key", default=None, help="the auth service's public key: serve only its ticket holders"
+    )
+    parser.add_argument(
+        "--open",
+        action="store_true",
+        help="serve and average with anyone, without tickets (a private test swarm only; it warns): the worker "
+        "refuses to start without --auth-public-key or --ticket-key otherwise",
+    )
+    parser.add_argument(
+        "--ticket-key",
+        type=Path,
+        default=None,
+        metavar="PEM",
+        help="operator-run worker: the auth service's signing key, to issue this worker's own ticket (implies its "
+        "public key)",
+    )
+
+
 class _CannotStart(Exception):
     """A step that ends the worker before it starts: the message (for stderr) and the exit code."""
 
@@ -89,7 +101,9 @@ class _CannotStart(Exception):
 
 
 def run(args: argparse.Namespace) -> int:
-    """Host the stage until stopped: 0 then; 1 when no seed answers; 2 for a bad stage or config, ticket key or snapshot."""
+    """Host the stage until stopped.
+
+    Returns 0 then; 1 when no seed answers; 2 for a bad stage or config, ticket key or snapshot."""
     from agora_client.system.lifetime import die_with_parent, stop_on_signals
 
     stop = stop_on_signals()  # before anything forks: helpers must not inherit the handler
@@ -198,7 +212,8 @@ def _warn_if_host_memory_short(options: WorkerOptions, events: EventWriter) -> N
     from agora_client.model.memory import gib, plan_stage
 
     writes_state = options.publish_dir is not None or options.checkpoint_store is not None
-    need = plan_stage(options.config, options.stage).host_need(options.device != "cpu", writes_state=writes_state)
+    plan = plan_stage(options.config, options.stage, layout=options.layout)
+    need = plan.host_need(options.device != "cpu", writes_state=writes_state)
     available = psutil.virtual_memory().available
     if available < need:
         copy = ", with the host copy of its state for snapshots and checkpoints" if writes_state else ""
@@ -271,6 +286,14 @@ def _tickets(args: argparse.Namespace) -> tuple[SelfIssuedTickets | None, str | 
     from agora_client.auth.ticket_source import SelfIssuedTickets
 
     if args.ticket_key is None:
+        if args.auth_public_key is None and not args.open:
+            raise _CannotStart(
+                ValueError(
+                    "no --auth-public-key or --ticket-key: this worker would serve and average with anyone. Give the "
+                    "auth service's public key, or --open for a private test swarm"
+                ),
+                2,
+            )
         return None, args.auth_public_key
     try:
         tickets = SelfIssuedTickets.from_file(args.ticket_key, role="worker", stage=args.stage)

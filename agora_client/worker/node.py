@@ -22,6 +22,7 @@ from agora_client.discovery.roster import WorkerRecord, fetch_roster, free_index
 from agora_client.events import ErrorEvent, EventWriter, StageEvent, StepEvent
 from agora_client.model.layers import native_bf16
 from agora_client.serving.backend import StageBackend
+from agora_client.serving.device_copy import DeviceCopy
 from agora_client.serving.rejections import RejectionLog
 from agora_client.serving.server import StageServer
 from agora_client.serving.ticket_gate import TicketGate
@@ -51,6 +52,7 @@ class WorkerOptions:
     publish_every: int = 5
     publish_keep: int = 3
     max_batch_size: int | None = None  # sequences per pass (the GPU fit check's); default 8 microbatches
+    layout: str = "fp32"  # the GPU fit check's (model/memory.py LAYOUTS); "offload": fp32 masters on the host
     checkpoint_store: str | None = None  # timestamped checkpoints every config.checkpoint.period_s (directory or s3://)
     dht_kwargs: dict = field(default_factory=dict)
     auth_public_key: str | None = None  # the auth service's key: callers must present its tickets (None: open worker)
@@ -131,7 +133,8 @@ class WorkerNode:
             self.record,
             announce_period=options.config.announce_period,
             vocab_size=options.config.model.vocab_size,
-            max_request_batch=options.config.optim.microbatch_size,  # the largest microbatch a trainer of this run sends
+            # the largest microbatch a trainer of this run sends
+            max_request_batch=options.config.optim.microbatch_size,
             gate=self.call_gate,
             rejections=self.rejections,
             num_connection_handlers=options.num_handlers,
@@ -142,14 +145,21 @@ class WorkerNode:
     def _load_stage(self) -> tuple[PreparedStage, int]:
         """The stage's module, parameters, optimizer and uid; returns the stage and its epoch (the snapshot's, or 0)."""
         options, config, stage = self.options, self.options.config, self.options.stage
+        seed = options.init_seed if options.init_seed is not None else config.seed
         prepared = options.prepared or prepare_stage(
             config,
             stage,
             self.device,
-            seed=options.init_seed if options.init_seed is not None else config.seed,
+            seed=seed,
             seeded_weights=options.snapshot is None,  # a snapshot sets every weight below
+            layout=options.layout,
         )
-        self.module = prepared.module
+        self.module = prepared.module  # the masters: what the optimizer, SPARTA, snapshots and checkpoints read
+        self.device_copy = None
+        if options.layout == "offload":
+            if next(self.module.parameters()).device.type != "cpu":
+                raise ValueError("the offload layout keeps the stage's master weights on the host: prepare it on cpu")
+            self.device_copy = DeviceCopy(self.module, config.model, self.device, seed=seed)
         self.parameters = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.parameters, config)
         index = options.index if options.index is not None else free_index(fetch_roster(self.dht, stage), stage)
@@ -214,7 +224,7 @@ class WorkerNode:
 
     def _stage_backend(self, prepared: PreparedStage) -> StageBackend:
         config = self.options.config
-        if config.use_mixed_precision and not native_bf16(self.device):
+        if config.use_mixed_precision and not native_bf16(self.device) and self.device_copy is None:
             self.events.log(
                 f"no native bf16 on this {self.device.type} (emulated bf16 is slower than fp32): the stage "
                 "computes in fp32, not under the run's bf16 autocast",
@@ -223,7 +233,8 @@ class WorkerNode:
         is_tail = self.options.stage == "tail"
         return StageBackend(
             self.uid,
-            self.module,
+            self.module if self.device_copy is None else self.device_copy.module,
+            device_copy=self.device_copy,
             lock=self.epochs.lock.training,
             on_samples=self.epochs.on_samples,
             device=self.device,
@@ -323,7 +334,8 @@ class WorkerNode:
                 raise SnapshotError("no snapshot of this stage has been published yet")
             with self.epochs.lock:
                 info = load_stage_snapshot(path, self.module, self.optimizer, stage=self.options.stage)
-                self.sparta.parameters_replaced()  # what compression dropped from the old weights is not sent with these
+                # what compression dropped from the old weights is not sent with these
+                self.sparta.parameters_replaced()
                 self.optimizer.zero_grad(set_to_none=True)
                 if not all_finite(self.parameters):
                     raise SnapshotError(f"the snapshot at {path} holds non-finite weights")

@@ -58,7 +58,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         if source is not None:
             if tuple(source.shape) != tuple(param.shape):
                 raise ValueError(
-                    f"optimizer state of shape {tuple(source.shape)} does not fit a parameter of shape {tuple(param.shape)}"
+                    f"optimizer state of shape {tuple(source.shape)} does not fit a parameter of shape "
+                    f"{tuple(param.shape)}"
                 )
             moment.copy_(source)
         return moment
@@ -119,7 +120,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._base_load_state_dict({**state_dict, "state": {}})  # checks the groups, restores hyperparameters
         saved_ids = [index for group in state_dict["param_groups"] for index in group["params"]]
         params = [param for group in self.param_groups for param in group["params"]]
-        for index, param in zip(saved_ids, params):
+        for index, param in zip(saved_ids, params, strict=True):
             entry = saved_state.get(index)
             if not entry:
                 continue

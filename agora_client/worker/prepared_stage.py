@@ -22,20 +22,48 @@ class PreparedStage:
 
 
 def prepare_stage(
-    config: RunConfig, stage: str, device: str | torch.device, *, seed: int, seeded_weights: bool
+    config: RunConfig,
+    stage: str,
+    device: str | torch.device,
+    *,
+    seed: int,
+    seeded_weights: bool,
+    layout: str = "fp32",
 ) -> PreparedStage:
-    """Build the stage on its device and run it once on an example, as hivemind's backend would at start.
+    """Build the stage where its layout keeps the master weights, and run it once on an example, as hivemind's
+    backend would at start.
 
     That first call also pays the one-time costs of the first forward (torch's lazy imports, kernel
-    set-up), so whoever calls this ahead of time takes them off the worker's start.
+    set-up) on the device that serves, so whoever calls this ahead of time takes them off the worker's start.
+    In the offload layout the masters live on the host and requests run on a device copy: a full forward on the
+    host would take minutes at 8b and hold activations the plan does not count, so the schema comes from a run
+    on the meta device, which computes nothing.
     """
-    module = build_stage(config.model, stage, seed=seed, device=torch.device(device), seeded_weights=seeded_weights)
+    module = build_stage(
+        config.model, stage, seed=seed, device=master_device(layout, device), seeded_weights=seeded_weights
+    )
     example = module.example_inputs(1)
-    outputs = module(*example)  # with autograd on, like hivemind's own schema run: the schema records requires_grad
+    # with autograd on, like hivemind's own schema run: the schema records requires_grad
+    outputs = _schema_outputs(config, stage, example) if layout == "offload" else module(*example)
     return PreparedStage(
         stage=stage,
         module=module,
         args_schema=tuple(BatchTensorDescriptor.from_tensor(tensor) for tensor in example),
         outputs_schema=nested_map(BatchTensorDescriptor.from_tensor, outputs),
         seeded=seeded_weights,
+    )
+
+
+def master_device(layout: str, device: torch.device | str) -> torch.device:
+    """Where a stage's master weights live: on its device, or on the host in the offload layout."""
+    return torch.device("cpu") if layout == "offload" else torch.device(device)
+
+
+def _schema_outputs(config: RunConfig, stage: str, example: tuple[torch.Tensor, ...]):
+    """Empty tensors shaped like the stage's outputs for ``example``, on the example's device, from a meta run."""
+    meta = build_stage(config.model, stage, seed=0, device=torch.device("meta"), seeded_weights=False)
+    outputs = meta(*(tensor.detach().to("meta").requires_grad_(tensor.requires_grad) for tensor in example))
+    device = example[0].device
+    return nested_map(
+        lambda out: torch.empty(out.shape, dtype=out.dtype, device=device).requires_grad_(out.requires_grad), outputs
     )

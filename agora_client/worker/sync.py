@@ -48,10 +48,6 @@ class SyncState:
     def counts_samples(self) -> bool:
         return self.phase == 0
 
-    @property
-    def processes_batches(self) -> bool:
-        return self.phase != 1
-
     def on_epoch(self, local_epoch: int, stage_epoch: int) -> None:
         with self._lock:
             if self.target_epoch is None:

@@ -51,7 +51,7 @@ trainers report and their loss on held-out data (is the swarm learning?), and th
 | `p` | show or hide the preflight checks |
 | `?` | this help |
 | `Ctrl+P` | command palette (theme, export, logs...) |
-"""
+"""  # noqa: E501 - a Markdown table row cannot be wrapped
 
 
 class HelpScreen(ModalScreen[None]):

@@ -84,38 +84,69 @@ class Dashboard(Vertical):
 
     def show(self, event: Event) -> None:
         """Hand ``event`` to the panels it feeds (kinds no panel shows are ignored)."""
-        match event:
-            case AuthEvent():
-                self.query_one(IdentityPanel).show_auth(event)
-            case StageEvent():
-                self.query_one(IdentityPanel).show_stage(event)
-                self.query_one(SharePanel).show_stage(event)
-            case DownloadEvent() | QueueEvent() | SyncEvent():
-                self.query_one(JoinPanel).show(event)
-            case StepEvent():
-                self.query_one(TrainingPanel).show(event)
-                share = self.query_one(SharePanel)
-                share.show(event)
-                self.query_one(StagesPanel).show_share(share.share)
-                self.query_one(JoinPanel).follow_epoch(event)
-            case TrafficEvent():
-                self.query_one(TrainingPanel).show_traffic(event)
-                self.query_one(NetworkPanel).show(event)
-            case SwarmEvent():
-                self.query_one(LossPanel).show(event)
-                self.query_one(TokensPanel).show(event)
-                self.query_one(StagesPanel).show(event)
-            case SpartaEvent():
-                sparta = self.query_one(SpartaPanel)
-                sparta.show(event)
-                self.query_one(StagesPanel).show_sparta(sparta.tally)
-            case ResourcesEvent():
-                self.query_one(GpuPanel).show(event)
-            case YieldEvent():
-                self.query_one(GpuPanel).show_yield(event)
-            case EnergyEvent():
-                self.query_one(PointsPanel).show_energy(event)
-            case PointsEvent():
-                self.query_one(PointsPanel).show(event)
-            case ReachabilityEvent():
-                self.query_one(ConnectionPanel).reachability = event
+        for kinds, feed in self._FEEDS:
+            if isinstance(event, kinds):
+                feed(self, event)
+                return
+
+    def _show_auth(self, event: AuthEvent) -> None:
+        self.query_one(IdentityPanel).show_auth(event)
+
+    def _show_stage(self, event: StageEvent) -> None:
+        self.query_one(IdentityPanel).show_stage(event)
+        self.query_one(SharePanel).show_stage(event)
+
+    def _show_join(self, event: DownloadEvent | QueueEvent | SyncEvent) -> None:
+        self.query_one(JoinPanel).show(event)
+
+    def _show_step(self, event: StepEvent) -> None:
+        self.query_one(TrainingPanel).show(event)
+        share = self.query_one(SharePanel)
+        share.show(event)
+        self.query_one(StagesPanel).show_share(share.share)
+        self.query_one(JoinPanel).follow_epoch(event)
+
+    def _show_traffic(self, event: TrafficEvent) -> None:
+        self.query_one(TrainingPanel).show_traffic(event)
+        self.query_one(NetworkPanel).show(event)
+
+    def _show_swarm(self, event: SwarmEvent) -> None:
+        self.query_one(LossPanel).show(event)
+        self.query_one(TokensPanel).show(event)
+        self.query_one(StagesPanel).show(event)
+
+    def _show_sparta(self, event: SpartaEvent) -> None:
+        sparta = self.query_one(SpartaPanel)
+        sparta.show(event)
+        self.query_one(StagesPanel).show_sparta(sparta.tally)
+
+    def _show_resources(self, event: ResourcesEvent) -> None:
+        self.query_one(GpuPanel).show(event)
+
+    def _show_yield(self, event: YieldEvent) -> None:
+        self.query_one(GpuPanel).show_yield(event)
+
+    def _show_energy(self, event: EnergyEvent) -> None:
+        self.query_one(PointsPanel).show_energy(event)
+
+    def _show_points(self, event: PointsEvent) -> None:
+        self.query_one(PointsPanel).show(event)
+
+    def _show_reachability(self, event: ReachabilityEvent) -> None:
+        self.query_one(ConnectionPanel).reachability = event
+
+    # each kind of event and the method that hands it to its panels
+    _FEEDS = (
+        (AuthEvent, _show_auth),
+        (StageEvent, _show_stage),
+        ((DownloadEvent, QueueEvent, SyncEvent), _show_join),
+        (StepEvent, _show_step),
+        (TrafficEvent, _show_traffic),
+        (SwarmEvent, _show_swarm),
+        (SpartaEvent, _show_sparta),
+        (ResourcesEvent, _show_resources),
+        (YieldEvent, _show_yield),
+        (EnergyEvent, _show_energy),
+        (PointsEvent, _show_points),
+        (ReachabilityEvent, _show_reachability),
+    )

@@ -39,13 +39,19 @@ class DownloadPanel(Vertical):
         elif event.status == "failed":
             detail = f"[$text-error]✖ {name}: {escape(event.message or 'failed')}[/]"
         elif event.status == "retry":
-            detail = f"[$text-warning]interrupted ({escape(event.message or 'no reason')}), resuming from {human_bytes(event.bytes)}[/]"
+            detail = (
+                f"[$text-warning]interrupted ({escape(event.message or 'no reason')}), resuming from "
+                f"{human_bytes(event.bytes)}[/]"
+            )
         else:
             eta = event.eta_s
             if eta is None and event.total and event.rate_bps > 0:
                 eta = (event.total - event.bytes) / event.rate_bps
             total = f" / {human_bytes(event.total)}" if event.total else ""
-            detail = f"{name}\n{human_bytes(event.bytes)}{total} · {human_bytes(event.rate_bps)}/s · ETA {human_duration(eta)}"
+            detail = (
+                f"{name}\n"
+                f"{human_bytes(event.bytes)}{total} · {human_bytes(event.rate_bps)}/s · ETA {human_duration(eta)}"
+            )
             if event.resumed_from:
                 detail += f"\n[$text-muted]resumed from {human_bytes(event.resumed_from)}[/]"
         self.query_one("#download-detail", Static).update(detail)

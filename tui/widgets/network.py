@@ -33,7 +33,8 @@ class NetworkPanel(ChartPanel):
         self.push("up", event.ts, event.upload_bps)
         self.push("down", event.ts, event.download_bps)
         self.describe(
-            f"{self.key('up', '↑ ' + rate_text(event.upload_bps))} · {self.key('down', '↓ ' + rate_text(event.download_bps))}\n"
+            f"{self.key('up', '↑ ' + rate_text(event.upload_bps))} · "
+            f"{self.key('down', '↓ ' + rate_text(event.download_bps))}\n"
             f"[$text-muted]sent {human_bytes(event.bytes_sent)} · received {human_bytes(event.bytes_received)}[/]"
         )
         self.draw()

@@ -103,7 +103,10 @@ class ReachabilityPanel(Vertical):
             text = "[$text-accent]Retrying now...[/]"
         elif self._next_attempt is not None:
             left = max(0.0, self._next_attempt - self.clock())
-            text = f"Not joining while unreachable · next attempt in [b]{human_duration(left)}[/] · press [b]r[/] to retry now"
+            text = (
+                f"Not joining while unreachable · next attempt in [b]{human_duration(left)}[/] · press [b]r[/] "
+                "to retry now"
+            )
         else:
             text = "Not joining while unreachable · press [b]r[/] to retry now"
         self.query_one("#reach-retry", Static).update(text)

@@ -47,5 +47,6 @@ class SharePanel(ChartPanel):
         fair = f" · fair share {1 / self.stage_workers:.0%} of {self.stage_workers}" if self.stage_workers else ""
         share = self.key("share", f"{self.share:.0%}")
         self.describe(
-            f"{share} of {escape(self.stage)}'s samples (last {len(self._recent)} epochs)\n[$text-muted]{fair.lstrip(' ·')}[/]"
+            f"{share} of {escape(self.stage)}'s samples (last {len(self._recent)} epochs)\n"
+            f"[$text-muted]{fair.lstrip(' ·')}[/]"
         )

@@ -1,4 +1,6 @@
-"""SPARTA averaging: the last round, the rounds that averaged of all this run's, and the group of each round over time."""
+"""SPARTA averaging.
+
+The last round, the rounds that averaged of all this run's, and the group of each round over time."""
 
 from __future__ import annotations
 
@@ -25,7 +27,10 @@ class SpartaPanel(ChartPanel):
         self.tally.add(event)
         if event.ok:  # what was averaged first: the slice and its share of the stage
             weight = " · weight 0 (sync)" if event.weight == 0 else ""
-            last = f"round [b]{event.round}[/]: {averaged_text(event)}\ngroup [b]{event.group_size}[/] · {event.duration_s:.1f}s{weight} · "
+            last = (
+                f"round [b]{event.round}[/]: {averaged_text(event)}\n"
+                f"group [b]{event.group_size}[/] · {event.duration_s:.1f}s{weight} · "
+            )
         else:
             last = f"[$text-warning]round {event.round} failed: {escape(event.reason or 'no reason given')}[/]\n"
         tally = self.tally

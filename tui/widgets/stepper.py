@@ -28,7 +28,7 @@ class Stepper(Widget):
             return f"[$text-error b]✖ {label}[/]"
         if step < self.step:
             return f"[$text-success]✔ {label}[/]"
-        if step == self.step:
+        if step == self.step and self.failure is None:
             style = "$text-success b" if step == JoinStep.ACTIVE else "reverse $text-accent b"
             return f"[{style}] ● {label} [/]"
         return f"[$text-muted]○ {label}[/]"
@@ -37,9 +37,13 @@ class Stepper(Widget):
         steps = _SEPARATOR.join(self._label(step) for step in JoinStep)
         if self.failure is not None:
             detail = (
-                f"[$text-error b]{LABELS[self.failure.step]} failed:[/] {escape(self.failure.reason)}\n"
+                f"[$text-error b]{_failed_part(self.failure)} failed:[/] {escape(self.failure.reason)}\n"
                 f"[b]What to do:[/] {escape(self.failure.advice)}"
             )
         else:
             detail = f"[$text-muted]{escape(self.status)}[/]"
         return f"{steps}\n{detail}"
+
+
+def _failed_part(failure: Failure) -> str:
+    return "Starting the worker" if failure.step is None else LABELS[failure.step]

@@ -29,7 +29,10 @@ class SyncPanel(Widget):
             return "[$text-muted]not syncing yet[/]"
         epoch = self.local_epoch if self.local_epoch is not None else sync.local_epoch
         if sync.phase == "active":
-            return f"[$text-success]✔ in sync[/] since local epoch [b]{sync.local_epoch}[/]\nfully contributing to training"
+            return (
+                f"[$text-success]✔ in sync[/] since local epoch [b]{sync.local_epoch}[/]\n"
+                "fully contributing to training"
+            )
         if sync.target_epoch is None:
             return f"[b]{_PHASES[sync.phase]}[/]\nlocal epoch {epoch}"
         start = sync.target_epoch - sync.steps_total

@@ -1,5 +1,6 @@
-"""The JSON the page reads beyond ``/leaderboard`` and ``/learning``: the swarm at the latest scrape (``/swarm``) and one
-contributor (``/identities/<name>``). Peer ids appear, as in ``/peers/<id>``; peer addresses and tickets never do."""
+"""The JSON the page reads beyond ``/leaderboard`` and ``/learning``: the swarm at the latest scrape (``/swarm``) and
+one contributor (``/identities/<name>``). Peer ids appear, as in ``/peers/<id>``; peer addresses and tickets never
+do."""
 
 from __future__ import annotations
 
