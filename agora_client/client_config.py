@@ -29,6 +29,14 @@ SECRETS_FILE = "secrets.json"
 TOKEN_PAGE = "https://huggingface.co/settings/tokens"
 _HF_TOKEN = re.compile(r"^hf_[A-Za-z0-9]{8,}$")
 TOKEN_RULE = "a token is hf_ followed by at least 8 letters or digits, and nothing else"
+# Said once before the first token prompt: why the swarm needs it, what it may do, where it goes and stays.
+TOKEN_WHY = (
+    "The swarm credits your work to a Hugging Face account: its auth service asks Hugging Face whose token this is, "
+    "and nothing more. Give a read-only token (or a fine-grained one with no permission), made at "
+    f"{TOKEN_PAGE}; the client refuses to send a token that can write. It is saved in {{path}}, readable by you alone."
+)
+SWARM_WHY = "The swarm's operator publishes its address; the client reads the run it trains from there."
+GPU_WHY = "Your worker holds one stage of the model on one GPU; choose which."
 SWARM_HINT = "the address of the swarm's auth service, e.g. https://host:8470 (the swarm's operator publishes it)"
 _MAX_ATTEMPTS = 3
 
@@ -144,12 +152,13 @@ class ClientConfigStore:
             handle.write("\n")
 
 
-def _ask_token(prompts: Prompts, current: str | None) -> str:
+def _ask_token(prompts: Prompts, current: str | None, saved_to: Path) -> str:
     if not prompts.interactive:
         raise ClientConfigError(
             "no Hugging Face token: set HF_TOKEN, run `hf auth login`, or start the client once in a "
             f"terminal ({TOKEN_PAGE})"
         )
+    prompts.say(TOKEN_WHY.format(path=saved_to))
     keep = " (Enter keeps the current one)" if current else ""
     for _ in range(_MAX_ATTEMPTS):
         token = prompts.ask_secret(f"Hugging Face token{keep}: ").strip()
@@ -178,6 +187,7 @@ def _login_token_confirmed(prompts: Prompts, use_login_token: bool) -> bool:
 def _ask_swarm(prompts: Prompts, current: str | None) -> str:
     if not prompts.interactive:
         raise ClientConfigError(f"no swarm to join: pass --swarm URL, {SWARM_HINT}")
+    prompts.say(SWARM_WHY)
     keep = f" [{current}]" if current else ""
     for _ in range(_MAX_ATTEMPTS):
         answer = prompts.ask(f"Swarm to join: its auth service URL, e.g. https://host:8470{keep}: ").strip()
@@ -196,7 +206,7 @@ def _ask_gpu(prompts: Prompts, devices: list, current: int | None) -> int:
     )
     if not prompts.interactive:
         raise ClientConfigError(f"several GPUs are visible; choose one with --gpu N:\n{listing}")
-    prompts.say(f"GPUs on this machine:\n{listing}")
+    prompts.say(f"{GPU_WHY} GPUs on this machine:\n{listing}")
     default = current if current is not None else devices[0].index
     for _ in range(_MAX_ATTEMPTS):
         answer = prompts.ask(f"GPU to contribute [{default}]: ").strip()
@@ -279,7 +289,7 @@ def _resolve_token(
     if not reconfigure and logged_in and _login_token_confirmed(prompts, use_login_token):
         return logged_in, "hf auth login"
     current = stored_token or (logged_in if use_login_token else None)
-    token = _ask_token(prompts, current)
+    token = _ask_token(prompts, current, store.secrets_path)
     source = "kept" if token == current else "typed"
     if source == "typed":
         store.save_token(token)

@@ -126,10 +126,14 @@ def test_default_config_dir_follows_xdg(tmp_path):
 def test_a_short_token_is_refused_with_the_rule_it_breaks(tmp_path):
     answers = Answers("hf_bogus", TYPED)
     assert resolve(tmp_path, answers).token == TYPED
-    assert answers.said == [
+    why, refusal = answers.said
+    assert refusal == (
         "That is not a Hugging Face token: a token is hf_ followed by at least 8 letters or digits, and nothing else. "
         "Create one at https://huggingface.co/settings/tokens"
-    ]
+    )
+    # the first prompt says why the token is needed, what it may do, where to make one and where it is kept
+    assert "credits your work to a Hugging Face account" in why and "read-only" in why
+    assert "https://huggingface.co/settings/tokens" in why and str(tmp_path / "secrets.json") in why
 
 
 def test_no_saved_swarm_asks_for_its_address_and_saves_it(tmp_path):
@@ -137,7 +141,7 @@ def test_no_saved_swarm_asks_for_its_address_and_saves_it(tmp_path):
     client = resolve(tmp_path, answers, env={"HF_TOKEN": ENV}, need_swarm=True)
     assert client.config.swarm_url == "https://auth.example:8470"
     assert len(answers.asked) == 2 and "auth service URL" in answers.asked[0]
-    assert "is not an http(s) URL" in answers.said[0]
+    assert "operator publishes its address" in answers.said[0] and "is not an http(s) URL" in answers.said[1]
     again = Answers()
     assert (
         resolve(tmp_path, again, env={"HF_TOKEN": ENV}, need_swarm=True).config.swarm_url == "https://auth.example:8470"
