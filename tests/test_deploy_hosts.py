@@ -136,5 +136,5 @@ def test_operator_host_from_a_deploy_file_and_contributors_with_only_the_url(tmp
         supervisor_log = tmp_path / "run" / "logs" / "deploy-operator.log"
         assert operator.pids() == [], f"left running on the operator's host; see {supervisor_log}"
         assert "[DEPLOY] stopped\n" in supervisor_log.read_text()  # the supervisor stopped every role itself
-        assert all(runtime.proc.returncode == 0 for runtime in runtimes)
+        assert [runtime.proc.returncode for runtime in runtimes] == [0] * len(runtimes), [r.log_path for r in runtimes]
         assert not (tmp_path / "run" / "deploy-operator.json").exists()

@@ -121,6 +121,8 @@ MEMBERS = (
     Member(DecentralizedAverager, "_aggregate_with_group", ("self", "group_info", "min_vector_size", "kwargs")),
     Member(DecentralizedAverager, "_run_allreduce_inplace_", ("self", "tensors", "group_info", "group_id", "kwargs")),
     Member(DecentralizedAverager, "rpc_join_group", ("self", "request", "context")),
+    Member(DecentralizedAverager, "_shutdown", ("self", "timeout")),
+    Member(DecentralizedAverager, "remove_p2p_handlers", ("self", "p2p", "namespace")),
     Member(DecentralizedAverager, "set_group_bits", ("self", "group_bits", "wait")),
     Member(DecentralizedAverager, "serializer"),
     Member(mp.Process, "_Popen"),
@@ -203,6 +205,18 @@ SOURCE_FACTS = (
         "group_timeouts: with allreduce_timeout None, the group's own bound is the only one",
     ),
     SourceFact(DecentralizedAverager, "_step", "could not find a group", "found_no_group reads this text"),
+    SourceFact(
+        DecentralizedAverager,
+        "_shutdown",
+        "group.finalize(cancel=True)",
+        "RoundAverager._shutdown replaces upstream's finalize() on a future; a fixed upstream makes it unneeded",
+    ),
+    SourceFact(
+        DecentralizedAverager,
+        "_register_allreduce_group",
+        "self._running_groups[group_info.group_id] = asyncio.Future()",
+        "RoundAverager._shutdown reads futures of runners there",
+    ),
     SourceFact(DecentralizedAverager, "__init__", "self.schema_hash = ", "RoundAverager folds its layout into it"),
     SourceFact(
         DecentralizedAverager, "_run_internal", "self._matchmaking = Matchmaking(", "set_round reaches the matchmaking"
@@ -510,3 +524,27 @@ def test_our_subclasses_set_no_private_attribute_upstream_uses() -> None:
                 if node.value.id == "self" and node.attr in upstream and node.attr != "_start_method":
                     clashes.append(f"{cls.__qualname__}.{node.attr}")
     assert clashes == []
+
+
+def test_an_averager_shut_down_mid_round_finalizes_its_runners_and_cancels_the_rest():
+    """hivemind's own _shutdown calls finalize() on the futures of its running groups and raises AttributeError
+    when a round is in flight; the engine's finalizes each runner a future holds and cancels the others."""
+    from types import SimpleNamespace
+
+    from agora_client.engine.averaging import RoundAverager
+
+    async def shut_down() -> tuple[list[bool], asyncio.Future, asyncio.Future]:
+        finalized = []
+
+        async def finalizing() -> None:
+            finalized.append(True)
+
+        runner = SimpleNamespace(finalize=lambda cancel: {asyncio.ensure_future(finalizing())} if cancel else set())
+        running, pending = asyncio.Future(), asyncio.Future()
+        running.set_result(runner)
+        averager = SimpleNamespace(client_mode=True, _running_groups={b"a": running, b"b": pending})
+        await RoundAverager._shutdown(averager, timeout=5)
+        return finalized, running, pending
+
+    finalized, running, pending = asyncio.run(shut_down())
+    assert finalized == [True] and pending.cancelled() and not running.cancelled()

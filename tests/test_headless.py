@@ -251,6 +251,7 @@ def test_retry_every_is_a_client_option_the_runtime_accepts(tmp_path):
             str(ROOT / "agora_cli.py"),
             "--headless",
             "--cpu",
+            "--allow-write-token",  # no Hugging Face here to ask what the token may do (test_token_scope.py)
             "--retry-every",
             "5",
             "--swarm",

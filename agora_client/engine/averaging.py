@@ -304,6 +304,19 @@ class RoundAverager(DecentralizedAverager):
             )
         return self._outcome
 
+    async def _shutdown(self, timeout: Optional[float]) -> None:
+        # upstream calls finalize() on the futures _running_groups holds (the runner is their result): a round in
+        # flight at shutdown raised AttributeError in the averager's thread, and the stop waited out its timeout
+        if not self.client_mode:
+            await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+        remaining = set()
+        for future in self._running_groups.values():
+            if future.done() and not future.cancelled() and future.exception() is None:
+                remaining.update(future.result().finalize(cancel=True))
+            else:
+                future.cancel()
+        await asyncio.wait_for(asyncio.gather(*remaining), timeout)
+
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: Optional[bytes] = None, **kwargs: Any
     ) -> None:
