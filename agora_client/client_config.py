@@ -1,7 +1,8 @@
 """First-run configuration of the contributor client, saved in the user's config dir.
 
 Where: ``--config-dir``, else ``$XDG_CONFIG_HOME/agora``, else ``~/.config/agora``.
-``config.json`` holds the swarm URL and the GPU choice; the Hugging Face token, when the user
+``config.json`` holds the swarm URL, the GPU choice and the upload cap (``--max-upload-mbit``, kept until
+another is given; 0: none); the Hugging Face token, when the user
 typed it, goes to ``secrets.json`` with mode 0600 (never into config.json, argv or logs).
 
 Token, first found wins: ``HF_TOKEN`` in the environment; the token saved here; the token saved
@@ -22,7 +23,9 @@ from pathlib import Path
 from typing import Callable, Mapping
 from urllib.parse import urlparse
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from agora_client.upload_cap import parse_cap_mbit
 
 CONFIG_FILE = "config.json"
 SECRETS_FILE = "secrets.json"
@@ -34,6 +37,13 @@ TOKEN_WHY = (
     "The swarm credits your work to a Hugging Face account: its auth service asks Hugging Face whose token this is, "
     "and nothing more. Give a read-only token (or a fine-grained one with no permission), made at "
     f"{TOKEN_PAGE}; the client refuses to send a token that can write. It is saved in {{path}}, readable by you alone."
+)
+# Said before asking whether to send the token of `hf auth login`: what it is, why it may be risky, what follows.
+LOGIN_TOKEN_WHY = (
+    "Found the Hugging Face token saved by `hf auth login`. It was made for your own tools and can often write to "
+    "your repositories; the swarm only needs to learn your account. If you say yes, the client first asks Hugging "
+    "Face what the token may do and does not send one that can write; say no (the default) to give a read-only "
+    f"token instead, made at {TOKEN_PAGE}."
 )
 SWARM_WHY = "The swarm's operator publishes its address; the client reads the run it trains from there."
 GPU_WHY = "Your worker holds one stage of the model on one GPU; choose which."
@@ -49,6 +59,12 @@ class ClientConfig(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
     swarm_url: str | None = None  # None: the runtime's default auth service
     gpu_index: int | None = None
+    max_upload_mbit: float = 0.0  # the upload cap, Mbit/s; 0: none
+
+    @field_validator("max_upload_mbit", mode="before")
+    @classmethod
+    def _upload_cap(cls, value: object) -> float:
+        return parse_cap_mbit(value)
 
 
 @dataclass(frozen=True)
@@ -180,6 +196,7 @@ def _login_token_confirmed(prompts: Prompts, use_login_token: bool) -> bool:
             "a token saved by `hf auth login` was found, but it is sent to a swarm only when you say so: pass "
             "--use-hf-login-token, or set HF_TOKEN to a read-only token"
         )
+    prompts.say(LOGIN_TOKEN_WHY)
     answer = prompts.ask("Send the token saved by `hf auth login` to this swarm's auth service? [y/N]: ")
     return answer.strip().lower() in ("y", "yes")
 
@@ -241,6 +258,7 @@ def resolve_client(
     need_swarm: bool = True,
     use_gpu: bool = True,
     use_login_token: bool = False,
+    max_upload_mbit: float | None = None,
 ) -> ResolvedClient:
     """Load, complete (asking only what is missing) and save the client config; return it with the token.
 
@@ -256,8 +274,10 @@ def resolve_client(
     saved_gpu_index = previous.gpu_index if previous else None
     gpu_index = _choose_gpu(prompts, list_gpus(), gpu, saved_gpu_index, reconfigure) if use_gpu else None
     saved_gpu = gpu_index if gpu is None and use_gpu else saved_gpu_index  # --gpu and --cpu are for this run only
-    store.save(ClientConfig(swarm_url=swarm_url, gpu_index=saved_gpu))
-    return ResolvedClient(ClientConfig(swarm_url=swarm_url, gpu_index=gpu_index), token, source, Path(config_dir))
+    cap = (previous.max_upload_mbit if previous else 0.0) if max_upload_mbit is None else max_upload_mbit
+    store.save(ClientConfig(swarm_url=swarm_url, gpu_index=saved_gpu, max_upload_mbit=cap))
+    resolved = ClientConfig(swarm_url=swarm_url, gpu_index=gpu_index, max_upload_mbit=cap)
+    return ResolvedClient(resolved, token, source, Path(config_dir))
 
 
 def _load_saved(store: ClientConfigStore, reconfigure: bool) -> tuple[ClientConfig | None, str | None]:

@@ -196,6 +196,10 @@ class SyncConfig(_Strict):
     phase1_steps: int = Field(default=400, ge=0)
     phase2_steps: int = Field(default=100, ge=0)
     max_allowed_stale: int = Field(default=5, ge=0, description="epochs behind the stage before re-entering phase 1")
+    skip_phase1_when_fresh: bool = Field(
+        default=False,
+        description="weights at most max_allowed_stale epochs behind the stage when phase 1 begins pass it at once",
+    )
 
 
 class CheckpointConfig(_Strict):
@@ -242,6 +246,20 @@ class SpotCheckConfig(_Strict):
         default=3, ge=1, description="disagreements with its stage's majority that get a worker banned"
     )
     ban_seconds: float = Field(default=86400.0, gt=0, description="how long a trainer keeps a caught worker out")
+    escrow_window_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="compute served on a stage not judged yet is held in windows this long (each closes with at "
+        "least one spot check in it), judged once the stage is verifiable",
+    )
+    escrow_hold_s: float = Field(
+        default=3600.0, gt=0, description="a held window that nothing judged within this long expires unpaid"
+    )
+    reference_workers: list[str] = Field(
+        default_factory=list,
+        description="peer ids of operator-run workers whose answers are trusted as the judge (a two-worker stage "
+        "needs one to pay); their own work is never held",
+    )
 
     @model_validator(mode="after")
     def _check_window(self) -> "SpotCheckConfig":

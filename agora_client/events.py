@@ -115,6 +115,8 @@ class TrafficEvent(_Event):
     bytes_sent: int = 0
     bytes_received: int = 0
     window_s: float = 0.0
+    upload_cap_bps: float | None = None  # the contributor's upload cap (--max-upload-mbit) in bytes/s; None: no cap
+    announced_uplink_bps: float | None = None  # the uplink it announces to its SPARTA groups: min(measured, cap)
 
 
 class SpotCheckStatus(BaseModel):

@@ -32,6 +32,7 @@ from agora_client.frontend.exit_codes import EXIT_ERROR, EXIT_OK, EXIT_REJECTED,
 from agora_client.system.gpu_yield import configure_yield, policy_of
 from agora_client.system.lifetime import on_signals, stop_on_signals
 from agora_client.system.log_events import logs_to_events
+from agora_client.upload_cap import MAX_UPLOAD_HELP, upload_cap_argument
 
 if TYPE_CHECKING:
     from agora_client.auth.run_description import RunDescription
@@ -68,13 +69,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--retry-every", type=float, default=30.0, help="seconds between join attempts while unreachable"
     )
     parser.add_argument(
-        "--batch-size-override",
-        type=int,
-        default=None,
-        metavar="N",
-        help="lower the microbatch the GPU's memory plan allows to N",
-    )
-    parser.add_argument(
         "--insecure",
         action="store_true",
         help="allow plain http:// to a swarm outside this machine and the private networks "
@@ -88,7 +82,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="also trust this CA certificate for the swarm's https:// services (a swarm's own CA; "
         "SSL_CERT_FILE works too, in place of the usual CAs)",
     )
+    _add_limit_arguments(parser)
     configure_yield(parser)
+
+
+def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the contributor holds the worker to: its microbatch, its upload."""
+    parser.add_argument(
+        "--batch-size-override",
+        type=int,
+        default=None,
+        metavar="N",
+        help="lower the microbatch the GPU's memory plan allows to N",
+    )
+    parser.add_argument("--max-upload-mbit", type=upload_cap_argument, default=0.0, metavar="N", help=MAX_UPLOAD_HELP)
 
 
 class _CannotStart(Exception):
@@ -250,6 +257,7 @@ def _contributor(
         insecure=args.insecure,
         yield_policy=policy,
         yield_grace_s=args.yield_grace,
+        max_upload_mbit=args.max_upload_mbit,
     )
     return Contributor(options, events, stop)
 

@@ -14,6 +14,9 @@ Phases, each from the end of the one before:
   sync1          -> sync phase 2 begins
   sync2          -> Active
 
+Also the stage epochs the worker's snapshot trailed its stage by when sync 1 began (tiny passes phase 1 at once
+at most ``sync.max_allowed_stale`` behind).
+
 Usage: python bench/demo_time.py [--timeout 600] [--stop-timeout 30]
 Prints one line per phase; the last line is one JSON object with ``to_active_s``.
 """
@@ -122,7 +125,7 @@ def main() -> None:
         finally:
             stop_s = demo.interrupt(args.stop_timeout) if demo.process.poll() is None else None
         ends = {"swarm": demo.swarm_up, **marks}
-        report(demo.started, ends, stop_s, demo.tail)
+        report(demo.started, ends, stop_s, demo.tail, weights_lag(_events(log)))
 
 
 def _client_log(run_root: Path, demo: _Demo, deadline: float) -> Path:
@@ -135,7 +138,19 @@ def _client_log(run_root: Path, demo: _Demo, deadline: float) -> Path:
     raise SystemExit(f"the demo made no run directory under {run_root}:\n" + "\n".join(demo.tail))
 
 
-def report(started: float, ends: dict[str, float | None], stop_s: float | None, tail: list[str]) -> None:
+def weights_lag(events: list[dict]) -> int | None:
+    """Stage epochs between the snapshot the worker loaded and sync 1's start: at most sync.max_allowed_stale
+    (tiny: 5), phase 1 passes at once, else it lasts its epochs."""
+    restored = next((e for e in events if e.get("kind") == "log" and e["message"].startswith("restored ")), None)
+    sync1 = next((e for e in events if e.get("kind") == "sync" and e.get("phase") == "sync1"), None)
+    if restored is None or sync1 is None:
+        return None
+    return sync1["local_epoch"] - int(restored["message"].rsplit(" ", 1)[-1])
+
+
+def report(
+    started: float, ends: dict[str, float | None], stop_s: float | None, tail: list[str], lag: int | None
+) -> None:
     phases, previous = {}, started
     for phase in PHASES:
         end = ends[phase]
@@ -148,7 +163,17 @@ def report(started: float, ends: dict[str, float | None], stop_s: float | None, 
     to_active = None if ends["sync2"] is None else round(ends["sync2"] - started, 1)
     if to_active is None:
         print("the demo did not reach Active; its last lines:\n" + "\n".join(tail), file=sys.stderr)
-    print(json.dumps({"to_active_s": to_active, "phases_s": phases, "ctrl_c_stop_s": stop_s and round(stop_s, 1)}))
+    print(f"weights lag at sync 1: {lag} stage epochs")
+    print(
+        json.dumps(
+            {
+                "to_active_s": to_active,
+                "phases_s": phases,
+                "weights_lag_at_sync1_epochs": lag,
+                "ctrl_c_stop_s": stop_s and round(stop_s, 1),
+            }
+        )
+    )
     if to_active is None or stop_s is None:
         raise SystemExit(1)
 

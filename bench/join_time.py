@@ -7,7 +7,8 @@ auth URL. Split into start-up (run description), preflight, opening the worker's
 moment in the stage, see WorkerNode.start), sync phase 1 and sync phase 2, from the timestamps of
 the runtime's own events. The download rate (the client's resumable, verifying download) is
 compared, in the same run and from the contributor's host, with plain HTTP GETs of the same
-snapshot files from the same server, alternated five times; medians.
+snapshot files from the same server (latest.json and the manifest too, each file written to disk, as
+`curl -o` would), alternated five times; medians.
 
 Each host also gets CPU of its own: the swarm runs under a quota of ``--swarm-cpus`` cores and the
 contributor under one of the remaining cores (cgroups: tests/cpu_quota.py). Without quotas the swarm's
@@ -69,26 +70,44 @@ def first_batch(events: list[dict]) -> dict | None:
     return next((e for e in events if e["kind"] == "step" and (e["forward_per_min"] or e["backward_per_min"])), None)
 
 
+def snapshot_epoch(events: list[dict]) -> int:
+    """The epoch of the snapshot the worker's weights came from (its DOWNLOAD line: "restored ... at epoch N")."""
+    restored = next(e for e in events if e["kind"] == "log" and e["message"].startswith("restored "))
+    return int(restored["message"].rsplit(" ", 1)[-1])
+
+
 def download_rates(swarm: LocalSwarm, stage: str, scratch: Path, repeats: int = 5) -> tuple[float, float]:
-    """Median bytes/s of the client's download against plain GETs of the same files, alternated."""
+    """Median bytes/s of the client's download against plain GETs of the same files, alternated.
+
+    The plain side does what `curl -o` would for the same snapshot: it GETs latest.json and the manifest, as the
+    client must, and writes each file to disk; what remains between the two is the client's sha256 check and
+    its fsyncs (the download marks), fixed costs that a small snapshot on a fast link shows most."""
     snapshot = latest_snapshot(swarm.snapshot_dir / stage)
     manifest = read_manifest(snapshot / "manifest.json")
+    latest = f"{swarm.snapshot_server.url}/{stage}/latest.json"
     base = f"{swarm.snapshot_server.url}/{stage}/{snapshot.name}"
     size = sum(entry["size"] for entry in manifest["files"].values())
     ours, plain = [], []
-    with httpx.Client() as client:
+    with httpx.Client() as client:  # one client for both: neither pays for a connection or a TLS context
         for attempt in range(repeats):
             started = time.perf_counter()
-            latest = f"{swarm.snapshot_server.url}/{stage}/latest.json"
-            download_snapshot(
-                latest, scratch / str(attempt), events=NULL_WRITER, client=client
-            )  # same client as the GETs
+            download_snapshot(latest, scratch / str(attempt), events=NULL_WRITER, client=client)
             ours.append(size / (time.perf_counter() - started))
             started = time.perf_counter()
-            for name in manifest["files"]:
-                client.get(f"{base}/{name}").raise_for_status()
+            _plain_download(client, latest, base, list(manifest["files"]), scratch / f"plain-{attempt}")
             plain.append(size / (time.perf_counter() - started))
     return statistics.median(ours), statistics.median(plain)
+
+
+def _plain_download(client: httpx.Client, latest: str, base: str, names: list[str], directory: Path) -> None:
+    client.get(latest).raise_for_status()
+    client.get(f"{base}/manifest.json").raise_for_status()
+    directory.mkdir(parents=True)
+    for name in names:
+        with client.stream("GET", f"{base}/{name}") as response, open(directory / name, "wb") as out:
+            response.raise_for_status()
+            for block in response.iter_raw():
+                out.write(block)
 
 
 @contextmanager
@@ -237,6 +256,8 @@ def main() -> None:
         "download_s": round(download_done["ts"] - download_start["ts"], 2),
         "worker_start_s": round(sync1["ts"] - download_done["ts"], 2),
         "of_which_calm_moment_wait_s": round(sync1["ts"] - worker_up["ts"], 2),  # sync 1 begins early in a stage epoch
+        # phase 1 passes at once for weights at most sync.max_allowed_stale epochs behind (tiny), else lasts its epochs
+        "weights_lag_at_sync1_epochs": sync1["local_epoch"] - snapshot_epoch(events),
         "sync1_s": round(sync2["ts"] - sync1["ts"], 2),
         "sync2_until_first_batch_s": round(batch["ts"] - sync2["ts"], 2),
         "start_to_first_batch_s": round(batch["ts"] - started, 2),

@@ -6,7 +6,9 @@ downloads without retries (not process-wide: the identity tests talk to a local 
 """
 
 import os
+from pathlib import Path
 
+import psutil
 import pytest
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -20,3 +22,16 @@ def hub_offline(monkeypatch):
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left_behind():
+    """hivemind shares tensors through /dev/shm/torch_<pid>_* files (torch's file_system strategy), which their
+    process's torch_shm_manager unlinks; a test that kills a process tree or a namespace's processes kills managers
+    too. At the end, remove the files this run made whose process is gone."""
+    shared_memory = Path("/dev/shm")
+    before = set(shared_memory.glob("torch_*"))
+    yield
+    for path in set(shared_memory.glob("torch_*")) - before:
+        if not psutil.pid_exists(int(path.name.split("_")[1])):
+            path.unlink(missing_ok=True)

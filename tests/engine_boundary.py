@@ -123,12 +123,28 @@ def _is_hivemind(obj: object) -> bool:
 
 
 @functools.cache
+def _class_source(cls: type) -> tuple[list[str], ast.Module] | None:
+    """``cls``'s source lines and their syntax tree (read once: the checks ask for them per member)."""
+    try:
+        lines, _ = inspect.getsourcelines(cls)
+        return lines, ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, IndentationError):
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def parse_source(text: str, filename: str) -> ast.Module:
+    """A file's syntax tree, parsed once per content (both passes over the project read every file)."""
+    return ast.parse(text, filename)
+
+
+@functools.cache
 def _instance_attributes(cls: type) -> frozenset[str]:
     """The attributes ``cls``'s own methods set on ``self``."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError, IndentationError):
+    source = _class_source(cls)
+    if source is None:
         return frozenset()
+    tree = source[1]
     return frozenset(
         node.attr
         for node in ast.walk(tree)
@@ -146,11 +162,11 @@ def _defines(cls: type, name: str) -> bool:
 def _data_attribute_is_documented(cls: type, name: str) -> bool:
     """Whether a class-level data attribute carries a doc-comment (``#:`` above it or a string below it): the
     only way autodoc renders one."""
-    try:
-        lines, _ = inspect.getsourcelines(cls)
-    except (OSError, TypeError):
+    source = _class_source(cls)
+    if source is None:
         return False
-    body = ast.parse(textwrap.dedent("".join(lines))).body[0].body
+    lines, tree = source
+    body = tree.body[0].body
     for index, statement in enumerate(body):
         targets = statement.targets if isinstance(statement, ast.Assign) else [getattr(statement, "target", None)]
         if any(isinstance(target, ast.Name) and target.id == name for target in targets):
@@ -259,7 +275,7 @@ class PublicApi:
         no part of its public API carries."""
         defined = set()
         for path in HIVEMIND.rglob("*.py"):
-            defined |= attribute_names(ast.parse(path.read_text()))
+            defined |= attribute_names(parse_source(path.read_text(), str(path)))
         public = {getattr(obj, "__name__", None) for obj in self.objects.values()}
         for obj in self.objects.values():
             if isinstance(obj, type):
@@ -282,11 +298,10 @@ class _AttributeSource:
 
 def _attribute_source(cls: type, name: str) -> _AttributeSource:
     """The function whose call ``cls``'s source assigns to ``self.<name>``, if any (its return hint is the type)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError, IndentationError):
+    source = _class_source(cls)
+    if source is None:
         return _AttributeSource(None)
-    for node in ast.walk(tree):
+    for node in ast.walk(source[1]):
         if (
             isinstance(node, ast.Assign)
             and isinstance(node.value, ast.Call)
@@ -407,7 +422,7 @@ class ModuleReader:
 
     def __init__(self, path: Path, api: PublicApi, project_names: frozenset[str]) -> None:
         self.path, self.api, self.project_names = path, api, project_names
-        self.tree = ast.parse(path.read_text(), str(path))
+        self.tree = parse_source(path.read_text(), str(path))
         self.package = _package_of(path)
         self.globals: dict[str, object] = {}
         self.imports: list[tuple[ast.AST, str, str | None]] = []  # (node, module, name or None)

@@ -2,7 +2,8 @@
 
 The namespaced SPARTA test and bench/sparta_8b.py run it; ``SpartaPeer`` is the parent's side::
 
-    ip netns exec NS python -m tests.sparta_peer --address 10.78.0.2 --index 1 --stage-size 3 --initial-peer MADDR
+    ip netns exec NS python -m tests.sparta_peer --address 10.78.0.2 --index 1 --stage-size 3 --initial-peer MADDR \
+        [--max-upload-mbit N]
 
 It starts a hivemind DHT on its address (the first peer has no --initial-peer: it bootstraps the others) and
 says {"event": "dht", "maddrs": [...]}. Then it reads one command a line on stdin and answers on stdout
@@ -10,7 +11,8 @@ says {"event": "dht", "maddrs": [...]}. Then it reads one command a line on stdi
 
 - {"cmd": "open", "prefix": P, "values": N, "sparta": {SpartaConfig fields}} -> {"event": "opened"}: a
   SpartaAverager over one flat float32 parameter of N values (no model), replacing the previous averager;
-- {"cmd": "round", "round": K} -> {"event": "round", "report": {RoundReport fields}} once round K ended;
+- {"cmd": "round", "round": K} -> {"event": "round", "report": {RoundReport fields}, "link": {"up": .., "down": ..}}
+  once round K ended (link: the rates it announced to that round's group, bytes/s);
 - {"cmd": "close"} -> {"event": "closed", "peak_rss_mb": {"peer": .., "averager": ..}}: the averager stops.
 
 At the end of its input it stops everything and exits.
@@ -61,6 +63,7 @@ class _Peer:
     def open(self, prefix: str, values: int, sparta: dict) -> None:
         from agora_client.averaging.sparta import SpartaAverager
         from agora_client.config import SpartaConfig
+        from agora_client.upload_cap import UploadCap
 
         self.close()
         if self.parameter is None or self.parameter.numel() != values:
@@ -68,11 +71,19 @@ class _Peer:
             self.parameter = _flat_parameter(values, self.args.index)
         stage_size = self.args.stage_size
         self.averager = SpartaAverager(
-            self.dht, prefix, [self.parameter], SpartaConfig(**sparta), lock=self.lock, stage_size=lambda: stage_size
+            self.dht,
+            prefix,
+            [self.parameter],
+            SpartaConfig(**sparta),
+            lock=self.lock,
+            stage_size=lambda: stage_size,
+            upload=UploadCap(self.args.max_upload_mbit) if self.args.max_upload_mbit else None,
         )
 
-    def round(self, round_no: int) -> dict:
-        return dataclasses.asdict(self.averager.begin_round(round_no, 1.0).result())
+    def round(self, round_no: int) -> tuple[dict, dict]:
+        """The round's report, and the link this peer announced to its group."""
+        link = self.averager.announced_link.to_json()
+        return dataclasses.asdict(self.averager.begin_round(round_no, 1.0).result()), link
 
     def close(self) -> None:
         if self.averager is not None:
@@ -99,7 +110,8 @@ def _serve(peer: _Peer) -> None:
             peer.open(command["prefix"], command["values"], command["sparta"])
             _emit(event="opened")
         elif command["cmd"] == "round":
-            _emit(event="round", report=peer.round(command["round"]))
+            report, link = peer.round(command["round"])
+            _emit(event="round", report=report, link=link)
         elif command["cmd"] == "close":
             peer.close()
             _emit(event="closed", peak_rss_mb=_peak_rss_mb())
@@ -113,6 +125,7 @@ def main() -> int:
     parser.add_argument("--index", type=int, required=True, help="this peer's number (its values differ a little)")
     parser.add_argument("--stage-size", type=int, required=True, help="peers of the stage: a group is full with them")
     parser.add_argument("--initial-peer", action="append", default=[], help="a DHT address of the bootstrap peer")
+    parser.add_argument("--max-upload-mbit", type=float, default=0.0, help="this peer's upload cap (0: none)")
     args = parser.parse_args()
     import torch
 
@@ -134,7 +147,14 @@ class SpartaPeer:
     """The parent's side of one peer process started in ``namespace``; its stderr goes to ``log_path``."""
 
     def __init__(
-        self, namespace: str, address: str, index: int, stage_size: int, initial_peers: list[str], log_path: Path
+        self,
+        namespace: str,
+        address: str,
+        index: int,
+        stage_size: int,
+        initial_peers: list[str],
+        log_path: Path,
+        max_upload_mbit: float = 0.0,
     ):
         self.index, self.log_path = index, log_path
         command = [
@@ -154,6 +174,8 @@ class SpartaPeer:
         ]
         for maddr in initial_peers:
             command += ["--initial-peer", maddr]
+        if max_upload_mbit:
+            command += ["--max-upload-mbit", str(max_upload_mbit)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(
@@ -195,12 +217,16 @@ class SpartaPeer:
     def _log_tail(self, lines: int = 20) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
-    def stop(self, timeout: float = 60.0) -> None:
-        """End its input and wait for it to shut down; kill it if it does not within ``timeout``."""
+    def end_input(self) -> None:
+        """Close its stdin: it stops everything and exits."""
         try:
             self.process.stdin.close()
         except BrokenPipeError:
             pass
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """End its input and wait for it to shut down; kill it if it does not within ``timeout``."""
+        self.end_input()
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -208,17 +234,22 @@ class SpartaPeer:
             self.process.wait(10)
 
 
-def start_peers(hosts: list, log_dir: Path, timeout: float = 120.0) -> list[SpartaPeer]:
-    """One peer on each of ``hosts`` (tests/netns.py Host), the first the others' DHT bootstrap."""
+def start_peers(
+    hosts: list, log_dir: Path, timeout: float = 120.0, caps: dict[int, float] | None = None
+) -> list[SpartaPeer]:
+    """One peer on each of ``hosts`` (tests/netns.py Host), the first the others' DHT bootstrap; ``caps``: the upload
+    cap (Mbit/s) of the peers that have one, by index."""
     peers: list[SpartaPeer] = []
+    caps = caps or {}
     try:
-        first = SpartaPeer(hosts[0].namespace, hosts[0].address, 0, len(hosts), [], log_dir / "peer0.log")
+        first = SpartaPeer(
+            hosts[0].namespace, hosts[0].address, 0, len(hosts), [], log_dir / "peer0.log", caps.get(0, 0.0)
+        )
         peers.append(first)
         maddrs = first.expect("dht", timeout)["maddrs"]
         for index, host in enumerate(hosts[1:], start=1):
-            peers.append(
-                SpartaPeer(host.namespace, host.address, index, len(hosts), maddrs, log_dir / f"peer{index}.log")
-            )
+            log = log_dir / f"peer{index}.log"
+            peers.append(SpartaPeer(host.namespace, host.address, index, len(hosts), maddrs, log, caps.get(index, 0.0)))
         for peer in peers[1:]:
             peer.expect("dht", timeout)
     except BaseException:
@@ -229,6 +260,8 @@ def start_peers(hosts: list, log_dir: Path, timeout: float = 120.0) -> list[Spar
 
 def stop_peers(peers: list[SpartaPeer], timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
+    for peer in peers:  # all of them shut down at once
+        peer.end_input()
     for peer in peers:
         peer.stop(max(1.0, deadline - time.monotonic()))
 
@@ -240,11 +273,13 @@ def open_averagers(peers: list[SpartaPeer], prefix: str, values: int, sparta: di
         peer.expect("opened", timeout)
 
 
-def run_round(peers: list[SpartaPeer], round_no: int, timeout: float) -> list[dict]:
-    """Every peer's RoundReport (as a dict) of round ``round_no``, begun at once on all of them."""
+def run_round(peers: list[SpartaPeer], round_no: int, timeout: float, with_links: bool = False) -> list:
+    """Every peer's RoundReport (as a dict) of round ``round_no``, begun at once on all of them; ``with_links``:
+    (report, announced link) pairs."""
     for peer in peers:
         peer.send("round", round=round_no)
-    return [peer.expect("round", timeout)["report"] for peer in peers]
+    answers = [peer.expect("round", timeout) for peer in peers]
+    return [(answer["report"], answer["link"]) if with_links else answer["report"] for answer in answers]
 
 
 def close_averagers(peers: list[SpartaPeer], timeout: float) -> list[dict]:

@@ -218,8 +218,8 @@ def test_a_killed_auth_service_restarts_with_its_slots_queue_and_tickets(tmp_pat
         processes.append(first)
         granted = {name: join(url, name) for name in names[:4]}  # the first of each of tiny's four stages is let in
         assert [granted[name]["stage"] for name in names[:4]] == ["head", "body1", "body2", "tail"]
-        queued = join(url, "eve")  # each stage admits once per 600 s: eve waits for head
-        assert (queued["status"], queued["stage"], queued["position"]) == ("queued", "head", 1)
+        queued = join(url, "eve")  # each stage admits once per 600 s: eve waits for the tail, shortest for its compute
+        assert (queued["status"], queued["stage"], queued["position"]) == ("queued", "tail", 1)
         assert httpx.post(f"{url}/v1/active", json={"ticket": granted["ann"]["ticket"]}).status_code == 200
         before = httpx.get(f"{url}/v1/status").json()
         first.send_signal(signal.SIGKILL)

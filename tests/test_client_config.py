@@ -72,6 +72,7 @@ def test_hf_token_env_wins_and_hf_login_token_is_used_only_once_confirmed(tmp_pa
     client = resolve(fresh, confirmed, login=LOGIN)
     assert (client.token, client.token_source) == (LOGIN, "hf auth login")
     assert "hf auth login" in confirmed.asked[0]
+    assert any("can often write" in line and "does not send one that can write" in line for line in confirmed.said)
     assert not ClientConfigStore(fresh).secrets_path.exists()  # not copied: hf keeps it
     declined = Answers("n", TYPED)  # declined: the user types another token
     assert resolve(tmp_path / "declined", declined, login=LOGIN).token == TYPED

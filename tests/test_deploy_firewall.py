@@ -57,17 +57,27 @@ def test_the_ruleset_names_the_hosts_http_ports_the_limits_and_its_trusted_proxi
     assert lines[:3] == ["table inet agora_guard", "delete table inet agora_guard", "table inet agora_guard {"]
     rules = [line for line in lines if line.startswith("tcp dport")]
     port_sets = [set(re.match(r"tcp dport \{ ([^}]*) \}", rule).group(1).split(", ")) for rule in rules]
-    assert port_sets == [{"8080", "8440", "8091"}] * 4  # snapshot server, auth, monitor; not seeds, relay, metrics
+    assert port_sets == [{"8080", "8440", "8091"}] * 8  # snapshot server, auth, monitor; not seeds, relay, metrics
     limit = f"limit rate over 3000/minute burst {ServiceLimits().max_connections_per_address} packets"
     assert rules[0].endswith("ip saddr { 127.0.0.1/32, 10.1.0.0/16 } accept")
     assert rules[1].endswith("ip6 saddr { 2001:db8::/48 } accept")
     assert rules[2].endswith(f"ct state new add @per_address_v4 {{ ip saddr {limit} }} counter drop")
-    assert rules[3].endswith(f"add @per_network_v6 {{ ip6 saddr & ffff:ffff:ffff:ffff:: {limit} }} counter drop")
+    assert rules[3].endswith(
+        f"ip saddr != @per_address_v4 add @per_block_v4 {{ ip saddr & 255.255.0.0 {limit} }} counter drop"
+    )
+    assert rules[5].endswith(f"add @per_network_v6 {{ ip6 saddr & ffff:ffff:ffff:ffff:: {limit} }} counter drop")
+    assert rules[6].endswith(f"add @per_block_v6 {{ ip6 saddr & ffff:ffff:ffff:: {limit} }} counter drop")
+    assert "size 65535;" in script
+
+
+def test_the_operator_may_size_the_tracked_sets(tmp_path, capsys):
+    _, script, _ = _firewall(_deploy_file(tmp_path, []), "operator", capsys, "--tracked-sources", "1000")
+    assert script.count("size 1000;") == 4 and "size 65535" not in script
 
 
 def test_without_trusted_proxies_nothing_is_exempt(tmp_path, capsys):
     _, script, _ = _firewall(_deploy_file(tmp_path, []), "operator", capsys)
-    assert "accept\n" not in script and script.count("limit rate over") == 2
+    assert "accept\n" not in script and script.count("limit rate over") == 6
 
 
 def test_a_host_without_an_http_role_gets_no_ruleset(tmp_path, capsys):
@@ -147,3 +157,36 @@ def test_the_kernel_drops_an_address_beyond_its_burst_until_the_table_is_removed
             if connection is not None:
                 connection.close()
         listener.close()
+
+
+def test_gaming_a_full_table_limits_new_addresses_per_block_not_unlimited(namespace):
+    """Once the per-address set is full, a new address is limited under its /16 (all of 127.0.0.0/16 shares one
+    burst) instead of passing unlimited; another /16 still connects, and so does one that finds both sets full."""
+    with namespace.entered():
+        listener = socket.create_server(("127.0.0.1", 0), backlog=256)
+    held: list[socket.socket | None] = []
+    try:
+        port = listener.getsockname()[1]
+        with namespace.entered():
+            apply_ruleset(render_ruleset([port], per_minute=1, burst=BURST, tracked=2))
+        held += [_connect(namespace, port, source) for source in ("127.0.0.2", "127.0.0.3")]  # the set is full
+        newcomers = [f"127.0.1.{last}" for last in range(1, BURST + 3)]  # each connects once, all in one /16
+        held += [_connect(namespace, port, source) for source in newcomers]
+        assert [connection is not None for connection in held] == [True] * (2 + BURST) + [False] * 2, (
+            "new addresses in a full table must share their /16's burst"
+        )
+        held += [_connect(namespace, port, "127.1.0.1")]
+        assert held[-1] is not None, "a new address in another /16 must still connect"
+        held += [_connect(namespace, port, "127.2.0.1")]
+        assert held[-1] is not None, "one that finds both sets full is limited, not shut out"
+        held += [_connect(namespace, port, "127.0.0.2") for _ in range(BURST - 1)]
+        assert all(connection is not None for connection in held[-(BURST - 1) :]), (
+            "a tracked address keeps its own limit"
+        )
+    finally:
+        for connection in held:
+            if connection is not None:
+                connection.close()
+        listener.close()
+        with namespace.entered():
+            remove_ruleset()

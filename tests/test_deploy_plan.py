@@ -223,3 +223,17 @@ def test_down_without_up_says_nothing_runs(tmp_path, capsys):
     spec = load_spec(_write(tmp_path, _spec_dict(tmp_path)))
     assert down(spec, "operator", grace=1.0) == 0
     assert "nothing runs from this deploy file on operator" in capsys.readouterr().out
+
+
+def test_relay_deploy_gives_the_relay_the_auth_services_public_key(tmp_path):
+    from agora_client.auth.tickets import load_signing_key, public_key_text
+
+    data = _spec_dict(tmp_path)
+    data["hosts"]["operator"]["roles"]["relay"] = {"port": 47100, "ports": "47000-47099"}
+    spec = load_spec(_write(tmp_path, data))
+    store = prepare_secrets(spec, "operator")
+    [relay] = [launch for step in plan_roles(spec, "operator", store) for launch in step if launch.name == "relay"]
+    assert _flag(relay.args, "--auth-public-key") == public_key_text(load_signing_key(store.signing_key))
+    store.signing_key.unlink()  # a relay host without the secrets the auth host made
+    with pytest.raises(DeployError, match="the relay needs the auth service's key"):
+        plan_roles(spec, "operator", store)

@@ -35,7 +35,8 @@ SPARTA = {"period": 4, "fraction": 0.5}
 def join_swarm(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("join")
     preset = yaml.safe_load((resources.files("agora_client") / "presets" / "tiny.yaml").read_text())
-    preset["sync"].update(phase1_steps=PHASE1_STEPS, phase2_steps=PHASE2_STEPS)  # phases long enough to observe
+    # phases long enough to observe, phase 1 too (tiny lets a fresh snapshot pass it at once: test_sync_state)
+    preset["sync"].update(phase1_steps=PHASE1_STEPS, phase2_steps=PHASE2_STEPS, skip_phase1_when_fresh=False)
     preset["sparta"].update(SPARTA)
     preset_path = run_dir / "join.yaml"
     preset_path.write_text(yaml.safe_dump(preset))

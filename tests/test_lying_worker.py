@@ -27,12 +27,16 @@ from tests.faulty_worker import faulty
 from tests.swarm_helpers import progress, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
-SPOT_CHECKS = {"fraction": 0.5, "strikes": 3, "min_samples": 10}  # check often and judge soon: the test is short
+# check often and judge soon, and release escrow in short windows: the test is short
+SPOT_CHECKS = {"fraction": 0.5, "strikes": 3, "min_samples": 10, "escrow_window_s": 5.0}
 
 
 def test_a_lying_worker_is_banned_loses_its_points_and_the_loss_still_falls(tmp_path):
     preset = yaml.safe_load((resources.files("agora_client") / "presets" / "tiny.yaml").read_text())
     preset["spot_checks"] = SPOT_CHECKS
+    # the liar serves after a full phase 1, as it did before tiny skipped it: the tail calibrates on honest answers
+    # first (a liar while a stage calibrates is paid nothing, test_gaming_escrow.py, but its answers train)
+    preset["sync"]["skip_phase1_when_fresh"] = False
     preset_path = tmp_path / "spot.yaml"
     preset_path.write_text(yaml.safe_dump(preset))
     swarm = LocalSwarm(
@@ -94,6 +98,12 @@ def test_a_lying_worker_is_banned_loses_its_points_and_the_loss_still_falls(tmp_
         )
         points = liar_points()
         assert points["withheld"] and points["compute"] == 0.0
+        # What it served while the tail calibrated waited in the trainer's escrow and is forfeited, for all to see.
+        wait_until(
+            lambda: httpx.get(f"{monitor_url}/swarm", timeout=5).json()["escrow"]["forfeited"] > 0,
+            120,
+            "the monitor to show the liar's escrowed compute forfeited",
+        )
 
         done_at_ban = progress(trainer.lines())[-1][0]
         wait_until(lambda: progress(trainer.lines())[-1][0] >= done_at_ban + 12, 300, "training to go on after the ban")

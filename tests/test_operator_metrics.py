@@ -36,7 +36,7 @@ from agora_client.monitor.store import PointsStore
 from agora_client.monitor.swarm_summary import StageSummary, SwarmSummary
 from agora_client.operator_metrics import MetricsEndpoint, MetricsUnavailable, Series, add_metrics_arguments
 from agora_client.operator_metrics.http_front import OPEN_CONNECTIONS
-from agora_client.relay import RelayReservation, RelayServer, RelaySettings
+from agora_client.relay import PeerCredentials, RelayReservation, RelayServer, RelaySettings, RelayUnavailable
 from agora_client.relay import operator_metrics as relay_metrics
 from agora_client.serving.rejections import RejectionLog
 from agora_client.serving.traffic import RequestMeter
@@ -282,19 +282,34 @@ def test_a_trainer_serves_microbatches_requests_and_errors_per_stage(endpoint: M
     assert "agora_trainer_spot_checks_total" not in samples  # spot checks off
 
 
-def test_a_relay_serves_the_reservations_it_holds(endpoint: MetricsEndpoint):
-    low = random.randrange(40000, 59000)  # ports in use are skipped by the relay
+def test_a_relay_serves_the_reservations_it_holds_and_its_refusals(endpoint: MetricsEndpoint):
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from agora_client.auth.relay_pass import issue_relay_pass
+    from agora_client.auth.tickets import generate_signing_key, public_key_text
+
+    low, auth_key, peer_key = random.randrange(40000, 59000), generate_signing_key(), RSAPrivateKey()
     settings = RelaySettings(
-        host="127.0.0.1", public_host="127.0.0.1", port_lo=low, port_hi=low + 30, max_reservations=5
+        host="127.0.0.1",
+        public_host="127.0.0.1",
+        port_lo=low,  # ports in use are skipped by the relay
+        port_hi=low + 30,
+        max_reservations=5,
+        auth_public_key=public_key_text(auth_key),
     )
+    relay_pass = issue_relay_pass(auth_key, identity="alice", peer_id=PeerCredentials(peer_key, str).peer_id)
     with RelayServer(settings) as relay:
         endpoint.add(relay_metrics.relay_collector(relay))
         assert value(scrape(endpoint.url), "agora_relay_reservations") == 0
-        with RelayReservation(f"127.0.0.1:{relay.port}", 9, on_lost=print, peer_id="QmWorker") as reservation:
+        with pytest.raises(RelayUnavailable, match="no relay pass"):
+            RelayReservation(f"127.0.0.1:{relay.port}", 9, on_lost=print, credentials=None).open()
+        credentials = PeerCredentials(peer_key, lambda: relay_pass)
+        with RelayReservation(f"127.0.0.1:{relay.port}", 9, on_lost=print, credentials=credentials) as reservation:
             reservation.open()
             samples = scrape(endpoint.url)
     assert value(samples, "agora_relay_reservations") == 1
     assert value(samples, "agora_relay_reservation_capacity") == 5
+    assert value(samples, "agora_relay_refusals_total", reason="no_pass") == 1
 
 
 def test_a_seed_serves_the_peers_in_its_routing_table(endpoint: MetricsEndpoint):
@@ -335,7 +350,10 @@ def _endpoint_arguments(args: argparse.Namespace) -> dict:
         ("agora_client.discovery.seed", []),
         ("agora_client.worker.main", ["--stage", "head", "--seeds", "/ip4/127.0.0.1/tcp/1"]),
         ("agora_client.trainer.main", ["--seeds", "/ip4/127.0.0.1/tcp/1"]),
-        ("agora_client.relay.main", ["--public-host", "relay.example", "--ports", "50000-50010"]),
+        (
+            "agora_client.relay.main",
+            ["--public-host", "relay.example", "--ports", "50000-50010", "--auth-public-key", "K"],
+        ),
     ],
 )
 def test_every_role_without_an_http_server_takes_a_metrics_port(module: str, required: list[str]):

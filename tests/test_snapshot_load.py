@@ -19,6 +19,7 @@ from agora_client.joining.preparation import StagePreparation
 from agora_client.model import build_stage
 from agora_client.snapshots import (
     SnapshotError,
+    download_marks,
     download_snapshot,
     load_stage_snapshot,
     read_manifest,
@@ -187,6 +188,25 @@ def test_a_download_mark_is_void_once_a_file_or_the_manifest_changes(
 
     hashed.clear()
     mark_started(downloaded)  # a new download into the directory began and did not finish
+    load_stage_snapshot(downloaded, *fresh_stage())
+    assert sorted(hashed) == ["optimizer.safetensors", "params.safetensors"]
+
+
+def test_a_download_mark_holds_only_in_the_boot_that_wrote_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the downloaded files are not fsynced: after a crash of the machine (a new boot) they may be torn
+    boot = tmp_path / "boot_id"
+    boot.write_text("first-boot\n")
+    monkeypatch.setattr(download_marks, "BOOT_ID_FILE", boot)
+    save_stage_snapshot(tmp_path / "store", "body1", *trained_stage(seed=1), epoch=2, keep=1)
+    with serve_directory(tmp_path / "store") as server:
+        downloaded = download_snapshot(f"{server.url}/body1/latest.json", tmp_path / "downloads", events=NULL_WRITER)
+    hashed: list[str] = []
+    original = snapshot_format.file_sha256
+    monkeypatch.setattr(snapshot_format, "file_sha256", lambda path: hashed.append(Path(path).name) or original(path))
+    load_stage_snapshot(downloaded, *fresh_stage())
+    assert hashed == []  # the same boot: trusted
+
+    boot.write_text("second-boot\n")
     load_stage_snapshot(downloaded, *fresh_stage())
     assert sorted(hashed) == ["optimizer.safetensors", "params.safetensors"]
 

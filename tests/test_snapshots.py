@@ -216,6 +216,20 @@ def test_download_round_trip(tmp_path: Path):
 Send = Callable[[bytes], Awaitable[None]]
 
 
+def test_every_file_comes_over_one_connection(tmp_path: Path):
+    """Each file's body is read to its end, so the next file reuses the connection (no new TCP or TLS handshake)."""
+    root, directory, _, _ = published(tmp_path)
+    client_ports = []
+
+    def record(response: httpx.Response) -> None:
+        client_ports.append(response.extensions["network_stream"].get_extra_info("client_addr")[1])
+
+    with serve_directory(root) as server, httpx.Client(event_hooks={"response": [record]}) as client:
+        download_snapshot(f"{server.url}/body2/latest.json", tmp_path / "dest", events=EventWriter(), client=client)
+    assert len(client_ports) == 4  # latest.json, the manifest, two files
+    assert len(set(client_ports)) == 1, client_ports
+
+
 class CutOnce(StoreFront):
     """Drops the connection once, after CUT_AFTER bytes of the optimizer file's body."""
 

@@ -4,7 +4,9 @@ Rules (issue 5, section 1):
 - capacity: each stage has at most ``max_workers_per_stage`` slots; when no stage has room the join is
   rejected at once (there is no waiting list for a full swarm);
 - one identity holds at most ``per_identity_cap`` slots or queue places;
-- a joiner is given the stage that needs peers most: fewest slots + queue places, ties to pipeline order;
+- a joiner is given the stage that needs peers most among those its GPU holds: the fewest slots + queue places
+  for the stage's target workers (``demand``, stage_demand.py: from the plan's compute per stage, or the operator's),
+  ties to pipeline order;
 - pacing: a stage admits again only ``pacing_s`` after its last admission and while fewer than
   ``max_pending_per_stage`` admitted peers have not yet reported active (for at most
   ``integration_timeout_s``); otherwise the joiner waits in that stage's FIFO queue, keeping its place
@@ -25,6 +27,8 @@ from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 
+from .stage_demand import StageDemand, even_demand
+
 
 @dataclass(frozen=True)
 class AdmissionPolicy:
@@ -36,16 +40,24 @@ class AdmissionPolicy:
     integration_timeout_s: float = 600.0
     ticket_ttl_s: float = 3600.0
     queue_stale_s: float = 120.0
+    demand: StageDemand | None = None
+    """Target workers per stage (stage_demand.py); None: every stage alike, the fewest workers first."""
 
     def __post_init__(self) -> None:
         if not self.stages or len(set(self.stages)) != len(self.stages):
             raise ValueError("the admission policy needs a list of distinct stage names")
+        if self.demand is not None and self.demand.stages != tuple(self.stages):
+            raise ValueError("the stage demand must name the policy's stages, in pipeline order")
         if self.max_workers_per_stage < 1 or self.per_identity_cap < 1 or self.max_pending_per_stage < 1:
             raise ValueError("max workers per stage, the per-identity cap and max pending per stage must be at least 1")
         if self.ticket_ttl_s <= 0 or self.queue_stale_s <= 0 or self.pacing_s < 0 or self.integration_timeout_s < 0:
             raise ValueError(
                 "ticket TTL and queue staleness must be positive, pacing and integration timeout not negative"
             )
+
+    @property
+    def stage_demand(self) -> StageDemand:
+        return self.demand or even_demand(self.stages, self.max_workers_per_stage)
 
 
 @dataclass
@@ -202,6 +214,12 @@ class SlotBook:
             self._recorded()
         return freed
 
+    def next_stage(self, now: float) -> str | None:
+        """The stage a joiner that can hold any stage would be given now (None: the swarm is full)."""
+        with self._lock:
+            self._expire(now)
+            return self._neediest_stage(None)
+
     def occupancy(self, now: float) -> dict[str, dict[str, int]]:
         with self._lock:
             self._expire(now)
@@ -333,8 +351,9 @@ class SlotBook:
             for name in self.policy.stages
             if loads[name] < self.policy.max_workers_per_stage and (allowed is None or name in allowed)
         ]
-        # min() keeps the first of equal loads: ties go to pipeline order.
-        return min(open_stages, key=lambda name: loads[name]) if open_stages else None
+        demand = self.policy.stage_demand
+        # min() keeps the first of equal fills: ties go to pipeline order.
+        return min(open_stages, key=lambda name: demand.fill(name, loads[name])) if open_stages else None
 
     def _expire(self, now: float) -> None:
         for stage in self._stages.values():

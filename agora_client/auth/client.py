@@ -48,11 +48,12 @@ class AuthFailed(AuthError):
 
 
 class PeerUnreachable(AuthError):
-    """The auth service could not connect back to this peer's port; ``dial`` says where from and how it failed."""
+    """The auth service could not connect back to this peer's port; ``dial`` says where from and how it failed.
+    ``relay_pass``: what the run's relays ask of this peer's reserve ("" when the run has none)."""
 
-    def __init__(self, dial: DialResult):
+    def __init__(self, dial: DialResult, relay_pass: str = ""):
         super().__init__(f"the swarm could not connect to this worker at {dial.address} ({dial.error})")
-        self.dial = dial
+        self.dial, self.relay_pass = dial, relay_pass
 
 
 @dataclass(frozen=True)
@@ -437,7 +438,8 @@ def _decode(response: httpx.Response, url: str) -> dict[str, Any]:
             dial = DialResult.from_json(reply["dial"])
         except (KeyError, TypeError, ValueError):
             raise _Refused(response.status_code, f"{url} answered an unreadable reachability result") from None
-        raise PeerUnreachable(dial)
+        relay_pass = reply.get("relay_pass")
+        raise PeerUnreachable(dial, relay_pass if isinstance(relay_pass, str) else "")
     raise _Refused(
         response.status_code, str(reply.get("reason") or reply.get("error") or f"HTTP {response.status_code}")
     )

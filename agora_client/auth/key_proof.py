@@ -75,13 +75,7 @@ def check_join_proof(body: dict[str, Any], peer_id: str, token: Secret, now: flo
         and not isinstance(signed_at, bool)
     ):
         raise KeyProofError("peer_key and key_proof must be short text and signed_at a whole number of seconds")
-    try:
-        owner = peer_id_of_public_key(peer_key.encode("utf-8"))
-        public_key = RSAPublicKey.from_bytes(peer_key.encode("utf-8"))
-    except (ValueError, UnsupportedAlgorithm):
-        raise KeyProofError("peer_key is not an RSA public key in OpenSSH form") from None
-    if owner != peer_id:
-        raise KeyProofError(f"the key sent with the join is the key of peer id {owner}, not of {peer_id}")
+    public_key = public_key_of_peer(peer_key, peer_id, "the join")
     if abs(now - signed_at) > MAX_SKEW_S:
         raise KeyProofError(
             f"the join was signed at a time {abs(now - signed_at):.0f} s off the service's clock (at most "
@@ -89,3 +83,15 @@ def check_join_proof(body: dict[str, Any], peer_id: str, token: Secret, now: flo
         )
     if not public_key.verify(_message(peer_id, signed_at, token), proof.encode("utf-8")):
         raise KeyProofError(f"the key proof does not verify: this join was not signed by the key of peer id {peer_id}")
+
+
+def public_key_of_peer(peer_key: str, peer_id: str, sent_with: str) -> RSAPublicKey:
+    """``peer_key`` (OpenSSH text) as a key, once it is the key ``peer_id`` derives from; KeyProofError otherwise."""
+    try:
+        owner = peer_id_of_public_key(peer_key.encode("utf-8"))
+        public_key = RSAPublicKey.from_bytes(peer_key.encode("utf-8"))
+    except (ValueError, UnsupportedAlgorithm):
+        raise KeyProofError("peer_key is not an RSA public key in OpenSSH form") from None
+    if owner != peer_id:
+        raise KeyProofError(f"the key sent with {sent_with} is the key of peer id {owner}, not of {peer_id}")
+    return public_key

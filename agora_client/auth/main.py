@@ -20,6 +20,7 @@ from .presence import DhtRosters, PresenceWatcher
 from .reachability import AnnounceError, parse_announce
 from .run_description import TokenizerSummary, describe_run
 from .server import AuthServer, AuthService, ServiceSettings
+from .stage_demand import parse_stage_targets, run_demand
 
 READY_PREFIX = "[AUTH] listening on "
 PUBLIC_KEY_PREFIX = "[AUTH] public key "
@@ -78,6 +79,14 @@ def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds after which an admitted peer no longer holds back joins to its stage",
     )
     parser.add_argument("--ticket-ttl", type=float, default=3600.0, help="ticket lifetime in seconds (renewable)")
+    parser.add_argument(
+        "--stage-target",
+        action="append",
+        default=[],
+        dest="stage_targets",
+        metavar="STAGE=N",
+        help="workers STAGE should have, instead of the share its compute per microbatch asks for (repeatable)",
+    )
 
 
 def _add_run_description_arguments(parser: argparse.ArgumentParser) -> None:
@@ -161,6 +170,7 @@ def build_settings(args: argparse.Namespace, config: RunConfig) -> ServiceSettin
         max_pending_per_stage=args.max_pending,
         integration_timeout_s=args.integration_timeout,
         ticket_ttl_s=args.ticket_ttl,
+        demand=run_demand(config, args.max_workers_per_stage, parse_stage_targets(args.stage_targets)),
     )
     seeds = tuple(args.seeds)
     for relay in args.relays:
@@ -244,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
             f"{policy.max_workers_per_stage} slots each; run {config.name} {settings.run.hash[:19]}",
             flush=True,
         )
+        targets = ", ".join(f"{need.stage} {need.target:.1f}" for need in policy.stage_demand.needs)
+        print(f"[AUTH] target workers per stage (plan's compute, or --stage-target): {targets}", flush=True)
         print(
             f"[AUTH] tokenizer {config.tokenizer.source}: sha256 {settings.run.tokenizer.sha256[:16]}, "
             f"{settings.run.tokenizer.vocab_size:,} tokens, served at {server.url}/v1/tokenizer",

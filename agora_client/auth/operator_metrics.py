@@ -1,7 +1,7 @@
 """The auth service's series for operators: join decisions, queue lengths, slots per stage, trainer tickets.
 
 Join decisions are the service's audit events (``AuthService.audit_totals``, one per line of ``joins.jsonl``); the
-rest is the slot book's occupancy, as ``GET /v1/status`` reports it.
+rest is the slot book's occupancy and its target workers per stage, as ``GET /v1/status`` reports them.
 """
 
 from __future__ import annotations
@@ -31,7 +31,13 @@ SLOTS = Series(
     ("stage", "state"),
 )
 SLOT_CAPACITY = Series("agora_auth_slot_capacity", "gauge", "slots the stage has", ("stage",))
-SERIES = (JOINS, TRAINER_TICKETS, QUEUE_LENGTH, SLOTS, SLOT_CAPACITY)
+STAGE_TARGET = Series(
+    "agora_auth_stage_target",
+    "gauge",
+    "workers the stage should have: from the plan's compute per stage, or the operator's --stage-target",
+    ("stage",),
+)
+SERIES = (JOINS, TRAINER_TICKETS, QUEUE_LENGTH, SLOTS, SLOT_CAPACITY, STAGE_TARGET)
 
 _TRAINER_EVENTS = {"trainer_ticket": "issued", "trainer_refused": "refused"}  # the audit's other events are joins'
 
@@ -50,6 +56,7 @@ def auth_collector(audit_totals: Callable[[], dict[str, int]], book: SlotBook) -
                 (stage, state): counts[state] for stage, counts in stages.items() for state in ("active", "pending")
             },
             SLOT_CAPACITY.name: {stage: counts["capacity"] for stage, counts in stages.items()},
+            STAGE_TARGET.name: {need.stage: need.target for need in book.policy.stage_demand.needs},
         }
 
     return SeriesCollector(SERIES, read)

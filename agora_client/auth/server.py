@@ -14,7 +14,8 @@ JSON API (every answer is a JSON object with ``status``):
   POST /v1/trainer/ticket {credential, peer_id} -> 200 {ticket, expires_at}: a trainer ticket for a live trainer
                                               credential (trainer_credentials.py); 403 unknown or revoked
   GET  /v1/status                             -> occupancy per stage, capacity, queue length, public key, seeds,
-                                                 and the peer ids holding a slot per stage (the monitor's presence)
+                                                 and the peer ids holding a slot per stage (the monitor's presence);
+                                                 the target workers per stage and the stage a joiner gets next
   POST /v1/probe/upload (any bytes, < 16 MiB)  -> 200 {received, timed_bytes, seconds}: the body's arrival timed
                                                and dropped by the front (the contributor's uplink preflight)
   GET  /metrics                               -> Prometheus text: joins by outcome, queues, slots (operator_metrics.py)
@@ -27,7 +28,9 @@ so a restarted service carries on where it stopped. A peer id is bound to the id
 ``dial_back`` on, a join is admitted only after the service connected to the joiner's port
 (``port`` at the address the request came from, or ``announce`` HOST:PORT when that host is it, or a port
 one of the run's relays holds for the joiner: then the joiner's libp2p host must answer through it);
-with ``key_proof`` on, only after the join proved it holds the key of its peer id (``key_proof.py``).
+with ``key_proof`` on, only after the join proved it holds the key of its peer id (``key_proof.py``). A 409 answer
+carries a ``relay_pass`` for the joiner's peer id when the run lists relays: what they ask of a reserve
+(``relay_pass.py``).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from .identity import IdentitySource, IdentityUnavailable, InvalidToken
 from .key_proof import KeyProofError, check_join_proof
 from .operator_metrics import auth_collector
 from .reachability import AnnounceError, DialResult, dial_back, parse_announce
+from .relay_pass import issue_relay_pass
 from .run_description import RunDescription
 from .secret import Secret, token_digest
 from .state_store import AuthStateStore, open_book
@@ -237,10 +241,14 @@ class AuthService:
             address=dial.address,
             error=dial.error,
         )
+        relays = self.settings.run.relays if self.settings.run is not None else ()
+        # what the run's relays ask of a reserve: the joiner may serve through one and join again (relay_pass.py)
+        relay_pass = {"relay_pass": issue_relay_pass(self.key, identity=identity, peer_id=peer_id)} if relays else {}
         return HTTPStatus.CONFLICT, {
             "status": "unreachable",
             "dial": dial.to_json(),
             "reason": f"could not connect to {dial.address} ({dial.error})",
+            **relay_pass,
         }
 
     def _stages_that_fit(self, memory: Any, host_memory: Any = None) -> tuple[str, ...] | None:
@@ -388,6 +396,8 @@ class AuthService:
             "public_key": self.public_key,
             "seeds": list(self.settings.seeds),
             "holders": self._slot_holders(now),
+            "demand": self.book.policy.stage_demand.to_json(),  # target workers per stage (stage_demand.py)
+            "next_stage": self.book.next_stage(now),
         }
 
     def _slot_holders(self, now: float) -> dict[str, list[str]]:

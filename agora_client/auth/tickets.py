@@ -14,6 +14,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -132,30 +133,43 @@ def issue_ticket(
         raise ValueError(f"ticket role must be one of {', '.join(ROLES)}, got {role!r}")
     issued_at = time.time() if now is None else now
     claims = TicketClaims(identity, peer_id, stage, int(slot), issued_at, issued_at + ttl_s, role)
-    payload = json.dumps({"v": TICKET_VERSION, **asdict(claims)}, separators=(",", ":"), sort_keys=True)
-    encoded = _b64encode(payload.encode("utf-8"))
-    signature = key.sign(encoded.encode("ascii"))
-    return f"{encoded}.{_b64encode(signature)}"
+    return sign_claims(key, {"v": TICKET_VERSION, **asdict(claims)})
+
+
+def sign_claims(key: Ed25519PrivateKey, claims: dict, *, domain: bytes = b"") -> str:
+    """``base64url(JSON claims) + "." + base64url(signature)``; the signature covers ``domain`` + the encoded claims,
+    so texts signed for one purpose (a relay pass) never verify as another's (a ticket, signed with no domain)."""
+    encoded = _b64encode(json.dumps(claims, separators=(",", ":"), sort_keys=True).encode("utf-8"))
+    return f"{encoded}.{_b64encode(key.sign(domain + encoded.encode('ascii')))}"
+
+
+def open_signed(public_key: str | Ed25519PublicKey, text: str, *, what: str = "ticket", domain: bytes = b"") -> Any:
+    """The JSON claims of a ``sign_claims`` text once its signature holds; InvalidTicket (malformed, bad_signature)
+    naming ``what`` otherwise. The claims are not checked: that is the caller's."""
+    verifier = load_public_key(public_key) if isinstance(public_key, str) else public_key
+    if not isinstance(text, str) or len(text) > _MAX_TICKET_CHARS or text.count(".") != 1:
+        raise InvalidTicket("malformed", f"malformed {what}: expected two base64url parts joined by one '.'")
+    encoded, encoded_signature = text.split(".")
+    try:
+        signature = _b64decode(encoded_signature)
+    except ValueError:
+        raise InvalidTicket("malformed", f"malformed {what}: the signature part is not base64url") from None
+    try:
+        verifier.verify(signature, domain + encoded.encode("ascii"))
+    except (InvalidSignature, UnicodeEncodeError):
+        raise InvalidTicket(
+            "bad_signature", f"{what} signature does not match: it was altered or issued by another auth service"
+        ) from None
+    try:
+        return json.loads(_b64decode(encoded))
+    except ValueError:
+        raise InvalidTicket("malformed", f"malformed {what}: its claims are not JSON") from None
 
 
 def verify_ticket(public_key: str | Ed25519PublicKey, ticket: str, *, now: float | None = None) -> TicketClaims:
     """Check the signature, then the expiry; return the claims or raise InvalidTicket saying why."""
-    verifier = load_public_key(public_key) if isinstance(public_key, str) else public_key
-    if not isinstance(ticket, str) or len(ticket) > _MAX_TICKET_CHARS or ticket.count(".") != 1:
-        raise InvalidTicket("malformed", "malformed ticket: expected two base64url parts joined by one '.'")
-    encoded, encoded_signature = ticket.split(".")
+    data = open_signed(public_key, ticket)
     try:
-        signature = _b64decode(encoded_signature)
-    except ValueError:
-        raise InvalidTicket("malformed", "malformed ticket: the signature part is not base64url") from None
-    try:
-        verifier.verify(signature, encoded.encode("ascii"))
-    except (InvalidSignature, UnicodeEncodeError):
-        raise InvalidTicket(
-            "bad_signature", "ticket signature does not match: it was altered or issued by another auth service"
-        ) from None
-    try:
-        data = json.loads(_b64decode(encoded))
         if data.pop("v") != TICKET_VERSION:
             raise ValueError("version")
         claims = TicketClaims(**data)

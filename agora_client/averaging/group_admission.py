@@ -27,12 +27,13 @@ class GroupAdmission:
         """What this worker adds to the data gathered at matchmaking."""
         return {"ticket": self.tickets.ticket_for(peer_id) if self.tickets is not None else ""}
 
-    def refusal(self, peer_id: str, gathered: Any) -> str | None:
-        """Why the peer that gathered ``gathered`` may not average with us (None: it may); refusals are reported."""
+    def refusal(self, peer_id: str, gathered: Any, context: str = "SPARTA averaging") -> str | None:
+        """Why the peer that gathered ``gathered`` may not average with us, or make the call ``context`` names
+        (None: it may); refusals are reported."""
         ticket = gathered.get("ticket") if isinstance(gathered, dict) else None
         try:
             self.gate.check(ticket.encode("ascii", "replace") if isinstance(ticket, str) else b"", peer_id)
         except TicketRejected as error:
-            self.rejections.report(peer_id, error.reason, f"SPARTA averaging: {error}")
+            self.rejections.report(peer_id, error.reason, f"{context}: {error}")
             return f"{error.reason}: {error}"
         return None

@@ -91,13 +91,14 @@ class LinkMeter:
     A round's rate is a lower bound on the link (the group's slowest peer paces everyone), so the estimate is
     the best of the last few rounds; before any round long enough to tell, ``assumed`` from the run config.
     The uplink a probe measured (``record_probe``: this worker's alone, see averaging/uplink.py) replaces the
-    rounds' figure for the uplink."""
+    rounds' figure for the uplink. With an upload cap (``max_up``, bytes/s) the uplink is never more than the cap."""
 
-    def __init__(self, assumed: LinkRates):
+    def __init__(self, assumed: LinkRates, max_up: float | None = None):
         self._up: deque[float] = deque(maxlen=SAMPLES)
         self._down: deque[float] = deque(maxlen=SAMPLES)
         self._assumed = assumed
         self._probed_up: float | None = None
+        self._max_up = MAX_RATE if max_up is None else max_up
 
     def record_probe(self, uplink: float) -> None:
         self._probed_up = uplink
@@ -111,5 +112,5 @@ class LinkMeter:
     @property
     def rates(self) -> LinkRates:
         measured = self._assumed if not self._up else LinkRates(max(self._up), max(self._down))
-        up = measured.up if self._probed_up is None else self._probed_up
+        up = min(self._max_up, measured.up if self._probed_up is None else self._probed_up)
         return LinkRates(min(MAX_RATE, max(MIN_RATE, up)), min(MAX_RATE, max(MIN_RATE, measured.down)))

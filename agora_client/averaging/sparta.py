@@ -62,6 +62,7 @@ from agora_client.averaging.uplink import UplinkProber
 from agora_client.config import SpartaConfig
 from agora_client.engine.averaging import GroupTimeouts, RoundAverager, RoundOutcome, found_no_group
 from agora_client.events import SpartaEvent
+from agora_client.upload_cap import UploadCap
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,8 @@ class SpartaAverager:
     :param stage_size: how many workers the stage has now (this one included), asked from the round thread
       at the start of every round: the group is assembled as soon as that many have joined
     :param admission: the ticket check for groupmates and this worker's own ticket (None: anyone may average)
+    :param upload: the worker's upload cap: every part and probe sent waits for it, and the uplink this worker
+      announces (its share of the parts, its group's time bounds) is never more than it
     """
 
     def __init__(
@@ -236,6 +239,7 @@ class SpartaAverager:
         on_round: Callable[[RoundReport], None] | None = None,
         stage_size: Callable[[], int] | None = None,
         admission: GroupAdmission | None = None,
+        upload: UploadCap | None = None,
         start: bool = True,
     ):
         if not prefix or "." in prefix:
@@ -251,15 +255,17 @@ class SpartaAverager:
         self._buffer = torch.zeros(self.partition.max_slice_size, dtype=torch.float32)
         self._config, self._payload = config, SlicePayload(config.payload, self._buffer)
         self._outer = OuterMomentum(config.outer_momentum, config.outer_lr) if config.outer_step else None
-        self._link = LinkMeter(LinkRates(config.assumed_link_mbps * 1e6 / 8, config.assumed_link_mbps * 1e6 / 8))
+        assumed = config.assumed_link_mbps * 1e6 / 8
+        self._link = LinkMeter(LinkRates(assumed, assumed), max_up=None if upload is None else upload.bytes_per_s)
+        self._upload = upload
         self._fit_said = False
         # the group bounds its all-reduce by its slowest link (group_timeouts); this one only backs that up
         slowest_round = round_timing(
             self._round_bytes, LARGEST_GROUP, MIN_RATE, self._payload.largest_message_bytes, config
         ).allreduce_timeout
         self._round_timeout = self._find_group_timeout + slowest_round + config.matchmaking_time
-        self._averager = self._new_averager(dht, prefix, config, admission)
-        self._dht, self._uplink = dht, None  # the prober, once started
+        self._averager = self._new_averager(dht, prefix, config, admission, upload)
+        self._dht, self._admission, self._uplink = dht, admission, None  # the prober, once started
         self._credentials = (
             (lambda: {}) if admission is None else (lambda: admission.credentials(dht.peer_id.to_base58()))
         )
@@ -271,11 +277,12 @@ class SpartaAverager:
             self.start()
 
     def _new_averager(
-        self, dht: DHT, prefix: str, config: SpartaConfig, admission: GroupAdmission | None
+        self, dht: DHT, prefix: str, config: SpartaConfig, admission: GroupAdmission | None, upload: UploadCap | None
     ) -> _GroupAverager:
         return _GroupAverager(
             self._buffer,
             dht,
+            upload=upload,
             # peers on another payload cut the slice into other parts: they must never be grouped with this one
             layout=self.partition.fingerprint + config.payload.encode(),
             config=config,
@@ -306,7 +313,12 @@ class SpartaAverager:
 
     def start(self) -> None:
         self._averager.run_in_background(await_ready=True)
-        self._uplink = UplinkProber(self._dht, self._link)
+        self._uplink = UplinkProber(self._dht, self._link, self._upload, admission=self._admission)
+
+    @property
+    def announced_link(self) -> LinkRates:
+        """The rates this worker announces to its next group (its uplink never above its upload cap)."""
+        return self._link.rates
 
     @property
     def in_flight(self) -> bool:
@@ -383,6 +395,8 @@ class SpartaAverager:
         else:
             group_size, reason, allreduce_s = outcome.group_size, outcome.skipped, outcome.allreduce_s
             suspects = outcome.screen.suspects if outcome.screen is not None else {}
+            if reason is None and self._uplink is not None:  # every member passed the group's ticket checks
+                self._uplink.grouped_with(outcome.peers)
             if reason is None:
                 fraction, reason, drift = self._apply_average(part, sent, outgoing, outcome)
         bytes_sent, bytes_received = self._averager.traffic_bytes()

@@ -39,9 +39,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
     change = firewall_parser.add_mutually_exclusive_group()
     change.add_argument("--apply", action="store_true", help="load the rules (root, nftables; replaces earlier ones)")
     change.add_argument("--remove", action="store_true", help="delete the rules (nothing happens when there are none)")
+    firewall_parser.add_argument(
+        "--tracked-sources",
+        type=_positive_count,
+        default=None,
+        metavar="N",
+        help="client addresses limited each under its own key at once (default 65535); beyond them, per /16 or /48",
+    )
     for action in (up, down_parser, units, firewall_parser):
         action.add_argument("file", type=Path, help="the deploy file (YAML)")
         action.add_argument("--host", default=None, help="which host of the file this is (default: its this_host)")
+
+
+def _positive_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give at least 1")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,6 +98,7 @@ def firewall(spec: DeploySpec, host_name: str, args: argparse.Namespace) -> int:
     from .firewall import (
         DEFAULT_BURST,
         DEFAULT_PER_MINUTE,
+        TRACKED_SOURCES,
         FirewallError,
         apply_ruleset,
         remove_ruleset,
@@ -97,7 +115,7 @@ def firewall(spec: DeploySpec, host_name: str, args: argparse.Namespace) -> int:
         if not ports:
             print(f"[DEPLOY] host {host_name} runs no HTTP role (auth, monitor, snapshot_server): no firewall rules")
             return 0
-        script = render_ruleset(ports, exempt=host.trusted_proxies)
+        script = render_ruleset(ports, exempt=host.trusted_proxies, tracked=args.tracked_sources or TRACKED_SOURCES)
         if not args.apply:
             print(script, end="")
             return 0

@@ -10,6 +10,13 @@ attacker's reconnection loop. A limit on rate, not on connections held: nftables
 attempts it had dropped and shut an address out for many seconds after one burst. Exempt sources (the host's trusted
 reverse proxies, which carry every client on one address) are accepted first. The script replaces the table ``inet
 agora_guard`` whole, so applying it again is safe.
+
+The sets that hold each address's limit are bounded (``tracked``); a flood of fresh addresses (one IPv6 /48 holds
+65,536 /64s) fills them, and an address that finds no room must neither pass unlimited nor be shut out. It is then
+limited under a coarser key, its IPv4 /16 or IPv6 /48, at one address's rate: a flood from one block shrinks to one
+address's worth, honest newcomers from other blocks each get their own, and those in the flooding block share its
+budget, which refills every second, so their SYN retries get through. Sources that find the coarse set full too
+(an attacker holding as many /48s as it tracks) share one last limit of that size.
 """
 
 from __future__ import annotations
@@ -25,9 +32,17 @@ from agora_client.http_service.limits import ServiceLimits
 TABLE = "inet agora_guard"
 DEFAULT_BURST = ServiceLimits().max_connections_per_address  # an address may open at once what the guard lets it hold
 DEFAULT_PER_MINUTE = 3000
-TRACKED_SOURCES = 65535  # addresses (IPv4) or /64s (IPv6) tracked at once; once full, a new one passes unlimited
+TRACKED_SOURCES = 65535  # addresses (IPv4) or /64s (IPv6) tracked at once, and as many /16s or /48s once full
+V4_BLOCK, V6_BLOCK = "255.255.0.0", "ffff:ffff:ffff::"  # the coarse keys: an IPv4 /16, an IPv6 /48
+V6_NETWORK = "ffff:ffff:ffff:ffff::"  # an IPv6 /64, as the guard counts addresses
 FORGET_AFTER_S = 60  # an address's entry, and its limit's state, lasts this long; then it starts with a full burst
 NFT_TIMEOUT_S = 30
+_SETS = (  # (name, type): each family's sources under their own key, then under their block's
+    ("per_address_v4", "ipv4_addr"),
+    ("per_block_v4", "ipv4_addr"),
+    ("per_network_v6", "ipv6_addr"),
+    ("per_block_v6", "ipv6_addr"),
+)
 
 
 class FirewallError(RuntimeError):
@@ -37,36 +52,42 @@ class FirewallError(RuntimeError):
 
 
 def render_ruleset(
-    ports: Iterable[int], per_minute: int = DEFAULT_PER_MINUTE, burst: int = DEFAULT_BURST, exempt: Iterable[str] = ()
+    ports: Iterable[int],
+    per_minute: int = DEFAULT_PER_MINUTE,
+    burst: int = DEFAULT_BURST,
+    exempt: Iterable[str] = (),
+    tracked: int = TRACKED_SOURCES,
 ) -> str:
     """The nftables script limiting new TCP connections to ``ports`` to ``burst`` at once and ``per_minute`` more
-    each minute, per source; ``exempt`` sources first.
+    each minute, per source (``tracked`` of them at once, then per /16 or /48); ``exempt`` sources first.
 
-    ValueError for no port, a port out of range, a rate or burst below 1, or an exempt entry that is no address or
-    CIDR range.
+    ValueError for no port, a port out of range, a rate, burst or set size below 1, or an exempt entry that is no
+    address or CIDR range.
     """
     wanted = sorted(set(ports))
     if not wanted or not all(1 <= port <= 65535 for port in wanted):
         raise ValueError(f"ports {wanted}: give at least one TCP port, each 1-65535")
-    if min(per_minute, burst) < 1:
-        raise ValueError(f"{per_minute} connections a minute, a burst of {burst}: give at least 1 of each")
+    if min(per_minute, burst, tracked) < 1:
+        raise ValueError(
+            f"{per_minute} connections a minute, a burst of {burst}, {tracked} tracked sources: give at least 1 of each"
+        )
     dport = "tcp dport { " + ", ".join(str(port) for port in wanted) + " }"
-    limit = f"limit rate over {per_minute}/minute burst {burst} packets"
     v4, v6 = _exempt_networks(exempt)
     rules = [f"{dport} ip saddr {{ {', '.join(v4)} }} accept"] if v4 else []
     rules += [f"{dport} ip6 saddr {{ {', '.join(v6)} }} accept"] if v6 else []
-    rules += [
-        f"{dport} ct state new add @per_address_v4 {{ ip saddr {limit} }} counter drop",
-        f"{dport} ct state new add @per_network_v6 {{ ip6 saddr & ffff:ffff:ffff:ffff:: {limit} }} counter drop",
-    ]
-    sets = "size {size}; flags dynamic,timeout; timeout {forget}s;".format(size=TRACKED_SOURCES, forget=FORGET_AFTER_S)
+    limit = f"limit rate over {per_minute}/minute burst {burst} packets"
+    new = f"{dport} ct state new"
+    rules += _limit_rules(new, "ip saddr", "per_address_v4", f"ip saddr & {V4_BLOCK}", "per_block_v4", limit)
+    rules += _limit_rules(
+        new, f"ip6 saddr & {V6_NETWORK}", "per_network_v6", f"ip6 saddr & {V6_BLOCK}", "per_block_v6", limit
+    )
+    sets = f"size {tracked}; flags dynamic,timeout; timeout {FORGET_AFTER_S}s;"
     return "\n".join(
         [
             f"table {TABLE}",  # made (empty) if absent, so that the delete below never fails
             f"delete table {TABLE}",
             f"table {TABLE} {{",
-            f"  set per_address_v4 {{ type ipv4_addr; {sets} }}",
-            f"  set per_network_v6 {{ type ipv6_addr; {sets} }}",
+            *(f"  set {name} {{ type {kind}; {sets} }}" for name, kind in _SETS),
             "  chain input {",
             "    type filter hook input priority filter; policy accept;",
             *(f"    {rule}" for rule in rules),
@@ -75,6 +96,17 @@ def render_ruleset(
             "",
         ]
     )
+
+
+def _limit_rules(new: str, fine_key: str, fine: str, coarse_key: str, coarse: str, limit: str) -> list[str]:
+    """A source's limit under ``fine_key`` in the set ``fine``; a source that found ``fine`` full (an add to a full
+    set does not match, so the packet goes on) under ``coarse_key`` in ``coarse``; one that found both full, under
+    one limit shared by all such."""
+    return [
+        f"{new} add @{fine} {{ {fine_key} {limit} }} counter drop",
+        f"{new} {fine_key} != @{fine} add @{coarse} {{ {coarse_key} {limit} }} counter drop",
+        f"{new} {fine_key} != @{fine} {coarse_key} != @{coarse} {limit} counter drop",
+    ]
 
 
 def _exempt_networks(entries: Iterable[str]) -> tuple[list[str], list[str]]:

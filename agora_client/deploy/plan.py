@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from agora_client.auth.tickets import load_signing_key, public_key_text
 from agora_client.config import load_config
 from agora_client.swarm import roles
 
@@ -46,7 +47,7 @@ def plan_roles(spec: DeploySpec, host_name: str, store: SecretStore) -> list[Ste
     steps: list[Step] = [tuple(_seed(host, store, own_seeds, index) for index in range(len(own_seeds)))]
     services = [
         *_snapshot_server(spec, host),
-        *_relay(host),
+        *_relay(host, store),
         *_auth(spec, host, store, seeds),
         *_workers(spec, host, store, seeds),
     ]
@@ -102,11 +103,18 @@ def _snapshot_server(spec: DeploySpec, host: HostSpec) -> list[Launch]:
     return [Launch("snapshot-server", tuple(args), roles.SNAPSHOTS_READY, host.url(role), http_front=True)]
 
 
-def _relay(host: HostSpec) -> list[Launch]:
+def _relay(host: HostSpec, store: SecretStore) -> list[Launch]:
     role = host.roles.relay
     if role is None:
         return []
-    args = roles.relay_args(host.address, role.port, host.address, role.ports)
+    try:  # the relay honours the auth service's relay passes: it needs that service's public key
+        auth_public_key = public_key_text(load_signing_key(store.signing_key))
+    except ValueError as error:
+        raise DeployError(
+            f"the relay needs the auth service's key to check its relay passes: {error}; deploy the auth host first "
+            "and give this host the same secrets directory, as its workers need"
+        ) from None
+    args = roles.relay_args(host.address, role.port, host.address, role.ports, auth_public_key)
     return [Launch("relay", tuple(args), roles.RELAY_READY, f"{host.address}:{role.port}")]
 
 
@@ -128,6 +136,7 @@ def _auth(spec: DeploySpec, host: HostSpec, store: SecretStore, seeds: list[str]
         token_file=role.token_file,
         pacing=role.pacing,
         max_workers_per_stage=role.max_workers_per_stage,
+        stage_targets=role.stage_targets,
         monitor_url=spec.role_url("monitor"),
         relays=relays,
         exposure=_exposure(host),

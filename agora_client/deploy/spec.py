@@ -13,7 +13,16 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 
 from agora_client.config import describe_validation_error
 
@@ -80,6 +89,9 @@ class AuthRole(HttpRole):
     token_file: FilePath | None = Field(None, description="hashed tokens for identity token-file")
     pacing: float | None = Field(None, gt=0)
     max_workers_per_stage: int | None = Field(None, ge=1)
+    stage_targets: dict[str, PositiveInt] | None = Field(
+        None, description="workers a stage should have, instead of its compute's share (--stage-target STAGE=N)"
+    )
 
     @model_validator(mode="after")
     def _token_file_for_token_identities(self) -> "AuthRole":

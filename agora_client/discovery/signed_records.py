@@ -81,7 +81,15 @@ class ServedCounts(BaseModel):
     stage: str
     forwards: int = Field(ge=0)
     backwards: int = Field(ge=0)
-    flops: float = Field(ge=0)
+    flops: float = Field(ge=0, description="every request served, held or not")
+    held_flops: float = Field(default=0, ge=0, description="in escrow now: a stage spot checks could not judge yet")
+    forfeited_flops: float = Field(default=0, ge=0, description="never paid: caught, disputed or expired in escrow")
+    disputed_windows: int = Field(default=0, ge=0, description="escrow windows whose checks blamed nobody")
+
+    @property
+    def payable_flops(self) -> float:
+        """What the monitor may credit: served, less what escrow holds or forfeited."""
+        return max(0.0, self.flops - self.held_flops - self.forfeited_flops)
 
 
 class Receipt(BaseModel):

@@ -34,6 +34,8 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import as_aiter, azip
 
+from .upload_pacing import UploadPacer
+
 __all__ = [
     "DEFAULT_PART_SIZE_BYTES",
     "GroupTimeouts",
@@ -145,11 +147,12 @@ def parts_by_reducer(
 
 class ScreenedAllReduce(AllReduceRunner):
     """hivemind's butterfly all-reduce with a PartScreen on both sides and the wire counted in ``traffic``
-    (int64 [sent, received]: serialized averaging messages, without libp2p framing and encryption)."""
+    (int64 [sent, received]: serialized averaging messages, without libp2p framing and encryption); every message
+    it sends waits for ``upload`` (an upload cap) first."""
 
-    def __init__(self, *, traffic: torch.Tensor, screen: PartScreen, **kwargs: Any):
+    def __init__(self, *, traffic: torch.Tensor, screen: PartScreen, upload: UploadPacer | None = None, **kwargs: Any):
         super().__init__(**kwargs)
-        self._traffic, self.screen = traffic, screen
+        self._traffic, self.screen, self._upload = traffic, screen, upload
         # upstream builds its reducer by name in __init__; the one replaced is marked finished to keep its __del__ quiet
         self.tensor_part_reducer.finished.set()
         self.tensor_part_reducer = _ScreenedPartReducer(self.parts_for_local_averaging, self.sender_peer_ids, screen)
@@ -183,7 +186,7 @@ class ScreenedAllReduce(AllReduceRunner):
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         # upstream counts no bytes: the messages this peer sends to each reducer pass here
         async for message in super()._generate_input_for_peer(peer_index):
-            self._traffic[_SENT] += message.ByteSize()
+            await self._paced(message)
             yield message
 
     def _get_peer_stub(self, peer: PeerID) -> Any:
@@ -194,8 +197,15 @@ class ScreenedAllReduce(AllReduceRunner):
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super().rpc_aggregate_part(self._count_received(stream), context):
-            self._traffic[_SENT] += message.ByteSize()
+            await self._paced(message)
             yield message
+
+    async def _paced(self, message: averaging_pb2.AveragingData) -> None:
+        """Count a message this peer sends, once the upload cap (if any) lets it go."""
+        size = message.ByteSize()
+        if self._upload is not None:
+            await self._upload.pace(size)
+        self._traffic[_SENT] += size
 
 
 class RoundAverager(DecentralizedAverager):
@@ -205,13 +215,17 @@ class RoundAverager(DecentralizedAverager):
 
     :param buffer: the float32 CPU tensor averaged in place (shared with the averager's process)
     :param layout: bytes that peers slicing their tensors differently differ in: they never match
+    :param upload: what every message this peer sends waits for first (an upload cap shared across processes)
     """
 
     # upstream hands its shared buffer and pipes to its process by fork; keep fork even in a spawned host
     _start_method, _Popen = "fork", staticmethod(mp.get_context("fork").Process._Popen)
 
-    def __init__(self, buffer: torch.Tensor, dht: DHT, *, layout: bytes, **kwargs: Any):
+    def __init__(
+        self, buffer: torch.Tensor, dht: DHT, *, layout: bytes, upload: UploadPacer | None = None, **kwargs: Any
+    ):
         super().__init__([buffer], dht, start=False, **kwargs)
+        self._upload = upload
         self.schema_hash = hashlib.blake2b(self.schema_hash + layout, digest_size=20).digest()
         self.traffic = torch.zeros(2, dtype=torch.int64).share_memory_()
 
@@ -327,6 +341,7 @@ class RoundAverager(DecentralizedAverager):
         runner = ScreenedAllReduce(
             traffic=self.traffic,
             screen=screen,
+            upload=self._upload,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,

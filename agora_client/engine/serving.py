@@ -1,7 +1,8 @@
 """hivemind's moe Server and ConnectionHandler, with the seams a worker needs and upstream lacks.
 
 - CheckedConnectionHandler: serves under upstream's protocol names whatever its class is called, and calls
-  check_inputs on every request's deserialized tensors before they reach a pool, answered after.
+  check_inputs on every request's deserialized tensors before they reach a pool, answered after, and awaits
+  before_answer (an upload cap's pacing) before the answer is sent.
 - HostedServer: a Server whose connection handlers and DHT announcer are of the caller's making, and
   whose shutdown may be called twice.
 """
@@ -37,11 +38,15 @@ class CheckedConnectionHandler(ConnectionHandler):
     def answered(self, pool_name: str, inputs: Sequence[torch.Tensor], outputs: Sequence[runtime_pb2.Tensor]) -> None:
         """Called with every request the pool ``pool_name`` answered."""
 
+    async def before_answer(self, outputs: Sequence[runtime_pb2.Tensor]) -> None:
+        """Awaited with every answer before it is handed to hivemind to send (plain or streamed)."""
+
     async def _process_inputs(self, inputs, pool: TaskPool, schema) -> list[runtime_pb2.Tensor]:
         # upstream has no hook between deserializing a request's tensors and submitting them to a pool
         self.check_inputs(pool.name, inputs)
         outputs = await super()._process_inputs(inputs, pool, schema)
         self.answered(pool.name, inputs, outputs)
+        await self.before_answer(outputs)
         return outputs
 
 

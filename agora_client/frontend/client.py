@@ -23,6 +23,7 @@ from agora_client.frontend.supervisor import ChildCommand, runtime_command
 from agora_client.logs import EventLog, log_name, logs_dir
 from agora_client.system.gpu_yield import configure_yield, yield_argv
 from agora_client.token_scope import TokenRefused, check_token_scope
+from agora_client.upload_cap import MAX_UPLOAD_HELP, upload_cap_argument
 
 
 @dataclass(frozen=True)
@@ -159,9 +160,17 @@ def _add_network_arguments(parser: argparse.ArgumentParser) -> None:
         help="while the swarm cannot reach this worker, ask again this often (default: "
         f"{DEFAULT_RETRY_EVERY_S:.0f}; r in the app: now)",
     )
+    parser.add_argument(
+        "--max-upload-mbit",
+        metavar="N",
+        type=upload_cap_argument,
+        help=f"{MAX_UPLOAD_HELP} (saved for the next runs)",
+    )
 
 
-def _command(args: argparse.Namespace, token: str, swarm: str, gpu: int | None, config_dir: Path) -> ChildCommand:
+def _command(
+    args: argparse.Namespace, token: str, swarm: str, gpu: int | None, config_dir: Path, max_upload_mbit: float
+) -> ChildCommand:
     if args.runtime_cmd:
         return ChildCommand(tuple(shlex.split(args.runtime_cmd)), {"HF_TOKEN": token, "PYTHONUNBUFFERED": "1"})
     return runtime_command(
@@ -178,6 +187,7 @@ def _command(args: argparse.Namespace, token: str, swarm: str, gpu: int | None, 
         insecure=args.insecure,
         ca_cert=args.ca_cert,
         yield_args=tuple(yield_argv(args)),
+        max_upload_mbit=max_upload_mbit,
     )
 
 
@@ -194,6 +204,7 @@ def prepare(args: argparse.Namespace) -> ClientSession | int:
             prompts=Prompts(interactive=sys.stdin.isatty()),
             need_swarm=not args.runtime_cmd,
             use_login_token=args.use_hf_login_token,
+            max_upload_mbit=args.max_upload_mbit,
         )
         if not args.runtime_cmd:  # before the first join: the token goes nowhere Hugging Face says it may write
             check_token_scope(client.token, allow_write=args.allow_write_token)
@@ -208,7 +219,9 @@ def prepare(args: argparse.Namespace) -> ClientSession | int:
         return EXIT_INTERRUPTED
     gpu = client.config.gpu_index
     return ClientSession(
-        command=_command(args, client.token, client.config.swarm_url or "", gpu, config_dir),
+        command=_command(
+            args, client.token, client.config.swarm_url or "", gpu, config_dir, client.config.max_upload_mbit
+        ),
         config_dir=Path(config_dir),
         gpu=gpu,
         headless=args.headless,

@@ -26,6 +26,8 @@ What each event kind gives:
 - log: ``[<its tag>]``, or ``[WARNING]`` / ``[ERROR]`` by level; debug is not printed.
 - error: ``[ERROR]`` message, then ``[ERROR] What to do: <hint>``; exit: ``[ERROR]`` when nonzero
   and no error event said why already.
+- traffic: with an upload cap (``--max-upload-mbit``), ``[PROGRESS] Uploading X Mbit/s of the N Mbit/s cap`` and the
+  uplink it announces to its averaging groups, at most once per 60 s; without one, not printed.
 - resources, swarm: not printed (the app draws them; the JSONL log keeps them).
 - a line that is not a valid event: ``[WARNING] Ignored a malformed line from the runtime: ...``.
 """
@@ -54,6 +56,7 @@ from agora_client.events import (
     StageEvent,
     StepEvent,
     SyncEvent,
+    TrafficEvent,
     YieldEvent,
 )
 from agora_client.system.redact import redact_text
@@ -83,6 +86,12 @@ def human_bytes(count: float) -> str:
         if abs(count) >= size:
             return f"{count / size:.1f} {unit}"
     return f"{count:.0f} B"
+
+
+def mbit_text(bytes_per_s: float) -> str:
+    """A rate in bytes/s as Mbit/s, the unit of internet plans and of --max-upload-mbit: "7.5 Mbit/s"."""
+    mbit = bytes_per_s * 8 / 1e6
+    return f"{mbit:.0f} Mbit/s" if mbit >= 100 else f"{mbit:.3g} Mbit/s"
 
 
 def human_duration(seconds: float | None) -> str:
@@ -173,6 +182,7 @@ class LineFormatter:
         self._last_progress: float | None = None
         self._last_points: float | None = None
         self._last_energy: float | None = None
+        self._last_upload: float | None = None
         self._yield_said: tuple[str, str] | None = None  # (state, reason) of the last [YIELD] line
         self._epoch: int | None = None
         self._last_epoch_line: float | None = None
@@ -310,6 +320,17 @@ class LineFormatter:
             f"{event.duration_s:.1f}s"
         )
         return [self._line(event, "SPARTA", text)]
+
+    def _traffic(self, event: TrafficEvent) -> list[TaggedLine]:
+        if event.upload_cap_bps is None:
+            return []
+        if self._last_upload is not None and event.ts - self._last_upload < self.summary_interval_s:
+            return []
+        self._last_upload = event.ts
+        text = f"Uploading {mbit_text(event.upload_bps)} of the {mbit_text(event.upload_cap_bps)} cap"
+        if event.announced_uplink_bps is not None:
+            text += f"; announcing {mbit_text(event.announced_uplink_bps)} to averaging groups"
+        return [self._line(event, "PROGRESS", text)]
 
     def _points(self, event: PointsEvent) -> list[TaggedLine]:
         if self._last_points is not None and event.ts - self._last_points < self.summary_interval_s:

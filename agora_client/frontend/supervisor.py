@@ -66,16 +66,19 @@ def runtime_command(
     insecure: bool = False,
     ca_cert: Path | None = None,
     yield_args: tuple[str, ...] = (),
+    max_upload_mbit: float = 0.0,
 ) -> ChildCommand:
     """The real runtime: ``agora runtime [--swarm URL] [--gpu N | --cpu] [--config-dir D] [--monitor URL] [--host-port
-    P] [--announce-addr HOST:PORT] [--no-port-mapping] [--retry-every S] [--insecure] [--ca-cert PEM]`` and
-    ``yield_args`` (--yield, --active-hours, --yield-grace), token in HF_TOKEN."""
+    P] [--announce-addr HOST:PORT] [--no-port-mapping] [--retry-every S] [--insecure] [--ca-cert PEM]
+    [--max-upload-mbit N]`` and ``yield_args`` (--yield, --active-hours, --yield-grace), token in HF_TOKEN."""
     root = str(Path(agora_client.__file__).resolve().parent.parent)
     argv = [sys.executable, "-c", _BOOTSTRAP.format(root=root), "runtime"]
     argv += _run_flags(swarm, gpu, cpu, config_dir, monitor)
     argv += _reachability_flags(host_port, announce_addr, port_mapping)
     argv += yield_args
     argv += _join_flags(retry_every, insecure, ca_cert)
+    if max_upload_mbit:
+        argv += ["--max-upload-mbit", repr(float(max_upload_mbit))]
     return ChildCommand(tuple(argv), {"HF_TOKEN": token, "PYTHONUNBUFFERED": "1"})
 
 

@@ -103,6 +103,7 @@ class ContributorOptions:
         default_factory=lambda: YieldPolicy("never")
     )  # the client's --yield, --active-hours
     yield_grace_s: float = DEFAULT_GRACE_S  # how long a yielding worker keeps its slot
+    max_upload_mbit: float = 0.0  # the contributor's upload cap (--max-upload-mbit); 0: none
 
     @property
     def device_name(self) -> str:
@@ -194,7 +195,8 @@ class Contributor:
             port_mapping=options.port_mapping,
             announce_addr=options.announce_addr,
             relays=options.run.relays,
-            peer_id=identity.peer_id,
+            peer_key=identity.key,
+            ticket=lambda: self.ticket.ticket,
         )
         self.path.open()
         self._start_dht(identity)
@@ -260,6 +262,7 @@ class Contributor:
                 tickets=self.ticket,
                 recovery=lambda: self._download_snapshot(auth.snapshot_url),
                 dht=self._dht,
+                max_upload_mbit=options.max_upload_mbit,
             ),
             self.events,
         )
@@ -350,7 +353,7 @@ class Contributor:
                 self._wait_for_retry()
                 if self.stop.is_set():
                     break
-                if self.path.open() or self.path.use_relay():  # a new way in: the DHT must announce it
+                if self.path.open() or self.path.use_relay(error.relay_pass):  # a new way in: the DHT announces it
                     self._dht.shutdown()
                     self._start_dht(identity)
                 continue
@@ -410,7 +413,11 @@ class Contributor:
         owner = YieldControl(
             self.options.yield_policy, GpuUsers(self.options.gpu, gpu), node, self.events, self.options.yield_grace_s
         )
-        traffic = TrafficWindow(node.meter)
+        traffic = TrafficWindow(
+            node.meter,
+            upload_cap_bps=node.upload.bytes_per_s if node.upload else None,
+            announced_uplink=lambda: node.sparta.announced_link.up,
+        )
         last_resources = last_swarm = last_metrics = 0.0
         last_description = time.monotonic()
         previous: MetricsRecord | None = None

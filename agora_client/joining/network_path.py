@@ -11,7 +11,8 @@ relays (the operator's ``agora relay``) from then on.
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 from urllib.parse import urlparse
 
 from agora_client.events import EventWriter, NetworkReport
@@ -25,7 +26,7 @@ from agora_client.network import (
     local_address_towards,
     tcp_multiaddr,
 )
-from agora_client.relay import KeptReservation, RelayUnavailable
+from agora_client.relay import KeptReservation, PeerCredentials, RelayUnavailable
 
 
 class NetworkPath:
@@ -40,10 +41,15 @@ class NetworkPath:
         port_mapping: bool,
         announce_addr: str | None,
         relays: Sequence[str] = (),
-        peer_id: str = "",
+        peer_key: Any = None,
+        ticket: Callable[[], str] = str,
     ):
+        """``peer_key`` (the worker's libp2p RSA key) signs its relay reserves, which carry the relay pass of the
+        last failed dial-back, or ``ticket()`` (the worker's own, "" before admission) once there is one."""
         self.port, self.events = port, events
-        self.announce_addr, self.relays, self.peer_id = announce_addr, tuple(relays), peer_id
+        self.announce_addr, self.relays = announce_addr, tuple(relays)
+        self._credentials = PeerCredentials(peer_key, lambda: ticket() or self._relay_pass) if peer_key else None
+        self._relay_pass = ""
         self._relay: KeptReservation | None = None
         self.relay, self.relayed_at = "", ""  # the relay in use and the address it holds for this worker
         swarm_host = _host_ip(swarm_url)
@@ -88,14 +94,20 @@ class NetworkPath:
         )
         return True
 
-    def use_relay(self) -> bool:
+    def use_relay(self, relay_pass: str) -> bool:
         """Serve through the first of the run's relays that holds a port for this worker (after a failed dial-back
-        that no port mapping helped); True when one does. A relay that refuses is one line."""
+        that no port mapping helped, whose answer gave ``relay_pass``); True when one does. A relay that refuses is
+        one line."""
+        self._relay_pass = relay_pass
         if self._relay is not None:
             return False
         for relay in self.relays:
             reservation = KeptReservation(
-                relay, self.port, on_lost=self._relay_lost, on_restored=self._relay_restored, peer_id=self.peer_id
+                relay,
+                self.port,
+                on_lost=self._relay_lost,
+                on_restored=self._relay_restored,
+                credentials=self._credentials,
             )
             try:
                 self.relayed_at = reservation.open()

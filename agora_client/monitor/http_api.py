@@ -3,16 +3,18 @@
   GET /leaderboard       -> {"generated_at": ts, "rows": [{rank, username, active_hours, joined, score, online,
                             flagged}]}: ranked by verified points; flagged: a peer claims more than receipted
   GET /peers/<peer_id>   -> that peer's confirmed points: {peer_id, identity, stage, sync_phase, presence,
-                            compute, claimed_compute, flagged, withheld, withheld_compute, score, online,
-                            first_seen, last_seen}; 404 if the monitor never verified it. compute is verified
-                            (claimed_compute as far as trainers' receipts vouch for it). A peer a trainer caught
-                            lying is withheld: compute 0, its credited compute shown as withheld_compute
+                            compute, claimed_compute, flagged, withheld, withheld_compute, unpaid_compute, score,
+                            online, first_seen, last_seen}; 404 if the monitor never verified it. compute is
+                            verified (claimed_compute as far as trainers' receipts vouch for it); unpaid_compute:
+                            receipted compute the trainers' escrow holds or forfeited (trainer/escrow.py). A peer a
+                            trainer caught lying is withheld: compute 0, its credited compute shown as withheld_compute
   GET /learning          -> {"loss": [[ts, loss], ...], "eval_loss": [[ts, eval loss], ...]}: the swarm's learning
                             curve, every point the trainers' progress records carried since the monitor's first
                             scrape, all trainers merged, oldest first (eval_loss: the held-out evaluations)
   GET /health            -> {"status": "ok", "peers": n}
-  GET /swarm             -> the run's name and model, contributors (online), and the latest scrape's summary: tokens/s,
-                            tokens seen, per stage workers active / syncing / queued, SPARTA success, spot checks
+  GET /swarm             -> the run's name and model, contributors (online), escrow (held, forfeited, disputed_windows)
+                            and the latest scrape's summary: tokens/s, tokens seen, per stage workers active /
+                            syncing / queued, SPARTA success, spot checks
   GET /identities/<name> -> one contributor: standing, peers, withheld compute and why, points over time; 404 if unknown
   GET /metrics           -> Prometheus text for operators: points, contributors, the swarm (operator_metrics.py)
 The public page (agora_client/monitor/page): GET / (the swarm), GET /contributors/<name> (one contributor), and its
@@ -54,6 +56,7 @@ def peer_points(peer: PeerState, now: float, store: PointsStore) -> dict[str, An
         "flagged": peer.over_claimed(store.policy),
         "withheld": peer.withheld,
         "withheld_compute": peer.compute_flops / PFLOP if peer.withheld else 0.0,
+        "unpaid_compute": peer.unpaid_flops / PFLOP,
         "score": peer.score,
         "online": peer.online(now, store.policy),
         "first_seen": peer.first_seen,

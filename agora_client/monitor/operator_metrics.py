@@ -1,5 +1,6 @@
-"""The monitor's series for operators: points accrued, contributors, the leaderboard's top, and the latest scrape's
-view of the swarm (workers per stage, SPARTA rounds, tokens). Read from the points store at every scrape."""
+"""The monitor's series for operators: points accrued, contributors, the leaderboard's top, the trainers' escrow
+(held, forfeited, disputed windows) and the latest scrape's view of the swarm (workers per stage, SPARTA rounds,
+tokens). Read from the points store at every scrape."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Callable
 
 from agora_client.operator_metrics import Series, SeriesCollector, Values
 
-from .points import leaderboard
+from .points import PFLOP, leaderboard
 from .store import PointsStore
 from .swarm_summary import SwarmSummary
 
@@ -32,6 +33,18 @@ FLAGGED = Series("agora_monitor_flagged_contributors", "gauge", "contributors cl
 WITHHELD = Series(
     "agora_monitor_withheld_peers", "gauge", "peers whose compute points are withheld (caught by spot checks)"
 )
+ESCROW = Series(
+    "agora_monitor_escrow_pflops",
+    "gauge",
+    "compute of stages spot checks could not judge, per the trainers' latest receipts: held (waiting to be vouched "
+    "for) and forfeited (caught, disputed or expired unpaid)",
+    ("state",),
+)
+DISPUTED = Series(
+    "agora_monitor_disputed_windows",
+    "gauge",
+    "escrow windows whose spot checks disagreed with nobody to blame: paid to neither side (one per worker)",
+)
 STAGE_WORKERS = Series(
     "agora_monitor_stage_workers",
     "gauge",
@@ -50,6 +63,8 @@ SERIES = (
     CONTRIBUTOR_POINTS,
     FLAGGED,
     WITHHELD,
+    ESCROW,
+    DISPUTED,
     STAGE_WORKERS,
     STAGE_SPARTA_ROUNDS,
     TOKENS_PER_SECOND,
@@ -61,6 +76,7 @@ def monitor_collector(store: PointsStore, clock: Callable[[], float] = time.time
     def read() -> dict[str, Values]:
         peers = list(store.peers().values())
         rows = leaderboard(peers, clock(), store.policy)
+        escrow = store.escrow()
         values: dict[str, Values] = {
             POINTS.name: {
                 "presence": sum(peer.presence_points for peer in peers),
@@ -72,6 +88,8 @@ def monitor_collector(store: PointsStore, clock: Callable[[], float] = time.time
             CONTRIBUTOR_POINTS.name: {row.username: row.score for row in rows[:TOP_CONTRIBUTORS]},
             FLAGGED.name: sum(row.flagged for row in rows),
             WITHHELD.name: sum(peer.withheld for peer in peers),
+            ESCROW.name: {"held": escrow.held_flops / PFLOP, "forfeited": escrow.forfeited_flops / PFLOP},
+            DISPUTED.name: escrow.disputed_windows,
         }
         summary = store.summary()
         return values if summary is None else {**values, **_swarm_values(summary)}

@@ -2,8 +2,9 @@
 
 Presence: 1 PFLOP for every hour a peer is registered and visible, from sync phase 1 on.
 Compute: the PFLOPs a peer processed, from sync phase 2 on, as far as trainers' receipts vouch for them:
-the lesser of what the peer claims (the rules below) and what ticketed trainers receipted it
-(``monitor/receipts.py``). A claim more than ``claim_margin`` over its receipts is flagged.
+the lesser of what the peer claims (the rules below) and what ticketed trainers receipted it as payable
+(``monitor/receipts.py``: work a stage's spot checks could not judge waits in the trainer's escrow,
+trainer/escrow.py). A claim more than ``claim_margin`` over all it was receipted, held or not, is flagged.
 
 Presence is what the swarm saw, never what a worker says: the monitor's own clock between two successive
 fresh records of the peer (each signed by its key, carrying a live slot ticket, and newer than the last one
@@ -83,6 +84,7 @@ class PeerState:
     compute_flops: float = 0.0  # claimed and accepted by the rules (phases, restarts, the identity cap)
     withheld: bool = False  # a trainer's spot checks caught it returning wrong outputs: its compute earns nothing
     receipted_flops: float = 0.0  # what ticketed trainers' receipts say it served them
+    unpaid_flops: float = 0.0  # of that, what the trainers' escrow holds or forfeited (trainer/escrow.py)
 
     @property
     def presence_points(self) -> float:
@@ -94,8 +96,8 @@ class PeerState:
 
     @property
     def compute_points(self) -> float:
-        """Verified compute: the claim as far as receipts vouch for it (none for a withheld peer)."""
-        return 0.0 if self.withheld else min(self.compute_flops, self.receipted_flops) / PFLOP
+        """Verified compute: the claim as far as receipts vouch for it, escrow released (none for a withheld peer)."""
+        return 0.0 if self.withheld else min(self.compute_flops, self.receipted_flops - self.unpaid_flops) / PFLOP
 
     def over_claimed(self, policy: PointsPolicy) -> bool:
         return self.compute_flops > self.receipted_flops * (1 + policy.claim_margin) + policy.claim_slack_flops

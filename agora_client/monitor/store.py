@@ -14,6 +14,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from agora_client.discovery.signed_records import Receipt
@@ -67,6 +68,10 @@ CREATE TABLE IF NOT EXISTS receipts (
     run_id TEXT NOT NULL,
     peer_id TEXT NOT NULL,
     flops REAL NOT NULL,
+    payable REAL NOT NULL,
+    held REAL NOT NULL DEFAULT 0,
+    forfeited REAL NOT NULL DEFAULT 0,
+    disputed INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (trainer, run_id, peer_id)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS learning (
@@ -89,9 +94,32 @@ CREATE TABLE IF NOT EXISTS history (
 _LOAD = """
 SELECT p.peer_id, p.identity, p.stage, p.first_seen, p.last_seen, p.sync_phase,
        o.run_id, o.active_seconds, o.compute_flops, t.presence_seconds, t.compute_flops,
-       o.published_at, w.peer_id IS NOT NULL, COALESCE(r.flops, 0)
+       o.published_at, w.peer_id IS NOT NULL, COALESCE(r.flops, 0), COALESCE(r.unpaid, 0)
 FROM peers p JOIN observations o USING (peer_id) JOIN totals t USING (peer_id) LEFT JOIN withheld w USING (peer_id)
-LEFT JOIN (SELECT peer_id, SUM(flops) AS flops FROM receipts GROUP BY peer_id) r USING (peer_id)
+LEFT JOIN (SELECT peer_id, SUM(flops) AS flops, SUM(flops - payable) AS unpaid FROM receipts GROUP BY peer_id) r
+USING (peer_id)
+"""
+
+_ESCROW = "SELECT COALESCE(SUM(held), 0), COALESCE(SUM(forfeited), 0), COALESCE(SUM(disputed), 0) FROM receipts"
+
+
+@dataclass(frozen=True)
+class EscrowTotals:
+    """Compute the trainers' receipts hold in escrow, what escrow forfeited, and its disputed windows (all peers)."""
+
+    held_flops: float
+    forfeited_flops: float
+    disputed_windows: int
+
+
+# Served, payable, forfeited and disputed only grow within a trainer process; held is the newest receipt's.
+_UPSERT_RECEIPT = """
+INSERT INTO receipts (trainer, run_id, peer_id, flops, payable, held, forfeited, disputed)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT(trainer, run_id, peer_id) DO UPDATE SET
+    held = CASE WHEN excluded.flops >= flops AND excluded.payable >= payable THEN excluded.held ELSE held END,
+    flops = MAX(flops, excluded.flops), payable = MAX(payable, excluded.payable),
+    forfeited = MAX(forfeited, excluded.forfeited), disputed = MAX(disputed, excluded.disputed)
 """
 
 
@@ -108,6 +136,7 @@ class PointsStore:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA foreign_keys=ON")
         _migrate(self._db)
+        _migrate_receipts(self._db)
         self._db.executescript(_SCHEMA)
         self._summary: SwarmSummary | None = None
 
@@ -153,22 +182,32 @@ class PointsStore:
     def record_receipts(self, receipts: Iterable[Receipt]) -> None:
         """Keep each trainer process's highest count per worker (its counters only grow; one transaction)."""
         rows = [
-            (receipt.trainer, receipt.run_id, peer_id, counts.flops)
+            (
+                receipt.trainer,
+                receipt.run_id,
+                peer_id,
+                counts.flops,
+                counts.payable_flops,
+                counts.held_flops,
+                counts.forfeited_flops,
+                counts.disputed_windows,
+            )
             for receipt in receipts
             for peer_id, counts in receipt.served.items()
         ]
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                self._db.executemany(
-                    "INSERT INTO receipts (trainer, run_id, peer_id, flops) VALUES (?, ?, ?, ?) "
-                    "ON CONFLICT(trainer, run_id, peer_id) DO UPDATE SET flops = MAX(flops, excluded.flops)",
-                    rows,
-                )
+                self._db.executemany(_UPSERT_RECEIPT, rows)
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+
+    def escrow(self) -> EscrowTotals:
+        with self._lock:
+            held, forfeited, disputed = self._db.execute(_ESCROW).fetchone()
+        return EscrowTotals(held, forfeited, int(disputed))
 
     def record_learning(self, points: Iterable[LearningPoint]) -> int:
         """Keep the points not stored yet (one transaction); how many were new."""
@@ -235,6 +274,7 @@ class PointsStore:
                 last_published_at=row[11],
                 withheld=bool(row[12]),
                 receipted_flops=row[13],
+                unpaid_flops=row[14],
             )
         return peers
 
@@ -278,6 +318,17 @@ class PointsStore:
             "INSERT OR REPLACE INTO totals (peer_id, presence_seconds, compute_flops) VALUES (?, ?, ?)",
             (peer.peer_id, peer.presence_seconds, peer.compute_flops),
         )
+
+
+def _migrate_receipts(db: sqlite3.Connection) -> None:
+    """A ledger from before escrow: every receipted FLOP was payable."""
+    columns = {row[1] for row in db.execute("PRAGMA table_info(receipts)")}
+    if columns and "payable" not in columns:
+        db.execute("ALTER TABLE receipts ADD COLUMN payable REAL NOT NULL DEFAULT 0")
+        db.execute("ALTER TABLE receipts ADD COLUMN held REAL NOT NULL DEFAULT 0")
+        db.execute("ALTER TABLE receipts ADD COLUMN forfeited REAL NOT NULL DEFAULT 0")
+        db.execute("ALTER TABLE receipts ADD COLUMN disputed INTEGER NOT NULL DEFAULT 0")
+        db.execute("UPDATE receipts SET payable = flops")
 
 
 def _migrate(db: sqlite3.Connection) -> None:

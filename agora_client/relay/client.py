@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Callable
 
+from .proof import PeerCredentials
 from .protocol import MAX_LINE, VERSION, ProtocolError, decode, encode, split_address
 
 log = logging.getLogger(__name__)
@@ -58,15 +59,21 @@ class RelayReservation:
 
     ``on_lost(reason)`` is called once, from the reservation's thread, if the control connection ends while
     not closed by us: the public address is gone and the worker should reserve again (or announce none).
-    ``peer_id`` only names the reservation in the relay's log; the relay trusts nothing it says.
+    ``credentials`` (the worker's key and its relay pass or ticket) sign each reserve: the relay refuses one without.
     """
 
     def __init__(
-        self, relay: str, local_port: int, on_lost: Callable[[str], None], timeout_s: float = 10.0, *, peer_id: str = ""
+        self,
+        relay: str,
+        local_port: int,
+        on_lost: Callable[[str], None],
+        timeout_s: float = 10.0,
+        *,
+        credentials: PeerCredentials | None,
     ) -> None:
         self.relay = relay
         self.local_port = local_port
-        self.peer_id = peer_id or f"port-{local_port}"
+        self.credentials = credentials
         self.on_lost = on_lost
         self.timeout_s = timeout_s
         self.address: str | None = None  # the public host:port, once open
@@ -110,7 +117,8 @@ class RelayReservation:
 
     def _reserve(self, control: socket.socket, lines: _Lines, deadline: float, port: int | None) -> str:
         sent = time.monotonic()
-        request = {"v": VERSION, "op": "reserve", "peer_id": self.peer_id, **({"port": port} if port else {})}
+        proof = self.credentials.sign() if self.credentials is not None else {}
+        request = {"v": VERSION, "op": "reserve", **proof, **({"port": port} if port else {})}
         try:
             control.sendall(encode(request))
             line = lines.read(deadline)

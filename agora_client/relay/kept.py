@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from .client import RelayReservation, RelayUnavailable
+from .proof import PeerCredentials
 
 RESERVE_AGAIN_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # waits before each try; then every 30 s until it works
 
@@ -27,10 +28,10 @@ class KeptReservation:
         *,
         on_lost: Callable[[str], None],
         on_restored: Callable[[str, bool], None],
-        peer_id: str = "",
+        credentials: PeerCredentials | None,
         waits: Sequence[float] = RESERVE_AGAIN_S,
     ):
-        self.relay, self.local_port, self.peer_id = relay, local_port, peer_id
+        self.relay, self.local_port, self.credentials = relay, local_port, credentials
         self.on_lost, self.on_restored, self.waits = on_lost, on_restored, tuple(waits)
         self.announced = ""  # the first address: the one the worker announced
         self._current: RelayReservation | None = None
@@ -59,7 +60,7 @@ class KeptReservation:
                 self._current.close()
 
     def _reserve(self, port: int | None) -> RelayReservation:
-        reservation = RelayReservation(self.relay, self.local_port, on_lost=self._lost, peer_id=self.peer_id)
+        reservation = RelayReservation(self.relay, self.local_port, on_lost=self._lost, credentials=self.credentials)
         reservation.open(port=port)
         return reservation
 

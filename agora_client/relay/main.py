@@ -29,8 +29,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=0, help="control port workers connect to (default: any free port)")
     parser.add_argument("--public-host", required=True, help="host name or address of this relay as peers reach it")
     parser.add_argument("--ports", type=port_range, required=True, help="public ports to hand out, LO-HI")
+    parser.add_argument(
+        "--auth-public-key",
+        required=True,
+        help="the auth service's public key (public_key of its /v1/status): only joiners holding its relay pass or "
+        "ticket reserve",
+    )
     parser.add_argument("--max-reservations", type=int, default=64, help="reservations held at once (default: 64)")
-    parser.add_argument("--per-address", type=int, default=4, help="reservations one address may hold (default: 4)")
+    parser.add_argument(
+        "--per-network", type=int, default=4, help="reservations one IPv4 /24 or IPv6 /64 may hold (default: 4)"
+    )
+    parser.add_argument("--per-identity", type=int, default=4, help="reservations one account may hold (default: 4)")
     parser.add_argument(
         "--ping-every",
         type=float,
@@ -51,8 +60,10 @@ def run(args: argparse.Namespace) -> int:
             public_host=args.public_host,
             port_lo=args.ports[0],
             port_hi=args.ports[1],
+            auth_public_key=args.auth_public_key,
             max_reservations=args.max_reservations,
-            per_address=args.per_address,
+            per_network=args.per_network,
+            per_identity=args.per_identity,
             ping_every_s=args.ping_every,
         )
         metrics = open_metrics_endpoint(args, "relay")  # MetricsUnavailable is a ValueError

@@ -1,4 +1,4 @@
-"""A relay's series for operators: reservations held against its limit, and the bytes they relayed."""
+"""A relay's series for operators: reservations held against its limit, the bytes they relayed, refusals by reason."""
 
 from __future__ import annotations
 
@@ -13,7 +13,14 @@ CAPACITY = Series(
 RELAYED_BYTES = Series(
     "agora_relay_relayed_bytes", "gauge", "bytes relayed, both directions, by the reservations held now"
 )
-SERIES = (RESERVATIONS, CAPACITY, RELAYED_BYTES)
+REFUSALS = Series(
+    "agora_relay_refusals",
+    "counter",
+    "requests and connections the relay refused, by reason (no_pass, expired_pass, wrong_key, port_held, "
+    "per_network, per_identity, waiting, splices, idle, ...)",
+    ("reason",),
+)
+SERIES = (RESERVATIONS, CAPACITY, RELAYED_BYTES, REFUSALS)
 
 
 def relay_collector(server: RelayServer) -> SeriesCollector:
@@ -23,6 +30,7 @@ def relay_collector(server: RelayServer) -> SeriesCollector:
             RESERVATIONS.name: len(held),
             CAPACITY.name: server.settings.max_reservations,
             RELAYED_BYTES.name: sum(info.bytes for info in held),
+            REFUSALS.name: server.refusal_counts(),
         }
 
     return SeriesCollector(SERIES, read)

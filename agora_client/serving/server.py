@@ -1,7 +1,8 @@
 """The worker's hivemind moe Server, with two seams swapped in (through agora_client/engine/serving.py).
 
 - Connection handlers check every request's ticket, size, schema and values before it reaches a pool,
-  and count every answered request and its payload bytes (serving/traffic.py).
+  count every answered request and its payload bytes (serving/traffic.py), and hold each answer until the
+  worker's upload cap lets it go (agora_client/upload_cap.py).
 - The DHT handler thread is replaced by the StageAnnouncer, which publishes the stage-prefixed uid
   together with the sync phase (hivemind's own handler can only publish the uid).
 """
@@ -37,6 +38,7 @@ from agora_client.serving.validation import (
     check_descriptors,
     validate_inputs,
 )
+from agora_client.upload_cap import UploadCap
 
 _HEAR_OUT_S = 3.0  # how long a refused stream is still read so that its caller hears why
 
@@ -58,6 +60,7 @@ class GuardedConnectionHandler(CheckedConnectionHandler):
         healthy: Synchronized,
         yielding: Synchronized,
         meter: RequestMeter | None = None,
+        upload: UploadCap | None = None,
     ):
         super().__init__(dht, backends)
         self._schemas: dict[tuple[str, str], tuple[BatchTensorDescriptor, ...]] = {}
@@ -75,7 +78,7 @@ class GuardedConnectionHandler(CheckedConnectionHandler):
         self._magnitudes = {kind: MagnitudeGuard(kind) for kind in ("forward", "backward")}
         self._vocab_size, self._max_request_batch = vocab_size, max_request_batch
         self._gate, self._rejections, self._healthy, self._yielding = gate, rejections, healthy, yielding
-        self._meter = meter
+        self._meter, self._upload = meter, upload
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         with self._refusals(context):
@@ -174,6 +177,10 @@ class GuardedConnectionHandler(CheckedConnectionHandler):
             received = sum(tensor.numel() * tensor.element_size() for tensor in inputs)
             self._meter.on_request(self._pools[pool_name][1], received, sum(proto.ByteSize() for proto in outputs))
 
+    async def before_answer(self, outputs: Sequence[runtime_pb2.Tensor]) -> None:
+        if self._upload is not None:
+            await self._upload.pace(sum(proto.ByteSize() for proto in outputs))
+
 
 class StageAnnouncer(threading.Thread):
     """Re-publishes this worker's WorkerRecord every ``period`` seconds; withdraws it on stop."""
@@ -212,6 +219,7 @@ class StageServer(HostedServer):
         rejections: RejectionLog,
         num_connection_handlers: int = 2,
         meter: RequestMeter | None = None,
+        upload: UploadCap | None = None,
         **runtime_kwargs,
     ):
         healthy = mp.get_context("fork").Value(ctypes.c_bool, True)  # shared with the forked handlers
@@ -231,6 +239,7 @@ class StageServer(HostedServer):
                     healthy=healthy,
                     yielding=yielding,
                     meter=meter,
+                    upload=upload,
                 )
                 for _ in range(num_connection_handlers)
             ],

@@ -57,12 +57,20 @@ class RequestMeter:
 
 
 class TrafficWindow:
-    """Rates over the last ``window_s`` seconds from successive totals."""
+    """Rates over the last ``window_s`` seconds from successive totals, beside the upload cap (bytes/s) and the
+    uplink the worker announces (``announced_uplink``), where it has them."""
 
     def __init__(
-        self, meter: RequestMeter, window_s: float = 30.0, clock: Callable[[], float] = time.monotonic
+        self,
+        meter: RequestMeter,
+        window_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        upload_cap_bps: float | None = None,
+        announced_uplink: Callable[[], float] | None = None,
     ) -> None:
         self.meter, self.window_s, self._clock = meter, window_s, clock
+        self.upload_cap_bps, self._announced_uplink = upload_cap_bps, announced_uplink
         self._samples: deque[tuple[float, MeterTotals]] = deque([(clock(), meter.totals())])
 
     def sample(self) -> TrafficEvent:
@@ -82,4 +90,6 @@ class TrafficWindow:
             bytes_sent=totals.bytes_out,
             bytes_received=totals.bytes_in,
             window_s=round(seconds, 2),
+            upload_cap_bps=self.upload_cap_bps,
+            announced_uplink_bps=None if self._announced_uplink is None else round(self._announced_uplink(), 1),
         )

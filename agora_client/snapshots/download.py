@@ -10,8 +10,10 @@ or it is downloaded again from scratch.
 At line rate: the sha256 is computed while the bytes stream in, on a thread of its own (hashlib releases
 the GIL, so hashing overlaps receiving; a resumed file hashes only what is already on disk, once), each
 network block goes straight to the file without a copy, and nothing is read back after the transfer.
-Files are fsynced once, when the whole snapshot is verified: the directory's download mark
-(``download_marks.py``) then says so, and the load trusts those files instead of hashing them again.
+Once the whole snapshot is verified, the directory's download mark (``download_marks.py``) says so, and a load
+in the same boot trusts those files instead of hashing them again; after a reboot it hashes them (the files are
+not fsynced: at a small snapshot on a fast link, fsyncs were most of the download's time). The local manifest
+is not fsynced either: the mark holds its sha256, so a manifest lost or torn in a crash voids the mark.
 ``remove_other_downloads`` keeps the disk to the snapshot in use.
 """
 
@@ -83,7 +85,8 @@ def download_snapshot(
             **manifest,
             "files": {name: {"sha256": e["sha256"], "size": e["size"]} for name, e in manifest["files"].items()},
         }
-        write_json(target / MANIFEST_FILE, local)  # without per-file URLs: presigned signatures stay off disk
+        # without per-file URLs: presigned signatures stay off disk; not fsynced (the mark holds its sha256)
+        write_json(target / MANIFEST_FILE, local, sync=False)
         mark_verified(target, MANIFEST_FILE, list(manifest["files"]))
         progress.done(f"snapshot of {manifest['stage']} at epoch {manifest['epoch']} ready in {target}")
         return target
@@ -269,17 +272,19 @@ class _FileFetch:
                     self._hash_part_up_to(offset)
                 self.progress.file_started(self.name, offset)
                 remaining = self.size - offset
-                # unbuffered: each network block is written and hashed as it is, without a copy
+                # unbuffered: each network block is written and hashed as it is, without a copy; the body is read
+                # to its end, so that the connection serves the next file
                 with open(self.part, mode, buffering=0) as out:
                     for block in response.iter_raw():
-                        if len(block) > remaining:
+                        longer = len(block) > remaining
+                        if longer:
                             block = block[:remaining]  # never store more than the manifest promises
                         _write_all(out, block)
                         self._hasher.update(block)
                         remaining -= len(block)
                         self.progress.received(len(block))
-                        if remaining <= 0:
-                            break
+                        if longer:
+                            break  # a body longer than the file: its connection is dropped, its excess unread
         except httpx.TransportError as error:
             raise _Interrupted(f"connection lost ({type(error).__name__})") from None
         if remaining > 0:

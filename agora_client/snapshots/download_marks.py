@@ -3,6 +3,11 @@ were verified against the manifest while they streamed in (so a load need not ha
 
 The mark holds the sha256 of the manifest and each file's size and modification time at verification; a file
 replaced or rewritten since then, or another manifest, makes the mark void and the loader hashes again.
+
+It also holds the kernel's boot id, and is trusted only in the boot that wrote it: what a process wrote survives
+that process's crash (the page cache keeps it), and only a crash of the machine, which starts a new boot, can tear
+a file. So the files need no fsync before the mark, which at a small snapshot on a fast link was most of the
+download's time. Where the kernel gives no boot id, the files are fsynced first and the mark holds in any boot.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from .durable import fsync_file, write_json
 
 # A dot name: never a snapshot file (a manifest refuses such names), never served as one.
 MARK_FILE = ".agora-download.json"
+BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
 
 
 def mark_started(directory: Path) -> None:
@@ -24,15 +30,18 @@ def mark_started(directory: Path) -> None:
 
 
 def mark_verified(directory: Path, manifest_name: str, file_names: list[str]) -> None:
-    """Record that the files and the manifest in ``directory`` are verified; the files are fsynced first,
-    so that the mark never outlives a file torn by a crash."""
+    """Record that the files and the manifest in ``directory`` are verified, in this boot (without a boot id: the
+    files fsynced first). The mark itself is not fsynced: lost in a crash, it only makes the load hash the files
+    again (the started mark, durable, still says the directory is ours)."""
     directory = Path(directory)
-    files = {}
+    boot, files = boot_id(), {}
     for name in file_names:
-        fsync_file(directory / name)
+        if boot is None:
+            fsync_file(directory / name)
         files[name] = _fingerprint(directory / name)
     manifest_sha256 = hashlib.sha256((directory / manifest_name).read_bytes()).hexdigest()
-    write_json(directory / MARK_FILE, {"verified": {"manifest_sha256": manifest_sha256, "files": files}})
+    verified = {"manifest_sha256": manifest_sha256, "files": files, "boot": boot}
+    write_json(directory / MARK_FILE, {"verified": verified}, sync=False)
 
 
 def is_download(directory: Path) -> bool:
@@ -50,6 +59,8 @@ def verified_by_download(directory: Path, manifest_name: str, files: dict[str, A
     verified = mark.get("verified") if isinstance(mark, dict) else None
     if not isinstance(verified, dict) or verified.get("manifest_sha256") != manifest_sha256:
         return False
+    if verified.get("boot") not in (None, boot_id()):  # written in an earlier boot, its files never fsynced
+        return False
     recorded = verified.get("files")
     if not isinstance(recorded, dict) or set(recorded) != set(files):
         return False
@@ -66,3 +77,11 @@ def verified_by_download(directory: Path, manifest_name: str, files: dict[str, A
 def _fingerprint(path: Path) -> list[int]:
     stat = path.stat()
     return [stat.st_size, stat.st_mtime_ns]
+
+
+def boot_id() -> str | None:
+    """The running kernel's boot id (Linux), new at every boot; None where there is none."""
+    try:
+        return BOOT_ID_FILE.read_text(encoding="ascii").strip() or None
+    except OSError:
+        return None

@@ -70,9 +70,15 @@ def run(args: argparse.Namespace) -> int:
     run_dir = args.run_dir / time.strftime(RUN_NAME)
     options = SwarmOptions(workers_per_stage=args.workers_per_stage, run_dir=run_dir, publish_snapshots=True)
     print(f"[DEMO] starting the local swarm (logs in {run_dir / 'logs'}); this takes about a minute...", flush=True)
-    with LocalSwarm(options) as swarm:
-        auth_url, token = swarm.start_join_services()
-        monitor_url = swarm.start_monitor(auth_url)
+    swarm, services = LocalSwarm(options), {}
+
+    def start_services() -> None:  # they need the seeds, not the workers: they start while the workers build
+        services["auth_url"], services["token"] = swarm.start_join_services()
+        services["monitor_url"] = swarm.start_monitor(services["auth_url"])
+
+    try:
+        swarm.start(beside_workers=start_services)
+        auth_url, token, monitor_url = services["auth_url"], services["token"], services["monitor_url"]
         print(f"[DEMO] swarm up; auth service at {auth_url}; leaderboard at {monitor_url}/leaderboard", flush=True)
         print("[DEMO] joining as the demo user", flush=True)
         os.environ["HF_TOKEN"] = token  # the demo identity's token, from the swarm's own token file
@@ -80,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
         client = client_arguments(args.headless, auth_url, monitor_url, run_dir / "client", supervision)
         code = run_client(client, args.front_end)
         print("[DEMO] stopping the swarm...", flush=True)
+    finally:
+        swarm.stop()
     print(
         f"[DEMO] logs of this run: {run_dir / 'logs'} (swarm) and {run_dir / 'client' / 'logs'} (your client)",
         flush=True,

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
 from agora_client.auth.identity import write_demo_token_file
-from agora_client.auth.tickets import load_or_create_signing_key
+from agora_client.auth.tickets import load_or_create_signing_key, load_signing_key, public_key_text
 from agora_client.checkpoints.sets import CheckpointError, CheckpointSet, format_time, parse_time, select_set
 from agora_client.config import ConfigError, load_config
 from agora_client.snapshots import SnapshotError, SnapshotServer, open_store, read_manifest, serve_directory
@@ -173,7 +173,10 @@ class LocalSwarm:
     def start_relay(self) -> str:
         """The operator's relay on the swarm's host (ports for workers from RELAY_PORTS up); returns its HOST:PORT."""
         host, port = self.options.host, _free_port(self.options.host)
-        self.relay = self._spawn("relay", relay_args(host, port, host, f"{RELAY_PORTS[0]}-{RELAY_PORTS[1]}"))
+        auth_public_key = public_key_text(load_signing_key(self.signing_key_path))  # the passes it honours
+        self.relay = self._spawn(
+            "relay", relay_args(host, port, host, f"{RELAY_PORTS[0]}-{RELAY_PORTS[1]}", auth_public_key)
+        )
         self.relay.wait_for(RELAY_READY, START_TIMEOUT)
         return f"{host}:{port}"
 
@@ -285,7 +288,9 @@ class LocalSwarm:
             positions[shard] = path
         return positions
 
-    def start(self) -> "LocalSwarm":
+    def start(self, beside_workers: Callable[[], object] | None = None) -> "LocalSwarm":
+        """Seeds, then workers, then trainers. ``beside_workers`` (roles that need the seeds but not the workers:
+        the auth service, the monitor) runs once the seeds are up, while the workers build."""
         self.started_at = time.monotonic()
         if self.options.resume and not self.resume_dirs:
             self.prepare_resume()
@@ -294,6 +299,8 @@ class LocalSwarm:
         for stage in self.config.model.stage_names:
             for _ in range(self.options.workers_per_stage):
                 launching.append(self.start_worker(stage, wait=False))
+        if beside_workers is not None:
+            beside_workers()
         for worker in launching:
             worker.wait_for(WORKER_READY, START_TIMEOUT)
         for _ in range(self.options.trainers):

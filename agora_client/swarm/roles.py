@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from agora_client.discovery.seed import READY_PREFIX as SEED_READY
 
@@ -69,8 +69,12 @@ def snapshot_server_args(directory: Path, host: str, port: int, exposure: Exposu
     return ["snapshot-server", "--dir", str(directory), "--host", host, "--port", str(port), *exposure.args()]
 
 
-def relay_args(host: str, port: int, public_host: str, ports: str) -> list[str]:
-    return ["relay", "--host", host, "--port", str(port), "--public-host", public_host, "--ports", ports]
+def relay_args(host: str, port: int, public_host: str, ports: str, auth_public_key: str) -> list[str]:
+    return [
+        "relay",
+        *("--host", host, "--port", str(port), "--public-host", public_host, "--ports", ports),
+        *("--auth-public-key", auth_public_key),
+    ]
 
 
 def auth_args(
@@ -84,6 +88,7 @@ def auth_args(
     token_file: Path | None = None,
     pacing: float | None = None,
     max_workers_per_stage: int | None = None,
+    stage_targets: Mapping[str, int] | None = None,
     monitor_url: str | None = None,
     relays: Sequence[str] = (),
     exposure: ExposureArgs = ExposureArgs(),
@@ -99,6 +104,8 @@ def auth_args(
         args += ["--seed", seed]
     for relay in relays:
         args += ["--relay", relay]
+    for stage, target in (stage_targets or {}).items():
+        args += ["--stage-target", f"{stage}={target}"]
     return [*args, *exposure.args()]
 
 

@@ -53,6 +53,7 @@ from agora_client.snapshots import SnapshotError, open_store
 from agora_client.system.lifetime import stop_on_signals
 from agora_client.trainer.balancer import RoundRobinBalancer, Router, StageBalancer
 from agora_client.trainer.calibration import describe
+from agora_client.trainer.escrow import Escrow
 from agora_client.trainer.evaluation import HeldOutEvaluation
 from agora_client.trainer.loop import TrainingLoop
 from agora_client.trainer.operator_metrics import trainer_collector
@@ -135,6 +136,14 @@ def _add_loop_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="share of requests also sent to a second worker (default: the run config's spot_checks.fraction)",
+    )
+    parser.add_argument(
+        "--reference-worker",
+        action="append",
+        default=None,
+        metavar="PEER_ID",
+        help="an operator-run worker whose answers spot checks trust as the judge, e.g. on a two-worker stage; "
+        "repeatable (default: the run config's spot_checks.reference_workers)",
     )
 
 
@@ -322,9 +331,9 @@ class _TrainerInputs:
 
 def _overrides(args: argparse.Namespace) -> dict:
     """Run config overrides from the command line: spot checks, microbatches in flight and the data source."""
-    overrides: dict = (
-        {} if args.spot_check_fraction is None else {"spot_checks": {"fraction": args.spot_check_fraction}}
-    )
+    checks = {"fraction": args.spot_check_fraction, "reference_workers": args.reference_worker}
+    checks = {key: value for key, value in checks.items() if value is not None}
+    overrides: dict = {"spot_checks": checks} if checks else {}
     if args.inflight is not None:
         overrides["optim"] = {"inflight": args.inflight}
     data = {"source": args.data, "subset": args.data_subset, "split": args.data_split, "text_field": args.text_field}
@@ -453,11 +462,14 @@ def _start_receipts(
             "for the work its workers serve it",
         )
         return None, None
-    book = ReceiptBook(inputs.config.model)
+    checks = inputs.config.spot_checks
+    book = ReceiptBook(inputs.config.model, Escrow(checks) if checks.fraction > 0 else None)
     validator = signature_validator()  # hivemind's process-wide key: the one the trainer's DHTs sign with
     trainer = trainer_peer_id(validator)
 
     def publish() -> None:
+        if stop.is_set() and book.escrow is not None:
+            book.escrow.close()  # the last receipt: what this trainer still holds can no longer be vouched for
         try:
             receipt = book.receipt(trainer, inputs.tickets.ticket_for(trainer))
         except AuthFailed as error:

@@ -5,7 +5,8 @@ claims. The trainer saw every request it sent and every answer that came back, s
 worker (spot-check re-runs included: they cost the worker the same) and prices them with the formula the
 worker uses (``monitor.flops.request_flops``). It stores the counts, signed with its own key and carrying
 its trainer ticket, under ``agora.receipts``; the monitor credits a worker's compute as the lesser of its
-claim and its receipts (``monitor/receipts.py``).
+claim and its receipts (``monitor/receipts.py``). With spot checks on, work served on a stage they cannot judge
+yet is held in escrow (``trainer/escrow.py``): the receipt says how much, and how much was forfeited.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from agora_client.discovery.signed_records import RECEIPTS_KEY, Receipt, ServedC
 from agora_client.engine.records import RSASignatureValidator
 from agora_client.monitor.flops import request_flops
 from agora_client.monitor.signatures import owner_subkey
+from agora_client.trainer.escrow import Escrow
 
 RECEIPT_TTL_S = 600.0  # the monitor scrapes far more often; a stopped trainer's receipts go after this
 
@@ -41,8 +43,9 @@ class _Served:
 class ReceiptBook:
     """Per worker peer id, what it served this trainer process; thread-safe (every pipeline thread counts)."""
 
-    def __init__(self, model: ModelConfig):
+    def __init__(self, model: ModelConfig, escrow: Escrow | None = None):
         self.run_id = secrets.token_hex(8)
+        self.escrow = escrow  # None: every request is paid as served (no spot checks to judge it)
         self._lock = threading.Lock()
         self._served: dict[str, _Served] = {}
 
@@ -65,15 +68,29 @@ class ReceiptBook:
                 served.forwards += 1
             else:
                 served.backwards += 1
+        if self.escrow is not None:
+            self.escrow.receive(stage, kind, peer_id, cost)
 
     def receipt(self, trainer: str, ticket: str, now: float | None = None) -> Receipt:
         with self._lock:
-            served = {
-                peer_id: ServedCounts(stage=s.stage, forwards=s.forwards, backwards=s.backwards, flops=s.flops)
-                for peer_id, s in self._served.items()
-            }
+            served = {peer_id: self._counts(peer_id, s) for peer_id, s in self._served.items()}
         return Receipt(
             trainer=trainer, ticket=ticket, run_id=self.run_id, served=served, ts=time.time() if now is None else now
+        )
+
+    def _counts(self, peer_id: str, served: _Served) -> ServedCounts:
+        counts = ServedCounts(
+            stage=served.stage, forwards=served.forwards, backwards=served.backwards, flops=served.flops
+        )
+        if self.escrow is None:
+            return counts
+        tally = self.escrow.tally(peer_id)
+        return counts.model_copy(
+            update={
+                "held_flops": max(0.0, tally.held_flops),  # sums of floats: never a rounding error below zero
+                "forfeited_flops": max(0.0, tally.forfeited_flops),
+                "disputed_windows": tally.disputed_windows,
+            }
         )
 
 

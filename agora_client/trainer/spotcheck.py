@@ -20,6 +20,9 @@ struck. A stage and kind still ``calibrating``, or
 ``unverifiable`` (honest replicas drift about as far apart as random answers, as the tiny preset's head
 does after a few steps), is checked and calibrated but strikes no one.
 
+Where a stage and kind is not judged, the checks' answers are witnesses for the escrow of the work served there
+(``receipts.escrow``, agora_client/trainer/escrow.py), judged once the stage is verifiable.
+
 A backward sent twice (or three times) adds that microbatch's gradient to the other replicas as well: a
 small bias, paid only on the checked fraction.
 """
@@ -41,6 +44,7 @@ from agora_client.discovery.progress_records import CheckStanding, StageSpotChec
 from agora_client.discovery.roster import WorkerRecord
 from agora_client.trainer.balancer import Kind, Router, WorkerKey
 from agora_client.trainer.calibration import Calibration, confirmed_distances, strike_distance
+from agora_client.trainer.escrow import Witnessed
 from agora_client.trainer.receipts import ReceiptBook
 from agora_client.trainer.rpc import StageClient
 
@@ -142,6 +146,7 @@ class SpotChecker:
         )
         self.on_strike = on_strike
         self.receipts = receipts  # a re-run costs the worker as much as any request: it is receipted too
+        self.escrow = receipts.escrow if receipts is not None else None
         self._rng = rng or random.Random()
         self._lock = threading.Lock()
         self._checks: dict[WorkerKey, int] = {}
@@ -191,6 +196,9 @@ class SpotChecker:
         )
         if third is not None:
             self._calibrate(stage, kind, (first, second, third))
+        answers = [first, second] if third is None else [first, second, third]
+        if self.escrow is not None and self.escrow.holding(stage, kind, [worker.peer_id for worker, _ in answers]):
+            self.escrow.witness(stage, kind, _witnessed(answers))
         return self._judge(stage, kind, first, second, third, calibrated=calibrating and third is not None)
 
     def _disagree(self, stage: str, kind: Kind, first: Answer, second: Answer) -> bool:
@@ -238,6 +246,8 @@ class SpotChecker:
             calibration.add(honest)
             before, after = self._standings[stage, kind], calibration.standing()
             self._standings[stage, kind] = after
+        if self.escrow is not None:
+            self.escrow.stand(stage, kind, after)
         if after.state != before.state:
             self.on_standing(stage, kind, after)
 
@@ -292,3 +302,15 @@ class SpotChecker:
         if banning:
             self.router[stage].ban(worker.key, self.config.ban_seconds)
             self.on_ban(finding)
+
+
+def _witnessed(answers: Sequence[Answer]) -> Witnessed:
+    """Who answered one check and how far apart each pair of answers was."""
+    return Witnessed(
+        tuple(worker.peer_id for worker, _ in answers),
+        {
+            (i, j): relative_distance(answers[i][1], answers[j][1])
+            for i in range(len(answers))
+            for j in range(i + 1, len(answers))
+        },
+    )

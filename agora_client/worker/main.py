@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import threading
 from contextlib import ExitStack
@@ -23,8 +22,8 @@ from agora_client.worker.operator_metrics import watch_worker
 
 if TYPE_CHECKING:
     from agora_client.auth.ticket_source import SelfIssuedTickets
-    from agora_client.relay import KeptReservation
     from agora_client.worker.node import WorkerNode, WorkerOptions
+    from agora_client.worker.relayed import RelayedPort
 
 RELAY_LISTEN_HOSTS = ("127.0.0.1", "0.0.0.0")  # the relay's connections reach the worker on 127.0.0.1
 
@@ -128,10 +127,11 @@ def _metrics_endpoint(args: argparse.Namespace) -> MetricsEndpoint:
         raise _CannotStart(error, 2) from error
 
 
-def _reserve_relay(args: argparse.Namespace) -> KeptReservation:
+def _reserve_relay(args: argparse.Namespace) -> RelayedPort:
     """A port on ``--relay`` whose connections reach this worker's own port on 127.0.0.1, before its DHT starts
-    (reserved again after a loss)."""
-    from agora_client.relay import KeptReservation, RelayUnavailable
+    (reserved again after a loss), reserved with this worker's own ticket (``--ticket-key``)."""
+    from agora_client.relay import RelayUnavailable
+    from agora_client.worker.relayed import reserve_relayed_port
 
     if args.host not in RELAY_LISTEN_HOSTS:
         raise _CannotStart(
@@ -141,20 +141,25 @@ def _reserve_relay(args: argparse.Namespace) -> KeptReservation:
             ),
             2,
         )
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    reservation = KeptReservation(args.relay, port, on_lost=_relay_lost, on_restored=_relay_restored)
+    tickets, _ = _tickets(args)
+    if tickets is None:
+        raise _CannotStart(
+            ValueError(
+                "--relay needs --ticket-key: a relay holds ports only for the auth service's ticket or relay pass "
+                "holders, and this worker signs its own ticket with that key"
+            ),
+            2,
+        )
     try:
-        address = reservation.open()
+        relayed, address = reserve_relayed_port(args.relay, tickets, on_lost=_relay_lost, on_restored=_relay_restored)
     except RelayUnavailable as error:
         raise _CannotStart(error, 1) from error
     print(
         f"[NETWORK] serving through the relay {args.relay}: the swarm reaches this worker at {address}, "
-        f"about {reservation.rtt_s * 1000:.0f} ms more per round trip",
+        f"about {relayed.rtt_s * 1000:.0f} ms more per round trip",
         flush=True,
     )
-    return reservation
+    return relayed
 
 
 def _relay_lost(reason: str) -> None:
@@ -178,16 +183,7 @@ def _relay_restored(address: str, same: bool) -> None:
         )
 
 
-def _relay_dht_kwargs(relay: KeptReservation | None) -> dict:
-    """Listen on the port the relay reaches and announce only the relay's (none without a relay)."""
-    if relay is None:
-        return {}
-    from agora_client.network import tcp_multiaddr
-
-    return {"port": relay.local_port, "announce_maddrs": [tcp_multiaddr(relay.address)]}
-
-
-def _create_node(args: argparse.Namespace, relay: KeptReservation | None) -> WorkerNode:
+def _create_node(args: argparse.Namespace, relay: RelayedPort | None) -> WorkerNode:
     """The worker for ``--stage``, not yet started: config, events, options, then the node (joins the DHT)."""
     from agora_client.snapshots import SnapshotError
     from agora_client.worker.node import WorkerNode
@@ -245,7 +241,7 @@ def _event_writer(args: argparse.Namespace) -> EventWriter:
     return events
 
 
-def _worker_options(args: argparse.Namespace, config: RunConfig, relay: KeptReservation | None) -> WorkerOptions:
+def _worker_options(args: argparse.Namespace, config: RunConfig, relay: RelayedPort | None) -> WorkerOptions:
     """The worker's options from the command line: device, tickets, snapshots to start from, publish and recover from,
     and its DHT's port and announced address when served through a relay."""
     from agora_client.snapshots import latest_snapshot
@@ -270,7 +266,7 @@ def _worker_options(args: argparse.Namespace, config: RunConfig, relay: KeptRese
         auth_public_key=public_key,
         tickets=tickets,
         recovery=(lambda: latest_snapshot(recover_from / args.stage)) if recover_from is not None else None,
-        dht_kwargs=_relay_dht_kwargs(relay),
+        dht_kwargs=relay.dht_kwargs() if relay is not None else {},
     )
 
 

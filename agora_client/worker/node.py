@@ -30,6 +30,7 @@ from agora_client.serving.traffic import MeterTotals, RequestMeter
 from agora_client.snapshots import SnapshotError, load_stage_snapshot, open_store, remove_other_downloads
 from agora_client.snapshots.background import BackgroundWriter
 from agora_client.snapshots.publisher import SnapshotPublisher
+from agora_client.upload_cap import UploadCap
 from agora_client.worker.epochs import EpochController, all_finite
 from agora_client.worker.optimizer import build_optimizer
 from agora_client.worker.prepared_stage import PreparedStage, prepare_stage
@@ -64,6 +65,7 @@ class WorkerOptions:
     prepared: PreparedStage | None = (
         None  # the stage built ahead (a contributor builds it while its snapshot downloads)
     )
+    max_upload_mbit: float = 0.0  # the contributor's upload cap (answers, SPARTA, probes); 0: none
 
 
 STABLE_WINDOW_MAX_WAIT = 120.0  # a stage that never looks stable must not keep a joiner out forever
@@ -113,11 +115,14 @@ class WorkerNode:
         self._build_gates(options, events)
         self.sync = SyncState(options.config.sync, events.emit, joining=options.joining)
         self.meter = RequestMeter()  # before the server: its connection handlers fork with it
+        # before the server and the averager too: their processes spend the one budget
+        self.upload = UploadCap(options.max_upload_mbit) if options.max_upload_mbit else None
         self.requests = EpochStats(self.meter)
         self._request_hooks: list[Callable[[str, torch.Tensor], None]] = []
         self._round_hooks: list[Callable[[RoundReport], None]] = []
         self.epochs = self._epoch_controller(start_epoch)
         self._last_epoch = start_epoch  # the epoch of the previous epoch hook: rounds crossed by a jump still start
+        self._weights_epoch = start_epoch  # the stage epoch its weights are from: how fresh they are at phase 1
         self._snapshot_due = options.publish_dir is not None  # the first one is written at start()
         self._yielded: tuple[int, int] | None = None  # (stage epoch, sync phase) when it yielded the GPU; None: serving
         self.state_writer = BackgroundWriter(
@@ -140,6 +145,7 @@ class WorkerNode:
             num_connection_handlers=options.num_handlers,
             device=self.device,
             meter=self.meter,
+            upload=self.upload,
         )
 
     def _load_stage(self) -> tuple[PreparedStage, int]:
@@ -220,6 +226,7 @@ class WorkerNode:
             admission=None
             if self.averaging_gate is None
             else GroupAdmission(self.averaging_gate, self.options.tickets, self.rejections),
+            upload=self.upload,
         )
 
     def _stage_backend(self, prepared: PreparedStage) -> StageBackend:
@@ -393,7 +400,7 @@ class WorkerNode:
             self.publish_snapshot(self.epochs.epoch)
         if self.sync.target_epoch is None:  # a joiner: start phase 1 in a stable window
             self._wait_for_stable_window(stop or threading.Event())
-            self.sync.begin(self.epochs.stage_epoch)
+            self.sync.begin(self.epochs.stage_epoch, weights_epoch=self._weights_epoch)
             self.server.announcer.refresh.set()
 
     def _wait_for_stable_window(self, stop: threading.Event) -> None:

@@ -37,6 +37,17 @@ def swarm_view(store: PointsStore, run: RunInfo | None, now: float) -> dict[str,
         "contributors": len(rows),
         "online": sum(row.online for row in rows),
         "summary": dataclasses.asdict(summary) if summary is not None else None,
+        "escrow": _escrow_view(store),
+    }
+
+
+def _escrow_view(store: PointsStore) -> dict[str, float]:
+    """Compute that spot checks could not judge yet (held), lost (forfeited) and windows paid to neither side."""
+    escrow = store.escrow()
+    return {
+        "held": escrow.held_flops / PFLOP,
+        "forfeited": escrow.forfeited_flops / PFLOP,
+        "disputed_windows": escrow.disputed_windows,
     }
 
 

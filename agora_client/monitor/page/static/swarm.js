@@ -1,5 +1,5 @@
 "use strict";
-// The swarm page: run, tokens, learning curve, stages and leaderboard, from /swarm, /learning and /leaderboard.
+// The swarm page: run, tokens, escrow, learning curve, stages and leaderboard, from /swarm, /learning and /leaderboard.
 (function () {
   const A = window.Agora;
 
@@ -15,6 +15,8 @@
     A.setText("tokens-per-s", summary ? A.compact(summary.tokens_per_s) : "–");
     A.setText("tokens-seen", summary ? A.compact(summary.tokens_seen) : "–");
     A.setText("online", swarm.online + " of " + swarm.contributors);
+    const escrow = swarm.escrow;
+    A.setText("escrow", A.fixed(escrow.held, 3) + " / " + A.fixed(escrow.forfeited, 3) + ", " + escrow.disputed_windows);
   }
 
   function spotChecks(checks) {
