@@ -271,3 +271,25 @@ def test_a_ledger_from_before_observed_presence_opens_with_its_totals(tmp_path):
     store.record_scrape([obs("p1", 120, 120, 0)], {}, now=120)
     assert store.peer("p1").presence_seconds == pytest.approx(120)
     store.close()
+
+
+def test_a_ledger_from_before_escrow_keeps_every_receipted_flop_payable(tmp_path):
+    path = tmp_path / "points.sqlite"
+    with sqlite3.connect(path) as old:  # the receipts table as monitors wrote it before escrow
+        old.execute(
+            "CREATE TABLE receipts (trainer TEXT NOT NULL, run_id TEXT NOT NULL, peer_id TEXT NOT NULL, "
+            "flops REAL NOT NULL, PRIMARY KEY (trainer, run_id, peer_id)) WITHOUT ROWID"
+        )
+        old.execute("INSERT INTO receipts VALUES ('trainer', 'run', 'p1', ?)", (3 * PFLOP,))
+    store = PointsStore(path)
+    try:
+        assert store.escrow().held_flops == store.escrow().forfeited_flops == 0
+        with sqlite3.connect(path) as db:  # every FLOP receipted before escrow was payable
+            assert db.execute("SELECT flops, payable FROM receipts").fetchall() == [(3 * PFLOP, 3 * PFLOP)]
+        counts = ServedCounts(stage="body1", forwards=1, backwards=1, flops=5 * PFLOP, held_flops=PFLOP)
+        store.record_receipts([Receipt(trainer="trainer", ticket="-", run_id="run", served={"p1": counts}, ts=1.0)])
+        assert store.escrow().held_flops == PFLOP
+    finally:
+        store.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT flops, payable FROM receipts").fetchall() == [(5 * PFLOP, 4 * PFLOP)]
