@@ -29,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "leaderboard": ("agora_client.monitor.leaderboard_cli", "print the leaderboard as a table"),
     "describe": ("agora_client.describe", "show a preset's stages and parameter counts"),
     "runtime": ("agora_client.runtime", "the worker runtime the app supervises; writes events to stdout"),
+    "pause": ("agora_client.system.pause_cli", "pause the running worker runtime from another terminal"),
+    "resume": ("agora_client.system.resume_cli", "resume the worker runtime agora pause paused"),
     "export-logs": ("agora_client.system.bundle_cli", "write a support bundle (zip) for a ticket"),
     "checkpoints": ("agora_client.checkpoints.list_cli", "list consistent checkpoint sets: per-stage times, loss"),
     "export": ("agora_client.checkpoints.export", "write a checkpoint set as a Hugging Face OLMo2 model directory"),

@@ -10,7 +10,9 @@ that is neither on this machine nor on a private network is refused unless ``--i
 a swarm's own certificate authority besides the usual ones. Everything it has to say goes to stdout as events, one JSON
 object per line (agora_client/events.py). SIGINT or SIGTERM stop it gracefully. ``--yield`` and ``--active-hours``
 give the GPU back to its owner (agora_client/system/gpu_yield.py): the worker drains and keeps its slot for
-``--yield-grace``; past it, the worker leaves and joins again once the GPU is free.
+``--yield-grace``; past it, the worker leaves and joins again once the GPU is free. ``agora pause`` (from another
+terminal, through a socket in the config dir: agora_client/system/pause_control.py) yields the same way until
+``agora resume``.
 
 Exit codes: agora_client.frontend.exit_codes (0 stopped on request, 1 runtime error, 2 bad usage
 or config, 3 rejected by the swarm). The reason for a nonzero code is said once: by the event that
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from agora_client.auth.run_description import RunDescription
     from agora_client.joining.contributor import Contributor
     from agora_client.system.gpu_yield import YieldPolicy
+    from agora_client.system.pause_control import PauseServer
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -140,6 +143,7 @@ def _contribute_while_allowed(
     from agora_client.system.gpu_users import GpuUsers
 
     policy, users = policy_of(args), GpuUsers(args.gpu)
+    control = _pause_control(args, policy, events)
     try:
         while wait_until_free(policy, users, events, stop):
             contributor = _contributor(args, device, description, events, stop, policy)
@@ -150,8 +154,21 @@ def _contribute_while_allowed(
             if not contributor.gave_way:
                 break
     finally:
+        control.close()
         users.close()
     return _exit(events, EXIT_OK, "stopped")
+
+
+def _pause_control(args: argparse.Namespace, policy: YieldPolicy, events: EventWriter) -> PauseServer:
+    """``agora pause`` / ``agora resume`` reach the policy through this; without it the worker still contributes."""
+    from agora_client.system.pause_control import PauseControlError, PauseServer
+
+    control = PauseServer(args.config_dir or _default_config_dir(), args.gpu, policy)
+    try:
+        control.start()
+    except (PauseControlError, OSError) as error:
+        events.log(f"agora pause cannot reach this runtime: {error}", tag="WARNING", level="warning")
+    return control
 
 
 def _secure_transport(args: argparse.Namespace) -> None:

@@ -19,6 +19,8 @@ from agora_client.joining.yield_control import YieldControl, wait_until_free
 from agora_client.system.energy import MJ_PER_KWH, EnergyMeter
 from agora_client.system.gpu_users import own_pids
 from agora_client.system.gpu_yield import (
+    PAUSED_REASON,
+    RESUMED_REASON,
     ActiveHours,
     GpuUser,
     YieldPolicy,
@@ -203,6 +205,25 @@ def test_the_control_drains_keeps_the_slot_for_the_grace_and_then_leaves() -> No
     assert not control.tick()  # the grace ran out: the caller leaves the swarm
     last = events_of(sink)[-1]
     assert last.state == "left" and "the slot is given back" in last.reason
+
+
+def test_a_pause_drains_whatever_the_mode_and_a_resume_serves_at_once() -> None:
+    card, worker, sink = Card(), Worker(), io.StringIO()
+    policy = YieldPolicy("never")
+    control = YieldControl(policy, card, worker, EventWriter(sink), grace_s=300, clock=lambda: 0.0)
+    assert control.tick() and worker.told == []
+    assert policy.pause() and not policy.pause()  # the second says "already paused"
+    assert control.tick() and worker.told == ["yield"]
+    assert policy.resume() and not policy.resume()
+    assert control.tick() and worker.told == ["yield", "resume"]  # no free-for-a-while wait after a pause
+    yields = [(event.state, event.reason) for event in events_of(sink) if isinstance(event, YieldEvent)]
+    assert yields == [("yielding", PAUSED_REASON), ("resumed", RESUMED_REASON)]
+    formatter = LineFormatter()
+    lines = [line.render() for event in events_of(sink) for line in formatter.format(event)]
+    assert lines == [
+        f"[YIELD] Yielding the GPU: {PAUSED_REASON} (the slot is kept for 5m more)",
+        f"[YIELD] Serving again: {RESUMED_REASON}",
+    ]
 
 
 def test_before_a_join_it_waits_while_the_policy_says_yield() -> None:

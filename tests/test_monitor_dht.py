@@ -29,6 +29,7 @@ from agora_client.auth.tickets import generate_signing_key, issue_ticket, public
 from agora_client.config import load_config
 from agora_client.discovery.roster import WorkerRecord, announce, stage_uid
 from agora_client.discovery.signed_records import Receipt, ServedCounts
+from agora_client.engine.identity import write_identity_file
 from agora_client.monitor.estimate import fetch_confirmed
 from agora_client.monitor.http_api import LeaderboardServer
 from agora_client.monitor.points import PFLOP
@@ -41,7 +42,6 @@ from agora_client.monitor.records import (
     metrics_subkey,
     publish_metrics,
     signed_dht_kwargs,
-    write_identity_file,
 )
 from agora_client.monitor.scraper import Scraper
 from agora_client.monitor.store import PointsStore

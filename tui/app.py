@@ -89,6 +89,7 @@ class AgoraApp(App[int]):
         Binding("r", "retry", "Retry now", id="retry", tooltip="Ask the swarm to connect back to this worker now"),
         Binding("r", "restart", "Restart", id="restart", tooltip="Start the worker runtime again"),
         Binding("question_mark", "help", "Help", key_display="?", id="help", tooltip="What the panels mean"),
+        Binding("space", "toggle_pause", "Pause/resume", show=False, id="toggle_pause", tooltip="agora pause / resume"),
         *(
             Binding(str(number), f"show_tab('{tab}')", title, show=False, id=tab)
             for number, (tab, title) in enumerate(TABS.items(), 1)
@@ -108,6 +109,7 @@ class AgoraApp(App[int]):
         restart: RestartPolicy | None = None,
         notify_cmd: Sequence[str] = (),
         secrets: Sequence[str] = (),
+        pause_control: Callable[[], str] | None = None,
     ) -> None:
         super().__init__()
         self.command = command
@@ -138,6 +140,7 @@ class AgoraApp(App[int]):
         self.restart_policy = restart or RestartPolicy()  # --restart: what follows a crash
         self.restart_timer: Timer | None = None  # set while a crashed runtime waits to start again
         self.notifier = Notifier(notify_cmd, report=self._warn, secrets=secrets)
+        self.pause_control = pause_control  # pauses or resumes the runtime, as agora pause / resume; says what it did
 
     # -- layout -----------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -329,6 +332,8 @@ class AgoraApp(App[int]):
             return self.runtime_running and self.tracker.unreachable and not self.quitting
         if action == "toggle_preflight":
             return self.tracker.preflight.seen
+        if action == "toggle_pause":
+            return self.runtime_running and not self.quitting and self.pause_control is not None
         return True
 
     async def action_quit(self) -> None:
@@ -363,6 +368,15 @@ class AgoraApp(App[int]):
         self.process.retry_now()  # SIGUSR1: the runtime stops waiting and asks to join again
         self.tracker.retry_now()
         self._show_step()
+
+    def action_toggle_pause(self) -> None:
+        if self.check_action("toggle_pause", ()):
+            self.send_pause()
+
+    @work(thread=True, group="pause", exclusive=True)
+    def send_pause(self) -> None:
+        assert self.pause_control is not None
+        self.notify(self.pause_control(), title="Pause")  # the yield events that follow show the state
 
     def action_toggle_preflight(self) -> None:
         self.preflight_choice = not self.has_class("-preflight")
@@ -464,5 +478,7 @@ class AgoraApp(App[int]):
             yield SystemCommand(
                 "Retry the join now", "Ask the swarm to connect back to this worker now", self.action_retry
             )
+        if self.check_action("toggle_pause", ()):
+            yield SystemCommand("Pause or resume", "Pause contributing, or resume it (space)", self.action_toggle_pause)
         if self.check_action("restart", ()):
             yield SystemCommand("Restart worker", "Start the stopped worker runtime again", self.action_restart)

@@ -17,6 +17,7 @@ def run_app(session: ClientSession) -> int:
         restart=session.restart_policy(),
         notify_cmd=session.notify_cmd,
         secrets=session.secrets,
+        pause_control=session.toggle_pause,
     )
     try:
         app.run()

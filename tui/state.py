@@ -18,6 +18,7 @@ from agora_client.events import (
     QueueEvent,
     ReachabilityEvent,
     SyncEvent,
+    YieldEvent,
 )
 
 
@@ -183,7 +184,17 @@ class JoinTracker:
                 return self._on_reachability(event)
             case ErrorEvent():
                 return self._on_error(event)
+            case YieldEvent():
+                return self._on_yield(event)
         return False
+
+    def _on_yield(self, event: YieldEvent) -> bool:
+        """The headline says why the worker does not serve (a pause, the GPU's owner, the hours), and when it serves
+        again."""
+        said = {"yielding": "Yielding the GPU", "resumed": "Serving again", "left": "Left the swarm"}[event.state]
+        status = f"{said}: {event.reason}" if event.reason else said
+        changed, self.status = status != self.status, status
+        return changed
 
     def _on_auth(self, event: AuthEvent) -> bool:
         if event.status == "authorizing":

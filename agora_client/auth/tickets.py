@@ -12,9 +12,9 @@ import binascii
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -25,6 +25,9 @@ _MAX_TICKET_CHARS = 4096
 ROLES = ("worker", "trainer")  # a worker serves one stage; a trainer (operator) calls forward / backward
 TRAINER = "trainer"  # a trainer's ticket names this role, and this stage where a worker's names its stage
 TRAINER_TICKET_TTL_S = 3600.0
+# What a claim field declared as each type may hold in the JSON (a whole number is a float too).
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "float": (int, float)}
+_Claims = TypeVar("_Claims")
 
 
 class InvalidTicket(ValueError):
@@ -143,9 +146,9 @@ def sign_claims(key: Ed25519PrivateKey, claims: dict, *, domain: bytes = b"") ->
     return f"{encoded}.{_b64encode(key.sign(domain + encoded.encode('ascii')))}"
 
 
-def open_signed(public_key: str | Ed25519PublicKey, text: str, *, what: str = "ticket", domain: bytes = b"") -> Any:
+def _open_signed(public_key: str | Ed25519PublicKey, text: str, *, what: str = "ticket", domain: bytes = b"") -> Any:
     """The JSON claims of a ``sign_claims`` text once its signature holds; InvalidTicket (malformed, bad_signature)
-    naming ``what`` otherwise. The claims are not checked: that is the caller's."""
+    naming ``what`` otherwise. The claims are not checked: ``verify_claims`` does."""
     verifier = load_public_key(public_key) if isinstance(public_key, str) else public_key
     if not isinstance(text, str) or len(text) > _MAX_TICKET_CHARS or text.count(".") != 1:
         raise InvalidTicket("malformed", f"malformed {what}: expected two base64url parts joined by one '.'")
@@ -168,28 +171,47 @@ def open_signed(public_key: str | Ed25519PublicKey, text: str, *, what: str = "t
 
 def verify_ticket(public_key: str | Ed25519PublicKey, ticket: str, *, now: float | None = None) -> TicketClaims:
     """Check the signature, then the expiry; return the claims or raise InvalidTicket saying why."""
-    data = open_signed(public_key, ticket)
+    return verify_claims(public_key, ticket, TicketClaims, version=TICKET_VERSION, now=now)
+
+
+def verify_claims(
+    public_key: str | Ed25519PublicKey,
+    text: str,
+    claims_type: type[_Claims],
+    *,
+    version: int,
+    what: str = "ticket",
+    domain: bytes = b"",
+    now: float | None = None,
+) -> _Claims:
+    """The ``claims_type`` (a dataclass with ``expires_at``) of a ``sign_claims`` text: its signature, its version,
+    each field's type as the dataclass declares it, then its expiry; InvalidTicket (malformed, bad_signature,
+    expired) naming ``what`` otherwise."""
+    data = _open_signed(public_key, text, what=what, domain=domain)
     try:
-        if data.pop("v") != TICKET_VERSION:
+        if data.pop("v") != version:
             raise ValueError("version")
-        claims = TicketClaims(**data)
-        if not all(isinstance(getattr(claims, name), str) for name in ("identity", "peer_id", "stage", "role")):
-            raise ValueError("types")
-        if not isinstance(claims.slot, int) or not all(
-            isinstance(value, (int, float)) for value in (claims.issued_at, claims.expires_at)
-        ):
+        claims = claims_type(**data)
+        if not _well_typed(claims):
             raise ValueError("types")
     except (ValueError, TypeError, KeyError, AttributeError):
         # Signed but unreadable: a service of another version signed it.
-        raise InvalidTicket(
-            "malformed", f"malformed ticket: its claims are not version {TICKET_VERSION} claims"
-        ) from None
+        raise InvalidTicket("malformed", f"malformed {what}: its claims are not version {version} claims") from None
     current = time.time() if now is None else now
     if current >= claims.expires_at:
         raise InvalidTicket(
-            "expired", f"ticket expired {current - claims.expires_at:.0f}s ago; join the swarm again for a new one"
+            "expired", f"{what} expired {current - claims.expires_at:.0f}s ago; join the swarm again for a new one"
         )
     return claims
+
+
+def _well_typed(claims: Any) -> bool:
+    """Each field of the claims dataclass holds what its declared type allows."""
+    for item in fields(claims):
+        declared = item.type if isinstance(item.type, str) else item.type.__name__  # postponed annotations are text
+        if not isinstance(getattr(claims, item.name), _FIELD_TYPES[declared]):
+            return False
+    return True
 
 
 def _b64encode(data: bytes) -> str:

@@ -2,15 +2,27 @@
 
 hivemind makes an RSAPrivateKey only fresh (or by unpickling), and signs every DHT record of a process
 (metrics, ProgressTracker) with ``RSAPrivateKey.process_wide()``, which has no setter. A libp2p identity file
-and a peer id's public key are encoded with hivemind's copy of libp2p's crypto protobuf.
+and a peer id's public key are encoded with hivemind's copy of libp2p's crypto protobuf; ``write_identity_file``
+writes one (mode 0600) for a DHT's ``identity_path``.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
-__all__ = ["encoded_identity", "encoded_public_key", "key_from_der", "rsa_der_of_identity", "use_as_process_key"]
+__all__ = [
+    "encoded_identity",
+    "encoded_public_key",
+    "key_from_der",
+    "rsa_der_of_identity",
+    "use_as_process_key",
+    "write_identity_file",
+]
 
 
 def key_from_der(der: bytes) -> RSAPrivateKey:
@@ -47,3 +59,24 @@ def rsa_der_of_identity(identity: bytes) -> bytes:
 def encoded_public_key(der: bytes) -> bytes:
     """An RSA public key (SubjectPublicKeyInfo DER) as libp2p encodes it before hashing it into a peer id."""
     return crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+
+
+def write_identity_file(path: Path | str, key: RSAPrivateKey | None = None) -> str:
+    """Write ``key`` (default: hivemind's process-wide RSA key) as a libp2p identity file; return its peer id.
+
+    A DHT started with ``identity_path=path`` then has this key's peer id, and every
+    RSASignatureValidator of the process (the metrics one, ProgressTracker's default one)
+    signs with that same key, so the monitor can tie each signature to the peer.
+    """
+    key = key or RSAPrivateKey.process_wide()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    identity = encoded_identity(key)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(descriptor, identity)
+    finally:
+        os.close(descriptor)
+    os.replace(temporary, path)
+    return PeerID.from_identity(identity).to_base58()

@@ -22,6 +22,7 @@ from agora_client.frontend.restart import RESTART_MODES, RestartMode, RestartPol
 from agora_client.frontend.supervisor import ChildCommand, runtime_command
 from agora_client.logs import EventLog, log_name, logs_dir
 from agora_client.system.gpu_yield import configure_yield, yield_argv
+from agora_client.system.pause_control import PauseControlError, socket_path, toggle
 from agora_client.token_scope import TokenRefused, check_token_scope
 from agora_client.upload_cap import MAX_UPLOAD_HELP, upload_cap_argument
 
@@ -48,6 +49,15 @@ class ClientSession:
 
     def restart_policy(self) -> RestartPolicy:
         return RestartPolicy(self.restart)
+
+    def toggle_pause(self) -> str:
+        """Pause the runtime, or resume it when paused (the app's key, as ``agora pause`` / ``agora resume``); what
+        it answered, or why it could not be reached."""
+        try:
+            answer = toggle(socket_path(self.config_dir, self.gpu))
+        except PauseControlError as error:
+            return str(error)
+        return answer.message if answer is not None else "the worker runtime does not listen for agora pause"
 
 
 FrontEnd = Callable[[ClientSession], int]

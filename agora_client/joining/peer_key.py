@@ -15,8 +15,7 @@ from cryptography.hazmat.primitives import serialization
 from hivemind.p2p import PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 
-from agora_client.engine.identity import key_from_der, rsa_der_of_identity
-from agora_client.monitor.records import write_identity_file
+from agora_client.engine.identity import key_from_der, rsa_der_of_identity, write_identity_file
 
 
 class PeerKeyError(ValueError):

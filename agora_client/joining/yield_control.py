@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 from agora_client.events import EnergyEvent, EventWriter, YieldEvent
 from agora_client.system.energy import EnergyMeter
 from agora_client.system.gpu_users import GpuUsers, own_pids
-from agora_client.system.gpu_yield import YieldPolicy
+from agora_client.system.gpu_yield import PAUSED_REASON, RESUMED_REASON, YieldPolicy
 
 if TYPE_CHECKING:
     from agora_client.worker.node import WorkerNode
@@ -62,7 +62,8 @@ class YieldControl:
         if reason is None:
             if self.node.yielding:
                 self._switch(serving=True)
-                self.events.emit(YieldEvent(state="resumed", reason="the GPU is free again"))
+                resumed = RESUMED_REASON if self._said == PAUSED_REASON else "the GPU is free again"
+                self.events.emit(YieldEvent(state="resumed", reason=resumed))
             return True
         if not self.node.yielding:
             self._switch(serving=False)
@@ -73,7 +74,7 @@ class YieldControl:
                 YieldEvent(
                     state="left",
                     reason=f"{reason}; yielded for {self.grace_s:.0f} s (--yield-grace), "
-                    "so the slot is given back; the worker joins again once the GPU is free",
+                    "so the slot is given back; the worker joins again once it may use the GPU",
                     grace_left_s=0.0,
                 )
             )

@@ -30,7 +30,6 @@ _LAZY = {
     "metrics_key": "agora_client.discovery.signed_records",
     "signed_dht_kwargs": "agora_client.monitor.records",
     "create_signed_dht": "agora_client.monitor.records",
-    "write_identity_file": "agora_client.monitor.records",
     "estimate_points": "agora_client.monitor.estimate",
     "fetch_confirmed": "agora_client.monitor.estimate",
     "fetch_rank": "agora_client.monitor.estimate",

@@ -20,14 +20,12 @@ The record's schema and key are in agora_client.discovery.signed_records, the si
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hivemind import DHT
-from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import ValidationError
@@ -36,7 +34,7 @@ from agora_client.auth.tickets import TicketClaims
 from agora_client.discovery.replica_drift import replica_drift
 from agora_client.discovery.signed_records import MetricsRecord, metrics_key
 from agora_client.discovery.validators import record_validators
-from agora_client.engine.identity import encoded_identity
+from agora_client.engine.identity import write_identity_file
 from agora_client.engine.records import RSASignatureValidator
 from agora_client.monitor.signatures import check_signed, has_owner, owner_subkey
 
@@ -50,27 +48,6 @@ class VerifiedRecord:
 
 def metrics_subkey(peer_id: str, validator: RSASignatureValidator) -> bytes:
     return owner_subkey(peer_id, validator)
-
-
-def write_identity_file(path: Path | str, key: RSAPrivateKey | None = None) -> str:
-    """Write ``key`` (default: hivemind's process-wide RSA key) as a libp2p identity file; return its peer id.
-
-    A DHT started with ``identity_path=path`` then has this key's peer id, and every
-    RSASignatureValidator of the process (the metrics one, ProgressTracker's default one)
-    signs with that same key, so the monitor can tie each signature to the peer.
-    """
-    key = key or RSAPrivateKey.process_wide()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    identity = encoded_identity(key)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(descriptor, identity)
-    finally:
-        os.close(descriptor)
-    os.replace(temporary, path)
-    return PeerID.from_identity(identity).to_base58()
 
 
 def signed_dht_kwargs(identity_path: Path | str, key: RSAPrivateKey | None = None) -> dict[str, Any]:

@@ -9,7 +9,8 @@ Flags: ``--yield never|games|always``, ``--active-hours``, ``--yield-grace``.
 
 The desktop's own programs (display server, compositor, shell, browsers) hold the card all day and never count:
 yielding to them would mean never contributing. ``--active-hours 22-08`` contributes only from 22:00 to 08:00
-local time (it may wrap midnight); outside them the worker yields. A yielding worker drains, keeps its slot for
+local time (it may wrap midnight); outside them the worker yields. ``agora pause`` yields too, whatever the mode,
+until ``agora resume`` (agora_client/system/pause_control.py). A yielding worker drains, keeps its slot for
 ``--yield-grace`` seconds, and rejoins once the card has been free for ``FREE_FOR_S`` (so that a game's loading
 screen, which may leave the card for a moment, does not bounce the worker in and out of the swarm).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import threading
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Iterable, Literal, get_args
@@ -27,6 +29,8 @@ YIELD_MODES: tuple[str, ...] = get_args(YieldMode)
 DEFAULT_YIELD: YieldMode = "games"
 DEFAULT_GRACE_S = 600.0
 FREE_FOR_S = 60.0
+PAUSED_REASON = "paused by you (agora pause); agora resume contributes again"
+RESUMED_REASON = "resumed by you (agora resume)"
 # Programs that hold a desktop's card all day (lower-case names, ".exe" dropped): never a reason to yield.
 DESKTOP_PROGRAMS = frozenset(
     {
@@ -127,6 +131,25 @@ class YieldPolicy:
         self.mode, self.active_hours, self.free_for_s = mode, active_hours, free_for_s
         self._busy_at: float | None = None  # when another process was last seen (monotonic seconds)
         self._busy_reason = ""
+        self._paused = threading.Event()  # set from the control socket's thread, read by the runtime's loop
+
+    @property
+    def paused(self) -> bool:
+        return self._paused.is_set()
+
+    def pause(self) -> bool:
+        """Yield from now on, whatever the mode, until ``resume``; False when already paused."""
+        if self._paused.is_set():
+            return False
+        self._paused.set()
+        return True
+
+    def resume(self) -> bool:
+        """Let the mode and the active hours decide again; False when not paused."""
+        if not self._paused.is_set():
+            return False
+        self._paused.clear()
+        return True
 
     @property
     def watches_gpu(self) -> bool:
@@ -143,6 +166,8 @@ class YieldPolicy:
 
     def reason(self, users: Iterable[GpuUser], own_pids: set[int], *, now: float, local_time: datetime) -> str | None:
         """Why to yield now, or None to contribute."""
+        if self._paused.is_set():
+            return PAUSED_REASON
         if self.active_hours is not None and not self.active_hours.contains(local_time):
             return f"outside active hours {self.active_hours}"
         other = self.other_user(users, own_pids)

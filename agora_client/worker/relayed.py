@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agora_client.auth.ticket_source import SelfIssuedTickets
-from agora_client.monitor.records import write_identity_file
+from agora_client.engine.identity import write_identity_file
 from agora_client.network import tcp_multiaddr
 from agora_client.relay import KeptReservation, PeerCredentials
 

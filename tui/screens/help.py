@@ -49,6 +49,7 @@ trainers report and their loss on held-out data (is the swarm learning?), and th
 | `l` | show or hide the log pane (below 30 rows: open or close the Log tab) |
 | `r` | restart the worker after it stopped (`--restart on-failure` restarts a crashed one by itself); while the swarm cannot reach it, retry now |
 | `p` | show or hide the preflight checks |
+| space | pause contributing, or resume (as `agora pause` / `agora resume`) |
 | `?` | this help |
 | `Ctrl+P` | command palette (theme, export, logs...) |
 """  # noqa: E501 - a Markdown table row cannot be wrapped
