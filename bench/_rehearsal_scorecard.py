@@ -1,0 +1,193 @@
+"""The rehearsal's scorecard (bench/rehearsal.py): what each home, the trainers and the workers said, read from
+their own outputs after the run; one dict (the JSON line) and a table.
+
+- each home: its path (the reachability event of its headless lines), seconds from its first start to its first
+  batch and the requests it served (its own traffic counters, ``forward_total + backward_total``, summed over its
+  starts: each start counts from 0), and every mission figure present in its headless lines and event log;
+- SPARTA: rounds ok / all, of every worker (the homes' event logs and the operator's workers' event files),
+  overall and inside the script's churn windows;
+- training: the trainers' microbatches, tokens and tokens/s and their last loss, from their [PROGRESS] lines, and
+  their last held-out loss ([EVAL] lines);
+- bans: every worker the trainers banned ([SPOTCHECK] banned ... (peer P)), honest or not;
+- points: the monitor's leaderboard score of each home against the requests it served, and their rank correlation.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+from _rehearsal_homes import Home
+from sparta_rounds import sparta_events, summarize
+
+PROGRESS = re.compile(r"\[PROGRESS\] microbatches=(\d+) loss=(\S+) tokens_per_s=([0-9.]+)")
+EVAL = re.compile(r"\[EVAL\] loss=([0-9.]+)")
+ALONE = "no other worker of this stage joined the round"  # the reason of a round nobody else of the stage was in
+BANNED = re.compile(r"\[SPOTCHECK\] banned \S+ \(peer (\S+)\)")
+
+
+def summed_over_restarts(counts: list[int]) -> int:
+    """The total of a counter that starts again from 0 at each restart of its process: each run's last value, added."""
+    total, last = 0, 0
+    for count in counts:
+        if count < last:  # a new run
+            total += last
+        last = count
+    return total + last
+
+
+def served_requests(events: list[dict]) -> int:
+    """Requests a home served, by its own counters (``forward_total + backward_total``), over all its starts."""
+    return summed_over_restarts([e["forward_total"] + e["backward_total"] for e in events if e["kind"] == "traffic"])
+
+
+def first_batch_s(home: Home, events: list[dict]) -> float | None:
+    """Seconds from the client's start to its first batch (a home killed before its first batch: from its rejoin)."""
+    served = (
+        e["ts"]
+        for e in events
+        if (e["kind"] == "traffic" and e["backward_total"] > 0)
+        or (e["kind"] == "step" and (e["forward_per_min"] or e["backward_per_min"]))
+    )
+    first = min(served, default=None)
+    starts = [start for start in home.started_at if first is not None and start <= first]
+    return None if not starts else round(first - starts[-1], 1)  # from the start that served it
+
+
+def path_of(headless: list[dict]) -> str | None:
+    """The path of the home's latest successful dial-back, as its headless lines carry it."""
+    reached = [
+        r["event"]["path"]
+        for r in headless
+        if (r.get("event") or {}).get("kind") == "reachability" and r["event"]["status"] == "reachable"
+    ]
+    return reached[-1] if reached else None
+
+
+def mission_figures(headless: list[dict], events: list[dict]) -> dict:
+    """What the client showed its owner: every kind present, the last figure of each (None: never present)."""
+    printed = [r["event"] for r in headless if r.get("event")]
+    by_kind: dict[str, list[dict]] = {}
+    for event in [*printed, *events]:
+        by_kind.setdefault(event["kind"], []).append(event)
+
+    def last(kind: str) -> dict | None:
+        return by_kind[kind][-1] if by_kind.get(kind) else None
+
+    auth = next((e for e in by_kind.get("auth", []) if e["status"] == "authorized"), None)
+    download, queue = last("download"), by_kind.get("queue", [])
+    resources, points = last("resources"), last("points")
+    sparta = by_kind.get("sparta", [])
+    return {
+        "authorization": auth and {"stage": auth["stage"], "slot": auth["slot"]},
+        "download": download and {"status": download["status"], "bytes": download["bytes"]},
+        "queue_position": max((e["position"] for e in queue), default=None),
+        "sync_phases": list(dict.fromkeys(e["phase"] for e in by_kind.get("sync", []))),
+        "memory": resources
+        and {"process_rss_mb": round(resources["process_rss"] / 2**20), "gpu": resources["gpu"] or "cpu stand-in"},
+        "sparta": f"{sum(e['ok'] for e in sparta)}/{len(sparta)}" if sparta else None,
+        "points": points and {k: points[k] for k in ("presence", "compute", "confirmed", "rank")},
+        "kinds": sorted(by_kind),
+    }
+
+
+def home_card(home: Home) -> dict:
+    events, headless = home.events(), home.headless()
+    return {
+        "user": home.user,
+        "router": home.kind,
+        "link": home.link.label,
+        "starts": len(home.runs),
+        "path": path_of(headless),
+        "first_batch_s": first_batch_s(home, events),
+        "served": served_requests(events),
+        "peer_id": next((e["peer_id"] for e in events if e["kind"] == "auth" and e.get("peer_id")), None),
+        "mission": mission_figures(headless, events),
+    }
+
+
+def sparta_card(homes: list[Home], run_dir: Path, windows: list[tuple[float, float]]) -> dict:
+    """Rounds of every worker, with their failures by reason: a stage with one worker has no one to average with."""
+    rounds = [e for home in homes for e in home.events() if e["kind"] == "sparta"] + sparta_events(run_dir)
+    inside = [e for e in rounds if any(start <= e["ts"] < end for start, end in windows)]
+    outside = [e for e in rounds if not any(start <= e["ts"] < end for start, end in windows)]
+    return {
+        name: _with_a_peer(summarize(selected, -math.inf, math.inf))
+        for name, selected in (("all", rounds), ("churn_windows", inside), ("outside_churn", outside))
+    }
+
+
+def _with_a_peer(summary: dict) -> dict:
+    """The success rate of the rounds that had someone to average with (not those of a worker alone in its stage)."""
+    alone = sum(n for reason, n in summary["failures"].items() if reason.startswith(ALONE))
+    tried = summary["rounds"] - alone
+    return {**summary, "alone": alone, "rate_with_a_peer": round(summary["ok"] / tried, 3) if tried else None}
+
+
+def training_card(log_dir: Path, tokens_per_microbatch: int, inflight: int, seconds: float) -> dict:
+    """``seconds``: how long the trainers' hosts were meant to train (the script's length, restarts included)."""
+    trainers = {}
+    for path in sorted(log_dir.glob("trainers-trainer*.log")):
+        text = path.read_text(errors="replace")
+        found, evals = PROGRESS.findall(text), EVAL.findall(text)
+        if found:
+            losses = [float(loss) for _, loss, _ in found if loss != "n/a"]  # n/a: no microbatch finished since
+            trainers[path.stem] = {
+                "microbatches": summed_over_restarts([int(microbatches) for microbatches, _, _ in found]),
+                "loss": losses[-1] if losses else None,
+                "held_out_loss": float(evals[-1]) if evals else None,
+                "tokens_per_s_last": float(found[-1][2]),
+            }
+    microbatches = sum(t["microbatches"] for t in trainers.values())
+    return {
+        "tokens": microbatches * tokens_per_microbatch,
+        "tokens_per_s": round(microbatches * tokens_per_microbatch / seconds, 1),
+        "inflight_total": inflight * len(trainers),
+        "trainers": trainers,
+    }
+
+
+def bans_card(log_dir: Path, cards: list[dict], liars: set[str]) -> dict:
+    banned = {peer for path in log_dir.glob("trainers-trainer*.log") for peer in BANNED.findall(path.read_text())}
+    liar_peers = {card["peer_id"] for card in cards if card["user"] in liars}
+    return {
+        "banned": sorted(banned),
+        "honest_bans": len(banned - liar_peers),
+        "liars_banned": f"{len(banned & liar_peers)}/{len(liar_peers)}",
+    }
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2  # ties share their mean rank
+        i = j + 1
+    return ranks
+
+
+def spearman(xs: list[float], ys: list[float]) -> float | None:
+    """Rank correlation; None with fewer than 3 pairs or a constant side."""
+    if len(xs) < 3:
+        return None
+    rx, ry = _ranks(xs), _ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    vx, vy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
+    return None if vx == 0 or vy == 0 else round(cov / (vx * vy) ** 0.5, 3)
+
+
+def points_card(cards: list[dict], leaderboard: list[dict], cheats: set[str]) -> dict:
+    scores = {row.get("username"): float(row.get("score", 0.0)) for row in leaderboard}
+    rows = {card["user"]: {"score": scores.get(card["user"]), "served": card["served"]} for card in cards}
+    honest = [(r["score"], r["served"]) for user, r in rows.items() if user not in cheats and r["score"] is not None]
+    return {
+        "per_home": rows,
+        "honest_rank_correlation": spearman([s for s, _ in honest], [float(n) for _, n in honest]),
+    }
