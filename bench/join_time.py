@@ -8,7 +8,8 @@ moment in the stage, see WorkerNode.start), sync phase 1 and sync phase 2, from 
 the runtime's own events. The download rate (the client's resumable, verifying download) is
 compared, in the same run and from the contributor's host, with plain HTTP GETs of the same
 snapshot files from the same server (latest.json and the manifest too, each file written to disk, as
-`curl -o` would), alternated five times; medians.
+`curl -o` would), and with those GETs followed by a sha256 of each file (`sha256sum`, the check the client
+makes while the bytes arrive), alternated five times; medians.
 
 Each host also gets CPU of its own: the swarm runs under a quota of ``--swarm-cpus`` cores and the
 contributor under one of the remaining cores (cgroups: tests/cpu_quota.py). Without quotas the swarm's
@@ -48,6 +49,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: agora_client, and tests/'s helpers
 from agora_client.events import NULL_WRITER, json_objects  # noqa: E402
 from agora_client.snapshots import download_snapshot, latest_snapshot, read_manifest  # noqa: E402
+from agora_client.snapshots.format import file_sha256  # noqa: E402
 from agora_client.swarm.launcher import LocalSwarm, SwarmOptions  # noqa: E402
 from agora_client.swarm.processes import ManagedProcess  # noqa: E402
 from tests import cpu_quota  # noqa: E402
@@ -76,27 +78,35 @@ def snapshot_epoch(events: list[dict]) -> int:
     return int(restored["message"].rsplit(" ", 1)[-1])
 
 
-def download_rates(swarm: LocalSwarm, stage: str, scratch: Path, repeats: int = 5) -> tuple[float, float]:
-    """Median bytes/s of the client's download against plain GETs of the same files, alternated.
+def download_rates(swarm: LocalSwarm, stage: str, scratch: Path, repeats: int = 5) -> tuple[float, float, float]:
+    """Median bytes/s of the client's download, of plain GETs of the same files and of those GETs followed by a
+    sha256 of each file, alternated.
 
     The plain side does what `curl -o` would for the same snapshot: it GETs latest.json and the manifest, as the
-    client must, and writes each file to disk; what remains between the two is the client's sha256 check and
-    its fsyncs (the download marks), fixed costs that a small snapshot on a fast link shows most."""
+    client must, and writes each file to disk. What remains between the two is the client's sha256 check and its
+    marks: fixed costs that a small snapshot on a fast link shows most, and on a contributor with one core the
+    hashing cannot overlap the receiving. The third side checks the files as a careful user would after `curl -o`
+    (`sha256sum`: the file read back and hashed), the same work as the client's."""
     snapshot = latest_snapshot(swarm.snapshot_dir / stage)
     manifest = read_manifest(snapshot / "manifest.json")
     latest = f"{swarm.snapshot_server.url}/{stage}/latest.json"
     base = f"{swarm.snapshot_server.url}/{stage}/{snapshot.name}"
     size = sum(entry["size"] for entry in manifest["files"].values())
-    ours, plain = [], []
-    with httpx.Client() as client:  # one client for both: neither pays for a connection or a TLS context
+    ours, plain, checked = [], [], []
+    with httpx.Client() as client:  # one client for all: none pays for a connection or a TLS context
         for attempt in range(repeats):
             started = time.perf_counter()
             download_snapshot(latest, scratch / str(attempt), events=NULL_WRITER, client=client)
             ours.append(size / (time.perf_counter() - started))
-            started = time.perf_counter()
-            _plain_download(client, latest, base, list(manifest["files"]), scratch / f"plain-{attempt}")
-            plain.append(size / (time.perf_counter() - started))
-    return statistics.median(ours), statistics.median(plain)
+            for verify, rates in ((False, plain), (True, checked)):
+                started = time.perf_counter()
+                directory = scratch / f"plain-{attempt}-{verify}"
+                _plain_download(client, latest, base, list(manifest["files"]), directory)
+                if verify:
+                    for name in manifest["files"]:
+                        file_sha256(directory / name)
+                rates.append(size / (time.perf_counter() - started))
+    return statistics.median(ours), statistics.median(plain), statistics.median(checked)
 
 
 def _plain_download(client: httpx.Client, latest: str, base: str, names: list[str], directory: Path) -> None:
@@ -218,7 +228,7 @@ def main() -> None:
         for trainer in swarm.trainers:  # no more epochs: no new snapshot prunes the one measured below
             trainer.stop()
         with on_client_host():
-            our_rate, get_rate = download_rates(swarm, stage, Path(tmp) / "rates")
+            our_rate, get_rate, checked_rate = download_rates(swarm, stage, Path(tmp) / "rates")
 
     preflights = [e for e in events if e["kind"] == "preflight" and e["check"] != "reachability"]
     opening = first(events, "reachability", status="checking")
@@ -265,6 +275,7 @@ def main() -> None:
         "download_rate_bps": round(our_rate),
         "plain_get_rate_bps": round(get_rate),
         "download_rate_vs_plain_get": round(our_rate / get_rate, 3),
+        "download_rate_vs_plain_get_and_sha256": round(our_rate / checked_rate, 3),
     }
     for key, value in figures.items():
         print(f"{key:32s} {value}")

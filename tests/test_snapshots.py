@@ -27,6 +27,8 @@ from agora_client.snapshots import (
 from tests.store_front import StoreFront
 
 CHUNK = 64 * 1024  # one network block: a cut connection must cost less than this
+# the optimizer file (3.3 MB) spans several of the download's 1 MiB hashing batches, the parameters file 1.6 MB
+PUBLISHED_WIDTH = 640
 
 
 class TinyStage(nn.Module):
@@ -171,7 +173,7 @@ def test_file_server_honours_ranges(tmp_path: Path):
 # -- download -------------------------------------------------------------------------------------------
 
 
-def published(tmp_path: Path, width: int = 256) -> tuple[Path, Path, TinyStage, torch.optim.AdamW]:
+def published(tmp_path: Path, width: int = PUBLISHED_WIDTH) -> tuple[Path, Path, TinyStage, torch.optim.AdamW]:
     module, optimizer = trained(seed=4, width=width, steps=2)
     root = tmp_path / "store"
     directory = save_stage_snapshot(root, "body2", module, optimizer, epoch=12, keep=2)
@@ -191,7 +193,7 @@ def test_download_round_trip(tmp_path: Path):
         target = download_snapshot(f"{server.url}/body2/latest.json", tmp_path / "dest", events=EventWriter(buffer))
         assert server.bytes_sent == body_bytes(directory, root)
     assert target == tmp_path / "dest" / "body2" / directory.name
-    restored, restored_opt = fresh(width=256)
+    restored, restored_opt = fresh(width=PUBLISHED_WIDTH)
     assert load_stage_snapshot(target, restored, restored_opt).epoch == 12
     assert_same_state(module, optimizer, restored, restored_opt)
     events = events_of(buffer)
@@ -274,7 +276,7 @@ def test_cut_download_resumes_and_refetches_less_than_a_chunk(tmp_path: Path):
     retries = [event for event in events if event.status == "retry"]
     assert len(retries) == 1 and "resuming at byte" in retries[0].message
     assert any(event.status == "started" and event.resumed_from == resumed_at for event in events)
-    restored, restored_opt = fresh(width=256)
+    restored, restored_opt = fresh(width=PUBLISHED_WIDTH)
     load_stage_snapshot(target, restored, restored_opt)
     assert_same_state(module, optimizer, restored, restored_opt)
 
@@ -294,7 +296,7 @@ def test_a_part_left_by_an_earlier_run_is_hashed_once_and_resumed(tmp_path: Path
         target = download_snapshot(f"{server.url}/body2/latest.json", tmp_path / "dest", events=EventWriter(buffer))
         assert server.bytes_sent == body_bytes(directory, root) - kept
     assert any(event.status == "started" and event.resumed_from == kept for event in events_of(buffer))
-    restored, restored_opt = fresh(width=256)
+    restored, restored_opt = fresh(width=PUBLISHED_WIDTH)
     load_stage_snapshot(target, restored, restored_opt)
     assert_same_state(module, optimizer, restored, restored_opt)
 
@@ -310,7 +312,7 @@ def test_a_damaged_part_left_by_an_earlier_run_fails_its_hash_and_is_fetched_aga
         target = download_snapshot(f"{server.url}/body2/latest.json", tmp_path / "dest", events=EventWriter(buffer))
     retries = [event for event in events_of(buffer) if event.status == "retry"]
     assert len(retries) == 1 and "sha256 mismatch for optimizer.safetensors" in retries[0].message
-    restored, restored_opt = fresh(width=256)
+    restored, restored_opt = fresh(width=PUBLISHED_WIDTH)
     load_stage_snapshot(target, restored, restored_opt)
     assert_same_state(module, optimizer, restored, restored_opt)
 
@@ -338,7 +340,7 @@ def test_corrupted_file_is_detected_and_fetched_again(tmp_path: Path):
     assert sent == body_bytes(directory, root) + (directory / "params.safetensors").stat().st_size
     retries = [event for event in events_of(buffer) if event.status == "retry"]
     assert len(retries) == 1 and "sha256 mismatch for params.safetensors" in retries[0].message
-    restored, restored_opt = fresh(width=256)
+    restored, restored_opt = fresh(width=PUBLISHED_WIDTH)
     load_stage_snapshot(target, restored, restored_opt)
     assert_same_state(module, optimizer, restored, restored_opt)
 

@@ -20,6 +20,7 @@ import httpx
 from hivemind.utils.crypto import RSAPrivateKey
 
 from agora_client.events import AuthEvent, EventWriter, QueueEvent
+from agora_client.network.outage import Outage, send
 
 from .key_proof import sign_join
 from .reachability import DialResult
@@ -98,6 +99,7 @@ def authorize(
     host_memory: int | None = None,
     peer_key: RSAPrivateKey | None = None,
     insecure: bool = False,
+    outage: Outage | None = None,
 ) -> Authorization:
     """Join the swarm at ``swarm_url`` (the auth service); wait in its queue if it paces joins.
 
@@ -107,12 +109,10 @@ def authorize(
     listens: the service dials it back before admission and raises PeerUnreachable (no event: the caller diagnoses and
     retries) if it cannot connect. ``gpu_memory`` (bytes) lets the service assign only a stage that GPU can hold,
     and ``host_memory`` (available RAM, bytes) only one whose host needs in that GPU's layout this machine holds.
-    ``peer_key``, the key ``peer_id`` is derived from, signs each join (the service may require that proof). Plain
-    http:// outside loopback and the private networks (the service, its snapshots) fails unless ``insecure``. Raises
-    AuthRejected or AuthFailed (after emitting the matching event).
-    """
-    secret = Secret(token)
-    base = swarm_url.rstrip("/")
+    ``peer_key`` (``peer_id``'s) signs each join. Plain http:// outside loopback and the private networks (the
+    service, its snapshots) fails unless ``insecure``. With ``outage``, a service down is waited for. Raises
+    AuthRejected or AuthFailed (after its event)."""
+    secret, base = Secret(token), swarm_url.rstrip("/")
     events.emit(AuthEvent(status="authorizing", peer_id=peer_id, message=f"Authorizing with {base}"))
     _refuse_plain_http_service(base, insecure, events, peer_id)
     with _http_client(client, timeout_s) as http:
@@ -129,6 +129,7 @@ def authorize(
             on_assigned=on_assigned,
             waiter=stop or threading.Event(),
             insecure=insecure,
+            outage=outage,
         ).run()
 
 
@@ -180,6 +181,7 @@ class _JoinAttempt:
     on_assigned: Callable[[StageAssignment], None] | None
     waiter: threading.Event
     insecure: bool
+    outage: Outage | None = None
     queued_since: float | None = None
     assigned: bool = False  # on_assigned was called
     last_queue_log: float = -float("inf")
@@ -205,7 +207,7 @@ class _JoinAttempt:
         rate_limits = 0
         while True:
             try:
-                return _join(self.http, self.base, self.secret, self.peer_id, self.peer_key, self.events, self.where)
+                return _join(self, self.secret, self.peer_key)
             except _RateLimited as limited:
                 rate_limits += 1
                 if rate_limits > _JOIN_RATE_LIMIT_RETRIES:
@@ -287,7 +289,10 @@ class _JoinAttempt:
         while True:
             try:
                 return _post(
-                    self.http, f"{self.base}/v1/join/poll", {"queue_id": reply["queue_id"], "peer_id": self.peer_id}
+                    self.http,
+                    f"{self.base}/v1/join/poll",
+                    {"queue_id": reply["queue_id"], "peer_id": self.peer_id},
+                    self.outage,
                 )
             except _RateLimited as limited:
                 if not self.poll_rate_limited:
@@ -320,9 +325,12 @@ def _emit_authorized(events: EventWriter, peer_id: str, authorization: Authoriza
     )
 
 
-def report_active(swarm_url: str, ticket: str, *, client: httpx.Client | None = None) -> None:
-    """Tell the service the peer is up in the swarm, which lets the next joiner of its stage in."""
-    _call(swarm_url, "/v1/active", {"ticket": ticket}, client)
+def report_active(
+    swarm_url: str, ticket: str, *, client: httpx.Client | None = None, outage: Outage | None = None
+) -> None:
+    """Tell the service the peer is up in the swarm, which lets the next joiner of its stage in; with ``outage``,
+    through an outage of the service."""
+    _call(swarm_url, "/v1/active", {"ticket": ticket}, client, outage=outage)
 
 
 def renew_ticket(swarm_url: str, ticket: str, *, client: httpx.Client | None = None) -> tuple[str, float]:
@@ -378,28 +386,24 @@ class _Refused(Exception):
         self.status_code = status_code
 
 
-def _join(
-    http: httpx.Client,
-    base: str,
-    token: Secret,
-    peer_id: str,
-    peer_key: RSAPrivateKey | None,
-    events: EventWriter,
-    where: dict[str, Any],
-) -> dict[str, Any]:
+def _join(attempt: _JoinAttempt, token: Secret, peer_key: RSAPrivateKey | None) -> dict[str, Any]:
+    events, peer_id = attempt.events, attempt.peer_id
     # signed afresh each time: a re-join after a lost queue place may come much later
     proof = sign_join(peer_key, peer_id, token, time.time()) if peer_key is not None else {}
+    body = {"token": token.reveal(), "peer_id": peer_id, **attempt.where, **proof}
     try:
-        return _post(http, f"{base}/v1/join", {"token": token.reveal(), "peer_id": peer_id, **where, **proof})
+        return _post(attempt.http, f"{attempt.base}/v1/join", body, attempt.outage)
     except _Unreachable as error:
-        raise _fail(events, peer_id, str(error)) from None
+        stopped = attempt.waiter.is_set()  # a stop ended the wait for the service to come back
+        message = "authorization cancelled while the auth service was unreachable" if stopped else str(error)
+        raise _fail(events, peer_id, message) from None
     except (_Refused, _PlaceLost) as error:
         raise _answer_error(events, peer_id, error) from None
 
 
-def _post(http: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any]:
+def _post(http: httpx.Client, url: str, body: dict[str, Any], outage: Outage | None = None) -> dict[str, Any]:
     try:
-        response = http.post(url, json=body)
+        response = send(outage, lambda: http.post(url, json=body))
     except httpx.HTTPError as error:
         raise _Unreachable(_unreachable_message(url, error)) from None
     if response.status_code == 404 and url.endswith("/v1/join/poll"):
@@ -494,10 +498,11 @@ def _call(
     body: dict[str, Any],
     client: httpx.Client | None,
     timeout_s: float = 30.0,
+    outage: Outage | None = None,
 ) -> dict[str, Any]:
     http = client or httpx.Client(timeout=timeout_s)
     try:
-        return _post(http, f"{swarm_url.rstrip('/')}{path}", body)
+        return _post(http, f"{swarm_url.rstrip('/')}{path}", body, outage)
     except _Unreachable as error:
         raise AuthFailed(str(error)) from None
     except _RateLimited as limited:

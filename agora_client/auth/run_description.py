@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ import httpx
 
 from agora_client.config import ConfigError, RunConfig, parse_config
 from agora_client.data.tokenizer import MAX_TOKENIZER_BYTES, RunTokenizer, TokenizerError, from_served
+from agora_client.network.outage import Outage, send
 
 from .transport import connection_failure
 
@@ -180,10 +182,14 @@ def check_unchanged(swarm_url: str, joined: RunDescription, *, client: httpx.Cli
         )
 
 
-def fetch_tokenizer(swarm_url: str, run: RunDescription, *, timeout_s: float = 30.0) -> RunTokenizer:
-    """The tokenizer the swarm serves, refused unless it hashes to the description's sha256 and fits the model."""
+def fetch_tokenizer(
+    swarm_url: str, run: RunDescription, *, timeout_s: float = 30.0, outage: Outage | None = None
+) -> RunTokenizer:
+    """The tokenizer the swarm serves, refused unless it hashes to the description's sha256 and fits the model.
+
+    With ``outage``, a service down is waited for (network/outage.py)."""
     url = f"{swarm_url.rstrip('/')}{TOKENIZER_PATH}"
-    content = _download_tokenizer(url, timeout_s)
+    content = _download_tokenizer(url, timeout_s, outage)
     try:
         return from_served(run.config, content, run.tokenizer.sha256, where=url)
     except TokenizerError as error:
@@ -192,11 +198,14 @@ def fetch_tokenizer(swarm_url: str, run: RunDescription, *, timeout_s: float = 3
         ) from None
 
 
-def _download_tokenizer(url: str, timeout_s: float) -> bytes:
+def _download_tokenizer(url: str, timeout_s: float, outage: Outage | None) -> bytes:
     """The served file's bytes, read up to MAX_TOKENIZER_BYTES."""
     content = bytearray()
     try:
-        with httpx.stream("GET", url, timeout=timeout_s) as response:
+        with (
+            httpx.Client(timeout=timeout_s) as http,
+            closing(send(outage, lambda: http.send(http.build_request("GET", url), stream=True))) as response,
+        ):
             if response.status_code != 200:
                 raise RunDescriptionError(
                     f"{url} answered HTTP {response.status_code}: the swarm's auth service does not serve the run's "

@@ -59,6 +59,7 @@ from agora_client.joining.yield_control import YieldControl
 from agora_client.monitor.estimate import estimate_points, fetch_confirmed, fetch_rank
 from agora_client.monitor.leaderboard_cli import contributor_url
 from agora_client.monitor.records import MetricsRecord, publish_metrics, signed_dht_kwargs
+from agora_client.network.outage import Outage
 from agora_client.serving.traffic import TrafficWindow
 from agora_client.snapshots import download_snapshot
 from agora_client.system.gpu import GpuProbe
@@ -77,6 +78,7 @@ SWARM_EVERY = 10.0  # the trainers' progress records
 RENEW_MARGIN = 300.0  # renew the ticket this many seconds before it expires
 DESCRIPTION_EVERY = 60.0  # re-read the run description this often: a changed hash stops the worker
 LISTEN_HOST = "0.0.0.0"  # other peers (and the auth service's dial-back) must reach the worker
+SNAPSHOT_SERVER = "the swarm's snapshot server"  # never its URL: a presigned one carries a credential
 LEAVE_TIMEOUT_S = 3.0  # a stop is done within 10 s: an auth service that does not answer by then lets the ticket expire
 
 
@@ -173,7 +175,7 @@ class Contributor:
         self._start_node(node)
         if self.stop.is_set():
             return
-        report_active(self.options.swarm_url, auth.ticket)
+        report_active(self.options.swarm_url, auth.ticket, outage=self._outage(self._auth_service))
         self._serve(node, metrics, identity.dht_kwargs["record_validators"][0])
 
     def _load_identity(self) -> _PeerIdentity:
@@ -217,7 +219,9 @@ class Contributor:
         Then get ready to prepare whichever stage is assigned."""
         options = self.options
         config = options.run.config
-        preparation = StagePreparation(config, options.device, options.snapshot_dir, self.events)
+        preparation = StagePreparation(
+            config, options.device, options.snapshot_dir, self.events, lambda: self._outage(SNAPSHOT_SERVER)
+        )
         fit = JoinFit(
             config, _cuda_index(options.device), options.batch_size_override, self.events, disk_dir=options.config_dir
         )  # refuses unfit GPUs and hosts
@@ -314,7 +318,7 @@ class Contributor:
         """The swarm's tokenizer against its description and the model.
 
         RunDescriptionError (not joining) if it differs."""
-        tokenizer = fetch_tokenizer(self.options.swarm_url, self.options.run)
+        tokenizer = fetch_tokenizer(self.options.swarm_url, self.options.run, outage=self._outage(self._auth_service))
         self.events.log(
             f"Tokenizer checked: sha256 {tokenizer.sha256[:16]}, {tokenizer.vocab_size:,} tokens, as the run "
             "description says",
@@ -347,6 +351,7 @@ class Contributor:
                     host_memory=psutil.virtual_memory().available if gpu_memory is not None else None,
                     peer_key=identity.key,
                     insecure=options.insecure,
+                    outage=self._outage(self._auth_service),
                 )
             except PeerUnreachable as error:
                 self._say_unreachable(error.dial, port)
@@ -507,7 +512,18 @@ class Contributor:
         """The stage's latest published snapshot (a peer's state), for recovering from broken weights."""
         if not url:
             return None
-        return download_snapshot(url, self.options.snapshot_dir, events=self.events)
+        return download_snapshot(
+            url, self.options.snapshot_dir, events=self.events, outage=self._outage(SNAPSHOT_SERVER)
+        )
+
+    @property
+    def _auth_service(self) -> str:
+        return f"the swarm's auth service at {self.options.swarm_url}"
+
+    def _outage(self, service: str) -> Outage:
+        """How a call to ``service`` waits through its outage: the run description was read, so the swarm was
+        reached once and a failure now is the service down, not a wrong address."""
+        return Outage(service, self.events, self.stop)
 
     def close(self) -> None:
         """Leave fast at any stage size: the slot, then (in the worker's shutdown) the roster and the averaging

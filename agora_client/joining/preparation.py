@@ -16,6 +16,7 @@ from typing import Any, Callable
 from agora_client.auth.client import StageAssignment
 from agora_client.config import RunConfig
 from agora_client.events import EventWriter
+from agora_client.network.outage import Outage
 from agora_client.snapshots import download_snapshot, remove_other_downloads
 from agora_client.worker.prepared_stage import PreparedStage, prepare_stage
 
@@ -51,8 +52,18 @@ class _Call:
 
 
 class StagePreparation:
-    def __init__(self, config: RunConfig, device: str, snapshot_dir: Path, events: EventWriter):
+    """``new_outage``: how each download waits through an outage of the snapshot server (none: it fails sooner)."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        device: str,
+        snapshot_dir: Path,
+        events: EventWriter,
+        new_outage: Callable[[], Outage] | None = None,
+    ):
         self.config, self.device, self.snapshot_dir, self.events = config, device, snapshot_dir, events
+        self.new_outage = new_outage
         self.assignment: StageAssignment | None = None
         self._download: _Call | None = None
         self._build: _Call | None = None
@@ -73,7 +84,14 @@ class StagePreparation:
         self._download = (
             None
             if not url
-            else _Call("snapshot download", download_snapshot, url, self.snapshot_dir, events=self.events)
+            else _Call(
+                "snapshot download",
+                download_snapshot,
+                url,
+                self.snapshot_dir,
+                events=self.events,
+                outage=self.new_outage() if self.new_outage is not None else None,
+            )
         )
         self._build = _Call(
             "stage build",

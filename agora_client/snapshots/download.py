@@ -7,8 +7,8 @@ manifest itself, is then dropped). Each file is written to ``<name>.part``; an i
 resumes with ``Range: bytes=<size of .part>-``; a finished file must match the manifest's sha256
 or it is downloaded again from scratch.
 
-At line rate: the sha256 is computed while the bytes stream in, on a thread of its own (hashlib releases
-the GIL, so hashing overlaps receiving; a resumed file hashes only what is already on disk, once), each
+At line rate: the sha256 is computed while the bytes stream in, on a thread of its own, a MiB at a time (hashlib
+releases the GIL, so hashing overlaps receiving; a resumed file hashes only what is already on disk, once), each
 network block goes straight to the file without a copy, and nothing is read back after the transfer.
 Once the whole snapshot is verified, the directory's download mark (``download_marks.py``) says so, and a load
 in the same boot trusts those files instead of hashing them again; after a reboot it hashes them (the files are
@@ -32,12 +32,14 @@ from urllib.parse import urljoin, urlsplit
 import httpx
 
 from agora_client.events import DownloadEvent, EventWriter
+from agora_client.network.outage import OUTAGE_STATUSES, Outage, is_outage, send
 
 from .download_marks import is_download, mark_started, mark_verified
 from .durable import write_json
 from .format import MANIFEST_FILE, SnapshotError, check_manifest, file_sha256, snapshot_name, snapshot_time
 
 _HASH_BLOCK = 8 << 20  # reading back what a previous run left in a .part file
+_HASH_BATCH = 1 << 20  # bytes handed to the hashing thread at a time
 
 
 class DownloadError(Exception):
@@ -45,7 +47,11 @@ class DownloadError(Exception):
 
 
 class _Interrupted(Exception):
-    """A transfer that stopped early but may be resumed."""
+    """A transfer that stopped early but may be resumed; ``outage``: the server could not be reached."""
+
+    def __init__(self, message: str, *, outage: bool = False):
+        super().__init__(message)
+        self.outage = outage
 
 
 def download_snapshot(
@@ -59,6 +65,7 @@ def download_snapshot(
     max_corrupt_retries: int = 2,
     progress_every_s: float = 0.25,
     timeout_s: float = 30.0,
+    outage: Outage | None = None,
 ) -> Path:
     """Download the snapshot into ``dest_dir/<stage>/<epoch>-<time>/`` and return that directory.
 
@@ -67,19 +74,20 @@ def download_snapshot(
     ``verified`` per file, then ``done``; ``failed`` before DownloadError. Files already complete and
     verified in the destination are not fetched again. ``max_retries`` bounds consecutive interruptions
     without progress (waiting ``backoff_s`` doubled each time); ``max_corrupt_retries`` bounds re-downloads
-    after a sha256 mismatch.
+    after a sha256 mismatch. With ``outage``, a server that cannot be reached is waited for instead
+    (network/outage.py), the bytes received kept.
     """
     own_client = client is None
     http = client or httpx.Client(timeout=timeout_s, follow_redirects=True)
     try:
-        manifest, manifest_url = _fetch_manifest(http, url, max_retries, backoff_s)
+        manifest, manifest_url = _fetch_manifest(http, url, max_retries, backoff_s, outage)
         target = Path(dest_dir) / manifest["stage"] / snapshot_name(manifest["epoch"], manifest["timestamp"])
         target.mkdir(parents=True, exist_ok=True)
         mark_started(target)
         progress = _Progress(events, sum(entry["size"] for entry in manifest["files"].values()), progress_every_s)
         for name, entry in manifest["files"].items():
             file_url = entry.get("url") or urljoin(manifest_url, name)
-            fetcher = _FileFetch(http, file_url, target / name, entry, progress)
+            fetcher = _FileFetch(http, file_url, target / name, entry, progress, outage)
             fetcher.run(max_retries, backoff_s, max_corrupt_retries)
         local = {
             **manifest,
@@ -183,8 +191,16 @@ class _Progress:
 
 
 class _FileFetch:
-    def __init__(self, http: httpx.Client, url: str, path: Path, entry: dict[str, Any], progress: _Progress):
-        self.http, self.url, self.path, self.progress = http, url, path, progress
+    def __init__(
+        self,
+        http: httpx.Client,
+        url: str,
+        path: Path,
+        entry: dict[str, Any],
+        progress: _Progress,
+        outage: Outage | None = None,
+    ):
+        self.http, self.url, self.path, self.progress, self.outage = http, url, path, progress, outage
         self.name = path.name
         self.size: int = entry["size"]
         self.sha256: str = entry["sha256"]
@@ -214,14 +230,8 @@ class _FileFetch:
                 except _Interrupted as error:
                     reached = self.part.stat().st_size if self.part.exists() else 0
                     failures = 0 if reached > offset else failures + 1
-                    if failures > max_retries:
-                        raise DownloadError(
-                            f"downloading {self.name} from {_shown(self.url)} failed {failures} times in a "
-                            f"row ({error}); check your connection and start again: the bytes already received "
-                            "are kept"
-                        ) from None
+                    self._wait_to_resume(error, failures, max_retries, backoff_s)
                     self.progress.emit("retry", f"{self.name}: {error}; resuming at byte {reached}")
-                    time.sleep(backoff_s * 2 ** max(0, failures - 1))
                     continue
             self._hash_part_up_to(self.size)
             digest = self._hasher.hexdigest()
@@ -231,6 +241,20 @@ class _FileFetch:
                 return
             corrupt += 1
             self._discard_corrupt_part(digest, corrupt, max_corrupt_retries)
+
+    def _wait_to_resume(self, error: _Interrupted, failures: int, max_retries: int, backoff_s: float) -> None:
+        """Wait before resuming: through an outage of the server when there is an Outage, else ``backoff_s`` doubled
+        per interruption without progress; DownloadError once that is over."""
+        if error.outage and self.outage is not None:
+            if self.outage.wait():
+                return
+        elif failures <= max_retries:
+            time.sleep(backoff_s * 2 ** max(0, failures - 1))
+            return
+        raise DownloadError(
+            f"downloading {self.name} from {_shown(self.url)} failed {failures} times in a row ({error}); check "
+            "your connection and start again: the bytes already received are kept"
+        )
 
     def _discard_corrupt_part(self, digest: str, corrupt: int, max_corrupt_retries: int) -> None:
         """Drop a .part that failed its sha256 check, to download it again; DownloadError once it happened too often."""
@@ -264,6 +288,8 @@ class _FileFetch:
         try:
             with self.http.stream("GET", self.url, headers=headers) as response:
                 mode = self._write_mode(response, offset)
+                if self.outage is not None:
+                    self.outage.ended()
                 if mode == "wb":
                     offset = 0
                     self._hasher.close()
@@ -286,7 +312,7 @@ class _FileFetch:
                         if longer:
                             break  # a body longer than the file: its connection is dropped, its excess unread
         except httpx.TransportError as error:
-            raise _Interrupted(f"connection lost ({type(error).__name__})") from None
+            raise _Interrupted(f"connection lost ({type(error).__name__})", outage=is_outage(error)) from None
         if remaining > 0:
             raise _Interrupted(f"the server ended the transfer {remaining} bytes early")
 
@@ -300,27 +326,29 @@ class _FileFetch:
             self.part.unlink(missing_ok=True)
             raise _Interrupted("the server refused to resume this file; starting it over")
         if status in (408, 429) or status >= 500:
-            raise _Interrupted(f"the server answered HTTP {status}")
+            raise _Interrupted(f"the server answered HTTP {status}", outage=status in OUTAGE_STATUSES)
         hint = " (an expired presigned URL? ask for a fresh snapshot URL)" if status in (401, 403) else ""
         raise DownloadError(f"{_shown(self.url)} answered HTTP {status}{hint}")
 
 
-def _fetch_manifest(http: httpx.Client, url: str, max_retries: int, backoff_s: float) -> tuple[dict[str, Any], str]:
-    document = _get_json(http, url, max_retries, backoff_s)
+def _fetch_manifest(
+    http: httpx.Client, url: str, max_retries: int, backoff_s: float, outage: Outage | None
+) -> tuple[dict[str, Any], str]:
+    document = _get_json(http, url, max_retries, backoff_s, outage)
     if isinstance(document, dict) and "files" not in document and isinstance(document.get("manifest"), str):
         url = urljoin(url, document["manifest"])  # latest.json -> the newest snapshot's manifest
-        document = _get_json(http, url, max_retries, backoff_s)
+        document = _get_json(http, url, max_retries, backoff_s, outage)
     try:
         return check_manifest(document, _shown(url)), url
     except SnapshotError as error:
         raise DownloadError(str(error)) from None
 
 
-def _get_json(http: httpx.Client, url: str, max_retries: int, backoff_s: float) -> Any:
+def _get_json(http: httpx.Client, url: str, max_retries: int, backoff_s: float, outage: Outage | None) -> Any:
     failures = 0
     while True:
         try:
-            response = http.get(url)
+            response = send(outage, lambda: http.get(url))
             break
         except httpx.TransportError as error:
             failures += 1
@@ -340,31 +368,50 @@ def _get_json(http: httpx.Client, url: str, max_retries: int, backoff_s: float) 
 
 
 class _Hasher:
-    """sha256 of a stream of blocks, computed by a thread of its own; ``count`` is the bytes handed over so far."""
+    """sha256 of a stream of blocks; ``count`` is the bytes handed over so far.
+
+    Blocks are gathered into batches of ``_HASH_BATCH`` and hashed by a thread of its own (hashlib releases the GIL,
+    so hashing overlaps receiving); a stream shorter than one batch is hashed at the end by the caller, without a
+    thread. Handing over every 64 KiB network block instead cost more in thread handoffs than hashing it."""
 
     def __init__(self) -> None:
         self.count = 0
         self._digest = hashlib.sha256()
-        self._blocks: queue.Queue[bytes | None] = queue.Queue(maxsize=64)  # bounds memory if hashing falls behind
+        self._batch: list[bytes] = []
+        self._batch_bytes = 0
+        self._batches: queue.Queue[bytes | None] = queue.Queue(maxsize=8)  # bounds memory if hashing falls behind
         self._thread: threading.Thread | None = None
 
     def update(self, block: bytes) -> None:
+        self._batch.append(block)
+        self._batch_bytes += len(block)
+        self.count += len(block)
+        if self._batch_bytes >= _HASH_BATCH:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="sha256", daemon=True)
             self._thread.start()
-        self._blocks.put(block)
-        self.count += len(block)
+        self._batches.put(b"".join(self._batch))
+        self._batch, self._batch_bytes = [], 0
 
     def _run(self) -> None:
-        while (block := self._blocks.get()) is not None:
-            self._digest.update(block)
+        while (batch := self._batches.get()) is not None:
+            self._digest.update(batch)
 
     def close(self) -> None:
         """Wait until every block handed over is hashed."""
-        if self._thread is not None:
-            self._blocks.put(None)
+        if self._thread is None:
+            for block in self._batch:
+                self._digest.update(block)
+        else:
+            if self._batch:
+                self._hand_over()
+            self._batches.put(None)
             self._thread.join()
             self._thread = None
+        self._batch, self._batch_bytes = [], 0
 
     def hexdigest(self) -> str:
         self.close()

@@ -25,14 +25,17 @@ BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
 
 
 def mark_started(directory: Path) -> None:
-    """Say that ``directory`` is a download of ours, not yet verified (voids an earlier verification)."""
-    write_json(Path(directory) / MARK_FILE, {"verified": None})
+    """Say that ``directory`` is a download of ours, not yet verified (voids an earlier verification). Not fsynced:
+    ``is_download`` needs only the mark's name, which a journaling file system keeps whenever it keeps the files
+    created after it; a crash that lost it leaves the directory to its user, and never makes another's ours. On a
+    busy disk its fsyncs cost more than a small snapshot's whole transfer."""
+    write_json(Path(directory) / MARK_FILE, {"verified": None}, sync=False)
 
 
 def mark_verified(directory: Path, manifest_name: str, file_names: list[str]) -> None:
     """Record that the files and the manifest in ``directory`` are verified, in this boot (without a boot id: the
     files fsynced first). The mark itself is not fsynced: lost in a crash, it only makes the load hash the files
-    again (the started mark, durable, still says the directory is ours)."""
+    again (the started mark still says the directory is ours)."""
     directory = Path(directory)
     boot, files = boot_id(), {}
     for name in file_names:
