@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from tests.netns import Host, _add_namespace, _delete_namespace, _ip
+from tests.netns import Host, _add_bridge, _add_namespace, _delete_namespace, _ip, _plug, _veth
 from tests.netns_router import CARRIER_GRADE_NAT_SUBNET, WAN_SUBNET, HomeRouter
 
 ROUTER_KINDS = ("upnp", "cgnat", "public", "natpmp")  # the routers' mix, in the order homes get them: 3 homes, 3 paths
@@ -47,35 +47,9 @@ class HubRouter(HomeRouter):
     def _build_links(self) -> None:
         for host in (self.router, self.home):
             _add_namespace(host.namespace)
-        _ip(
-            "link",
-            "add",
-            self.wan_device,
-            "netns",
-            self.router.namespace,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            self._port,
-            "netns",
-            self._hub,
-        )
+        _veth(self.wan_device, self.router.namespace, self._port, self._hub)
         _ip("-n", self._hub, "link", "set", self._port, "master", self._bridge, "up")
-        _ip(
-            "link",
-            "add",
-            self.router.device,
-            "netns",
-            self.router.namespace,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            self.home.device,
-            "netns",
-            self.home.namespace,
-        )
+        _veth(self.router.device, self.router.namespace, self.home.device, self.home.namespace)
         for host in (self.router, self.home):
             host.bring_up()
         _ip("-n", self.router.namespace, "addr", "add", f"{self.wan_address}/24", "dev", self.wan_device)
@@ -118,11 +92,9 @@ class Internet:
 
     def __enter__(self) -> "Internet":
         try:
-            _add_namespace(self.hub)
-            _ip("-n", self.hub, "link", "add", self.bridge, "type", "bridge")
-            _ip("-n", self.hub, "link", "set", self.bridge, "up")
+            _add_bridge(self.hub, self.bridge)
             for host, port in ((self.operator, f"r{self.tag}po"), (self.trainers, f"r{self.tag}pt")):
-                self._plug(host, port)
+                self._attach(host, port)
         except BaseException:
             self.close()
             raise
@@ -131,13 +103,8 @@ class Internet:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _plug(self, host: Host, port: str) -> None:
-        _add_namespace(host.namespace)
-        _ip(
-            "link", "add", host.device, "netns", host.namespace, "type", "veth", "peer", "name", port, "netns", self.hub
-        )
-        _ip("-n", self.hub, "link", "set", port, "master", self.bridge, "up")
-        host.bring_up()
+    def _attach(self, host: Host, port: str) -> None:
+        _plug(host, port, self.hub, self.bridge)
         _ip("-n", host.namespace, "route", "add", f"{CARRIER_GRADE_NAT_SUBNET}.0/24", "dev", host.device)
 
     def add_home(self, index: int, kind: str) -> HubRouter | PublicHome:
@@ -147,7 +114,7 @@ class Internet:
             host = Host(f"{self.prefix}-h{index}", f"{WAN_SUBNET}.{number}", f"r{self.tag}h{index}")
             home = PublicHome(host, Host(self.hub, "", port))
             self.homes.append(home)
-            self._plug(home.home, port)
+            self._attach(home.home, port)
             _ip("-n", host.namespace, "route", "add", "default", "dev", host.device)  # as its provider's line gives
             return home
         wan = CARRIER_GRADE_NAT_SUBNET if kind == "cgnat" else WAN_SUBNET

@@ -67,6 +67,26 @@ def _add_namespace(namespace: str) -> None:
     _ip("-n", namespace, "link", "set", "lo", "up")
 
 
+def _veth(device: str, namespace: str, peer: str, peer_namespace: str) -> None:
+    """A veth pair: ``device`` in ``namespace``, its other end ``peer`` in ``peer_namespace``."""
+    _ip("link", "add", device, "netns", namespace, "type", "veth", "peer", "name", peer, "netns", peer_namespace)
+
+
+def _add_bridge(hub: str, bridge: str) -> None:
+    """A namespace ``hub`` holding the bridge ``bridge``, up."""
+    _add_namespace(hub)
+    _ip("-n", hub, "link", "add", bridge, "type", "bridge")
+    _ip("-n", hub, "link", "set", bridge, "up")
+
+
+def _plug(host: "Host", port: str, hub: str, bridge: str) -> None:
+    """``host``'s namespace, linked to ``bridge`` in ``hub`` through a veth whose end there is ``port``."""
+    _add_namespace(host.namespace)
+    _veth(host.device, host.namespace, port, hub)
+    _ip("-n", hub, "link", "set", port, "master", bridge, "up")
+    host.bring_up()
+
+
 def _delete_namespace(namespace: str) -> None:
     subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)  # fails harmlessly when absent
 
@@ -183,20 +203,7 @@ class TwoHosts:
         try:
             for host in (self.a, self.b):
                 _add_namespace(host.namespace)
-            _ip(
-                "link",
-                "add",
-                self.a.device,
-                "netns",
-                self.a.namespace,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                self.b.device,
-                "netns",
-                self.b.namespace,
-            )
+            _veth(self.a.device, self.a.namespace, self.b.device, self.b.namespace)
             for host in (self.a, self.b):
                 host.bring_up()
         except BaseException:
@@ -230,23 +237,13 @@ class BridgedHosts:
 
     def __enter__(self) -> "BridgedHosts":
         try:
-            _add_namespace(self.hub)
-            _ip("-n", self.hub, "link", "add", self.bridge, "type", "bridge")
-            _ip("-n", self.hub, "link", "set", self.bridge, "up")
+            _add_bridge(self.hub, self.bridge)
             for host, port in zip(self.hosts, self.ports, strict=True):
-                self._plug(host, port)
+                _plug(host, port, self.hub, self.bridge)
         except BaseException:
             self.close()
             raise
         return self
-
-    def _plug(self, host: Host, port: str) -> None:
-        _add_namespace(host.namespace)
-        _ip(
-            "link", "add", host.device, "netns", host.namespace, "type", "veth", "peer", "name", port, "netns", self.hub
-        )
-        _ip("-n", self.hub, "link", "set", port, "master", self.bridge, "up")
-        host.bring_up()
 
     def close(self) -> None:
         for host in self.hosts:

@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.netns import Host, _add_namespace, _ip
+from tests.netns import Host, _add_namespace, _ip, _veth
 from tests.netns import unavailable as namespaces_unavailable
 
 LAN_SUBNET = "192.168.77"
@@ -120,34 +120,8 @@ class HomeRouter:
     def _build_links(self) -> None:
         for host in (self.internet, self.router, self.home):
             _add_namespace(host.namespace)
-        _ip(
-            "link",
-            "add",
-            self.wan_device,
-            "netns",
-            self.router.namespace,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            self.internet.device,
-            "netns",
-            self.internet.namespace,
-        )
-        _ip(
-            "link",
-            "add",
-            self.router.device,
-            "netns",
-            self.router.namespace,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            self.home.device,
-            "netns",
-            self.home.namespace,
-        )
+        _veth(self.wan_device, self.router.namespace, self.internet.device, self.internet.namespace)
+        _veth(self.router.device, self.router.namespace, self.home.device, self.home.namespace)
         for host in (self.internet, self.router, self.home):
             host.bring_up()
         _ip("-n", self.router.namespace, "addr", "add", f"{self.wan_address}/24", "dev", self.wan_device)
