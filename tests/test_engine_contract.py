@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import functools
 import inspect
 import multiprocessing as mp
 import re
@@ -210,6 +211,12 @@ SOURCE_FACTS = (
         "_shutdown",
         "group.finalize(cancel=True)",
         "RoundAverager._shutdown replaces upstream's finalize() on a future; a fixed upstream makes it unneeded",
+    ),
+    SourceFact(
+        DecentralizedAverager,
+        "get_tensors",
+        "with self.lock_averaged_tensors:\n            yield self._averaged_tensors",
+        "RoundAverager.tensors_unless takes the same lock, with a bounded wait, and yields the same tensors",
     ),
     SourceFact(
         DecentralizedAverager,
@@ -527,24 +534,61 @@ def test_our_subclasses_set_no_private_attribute_upstream_uses() -> None:
 
 
 def test_an_averager_shut_down_mid_round_finalizes_its_runners_and_cancels_the_rest():
-    """hivemind's own _shutdown calls finalize() on the futures of its running groups and raises AttributeError
-    when a round is in flight; the engine's finalizes each runner a future holds and cancels the others."""
+    """hivemind's own _shutdown calls finalize() on the futures of its running groups and waits for what it returns
+    (None); the engine's finalizes, with upstream's own finalize(), each runner a future holds and cancels the rest."""
     from types import SimpleNamespace
 
     from agora_client.engine.averaging import RoundAverager
 
-    async def shut_down() -> tuple[list[bool], asyncio.Future, asyncio.Future]:
-        finalized = []
+    class Parts:
+        finalized = False
 
-        async def finalizing() -> None:
-            finalized.append(True)
+        def finalize(self) -> None:
+            self.finalized = True
 
-        runner = SimpleNamespace(finalize=lambda cancel: {asyncio.ensure_future(finalizing())} if cancel else set())
+    async def shut_down() -> tuple[SimpleNamespace, asyncio.Future, asyncio.Future]:
+        runner = SimpleNamespace(_future=asyncio.Future(), tensor_part_container=Parts(), tensor_part_reducer=Parts())
+        runner.finalize = functools.partial(AllReduceRunner.finalize, runner)
         running, pending = asyncio.Future(), asyncio.Future()
         running.set_result(runner)
         averager = SimpleNamespace(client_mode=True, _running_groups={b"a": running, b"b": pending})
         await RoundAverager._shutdown(averager, timeout=5)
-        return finalized, running, pending
+        return runner, running, pending
 
-    finalized, running, pending = asyncio.run(shut_down())
-    assert finalized == [True] and pending.cancelled() and not running.cancelled()
+    runner, running, pending = asyncio.run(shut_down())
+    assert (
+        runner._future.cancelled() and runner.tensor_part_container.finalized and runner.tensor_part_reducer.finalized
+    )
+    assert pending.cancelled() and not running.cancelled()
+
+
+def test_a_lock_left_held_by_a_stopped_process_ends_the_wait_for_the_tensors_once_stopped():
+    """An all-reduce holds the averaged tensors' lock in hivemind's process; a process stopped there never releases
+    it, and a round queued behind it must not wait for good once the averager stops."""
+    from concurrent.futures import CancelledError
+    from types import SimpleNamespace
+
+    from agora_client.engine.averaging import RoundAverager
+
+    context = mp.get_context("fork")
+    lock, buffer = context.Lock(), torch.zeros(4)
+    holder = context.Process(target=lock.acquire)  # exits holding it, as a process stopped mid all-reduce does
+    holder.start()
+    holder.join()
+    averager = SimpleNamespace(lock_averaged_tensors=lock, _averaged_tensors=(buffer,))
+    checks = []
+
+    def stopped() -> bool:
+        checks.append(True)
+        return len(checks) >= 3
+
+    with pytest.raises(CancelledError):
+        with RoundAverager.tensors_unless(averager, stopped, poll_s=0.01):
+            pass
+    assert len(checks) == 3
+    free = context.Lock()
+    with RoundAverager.tensors_unless(
+        SimpleNamespace(lock_averaged_tensors=free, _averaged_tensors=(buffer,)), stopped, 0.01
+    ) as tensors:
+        assert tensors == (buffer,) and not free.acquire(block=False)
+    assert free.acquire(block=False)

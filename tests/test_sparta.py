@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import Future
 from contextlib import suppress
 from itertools import pairwise
 from multiprocessing.connection import Connection
@@ -22,7 +23,7 @@ from agora_client.averaging.bounds import FLOOR_RMS
 from agora_client.averaging.compression import SlicePayload
 from agora_client.averaging.group_admission import GroupAdmission
 from agora_client.averaging.partition import StridedPartition
-from agora_client.averaging.sparta import RoundReport, SpartaAverager
+from agora_client.averaging.sparta import SHUTTING_DOWN, RoundReport, SpartaAverager
 from agora_client.config import SpartaConfig
 from agora_client.serving.rejections import RejectionLog
 from agora_client.serving.ticket_gate import TicketGate
@@ -78,6 +79,9 @@ def _wait_for_allreduce(sparta: SpartaAverager) -> None:
     while (control := sparta._flight.control) is None or control.stage != AveragingStage.RUNNING_ALLREDUCE:
         assert time.monotonic() < deadline, "the round never reached its all-reduce"
         time.sleep(0.05)
+    while sparta._averager.traffic_bytes()[0] == 0:  # the runner is registered and sending: the stop must end it
+        assert time.monotonic() < deadline, "the all-reduce never sent a part"
+        time.sleep(0.05)
 
 
 def _admission(ticketing: tuple[str, str] | None) -> GroupAdmission | None:
@@ -117,6 +121,7 @@ def _peer_main(
     else:
         sparta = SpartaAverager(dht, "test_sparta", parameters, config, lock=lock, admission=admission)
     conn.send(("ready", dht.peer_id.to_base58()))
+    pending: list[Future[RoundReport]] = []  # rounds begun by "begin", which the test does not wait for
     try:
         while True:
             command, *args = conn.recv()
@@ -137,13 +142,14 @@ def _peer_main(
                 report: RoundReport = handle.result(timeout=REPLY_TIMEOUT)
                 conn.send((report, _flat(parameters)))
             elif command == "begin":  # a round the test does not wait for
-                pending = sparta.begin_round(args[0], 1.0)
+                pending.append(sparta.begin_round(args[0], 1.0))
                 conn.send("begun")
             elif command == "shutdown_mid_allreduce":
                 _wait_for_allreduce(sparta)
+                pending.append(sparta.begin_round(args[0], 1.0))  # queued behind the all-reduce, which holds the lock
                 started = time.monotonic()
                 sparta.shutdown()
-                conn.send((time.monotonic() - started, pending.result(timeout=REPLY_TIMEOUT)))
+                conn.send((time.monotonic() - started, [round.result(timeout=REPLY_TIMEOUT) for round in pending]))
             elif command == "refusals":
                 time.sleep(1.0)  # the rejection log's thread drains its queue every 0.5 s
                 conn.send(dict(admission.rejections.counts))
@@ -423,10 +429,10 @@ def test_a_stop_mid_allreduce_leaves_at_once() -> None:
         swarm.conns[1].send(("round", 0, 1.0, 0.0))
         swarm.conns[0].send(("begin", 0))
         assert swarm._recv(0) == "begun" and swarm._recv(1) == "grouped"
-        swarm.conns[0].send(("shutdown_mid_allreduce",))
-        stop_s, report = swarm._recv(0)
+        swarm.conns[0].send(("shutdown_mid_allreduce", 1))
+        stop_s, reports = swarm._recv(0)
         assert stop_s < 20.0, f"the stop took {stop_s:.1f} s: it waited for the all-reduce"
-        assert not report.ok and report.reason == "cancelled: the averager is shutting down", report
+        assert [(report.ok, report.reason) for report in reports] == [(False, SHUTTING_DOWN)] * 2, reports
         swarm.kill(1)  # frozen for good: it would never answer a stop
     finally:
         swarm.close()

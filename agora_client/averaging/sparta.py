@@ -383,13 +383,10 @@ class SpartaAverager:
         self, flight: _Flight, round_no: int, part: int, weight: float, sent: torch.Tensor, started: float
     ) -> RoundReport:
         outgoing = self._payload.outgoing(part, sent)
-        with self._averager.get_tensors() as (buffer,):
-            buffer.zero_()
-            buffer[: sent.numel()].copy_(outgoing)
         self._averager.reset_traffic()
         group_size, fraction, suspects, allreduce_s, drift = 0, 0.0, {}, 0.0, SliceDrift(None, None)
         try:
-            outcome = self._match_and_average(flight, round_no, weight)
+            outcome = self._match_and_average(flight, round_no, weight, outgoing)
         except Exception as error:
             reason = self._why_called_off(flight) or _describe_failure(error, self._find_group_timeout)
         else:
@@ -445,11 +442,15 @@ class SpartaAverager:
             "a faster link, a larger sparta.period or a smaller sparta.fraction makes them fit"
         )
 
-    def _match_and_average(self, flight: _Flight, round_no: int, weight: float) -> RoundOutcome:
+    def _match_and_average(self, flight: _Flight, round_no: int, weight: float, outgoing: torch.Tensor) -> RoundOutcome:
         if not self._averager.is_alive():
             raise RuntimeError("hivemind's averager process is not running")
         if self._why_called_off(flight):  # called off while it waited behind the previous round
             raise CancelledError()
+        # the previous round's all-reduce may still hold the buffer in hivemind's process, for good if it is stopped
+        with self._averager.tensors_unless(lambda: self._why_called_off(flight) is not None, STOP_POLL_S) as (buffer,):
+            buffer.zero_()
+            buffer[: outgoing.numel()].copy_(outgoing)
         stage_size = self._stage_size() if self._stage_size is not None else 0
         # one matchmaking key per round: workers on another round never land in this group
         self._averager.set_round(format(round_no, "b"), stage_size if stage_size >= 2 else None).result(
@@ -524,6 +525,8 @@ class SpartaAverager:
         """Leave at once, even mid all-reduce: cancel the round in flight, stop hivemind's process (which aborts
         its all-reduce: the groupmates finish without this peer's parts), then wait for the round thread."""
         with self._begin_lock:
+            if self._closed:
+                return
             self._closed = True
             flight = self._flight
         flight.stop_reason = SHUTTING_DOWN

@@ -14,12 +14,13 @@ tests/test_engine_contract.py, so an upgrade that moves one fails there, by name
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import multiprocessing as mp
 import signal
 import time
-from concurrent.futures import InvalidStateError
+from concurrent.futures import CancelledError, InvalidStateError
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterator, Optional, Protocol, Sequence
 
@@ -319,17 +320,27 @@ class RoundAverager(DecentralizedAverager):
         return self._outcome
 
     async def _shutdown(self, timeout: Optional[float]) -> None:
-        # upstream calls finalize() on the futures _running_groups holds (the runner is their result): a round in
-        # flight at shutdown raised AttributeError in the averager's thread, and the stop waited out its timeout
+        # upstream calls finalize() on the futures _running_groups holds (the runner is their result) and waits for
+        # what finalize() returns (None): a round in flight at shutdown raised in the averager's thread
         if not self.client_mode:
             await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
-        remaining = set()
         for future in self._running_groups.values():
             if future.done() and not future.cancelled() and future.exception() is None:
-                remaining.update(future.result().finalize(cancel=True))
+                future.result().finalize(cancel=True)
             else:
                 future.cancel()
-        await asyncio.wait_for(asyncio.gather(*remaining), timeout)
+
+    @contextlib.contextmanager
+    def tensors_unless(self, stopped: Callable[[], bool], poll_s: float) -> Iterator[Sequence[torch.Tensor]]:
+        """get_tensors(), but its wait for the lock ends (CancelledError) once ``stopped()``: an all-reduce holds the
+        lock in this averager's process, and a process stopped mid all-reduce never releases it."""
+        while not self.lock_averaged_tensors.acquire(timeout=poll_s):
+            if stopped():
+                raise CancelledError()
+        try:
+            yield self._averaged_tensors
+        finally:
+            self.lock_averaged_tensors.release()
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: Optional[bytes] = None, **kwargs: Any
