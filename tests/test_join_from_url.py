@@ -392,6 +392,17 @@ def test_preflight_checks_measure_for_real(tmp_path):
     assert dead.status == "fail" and "outbound" in dead.reason
 
 
+def test_a_snapshot_server_down_warns_and_a_missing_snapshot_fails_the_download_check():
+    """The download rides out an outage of the snapshot server (network/outage.py): so does its preflight check."""
+    run = replace(describe("tiny2"), snapshot_url=f"http://127.0.0.1:{closed_port()}/snaps")
+    refused = check_download_rate(run)
+    assert refused.status == "warn" and "ConnectError" in refused.reason and "waits for it" in refused.reason
+    for status, expected in ((503, "warn"), (502, "warn"), (404, "fail")):
+        answering = httpx.Client(transport=httpx.MockTransport(lambda request, status=status: httpx.Response(status)))
+        with answering:
+            assert check_download_rate(run, client=answering).status == expected, status
+
+
 def test_the_machine_checks_run_in_the_order_the_event_contract_lists(tmp_path):
     run = describe("tiny2", ())
     checks = machine_checks(run, f"http://127.0.0.1:{closed_port()}", "cpu", "no --gpu given", tmp_path)

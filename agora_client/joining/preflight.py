@@ -31,6 +31,7 @@ from agora_client.frontend.lines import human_bytes as human
 from agora_client.joining.gpu_fit import GpuRefused, check_capability
 from agora_client.model.memory import StagePlan, card_layout, choose_layout, plan_stage
 from agora_client.model.stages import param_counts
+from agora_client.network.outage import OUTAGE_STATUSES, is_outage
 from agora_client.system.gpu import GpuSpec, probe_cuda_device
 
 SLOW_DOWNLOAD_BPS = 5e6
@@ -147,6 +148,13 @@ def check_download_rate(
                     break
         seconds = max(time.perf_counter() - started, 1e-6)
     except (httpx.HTTPError, KeyError, TypeError, ValueError) as error:
+        if _is_outage(error):  # the snapshot server restarting: the download waits for it (network/outage.py)
+            return PreflightEvent(
+                check="download_rate",
+                status="warn",
+                value="unreachable",
+                reason=f"the snapshot server did not answer ({type(error).__name__}): the download waits for it",
+            )
         return PreflightEvent(
             check="download_rate",
             status="fail",
@@ -163,6 +171,12 @@ def check_download_rate(
             check="download_rate", status="warn", value=value, reason="slow: the snapshot download will take a while"
         )
     return PreflightEvent(check="download_rate", status="pass", value=value)
+
+
+def _is_outage(error: Exception) -> bool:
+    if isinstance(error, httpx.HTTPStatusError):
+        return error.response.status_code in OUTAGE_STATUSES
+    return isinstance(error, httpx.HTTPError) and is_outage(error)
 
 
 def check_upload_rate(run: RunDescription, swarm_url: str, **probe: float) -> PreflightEvent:
