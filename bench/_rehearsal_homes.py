@@ -5,7 +5,9 @@
 with its own config dir (its identity key, its JSONL event log) and its token in HF_TOKEN. Its headless JSON lines
 go to ``<run>/homes/<user>-<n>.log`` (n counts its starts: a rejoin is a second start with the same identity).
 What a home did is read back from those lines and from the client's own event log (``<config dir>/logs``), which
-keeps the kinds the headless printer leaves out or throttles (traffic, resources, every step).
+keeps the kinds the headless printer leaves out or throttles (traffic, resources, every step). The liar and the
+cheat run the runtime itself with their faults injected (tests/faulty_worker.py --lie, --rotate-run-id), as a
+modified client would.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from _rehearsal_net import HomeLink, HubRouter, PublicHome
 
 from agora_client.events import json_objects
 from agora_client.swarm.processes import ManagedProcess
+from tests.faulty_worker import Faults, faulty
 
 REPO = Path(__file__).resolve().parents[1]
 RETRY_EVERY_S = 10.0  # a home the swarm could not reach asks again this often
@@ -34,6 +37,7 @@ class Home:
     net: HubRouter | PublicHome
     link: HomeLink
     root: Path  # <run>/homes
+    faults: Faults | None = None  # a dishonest home: the runtime run by tests/faulty_worker.py with these faults
     runs: list[ManagedProcess] = field(default_factory=list)
     started_at: list[float] = field(default_factory=list)  # wall-clock time of each start
 
@@ -50,9 +54,14 @@ class Home:
         return bool(self.runs) and self.runs[-1].alive
 
     def start(self, auth_url: str, ca_cert: Path, token: str) -> None:
-        """Start the client in the home (again, with the same identity, if it ran before)."""
-        args = ["--headless", "--log-format", "json", "--cpu", "--swarm", auth_url, "--ca-cert", str(ca_cert)]
-        args += ["--config-dir", str(self.config_dir), "--host-port", "0", "--retry-every", str(RETRY_EVERY_S)]
+        """Start the client in the home (again, with the same identity, if it ran before); a dishonest home runs the
+        runtime itself, as the headless client runs it, with its faults injected."""
+        args = ["--cpu", "--swarm", auth_url, "--ca-cert", str(ca_cert), "--config-dir", str(self.config_dir)]
+        args += ["--host-port", "0", "--retry-every", str(RETRY_EVERY_S)]
+        if self.faults is not None:
+            args, program = ["runtime", *args], [*faulty(), *self.faults.flags()]
+        else:
+            args, program = ["--headless", "--log-format", "json", *args], [sys.executable, str(REPO / "agora_cli.py")]
         with self.net.home.entered():
             self.started_at.append(time.time())
             self.runs.append(
@@ -61,7 +70,7 @@ class Home:
                     args,
                     self.root / f"{self.user}-{len(self.runs) + 1}.log",
                     env={"HF_TOKEN": token},
-                    program=[sys.executable, str(REPO / "agora_cli.py")],
+                    program=program,
                 )
             )
 
@@ -101,7 +110,10 @@ class Home:
         return records
 
     def events(self) -> list[dict]:
-        """Every event of the client's own JSONL log (all its starts, rotated files oldest first)."""
+        """Every event of the client's own JSONL log (all its starts, rotated files oldest first); a dishonest
+        home's runtime has no client to keep that log: its events are its output."""
+        if self.faults is not None:
+            return [event for run in self.runs for event in json_objects(run.lines())]
         logs = self.config_dir / "logs"
         events = []
         for path in sorted(logs.glob("*.jsonl")):  # rotated files too; sorted by time below

@@ -1,5 +1,5 @@
 """The rehearsal's operator side (bench/rehearsal.py), as an operator runs it: one deploy file for the operator's
-host (seeds, snapshot server, relay, auth with token-file identities, monitor, one worker per stage) and the
+host (seeds, snapshot server, relay, auth with token-file identities, monitor, two workers per stage) and the
 trainers' host (two trainers), TLS from a CA made for the run, `agora deploy up --detach` on each host in its
 own namespace, `agora deploy firewall --apply` on the operator's, `agora deploy down` on both at the end.
 
@@ -24,13 +24,16 @@ import httpx
 import yaml
 
 from agora_client.auth.identity import write_demo_token_file
-from agora_client.deploy.state import read_state, supervisor_alive
+from agora_client.deploy.state import read_state
 from agora_client.swarm.processes import CLI
 from tests.netns import Host
 from tests.tls_helpers import make_tls_files
 
 AUTH_PORT, MONITOR_PORT, SNAPSHOT_PORT, RELAY_PORT, METRICS_PORT = 8440, 8090, 8080, 47100, 9400
 SEED_COUNT, TRAINER_COUNT = 2, 2
+# two honest workers in every stage, whatever the homes do: a disagreement with the liar, whichever stage the auth
+# service gives it, has a referee
+OPERATOR_WORKERS_PER_STAGE = 2
 UP_TIMEOUT_S = 420.0
 DOWN_TIMEOUT_S = 120.0
 SEED_LINE = re.compile(r"^\[DEPLOY\] seed\d+ ready: (\S+)$", re.MULTILINE)
@@ -43,6 +46,7 @@ class OperatorFiles:
     ca_bundle: Path  # the usual CAs and the run's: SSL_CERT_FILE of the roles
     tokens: dict[str, str]  # contributor -> its token (token-file identity)
     run_dir: Path  # the deploy file's run.dir: logs, events, the monitor's database
+    checkpoints: Path  # the deploy file's checkpoint store: the first worker of each stage writes its sets there
 
 
 def _spec(root: Path, operator: Host, trainers: Host, config: str, seeds: list[str]) -> dict:
@@ -68,7 +72,7 @@ def _spec(root: Path, operator: Host, trainers: Host, config: str, seeds: list[s
                         "pacing": 1.0,
                     },
                     "monitor": {"port": MONITOR_PORT, "interval": 5.0},
-                    "workers": {"per_stage": 1, "publish_every": 1, "device": "cpu"},
+                    "workers": {"per_stage": OPERATOR_WORKERS_PER_STAGE, "publish_every": 1, "device": "cpu"},
                 },
             },
             "trainers": {
@@ -89,7 +93,7 @@ def prepare(root: Path, operator: Host, trainers: Host, config: str, users: list
     bundle.write_bytes(Path(certifi.where()).read_bytes() + (root / "tls" / "ca.pem").read_bytes())
     (root / "secrets").mkdir(mode=0o700, exist_ok=True)
     tokens = {user: write_demo_token_file(root / "secrets" / "tokens.json", user) for user in users}
-    return OperatorFiles(deploy_file, root / "tls" / "ca.pem", bundle, tokens, root / "run")
+    return OperatorFiles(deploy_file, root / "tls" / "ca.pem", bundle, tokens, root / "run", root / "checkpoints")
 
 
 def _deploy(files: OperatorFiles, host: Host, *args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -150,8 +154,10 @@ def metrics_endpoints(operator: Host, trainers: Host, stages: tuple[str, ...]) -
     """Every Prometheus endpoint of both hosts: name -> (the host to scrape from, its URL).
 
     The roles without an HTTP port take the host's metrics ports in start order (agora_client/deploy/plan.py):
-    on the operator's host the seeds, the relay, then one worker per stage; on the trainers' host the trainers."""
-    plain = [*(f"seed{i}" for i in range(SEED_COUNT)), "relay", *(f"{stage}-0" for stage in stages)]
+    on the operator's host the seeds, the relay, then the workers, stage by stage; on the trainers' host the
+    trainers."""
+    workers = [f"{stage}-{i}" for stage in stages for i in range(OPERATOR_WORKERS_PER_STAGE)]
+    plain = [*(f"seed{i}" for i in range(SEED_COUNT)), "relay", *workers]
     endpoints = {
         name: (operator, f"http://{operator.address}:{METRICS_PORT + i}/metrics") for i, name in enumerate(plain)
     }
@@ -163,31 +169,26 @@ def metrics_endpoints(operator: Host, trainers: Host, stages: tuple[str, ...]) -
 
 
 def crash_role(files: OperatorFiles, host_name: str, role: str) -> None:
-    """SIGKILL one role's process, as a crash would; its host's `deploy up` then stops the host's other roles and
-    exits (it restarts no role), which this waits for."""
-    state = read_state(files.run_dir / f"deploy-{host_name}.json")
+    """SIGKILL one role and all it started, as a crash would; return once its host's `deploy up` has started it
+    again (a new process group, ready), as it does a failed role."""
+    path = files.run_dir / f"deploy-{host_name}.json"
+    state = read_state(path)
     if state is None:
         raise RuntimeError(f"nothing runs from the deploy file on {host_name}")
     pgid = next(entry["pgid"] for entry in state["roles"] if entry["name"] == role)
     try:
-        os.kill(pgid, signal.SIGKILL)  # the role's main process leads its group
+        os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    deadline = time.monotonic() + DOWN_TIMEOUT_S
-    while supervisor_alive(state):
+    deadline = time.monotonic() + UP_TIMEOUT_S
+    while True:
+        state = read_state(path) or {"ready": False, "roles": []}
+        now = next((entry["pgid"] for entry in state["roles"] if entry["name"] == role), pgid)
+        if state["ready"] and now != pgid:
+            return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"deploy up on {host_name} outlived its {role} by {DOWN_TIMEOUT_S:.0f}s")
+            raise RuntimeError(f"deploy up on {host_name} did not start {role} again within {UP_TIMEOUT_S:.0f}s")
         time.sleep(0.5)
-
-
-def start_again(files: OperatorFiles, host: Host, host_name: str) -> str:
-    """`deploy up --detach` again on a host whose roles stopped (the deploy file lists the seeds by now)."""
-    if host_name == "operator":
-        return start_operator(files, host)
-    return _checked(
-        _deploy(files, host, "up", str(files.deploy_file), "--host", host_name, "--detach", timeout=UP_TIMEOUT_S),
-        f"deploy up again on {host_name}",
-    )
 
 
 def auth_status(files: OperatorFiles, operator: Host) -> dict | None:

@@ -1,10 +1,10 @@
 """Crashes on the operator's side in the rehearsal (bench/rehearsal.py), and what survives them.
 
-`agora deploy up` restarts no role: when one exits it stops the host's other roles and exits itself, so a crashed
-role comes back when the operator runs `deploy up` again, with the host's other roles. So the auth service's crash
-restarts the whole operator's host (seeds, relay, auth, monitor, snapshot server, its workers), and a trainer's
-crash both trainers. Before the crash and after the restart the rehearsal reads the auth service's status (slots
-held per stage, queue lengths) and the monitor's leaderboard: slots and queue places kept, no one's points lower.
+Each crash is a SIGKILL to one role's process group; the host's `agora deploy up` starts that role again alone, as
+its systemd unit would (agora_client/deploy/supervisor.py), while the host's other roles keep running. Around the
+auth service's crash the rehearsal reads its status (slots held per stage, queue lengths) and the monitor's
+leaderboard: slots and queue places kept, no one's points lower. Around the monitor's crash, the leaderboard: no
+one's points lower. The relay's and a trainer's crashes say how long the role was away.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 import _rehearsal_operator as operator_side
 from _rehearsal_net import Internet
 
-SETTLE_S = 10.0  # after the restart: the monitor's first scrape of the DHT
+SETTLE_S = 10.0  # after a restart: the monitor's first scrape of the DHT
 POINTS_SLACK = 1e-6
 
 
@@ -30,44 +30,67 @@ def _scores(rows: list[dict] | None) -> dict[str, float] | None:
     return None if rows is None else {str(row.get("username")): float(row.get("score", 0.0)) for row in rows}
 
 
+def _points_lost_by(before: dict[str, float] | None, after: dict[str, float] | None) -> list[str] | None:
+    if before is None or after is None:
+        return None
+    return sorted(user for user, score in before.items() if after.get(user, 0.0) < score - POINTS_SLACK)
+
+
 class Restarts:
     def __init__(self, net: Internet, files: operator_side.OperatorFiles):
         self.net, self.files = net, files
         self.records: list[dict] = []
 
-    def crash_operator(self) -> str:
-        """The auth service dies (SIGKILL); the operator runs `deploy up` on its host again."""
-        before_slots = _slots(operator_side.auth_status(self.files, self.net.operator))
-        before_points = _scores(operator_side.leaderboard(self.files, self.net.operator))
+    def _crash(self, host_name: str, role: str) -> float:
+        """Seconds from the SIGKILL until `deploy up` had the role ready again."""
         started = time.monotonic()
-        operator_side.crash_role(self.files, "operator", "auth")
-        operator_side.start_again(self.files, self.net.operator, "operator")
-        back_s = time.monotonic() - started
+        operator_side.crash_role(self.files, host_name, role)
+        return time.monotonic() - started
+
+    def _leaderboard(self) -> dict[str, float] | None:
+        return _scores(operator_side.leaderboard(self.files, self.net.operator))
+
+    def crash_auth(self) -> str:
+        before_slots = _slots(operator_side.auth_status(self.files, self.net.operator))
+        before_points = self._leaderboard()
+        back_s = self._crash("operator", "auth")
         after_slots = _slots(operator_side.auth_status(self.files, self.net.operator))
         time.sleep(SETTLE_S)
-        after_points = _scores(operator_side.leaderboard(self.files, self.net.operator))
-        lost = None
-        if before_points is not None and after_points is not None:
-            lost = sorted(u for u, s in before_points.items() if after_points.get(u, 0.0) < s - POINTS_SLACK)
         self.records.append(
             {
-                "event": "auth crash: the operator's host restarted",
+                "event": "auth crash",
                 "back_after_s": round(back_s, 1),
                 "slots_kept": None if before_slots is None or after_slots is None else before_slots == after_slots,
                 "slots_before": before_slots,
                 "slots_after": after_slots,
-                "points_lost_by": lost,
+                "points_lost_by": _points_lost_by(before_points, self._leaderboard()),
             }
         )
-        return f"auth killed; the operator's host was up again after {back_s:.0f}s"
+        return f"auth killed; deploy up had it ready again after {back_s:.0f}s"
+
+    def crash_monitor(self) -> str:
+        before_points = self._leaderboard()
+        back_s = self._crash("operator", "monitor")
+        time.sleep(SETTLE_S)
+        lost = _points_lost_by(before_points, self._leaderboard())
+        self.records.append({"event": "monitor crash", "back_after_s": round(back_s, 1), "points_lost_by": lost})
+        return f"monitor killed; deploy up had it ready again after {back_s:.0f}s"
+
+    def crash_relay(self) -> str:
+        back_s = self._crash("operator", "relay")
+        self.records.append({"event": "relay crash", "back_after_s": round(back_s, 1)})
+        return f"relay killed; deploy up had it ready again after {back_s:.0f}s"
 
     def crash_trainer(self) -> str:
-        """Trainer 0 dies (SIGKILL); the operator runs `deploy up` on the trainers' host again."""
-        started = time.monotonic()
-        operator_side.crash_role(self.files, "trainers", "trainers-trainer0")
-        operator_side.start_again(self.files, self.net.trainers, "trainers")
-        back_s = time.monotonic() - started
-        self.records.append(
-            {"event": "trainer 0 crash: the trainers' host restarted", "back_after_s": round(back_s, 1)}
-        )
-        return f"trainer 0 killed; the trainers' host was up again after {back_s:.0f}s"
+        back_s = self._crash("trainers", "trainers-trainer0")
+        self.records.append({"event": "trainer 0 crash", "back_after_s": round(back_s, 1)})
+        return f"trainer 0 killed; deploy up had it ready again after {back_s:.0f}s"
+
+    def events(self) -> dict:
+        """The script's operator events (bench/_rehearsal_script.py's OPERATOR_EVENTS) and what plays each."""
+        return {
+            "auth-crash": self.crash_auth,
+            "monitor-crash": self.crash_monitor,
+            "relay-crash": self.crash_relay,
+            "trainer-crash": self.crash_trainer,
+        }

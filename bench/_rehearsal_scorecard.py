@@ -9,13 +9,16 @@ their own outputs after the run; one dict (the JSON line) and a table.
 - training: the trainers' microbatches, tokens and tokens/s and their last loss, from their [PROGRESS] lines, and
   their last held-out loss ([EVAL] lines);
 - bans: every worker the trainers banned ([SPOTCHECK] banned ... (peer P)), honest or not;
-- points: the monitor's leaderboard score of each home against the requests it served, and their rank correlation.
+- points: the monitor's leaderboard score of each home against the requests it served, their rank correlation among
+  the honest homes, and the cheat's score per request served over the honest homes' median (at most 1.0: its
+  rotating run ids earned it nothing).
 """
 
 from __future__ import annotations
 
 import math
 import re
+import statistics
 from pathlib import Path
 
 from _rehearsal_homes import Home
@@ -183,11 +186,19 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
     return None if vx == 0 or vy == 0 else round(cov / (vx * vy) ** 0.5, 3)
 
 
-def points_card(cards: list[dict], leaderboard: list[dict], cheats: set[str]) -> dict:
+def points_card(cards: list[dict], leaderboard: list[dict], dishonest: set[str], cheat: str) -> dict:
+    """Each home's score against the requests it served; their rank correlation among the honest homes; the cheat's
+    score per request served over the honest homes' median (None where either is unknown)."""
     scores = {row.get("username"): float(row.get("score", 0.0)) for row in leaderboard}
     rows = {card["user"]: {"score": scores.get(card["user"]), "served": card["served"]} for card in cards}
-    honest = [(r["score"], r["served"]) for user, r in rows.items() if user not in cheats and r["score"] is not None]
+    honest = [(r["score"], r["served"]) for user, r in rows.items() if user not in dishonest and r["score"] is not None]
+    per_request = sorted(score / served for score, served in honest if served)
+    cheating = rows.get(cheat, {})
+    ratio = None
+    if per_request and cheating.get("score") is not None and cheating["served"]:
+        ratio = round(cheating["score"] / cheating["served"] / statistics.median(per_request), 3)
     return {
         "per_home": rows,
         "honest_rank_correlation": spearman([s for s, _ in honest], [float(n) for _, n in honest]),
+        "cheat_ratio": ratio,
     }

@@ -1,10 +1,13 @@
 """The rehearsal's script of events (bench/rehearsal.py): drawn from --seed, printed before the run, played on time.
 
-Contributors join late, leave with Ctrl-C, die by SIGKILL (the client and everything it started) and rejoin with
-the same identity, and one pauses and resumes with `agora pause` / `agora resume` from another terminal (skipped,
-saying so, where this checkout has no such command). On the operator's side the auth service and a trainer die by
-SIGKILL and come back with `deploy up` (bench/_rehearsal_restarts.py). Each event opens a churn window of
-``CHURN_S`` seconds, in which the scorecard counts SPARTA rounds apart.
+Contributors join late, one of them a liar (tests/faulty_worker.py --lie: it answers random tensors of the right
+shape and scale), and a points cheat starts with the first (--rotate-run-id: a fresh run id in every metrics
+record); both stay to the end. Others leave with Ctrl-C, die by SIGKILL (the client and everything it
+started) and rejoin with the same identity, and one pauses and resumes with `agora pause` / `agora resume` from
+another terminal (skipped, saying so, where this checkout has no such command). On the operator's side the relay,
+the auth service, the monitor and a trainer die by SIGKILL, and `deploy up` starts each again
+(bench/_rehearsal_restarts.py). Each event opens a churn window of ``CHURN_S`` seconds, in which the scorecard
+counts SPARTA rounds apart.
 """
 
 from __future__ import annotations
@@ -20,9 +23,15 @@ CHURN_S = 60.0
 # when each event comes, as a share of the run: late joins first, the leaves once most homes have joined
 LATE_JOIN_AT, KILL_AT, REJOIN_AT, PAUSE_AT, RESUME_AT, INTERRUPT_AT = 0.15, 0.4, 0.5, 0.6, 0.7, 0.75
 AUTH_CRASH_AT, TRAINER_CRASH_AT = 0.55, 0.85  # the auth crash once most homes have joined
+RELAY_CRASH_AT, MONITOR_CRASH_AT = 0.3, 0.65  # the relay's once the relayed homes have joined
+LIAR_AT = 0.1  # the liar joins after the homes that start at once: they take the first stages the auth service gives
 JITTER = 0.04  # each event (each pair together) moves by up to this share of the run, as the seed draws
-OPERATOR_EVENTS = {"auth-crash": "the auth service (the operator's host restarts)", "trainer-crash": "trainer 0"}
-NOT_YET = "not in the script yet: a lying contributor, a points cheat, the export of the newest checkpoint set"
+OPERATOR_EVENTS = {
+    "relay-crash": "the relay",
+    "auth-crash": "the auth service",
+    "monitor-crash": "the monitor",
+    "trainer-crash": "trainer 0",
+}
 
 
 @dataclass(frozen=True)
@@ -33,13 +42,17 @@ class Action:
 
     def line(self, homes: list[Home]) -> str:
         if self.home is None:
-            return f"  t+{self.at_s:6.0f}s  {self.what:13s} SIGKILL to {OPERATOR_EVENTS[self.what]}, then deploy up"
+            return (
+                f"  t+{self.at_s:6.0f}s  {self.what:13s} SIGKILL to {OPERATOR_EVENTS[self.what]}; deploy up restarts it"
+            )
         home = homes[self.home]
         return f"  t+{self.at_s:6.0f}s  {self.what:13s} {home.user} ({home.kind}, {home.link.label})"
 
 
 def draw(seed: int, homes: int, seconds: float) -> tuple[set[int], list[Action]]:
-    """(the homes that start at once, the events in time order), the same for the same seed."""
+    """(the homes that start at once, the events in time order), the same for the same seed. Homes 0 to
+    ``homes - 1`` are honest; home ``homes``, the liar, joins at ``LIAR_AT`` of the run and home ``homes + 1``, the
+    points cheat, at once; both stay to the end."""
     rng = random.Random(seed)
     order = rng.sample(range(homes), homes)
     late, killed, left = order[0], order[1 % homes], order[2 % homes]
@@ -56,10 +69,13 @@ def draw(seed: int, homes: int, seconds: float) -> tuple[set[int], list[Action]]
         Action(at(PAUSE_AT, pause), "pause", paused),
         Action(at(RESUME_AT, pause), "resume", paused),
         Action(at(INTERRUPT_AT, rng.uniform(-JITTER, JITTER)), "interrupt", left),
+        Action(at(RELAY_CRASH_AT, rng.uniform(-JITTER, JITTER)), "relay-crash"),
         Action(at(AUTH_CRASH_AT, rng.uniform(-JITTER, JITTER)), "auth-crash"),
+        Action(at(MONITOR_CRASH_AT, rng.uniform(-JITTER, JITTER)), "monitor-crash"),
         Action(at(TRAINER_CRASH_AT, rng.uniform(-JITTER, JITTER)), "trainer-crash"),
+        Action(at(LIAR_AT, 0.0), "join", homes),
     ]
-    return set(range(homes)) - {late}, sorted(actions, key=lambda action: action.at_s)
+    return set(range(homes)) - {late} | {homes + 1}, sorted(actions, key=lambda action: action.at_s)
 
 
 def control(home: Home, command: str) -> str:

@@ -3,7 +3,7 @@
 of events, and a scorecard.
 
 - the operator's host (a network namespace) runs the seeds, the snapshot server, the relay, the auth service, the
-  monitor with its public page and one worker per stage, started by `agora deploy up` from a deploy file written
+  monitor with its public page and two workers per stage, started by `agora deploy up` from a deploy file written
   for the run, with TLS from a CA made for the run, behind `agora deploy firewall --apply`
   (bench/_rehearsal_operator.py);
 - the trainers' host runs two trainers holding tickets from their trainer credentials over HTTPS;
@@ -12,19 +12,24 @@ of events, and a scorecard.
   (bench/_rehearsal_net.py); each line is shaped with tc tbf at a home's speeds scaled to tiny's boundary bytes
   per token as bench/home_link.py --home-mbit scales them; each home runs the real client,
   `python3 agora_cli.py --headless --log-format json --cpu --swarm https://... --ca-cert ...`
-  (bench/_rehearsal_homes.py);
+  (bench/_rehearsal_homes.py); two homes more run the runtime with tests/faulty_worker.py: the liar's (--lie) and
+  the points cheat's (--rotate-run-id, issue 46's presence cheat);
 - the run config (bench/_rehearsal_data.py): tiny with its own tokenizer, trained by `agora tokenizer train` on a
-  corpus made from this repository's text; the data is tiny's, streamed, one shard per trainer, held-out eval;
-- the script (bench/_rehearsal_script.py), drawn from --seed and printed first: a late join, a SIGKILL and a rejoin,
-  a pause and a resume (`agora pause` / `agora resume`), a Ctrl-C leave, the auth service and a trainer killed and
-  brought back by `deploy up` (bench/_rehearsal_restarts.py: `deploy up` restarts no role alone, so each restarts
-  its whole host);
+  corpus made from this repository's text; the data is tiny's, streamed, one shard per trainer, held-out eval; the
+  spot checks raised to a quarter of the requests, so that the liar is caught within the run;
+- the script (bench/_rehearsal_script.py), drawn from --seed and printed first: the cheat from the start, a late
+  join, the liar's join, a SIGKILL and a rejoin, a pause and a resume (`agora pause` / `agora resume`), a Ctrl-C
+  leave, the relay, the auth service, the monitor and a trainer killed, each started again alone by its host's
+  `deploy up` (bench/_rehearsal_restarts.py);
 - the scorecard (bench/_rehearsal_scorecard.py): per home its path, seconds to its first batch, requests served and
   mission figures; SPARTA rounds ok/total (in and outside the churn windows); training tokens, loss and held-out
-  loss; bans; points against requests served; slots and points across the auth crash; Prometheus scrapes during
-  the run (bench/_rehearsal_scrape.py); leftovers (bench/_rehearsal_leftovers.py).
+  loss; bans (honest ones, and the liar's); points against requests served, and the cheat's; slots and points
+  across the auth crash, points across the monitor's; Prometheus scrapes during the run
+  (bench/_rehearsal_scrape.py); leftovers (bench/_rehearsal_leftovers.py);
+- at the end, the newest checkpoint set exported by `agora export` and loaded by `transformers`, which continues a
+  prompt (bench/_rehearsal_export.py).
 
-Not yet: a lying contributor, a points cheat, the loss against bench/convergence.py --tokens, the export.
+Not yet: the loss against bench/convergence.py --tokens.
 
     python bench/rehearsal.py --homes 3 --minutes 4      # as root, with nft, tc and miniupnpd (miniupnpd-nftables)
 
@@ -46,20 +51,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the namespace he
 
 import _rehearsal_operator as operator_side  # noqa: E402
 from _rehearsal_data import run_config  # noqa: E402
+from _rehearsal_export import export_card  # noqa: E402
 from _rehearsal_homes import Home  # noqa: E402
 from _rehearsal_leftovers import RunProcesses, leftovers  # noqa: E402
 from _rehearsal_net import ROUTER_KINDS, HomeLink, Internet  # noqa: E402
 from _rehearsal_restarts import Restarts  # noqa: E402
 from _rehearsal_scorecard import bans_card, home_card, points_card, sparta_card, training_card  # noqa: E402
 from _rehearsal_scrape import Scraper  # noqa: E402
-from _rehearsal_script import CHURN_S, NOT_YET, Action, draw, play  # noqa: E402
+from _rehearsal_script import CHURN_S, Action, draw, play  # noqa: E402
 from home_link import bytes_per_token  # noqa: E402
 
 from agora_client.config import load_config  # noqa: E402
+from tests.faulty_worker import Faults  # noqa: E402
 from tests.netns import unavailable as namespaces_unavailable  # noqa: E402
 from tests.netns_router import unavailable as routers_unavailable  # noqa: E402
 
 PRESET, REFERENCE = "tiny", "8b"
+DISHONEST = {"liar": Faults(lie=True), "cheat": Faults(rotate_run_id=True)}  # the homes after the honest ones
 # (label, uplink, downlink) in Mbit/s at the 8b model's traffic: the homes' lines, in turn
 HOME_LINES = (("fibre 100/500", 100.0, 500.0), ("cable 20/200", 20.0, 200.0), ("DSL 10/50", 10.0, 50.0))
 POLL_S = 1.0
@@ -99,7 +107,6 @@ def print_plan(homes: list[Home], actions: list[Action], at_once: set[int], seed
     print(f"script (seed {seed}): at t+0 start {', '.join(homes[i].user for i in sorted(at_once))}")
     for action in actions:
         print(action.line(homes))
-    print(f"  {NOT_YET}", flush=True)
 
 
 def run_script(
@@ -143,20 +150,31 @@ def print_table(card: dict) -> None:
     training = card["training"]
     print(
         f"tokens {training['tokens']} at {training['tokens_per_s']} tokens/s over the run "
-        f"({training['inflight_total']} microbatches in flight in all); honest bans {card['bans']['honest_bans']}; "
-        f"points/served rank correlation {card['points']['honest_rank_correlation']}"
+        f"({training['inflight_total']} microbatches in flight in all); honest bans {card['bans']['honest_bans']}, "
+        f"liars banned {card['bans']['liars_banned']} (spot-check share {card['spot_check_share']}); "
+        f"points/served rank correlation {card['points']['honest_rank_correlation']}; the cheat's points per "
+        f"request served over the honest homes' median {card['points']['cheat_ratio']}"
     )
     for restart in card["restarts"]:
         print(f"restart: {restart}")
+    export = card["export"]
+    if export["ok"]:
+        print(
+            f"export: the set of {export['set']['at']} (loss {export['set']['loss']}) as {export['model']}: "
+            f"{export['text']!r}"
+        )
+    else:
+        print(f"export failed: {export['error']}")
     print(f"scrapes ok/tried: {card['scrapes']}; leftovers {card['leftovers']}")
 
 
 def build_homes(net: Internet, users: list[str], root: Path) -> list[Home]:
+    """A home per user; the dishonest ones run with their faults."""
     homes = []
     for index, link in enumerate(home_links(len(users))):
         place = net.add_home(index, router_kind(index))
         place.shape(link)
-        homes.append(Home(index, users[index], place, link, root / "homes"))
+        homes.append(Home(index, users[index], place, link, root / "homes", DISHONEST.get(users[index])))
     return homes
 
 
@@ -176,9 +194,8 @@ def swarm_run(net, files, homes, at_once, actions, args, processes, scraper) -> 
         start_home(homes[index])
     started = time.monotonic()
     restarts = Restarts(net, files)
-    events = {"auth-crash": restarts.crash_operator, "trainer-crash": restarts.crash_trainer}
     churn = run_script(
-        homes, actions, start_home, events, args.minutes * 60, lambda: processes.sample(net.namespaces())
+        homes, actions, start_home, restarts.events(), args.minutes * 60, lambda: processes.sample(net.namespaces())
     )
     board = operator_side.leaderboard(files, net.operator)
     if board is None:
@@ -187,7 +204,7 @@ def swarm_run(net, files, homes, at_once, actions, args, processes, scraper) -> 
 
 
 def rehearse(args: argparse.Namespace, root: Path) -> dict:
-    users = [f"home{i}" for i in range(args.homes)]
+    users = [*(f"home{i}" for i in range(args.homes)), *DISHONEST]  # draw() takes the liar, then the cheat
     at_once, actions = draw(args.seed, args.homes, args.minutes * 60)
     config_path, data = run_config(root / "data", PRESET)
     config = load_config(str(config_path))
@@ -221,14 +238,16 @@ def rehearse(args: argparse.Namespace, root: Path) -> dict:
             "cpus": os.cpu_count(),
             "load_avg_1m": round(os.getloadavg()[0], 2),
             "data": data,
+            "spot_check_share": config.spot_checks.fraction,
             "homes": cards,
             "sparta": sparta_card(homes, files.run_dir, churn),
             "training": training_card(files.run_dir / "logs", tokens_per_microbatch, config.optim.inflight, seconds),
-            "bans": bans_card(files.run_dir / "logs", cards, liars=set()),
-            "points": points_card(cards, board, cheats=set()),
+            "bans": bans_card(files.run_dir / "logs", cards, liars={"liar"}),
+            "points": points_card(cards, board, dishonest=set(DISHONEST), cheat="cheat"),
             "restarts": restarts,
             "scrapes": scrapes,
             "running_after_stop": left_running,
+            "export": export_card(files.checkpoints, root / "export"),
         }
     card["leftovers"] = leftovers(net.namespaces(), processes, root)
     return card

@@ -1,28 +1,35 @@
-"""Faulty workers for tests and benches: the ``agora`` CLI with a lying and/or slow stage backend injected.
+"""Faulty workers for tests and benches: the ``agora`` CLI with a lying and/or slow stage backend injected, or
+with a presence cheat.
 
     python tests/faulty_worker.py --slowdown 12 worker --stage body1 --seeds ...
     python tests/faulty_worker.py --lie runtime --swarm URL ...
+    python tests/faulty_worker.py --rotate-run-id runtime --swarm URL ...
 
 The fault flags come first; the rest is an ordinary ``agora`` command line. The faulty backend replaces
 ``StageBackend`` where the worker node builds it, in this process, so both ``worker`` and ``runtime`` (which
-builds its worker in-process) serve through it. From Python, give ``faulty(...)`` as the ``program`` of a
-ManagedProcess or of ``LocalSwarm.start_worker``.
+builds its worker in-process) serve through it. ``--rotate-run-id`` is the presence cheat of issue 46: a fresh
+``run_id`` in every metrics record the worker publishes, as if it restarted before each scrape. From Python, give
+``faulty(...)`` as the ``program`` of a ManagedProcess or of ``LocalSwarm.start_worker``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import secrets
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repo's packages, whatever the cwd
 
 import torch  # noqa: E402
 
+from agora_client.monitor.records import MetricsRecord  # noqa: E402
 from agora_client.serving.backend import StageBackend  # noqa: E402
+from agora_client.worker.metrics import WorkerMetrics  # noqa: E402
 
 INJECTED_INTO = "agora_client.worker.node"  # the module whose WorkerNode builds the StageBackend
 
@@ -32,6 +39,7 @@ class Faults:
     lie: bool = False  # answer random tensors of the right shape and scale: the dishonest worker of spot checks
     slowdown_s: float = 0.0  # seconds added to every request: a request surely outstanding when the worker dies
     slower: float = 1.0  # every request takes this many times its own time: a GPU this many times slower
+    rotate_run_id: bool = False  # a fresh run id in every metrics record: a restart the monitor would pay again
 
     def __post_init__(self) -> None:
         if self.slowdown_s < 0 or self.slower < 1:
@@ -41,7 +49,8 @@ class Faults:
         """These faults as the flags of main(), the ones that differ from an honest worker's."""
         flags = ["--lie"] if self.lie else []
         flags += ["--slowdown", str(self.slowdown_s)] if self.slowdown_s else []
-        return flags + (["--slower", str(self.slower)] if self.slower != 1 else [])
+        flags += ["--slower", str(self.slower)] if self.slower != 1 else []
+        return flags + (["--rotate-run-id"] if self.rotate_run_id else [])
 
 
 class FaultyBackend(StageBackend):
@@ -81,18 +90,31 @@ def faulty_backend(faults: Faults) -> type[FaultyBackend]:
 
 
 def inject(faults: Faults) -> type[FaultyBackend]:
-    """Make every worker node built in this process serve through a backend with ``faults``."""
+    """Make every worker node built in this process serve through a backend with ``faults`` (and publish a fresh
+    run id in every metrics record, with ``rotate_run_id``)."""
     module = importlib.import_module(INJECTED_INTO)
     built = getattr(module, "StageBackend", None)
     if not (isinstance(built, type) and issubclass(built, StageBackend)):
         raise RuntimeError(f"{INJECTED_INTO} no longer builds StageBackend by that name: update tests/faulty_worker.py")
     module.StageBackend = backend = faulty_backend(faults)
+    if faults.rotate_run_id:
+        WorkerMetrics.snapshot = _with_a_fresh_run_id(WorkerMetrics.snapshot)
     return backend
 
 
-def faulty(*, lie: bool = False, slowdown: float = 0.0, slower: float = 1.0) -> list[str]:
+def _with_a_fresh_run_id(
+    snapshot: Callable[[WorkerMetrics], MetricsRecord],
+) -> Callable[[WorkerMetrics], MetricsRecord]:
+    def cheating(metrics: WorkerMetrics) -> MetricsRecord:
+        metrics.run_id = secrets.token_hex(8)
+        return snapshot(metrics)
+
+    return cheating
+
+
+def faulty(*, lie: bool = False, slowdown: float = 0.0, slower: float = 1.0, rotate_run_id: bool = False) -> list[str]:
     """The program running ``agora`` with these faults, for ManagedProcess / LocalSwarm.start_worker's ``program``."""
-    return [sys.executable, str(Path(__file__).resolve()), *Faults(lie, slowdown, slower).flags()]
+    return [sys.executable, str(Path(__file__).resolve()), *Faults(lie, slowdown, slower, rotate_run_id).flags()]
 
 
 def parse(argv: list[str]) -> tuple[Faults, list[str]]:
@@ -104,13 +126,16 @@ def parse(argv: list[str]) -> tuple[Faults, list[str]]:
         "--slower", type=float, default=1.0, metavar="F", help="every request takes F times its own time"
     )
     parser.add_argument(
+        "--rotate-run-id", action="store_true", help="a fresh run id in every metrics record (a presence cheat)"
+    )
+    parser.add_argument(
         "command", nargs=argparse.REMAINDER, help="the agora command line, e.g. worker --stage body1 ..."
     )
     args = parser.parse_args(argv)
     if not args.command:
         parser.error("give the agora command to run after the fault flags, e.g. worker --stage body1 ...")
     try:
-        return Faults(args.lie, args.slowdown, args.slower), args.command
+        return Faults(args.lie, args.slowdown, args.slower, args.rotate_run_id), args.command
     except ValueError as error:
         parser.error(str(error))
 

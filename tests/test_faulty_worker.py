@@ -20,12 +20,13 @@ from agora_client import runtime
 from agora_client.config import load_config
 from agora_client.serving.backend import StageBackend
 from agora_client.worker import main as worker_main
+from agora_client.worker.metrics import WorkerMetrics
 from agora_client.worker.prepared_stage import PreparedStage, prepare_stage
 from tests import faulty_worker
 from tests.faulty_worker import Faults, FaultyBackend, faulty, faulty_backend, inject, parse
 
 CONFIG = load_config("tiny")
-FAULT_FLAGS = (["--lie"], ["--slowdown", "1"], ["--slower", "2"])
+FAULT_FLAGS = (["--lie"], ["--slowdown", "1"], ["--slower", "2"], ["--rotate-run-id"])
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +81,19 @@ def test_injection_replaces_the_backend_the_worker_node_builds(monkeypatch) -> N
     assert any("StageBackend" in method.__code__.co_names for method in methods)
 
 
+def test_the_presence_cheat_publishes_a_fresh_run_id_in_every_record(monkeypatch) -> None:
+    monkeypatch.setattr(node, "StageBackend", node.StageBackend)  # both restored after the test
+    monkeypatch.setattr(WorkerMetrics, "snapshot", WorkerMetrics.snapshot)
+    honest = WorkerMetrics(load_config("tiny").model, "body1", peer_id="p", identity="alice", ticket="t")
+    honest.set_phase("active")
+    assert honest.snapshot().run_id == honest.snapshot().run_id
+    inject(Faults(rotate_run_id=True))
+    cheat = WorkerMetrics(load_config("tiny").model, "body1", peer_id="p", identity="alice", ticket="t")
+    cheat.set_phase("active")
+    run_ids = {cheat.snapshot().run_id for _ in range(3)}
+    assert len(run_ids) == 3 and cheat.snapshot().active_seconds >= 0
+
+
 def test_a_lying_backend_answers_random_values_of_the_right_shape_and_scale(body1: PreparedStage) -> None:
     boundary, tokens = inputs(body1)
     honest, liar = backend(StageBackend, body1), backend(faulty_backend(Faults(lie=True)), body1)
@@ -112,6 +126,7 @@ def test_fault_flags_come_before_the_agora_command_and_are_checked(capsys) -> No
         Faults(lie=True, slower=2.5),
         ["worker", "--stage", "body1"],
     )
+    assert parse([*faulty(rotate_run_id=True)[2:], "runtime"]) == (Faults(rotate_run_id=True), ["runtime"])
     for argv, says in [
         (["--slowdown", "-1", "worker"], "--slowdown must be >= 0 and --slower >= 1 (got -1, 1)"),
         (["--slower", "0.5", "worker"], "--slowdown must be >= 0 and --slower >= 1 (got 0, 0.5)"),

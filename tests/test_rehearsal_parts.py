@@ -9,7 +9,7 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))  # last: bench/ holds names like memory.py
 
 from _rehearsal_scorecard import path_of, served_requests, spearman  # noqa: E402
-from _rehearsal_script import draw  # noqa: E402
+from _rehearsal_script import LIAR_AT, draw  # noqa: E402
 
 
 def _traffic(forwards: int, backwards: int) -> dict:
@@ -20,9 +20,12 @@ def test_the_script_is_the_same_for_a_seed_and_moves_distinct_homes():
     at_once, actions = draw(7, 6, 2400)
     assert draw(7, 6, 2400) == (at_once, actions)
     assert draw(8, 6, 2400) != (at_once, actions)
-    moved = {action.what: action.home for action in actions}
+    liar = [action for action in actions if action.home == 6]  # the homes after the honest ones: the liar joins
+    assert [(action.what, action.at_s) for action in liar] == [("join", LIAR_AT * 2400)]  # and stays
+    assert 7 in at_once and all(action.home != 7 for action in actions)  # the cheat starts at once and stays
+    moved = {action.what: action.home for action in actions if action not in liar}
     assert len({moved["join"], moved["kill"], moved["interrupt"]}) == 3  # a late joiner, a killed one, a leaver
-    assert moved["join"] not in at_once and at_once | {moved["join"]} == set(range(6))
+    assert moved["join"] not in at_once and at_once | {moved["join"]} == {*range(6), 7}
     assert moved["rejoin"] == moved["kill"] and [a.at_s for a in actions] == sorted(a.at_s for a in actions)
     assert all(0 < action.at_s < 2400 for action in actions)
 

@@ -163,3 +163,24 @@ def test_hivemind_round_failures_do_not_reach_the_log_as_tracebacks() -> None:
     assert not _not_cancel_noise(record("Task exception was never retrieved", late))
     assert not _not_cancel_noise(record("Task was destroyed but it is pending!\ntask: <Task cancelling ...>"))
     assert _not_cancel_noise(record("Task exception was never retrieved", RuntimeError("a real bug")))
+
+
+def test_a_step_called_off_then_stopped_is_cancelled_once_without_an_error() -> None:
+    """A round called off (it gave way to a later one) and then the averager stopped both cancel hivemind's step:
+    hivemind's cancel() raises InvalidStateError the second time, which once crashed a worker's stop."""
+    from concurrent.futures import InvalidStateError
+
+    from hivemind.averaging.control import StepControl
+    from hivemind.utils import MPFuture, get_dht_time
+
+    from agora_client.averaging.sparta import cancel_step
+
+    trigger, cancel = MPFuture(), MPFuture()  # a plain MPFuture first: it starts the process's backend for its class
+    control = StepControl(get_dht_time() + 60, float("inf"), False, 1.0, b"")
+    control.attach(trigger=trigger, cancel=cancel)
+    cancel_step(control)
+    assert control.cancelled()
+    with pytest.raises(InvalidStateError):
+        control.cancel()  # upstream's own, once more
+    cancel_step(control)
+    assert control.cancelled()

@@ -40,8 +40,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor
+from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -376,7 +376,7 @@ class SpartaAverager:
             return False
         flight.stop_reason = reason
         if control is not None:  # else the round stops itself before, or as soon as, it has its control
-            control.cancel()
+            cancel_step(control)
         return True
 
     def _run_round(
@@ -499,7 +499,7 @@ class SpartaAverager:
         flight.asked_at = time.monotonic()  # before control: a reader that sees the control sees its age
         flight.control = control
         if self._why_called_off(flight):  # called off before it had a control to cancel
-            control.cancel()
+            cancel_step(control)
         deadline = time.monotonic() + self._round_timeout
         while True:  # in slices: a step hivemind's process had begun stays unresolved once that process is stopped
             try:
@@ -508,7 +508,7 @@ class SpartaAverager:
                 if self._why_called_off(flight):
                     raise CancelledError() from None
                 if time.monotonic() >= deadline:
-                    control.cancel()
+                    cancel_step(control)
                     raise
 
     def _why_called_off(self, flight: _Flight) -> str | None:
@@ -531,12 +531,19 @@ class SpartaAverager:
             flight = self._flight
         flight.stop_reason = SHUTTING_DOWN
         if flight.control is not None:  # else the round stops itself as soon as it has its control
-            flight.control.cancel()
+            cancel_step(flight.control)
         if self._averager.is_alive():
             self._averager.shutdown()
         if self._uplink is not None:
             self._uplink.close()  # a probe in flight ends with its stream
         self._executor.shutdown(wait=True)
+
+
+def cancel_step(control: StepControl) -> None:
+    """Cancel hivemind's step; a second cancel (a round called off, then the averager stopped) does nothing, where
+    hivemind's own raises InvalidStateError."""
+    with suppress(InvalidStateError):
+        control.cancel()
 
 
 SHUTTING_DOWN = "cancelled: the averager is shutting down"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .plan import Launch, Step
+from .supervisor import RESTART_AFTER_S
 
 TARGET = "agora.target"
 
@@ -58,7 +59,7 @@ def _unit(launch: Launch, after: list[str], *, python: str, checkout: Path, secr
         f"ExecStart={command}",
         "# A role that stops on its own (a trainer whose auth service is not up yet) is started again",
         "Restart=on-failure",
-        "RestartSec=10",
+        f"RestartSec={RESTART_AFTER_S:g}",
         "KillSignal=SIGTERM",
         "TimeoutStopSec=30",
         "KillMode=mixed",
