@@ -8,6 +8,7 @@ the stage snapshot a healthy peer published, and re-enter sync phase 1 before tr
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -93,3 +94,34 @@ def test_a_worker_checking_tickets_without_one_of_its_own_says_it_cannot_average
         node.shutdown()  # as a contributor stopped between building its worker and starting it
         assert not node.dht.is_alive()
         assert any("will not average with it" in line for line in sink.events) == warned, sink.events
+
+
+def test_a_worker_whose_server_thread_dies_leaves_and_returns_1(capsys) -> None:
+    """hivemind's server thread runs every request, and an error in it ends it (and shuts hivemind's server down):
+    the worker must not stay up answering nothing. The error is the one the rehearsal saw under load, raised where
+    it was raised: in the runtime's batch iterator."""
+    from agora_client.worker.main import _serve_until_stopped
+
+    node = WorkerNode(WorkerOptions(load_config("tiny"), "body1", [], index=0), EventWriter(Recorder()))
+    fail = threading.Event()
+
+    def failing_batches(*args, **kwargs):
+        fail.wait(120)
+        raise RuntimeError("Shared memory manager connection has timed out")
+        yield
+
+    node.server.runtime.iterate_minibatches_from_pools = failing_batches
+    stop, codes = threading.Event(), []
+    serving = threading.Thread(target=lambda: codes.append(_serve_until_stopped(node, stop)))
+    serving.start()
+    try:
+        wait_until(lambda: "ready on peer" in capsys.readouterr().out or codes, 120, "the worker to serve", poll=0.2)
+        assert node.serving
+        fail.set()
+        serving.join(timeout=120)
+        assert codes == [1]
+    finally:
+        fail.set()
+        stop.set()
+        serving.join(timeout=60)
+    assert "hivemind's server thread stopped (its error is above)" in capsys.readouterr().err

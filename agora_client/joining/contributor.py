@@ -429,6 +429,8 @@ class Contributor:
         while not self.stop.wait(TICK_SECONDS):
             if self._must_leave(owner):
                 break
+            if not node.serving:  # the worker would answer nothing while still listed: fail, to be started again
+                raise RuntimeError("hivemind's server thread stopped (its error is on the runtime's stderr)")
             metrics.set_phase(None if node.yielding else NAMES[node.sync.phase])  # yielding earns no presence
             now = time.monotonic()
             if now - last_resources >= RESOURCES_EVERY:

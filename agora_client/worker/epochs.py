@@ -160,7 +160,10 @@ class EpochController:
         self._step_due.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        self.tracker.shutdown(timeout=5)
+        try:
+            self.tracker.shutdown(timeout=5)  # stops its thread, then withdraws its progress record
+        except OSError:  # the DHT is down already: hivemind's server takes it down when its own thread fails
+            pass
 
 
 SHARE_SCALINGS = get_args(OptimConfig.model_fields["share_scaling"].annotation)  # "none", "linear", "sqrt"

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from agora_client.worker.relayed import RelayedPort
 
 RELAY_LISTEN_HOSTS = ("127.0.0.1", "0.0.0.0")  # the relay's connections reach the worker on 127.0.0.1
+SERVING_CHECK_S = 1.0  # how often a serving worker checks that hivemind's server thread still runs
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +103,8 @@ class _CannotStart(Exception):
 def run(args: argparse.Namespace) -> int:
     """Host the stage until stopped.
 
-    Returns 0 then; 1 when no seed answers; 2 for a bad stage or config, ticket key or snapshot."""
+    Returns 0 then; 1 when no seed answers or hivemind's server thread died; 2 for a bad stage or config, ticket key
+    or snapshot."""
     from agora_client.system.lifetime import die_with_parent, stop_on_signals
 
     stop = stop_on_signals()  # before anything forks: helpers must not inherit the handler
@@ -116,8 +118,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"[ERROR] {failure}", file=sys.stderr)
             return failure.code
         metrics.add(watch_worker(node))
-        _serve_until_stopped(node, stop)
-    return 0
+        return _serve_until_stopped(node, stop)
 
 
 def _metrics_endpoint(args: argparse.Namespace) -> MetricsEndpoint:
@@ -298,14 +299,30 @@ def _tickets(args: argparse.Namespace) -> tuple[SelfIssuedTickets | None, str | 
     return tickets, args.auth_public_key or tickets.public_key
 
 
-def _serve_until_stopped(node: WorkerNode, stop: threading.Event) -> None:
-    """Start the node unless already stopped, serve until ``stop`` is set, then leave and shut it down."""
+def _serve_until_stopped(node: WorkerNode, stop: threading.Event) -> int:
+    """Start the node unless already stopped, serve until ``stop`` is set or hivemind's server thread dies (1: a
+    supervisor starts the worker again), then leave and shut it down."""
+    code = 0
     try:
         if not stop.is_set():
             node.start(stop)
             print(f"[WORKER] {node.uid} ready on peer {node.peer_id}", flush=True)
-            stop.wait()
+            code = _wait_while_serving(node, stop)
         print(f"[WORKER] stopping {node.uid}: leaving the averaging group and the roster...", flush=True)
     finally:
         node.shutdown()
     print(f"[WORKER] {node.uid} stopped", flush=True)
+    return code
+
+
+def _wait_while_serving(node: WorkerNode, stop: threading.Event) -> int:
+    while not stop.wait(SERVING_CHECK_S):
+        if not node.serving:
+            print(
+                f"[ERROR] {node.uid}: hivemind's server thread stopped (its error is above): this worker would answer "
+                "nothing while still listed; it leaves",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
+    return 0

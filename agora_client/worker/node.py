@@ -290,6 +290,12 @@ class WorkerNode:
         return bool(self.server.healthy.value)
 
     @property
+    def serving(self) -> bool:
+        """Whether hivemind's server thread, which runs every request, still runs (once started): an error there ends
+        it for good (torch's shared-memory manager timing out under load did), and the worker answers nothing."""
+        return self.server.is_alive()
+
+    @property
     def yielding(self) -> bool:
         return self._yielded is not None
 
