@@ -47,6 +47,7 @@ class OperatorFiles:
     tokens: dict[str, str]  # contributor -> its token (token-file identity)
     run_dir: Path  # the deploy file's run.dir: logs, events, the monitor's database
     checkpoints: Path  # the deploy file's checkpoint store: the first worker of each stage writes its sets there
+    server_cert: Path  # the services' TLS certificate (a visitor's browser trusts its key)
 
 
 def _spec(root: Path, operator: Host, trainers: Host, config: str, seeds: list[str]) -> dict:
@@ -93,7 +94,15 @@ def prepare(root: Path, operator: Host, trainers: Host, config: str, users: list
     bundle.write_bytes(Path(certifi.where()).read_bytes() + (root / "tls" / "ca.pem").read_bytes())
     (root / "secrets").mkdir(mode=0o700, exist_ok=True)
     tokens = {user: write_demo_token_file(root / "secrets" / "tokens.json", user) for user in users}
-    return OperatorFiles(deploy_file, root / "tls" / "ca.pem", bundle, tokens, root / "run", root / "checkpoints")
+    return OperatorFiles(
+        deploy_file,
+        root / "tls" / "ca.pem",
+        bundle,
+        tokens,
+        root / "run",
+        root / "checkpoints",
+        root / "tls" / "server.pem",
+    )
 
 
 def _deploy(files: OperatorFiles, host: Host, *args: str, timeout: float) -> subprocess.CompletedProcess:

@@ -26,6 +26,8 @@ of events, and a scorecard.
   loss; bans (honest ones, and the liar's); points against requests served, and the cheat's; slots and points
   across the auth crash, points across the monitor's; Prometheus scrapes during the run
   (bench/_rehearsal_scrape.py); leftovers (bench/_rehearsal_leftovers.py);
+- the public page's leaderboard, read by a headless chromium in a home (it trusts the run's server key), against
+  the monitor's (bench/_rehearsal_page.py);
 - at the end, the newest checkpoint set exported by `agora export` and loaded by `transformers`, which continues a
   prompt (bench/_rehearsal_export.py).
 
@@ -55,6 +57,7 @@ from _rehearsal_export import export_card  # noqa: E402
 from _rehearsal_homes import Home  # noqa: E402
 from _rehearsal_leftovers import RunProcesses, leftovers  # noqa: E402
 from _rehearsal_net import ROUTER_KINDS, HomeLink, Internet  # noqa: E402
+from _rehearsal_page import page_card  # noqa: E402
 from _rehearsal_restarts import Restarts  # noqa: E402
 from _rehearsal_scorecard import bans_card, home_card, points_card, sparta_card, training_card  # noqa: E402
 from _rehearsal_scrape import Scraper  # noqa: E402
@@ -165,6 +168,10 @@ def print_table(card: dict) -> None:
         )
     else:
         print(f"export failed: {export['error']}")
+    print(
+        f"the public page's leaderboard, in a browser in {card['homes'][0]['user']}, equal to the monitor's: "
+        f"{card['page']['same']}"
+    )
     print(f"scrapes ok/tried: {card['scrapes']}; leftovers {card['leftovers']}")
 
 
@@ -178,9 +185,9 @@ def build_homes(net: Internet, users: list[str], root: Path) -> list[Home]:
     return homes
 
 
-def swarm_run(net, files, homes, at_once, actions, args, processes, scraper) -> tuple[list, list, list, float]:
+def swarm_run(net, files, homes, at_once, actions, args, processes, scraper) -> tuple[list, list, list, dict, float]:
     """Both operator hosts up, the scrapes begun, the homes started, the script played; (churn windows, leaderboard,
-    restarts, seconds the script ran)."""
+    restarts, the public page against the leaderboard, seconds the script ran)."""
     printed = operator_side.start_operator(files, net.operator)
     operator_side.start_trainers(files, net.trainers, printed)
     print(f"operator and trainers' hosts up; logs in {files.run_dir / 'logs'}", flush=True)
@@ -200,7 +207,8 @@ def swarm_run(net, files, homes, at_once, actions, args, processes, scraper) -> 
     board = operator_side.leaderboard(files, net.operator)
     if board is None:
         print("the monitor's leaderboard did not answer at the end: points are left out", flush=True)
-    return churn, board or [], restarts.records, time.monotonic() - started
+    page = page_card(homes[0].net.home, operator_side.urls(net.operator)["monitor"], files.ca_cert, files.server_cert)
+    return churn, board or [], restarts.records, page, time.monotonic() - started
 
 
 def rehearse(args: argparse.Namespace, root: Path) -> dict:
@@ -220,7 +228,9 @@ def rehearse(args: argparse.Namespace, root: Path) -> dict:
         endpoints = operator_side.metrics_endpoints(net.operator, net.trainers, config.model.stage_names)
         scraper, processes = Scraper(endpoints, files.ca_cert), RunProcesses()
         try:
-            churn, board, restarts, seconds = swarm_run(net, files, homes, at_once, actions, args, processes, scraper)
+            churn, board, restarts, page, seconds = swarm_run(
+                net, files, homes, at_once, actions, args, processes, scraper
+            )
         finally:
             processes.sample(net.namespaces())
             scrapes = scraper.stop()
@@ -245,6 +255,7 @@ def rehearse(args: argparse.Namespace, root: Path) -> dict:
             "bans": bans_card(files.run_dir / "logs", cards, liars={"liar"}),
             "points": points_card(cards, board, dishonest=set(DISHONEST), cheat="cheat"),
             "restarts": restarts,
+            "page": page,
             "scrapes": scrapes,
             "running_after_stop": left_running,
             "export": export_card(files.checkpoints, root / "export"),

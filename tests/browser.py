@@ -37,14 +37,15 @@ def browser_missing() -> str | None:
     return None
 
 
-def start_chromium(width: int = 1280, height: int = 900) -> Any:
-    """A headless chromium that keeps its console and network (performance) logs and leaves dialogs open."""
+def start_chromium(width: int = 1280, height: int = 900, extra_args: tuple[str, ...] = ()) -> Any:
+    """A headless chromium that keeps its console and network (performance) logs and leaves dialogs open;
+    ``extra_args``: more of chromium's flags."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
     options.binary_location = shutil.which("chromium")
-    for argument in (*CHROMIUM_ARGS, f"--window-size={width},{height}"):
+    for argument in (*CHROMIUM_ARGS, f"--window-size={width},{height}", *extra_args):
         options.add_argument(argument)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
     options.set_capability("unhandledPromptBehavior", "ignore")  # an alert() stays open, for the test to see
