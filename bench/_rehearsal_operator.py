@@ -209,9 +209,10 @@ def auth_status(files: OperatorFiles, operator: Host) -> dict | None:
             return None
 
 
-def leaderboard(files: OperatorFiles, operator: Host) -> list[dict] | None:
-    """The monitor's leaderboard rows (None when it does not answer)."""
-    with operator.entered():
+def leaderboard(files: OperatorFiles, operator: Host, reader: Host | None = None) -> list[dict] | None:
+    """The monitor's leaderboard rows, read from ``reader``'s namespace (default: the operator's); None when it does
+    not answer."""
+    with (reader or operator).entered():
         try:
             return httpx.get(f"{urls(operator)['monitor']}/leaderboard", verify=str(files.ca_cert), timeout=15).json()[
                 "rows"

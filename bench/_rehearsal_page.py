@@ -13,8 +13,8 @@ import base64
 import hashlib
 import time
 from pathlib import Path
+from typing import Callable
 
-import httpx
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
@@ -27,13 +27,6 @@ _ROWS = """return [...document.querySelectorAll('#leaderboard tbody tr')].map(ro
     [row.querySelector('td.name').textContent, parseFloat(row.cells[2].textContent)])"""
 
 
-def _leaderboard(monitor_url: str, ca_cert: Path) -> list[dict] | None:
-    try:
-        return httpx.get(f"{monitor_url}/leaderboard", verify=str(ca_cert), timeout=15).json()["rows"]
-    except (httpx.HTTPError, ValueError, KeyError):
-        return None
-
-
 def spki_sha256(cert_pem: Path) -> str:
     """The base64 sha256 of a certificate's public key, as chromium's SPKI list takes it."""
     key = x509.load_pem_x509_certificate(cert_pem.read_bytes()).public_key()
@@ -41,8 +34,8 @@ def spki_sha256(cert_pem: Path) -> str:
     return base64.b64encode(hashlib.sha256(spki).digest()).decode()
 
 
-def page_card(visitor: Host, monitor_url: str, ca_cert: Path, server_cert: Path) -> dict:
-    """The page's leaderboard against the monitor's ``/leaderboard``, both read from ``visitor``."""
+def page_card(visitor: Host, monitor_url: str, server_cert: Path, leaderboard: Callable[[], list[dict] | None]) -> dict:
+    """The page's leaderboard against ``leaderboard()``, the monitor's rows read from ``visitor`` right after."""
     if reason := browser_missing():
         return {"same": None, "skipped": reason}
     from selenium.common.exceptions import WebDriverException
@@ -58,7 +51,7 @@ def page_card(visitor: Host, monitor_url: str, ca_cert: Path, server_cert: Path)
             while not shown and time.monotonic() < deadline:
                 shown = driver.execute_script(_ROWS)
                 time.sleep(0.5)
-            rows = _leaderboard(monitor_url, ca_cert)
+            rows = leaderboard()
         except WebDriverException as error:
             return {"same": False, "error": f"the page did not load: {error.msg}"}
         finally:

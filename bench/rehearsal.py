@@ -207,7 +207,13 @@ def swarm_run(net, files, homes, at_once, actions, args, processes, scraper) -> 
     board = operator_side.leaderboard(files, net.operator)
     if board is None:
         print("the monitor's leaderboard did not answer at the end: points are left out", flush=True)
-    page = page_card(homes[0].net.home, operator_side.urls(net.operator)["monitor"], files.ca_cert, files.server_cert)
+    visitor = homes[0].net.home
+    page = page_card(
+        visitor,
+        operator_side.urls(net.operator)["monitor"],
+        files.server_cert,
+        lambda: operator_side.leaderboard(files, net.operator, reader=visitor),
+    )
     return churn, board or [], restarts.records, page, time.monotonic() - started
 
 
