@@ -24,6 +24,8 @@ import httpx
 import yaml
 
 from agora_client.auth.identity import write_demo_token_file
+from agora_client.auth.state_store import STATE_DB
+from agora_client.deploy.secrets import SecretStore
 from agora_client.deploy.state import read_state
 from agora_client.swarm.processes import CLI
 from tests.netns import Host
@@ -48,6 +50,7 @@ class OperatorFiles:
     run_dir: Path  # the deploy file's run.dir: logs, events, the monitor's database
     checkpoints: Path  # the deploy file's checkpoint store: the first worker of each stage writes its sets there
     server_cert: Path  # the services' TLS certificate (a visitor's browser trusts its key)
+    auth_state: Path  # the auth service's state database: slots, queue places, peer bindings
 
 
 def _spec(root: Path, operator: Host, trainers: Host, config: str, seeds: list[str]) -> dict:
@@ -102,6 +105,7 @@ def prepare(root: Path, operator: Host, trainers: Host, config: str, users: list
         root / "run",
         root / "checkpoints",
         root / "tls" / "server.pem",
+        SecretStore(root / "secrets").auth_state / STATE_DB,
     )
 
 

@@ -2,14 +2,18 @@
 
 Each crash is a SIGKILL to one role's process group; the host's `agora deploy up` starts that role again alone, as
 its systemd unit would (agora_client/deploy/supervisor.py), while the host's other roles keep running. Around the
-auth service's crash the rehearsal reads its status (slots held per stage, queue lengths) and the monitor's
-leaderboard: slots and queue places kept, no one's points lower. Around the monitor's crash, the leaderboard: no
-one's points lower. The relay's and a trainer's crashes say how long the role was away.
+auth service's crash the rehearsal reads its status (the peers holding each stage's slots), its state database
+read-only (queue places, peer bindings) and the monitor's leaderboard: the same peers hold the same stages, every
+queued peer still queued (no further back) or admitted, every binding kept, no one's points lower. Around the
+monitor's crash, the leaderboard: no one's points lower. The relay's and a trainer's crashes say how long the role
+was away.
 """
 
 from __future__ import annotations
 
+import sqlite3
 import time
+from pathlib import Path
 
 import _rehearsal_operator as operator_side
 from _rehearsal_net import Internet
@@ -18,12 +22,34 @@ SETTLE_S = 10.0  # after a restart: the monitor's first scrape of the DHT
 POINTS_SLACK = 1e-6
 
 
-def _slots(status: dict | None) -> dict | None:
-    """Per stage: slots held (active and pending) and queue places."""
-    if status is None:
+def _holders(status: dict | None) -> dict[str, list[str]] | None:
+    """The peers holding each stage's slots, as the service says."""
+    return None if status is None else status.get("holders")
+
+
+def _committed(path: Path) -> dict | None:
+    """The service's queue places and peer bindings, from its state database (read-only); None if unreadable."""
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
+        try:
+            return {
+                "queue": {peer: place for peer, place in db.execute("SELECT peer_id, place FROM queue")},
+                "bindings": dict(db.execute("SELECT peer_id, identity FROM bindings")),
+            }
+        finally:
+            db.close()
+    except sqlite3.Error:
         return None
-    stages = status.get("stages", {})
-    return {stage: {"held": n["active"] + n["pending"], "queued": n["queued"]} for stage, n in stages.items()}
+
+
+def _queue_kept(before: dict | None, after: dict | None, holders: dict[str, list[str]] | None) -> bool | None:
+    """Every peer queued before the crash is queued after it at the same place or better, or holds a slot."""
+    if before is None or after is None or holders is None:
+        return None
+    admitted = {peer for peers in holders.values() for peer in peers}
+    return all(
+        peer in admitted or after["queue"].get(peer, place + 1) <= place for peer, place in before["queue"].items()
+    )
 
 
 def _scores(rows: list[dict] | None) -> dict[str, float] | None:
@@ -51,18 +77,27 @@ class Restarts:
         return _scores(operator_side.leaderboard(self.files, self.net.operator))
 
     def crash_auth(self) -> str:
-        before_slots = _slots(operator_side.auth_status(self.files, self.net.operator))
+        before_holders = _holders(operator_side.auth_status(self.files, self.net.operator))
+        before_state = _committed(self.files.auth_state)
         before_points = self._leaderboard()
         back_s = self._crash("operator", "auth")
-        after_slots = _slots(operator_side.auth_status(self.files, self.net.operator))
+        after_holders = _holders(operator_side.auth_status(self.files, self.net.operator))
+        after_state = _committed(self.files.auth_state)
         time.sleep(SETTLE_S)
         self.records.append(
             {
                 "event": "auth crash",
                 "back_after_s": round(back_s, 1),
-                "slots_kept": None if before_slots is None or after_slots is None else before_slots == after_slots,
-                "slots_before": before_slots,
-                "slots_after": after_slots,
+                "slots_kept": None
+                if before_holders is None or after_holders is None
+                else before_holders == after_holders,
+                "slots_held": None if before_holders is None else sum(map(len, before_holders.values())),
+                "queued_at_crash": None if before_state is None else len(before_state["queue"]),
+                "queue_places_kept": _queue_kept(before_state, after_state, after_holders),
+                "bindings_kept": None
+                if before_state is None or after_state is None
+                else before_state["bindings"].items() <= after_state["bindings"].items(),
+                "bindings": None if before_state is None else len(before_state["bindings"]),
                 "points_lost_by": _points_lost_by(before_points, self._leaderboard()),
             }
         )

@@ -2,12 +2,13 @@
 their own outputs after the run; one dict (the JSON line) and a table.
 
 - each home: its path (the reachability event of its headless lines), seconds from its first start to its first
-  batch and the requests it served (its own traffic counters, ``forward_total + backward_total``, summed over its
-  starts: each start counts from 0), and every mission figure present in its headless lines and event log;
+  batch, split into the join's steps (bench/_join_phases.py), and the requests it served (its own traffic counters,
+  ``forward_total + backward_total``, summed over its starts: each start counts from 0), and every mission figure
+  present in its headless lines and event log;
 - SPARTA: rounds ok / all, of every worker (the homes' event logs and the operator's workers' event files),
   overall and inside the script's churn windows;
-- training: the trainers' microbatches, tokens and tokens/s and their last loss, from their [PROGRESS] lines, and
-  their last held-out loss ([EVAL] lines);
+- training: the trainers' microbatches (each start of a trainer counts from 0), tokens and tokens/s, their last loss
+  and held-out loss (their logs, read by bench/_rehearsal_convergence.py, which sets them against one process);
 - bans: every worker the trainers banned ([SPOTCHECK] banned ... (peer P)), honest or not;
 - points: the monitor's leaderboard score of each home against the requests it served, their rank correlation among
   the honest homes, and the cheat's score per request served over the honest homes' median (at most 1.0: its
@@ -21,11 +22,11 @@ import re
 import statistics
 from pathlib import Path
 
+from _join_phases import join_phases
+from _rehearsal_convergence import TrainerLog
 from _rehearsal_homes import Home
 from sparta_rounds import sparta_events, summarize
 
-PROGRESS = re.compile(r"\[PROGRESS\] microbatches=(\d+) loss=(\S+) tokens_per_s=([0-9.]+)")
-EVAL = re.compile(r"\[EVAL\] loss=([0-9.]+)")
 ALONE = "no other worker of this stage joined the round"  # the reason of a round nobody else of the stage was in
 BANNED = re.compile(r"\[SPOTCHECK\] banned \S+ \(peer (\S+)\)")
 
@@ -45,8 +46,9 @@ def served_requests(events: list[dict]) -> int:
     return summed_over_restarts([e["forward_total"] + e["backward_total"] for e in events if e["kind"] == "traffic"])
 
 
-def first_batch_s(home: Home, events: list[dict]) -> float | None:
-    """Seconds from the client's start to its first batch (a home killed before its first batch: from its rejoin)."""
+def first_batch(home: Home, events: list[dict]) -> tuple[float, float] | None:
+    """(the start that served the home's first batch, that batch's time): a home killed before its first batch is
+    timed from its rejoin; None: it served none."""
     served = (
         e["ts"]
         for e in events
@@ -55,7 +57,18 @@ def first_batch_s(home: Home, events: list[dict]) -> float | None:
     )
     first = min(served, default=None)
     starts = [start for start in home.started_at if first is not None and start <= first]
-    return None if not starts else round(first - starts[-1], 1)  # from the start that served it
+    return (starts[-1], first) if starts else None
+
+
+def join_steps(events: list[dict], served: tuple[float, float] | None) -> dict | None:
+    """Where the start that served the first batch spent its time (bench/_join_phases.py); None for a start whose
+    events lack a step (a dishonest home's runtime prints no client events)."""
+    if served is None:
+        return None
+    try:
+        return join_phases([e for e in events if e["ts"] >= served[0]], served[0])
+    except (StopIteration, TypeError, KeyError):
+        return None
 
 
 def path_of(headless: list[dict]) -> str | None:
@@ -97,13 +110,15 @@ def mission_figures(headless: list[dict], events: list[dict]) -> dict:
 
 def home_card(home: Home) -> dict:
     events, headless = home.events(), home.headless()
+    served = first_batch(home, events)
     return {
         "user": home.user,
         "router": home.kind,
         "link": home.link.label,
         "starts": len(home.runs),
         "path": path_of(headless),
-        "first_batch_s": first_batch_s(home, events),
+        "first_batch_s": round(served[1] - served[0], 1) if served else None,
+        "join_steps": join_steps(events, served),
         "served": served_requests(events),
         "peer_id": next((e["peer_id"] for e in events if e["kind"] == "auth" and e.get("peer_id")), None),
         "mission": mission_figures(headless, events),
@@ -132,15 +147,13 @@ def training_card(log_dir: Path, tokens_per_microbatch: int, inflight: int, seco
     """``seconds``: how long the trainers' hosts were meant to train (the script's length, restarts included)."""
     trainers = {}
     for path in sorted(log_dir.glob("trainers-trainer*.log")):
-        text = path.read_text(errors="replace")
-        found, evals = PROGRESS.findall(text), EVAL.findall(text)
-        if found:
-            losses = [float(loss) for _, loss, _ in found if loss != "n/a"]  # n/a: no microbatch finished since
+        if log := TrainerLog.read(path):
+            losses = [loss for lines in log.runs for _, loss in lines if loss is not None]
             trainers[path.stem] = {
-                "microbatches": summed_over_restarts([int(microbatches) for microbatches, _, _ in found]),
+                "microbatches": sum(log.finished()),
+                "starts": len(log.runs),
                 "loss": losses[-1] if losses else None,
-                "held_out_loss": float(evals[-1]) if evals else None,
-                "tokens_per_s_last": float(found[-1][2]),
+                "held_out_loss": log.last_eval,
             }
     microbatches = sum(t["microbatches"] for t in trainers.values())
     return {

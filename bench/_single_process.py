@@ -1,9 +1,8 @@
 """The local swarm's model in one process, for the benches that compare the two (not a bench itself).
 
 ``InProcessPipeline`` chains the preset's stages in this process and trains them as the swarm's workers
-do, and evaluates them as a trainer evaluates the swarm; ``trainer_batches`` is the batch stream of the
-swarm's only trainer. Used by pipeline_throughput and data_throughput (speed) and convergence (loss at
-equal token counts).
+do, and evaluates them as a trainer evaluates the swarm; ``trainer_batches`` is the batch stream of a trainer.
+Used by pipeline_throughput and data_throughput (speed), convergence and the rehearsal (loss at equal token counts).
 """
 
 from __future__ import annotations
@@ -20,12 +19,14 @@ from agora_client.model import build_stage
 from agora_client.model.layers import autocast_context
 from agora_client.worker.optimizer import build_optimizer
 
+ONLY_TRAINER = Shard(0, 1)
 
-def trainer_batches(config: RunConfig) -> Iterator[torch.Tensor]:
-    """The microbatches a swarm's only trainer draws: the stream it builds (the run's data and tokenizer, shard 0/1,
-    the run's seed, from the start), cut into the run's microbatches."""
+
+def trainer_batches(config: RunConfig, shard: Shard = ONLY_TRAINER) -> Iterator[torch.Tensor]:
+    """The microbatches a trainer of ``shard`` draws (default: a swarm's only trainer): the stream it builds (the
+    run's data and tokenizer, its shard, the run's seed, from the start), cut into the run's microbatches."""
     stream = TokenStream(
-        config.data, config.eval, load_run_tokenizer(config), config.model.seq_len, Shard(0, 1), seed=config.seed
+        config.data, config.eval, load_run_tokenizer(config), config.model.seq_len, shard, seed=config.seed
     )
     return stream.batches(config.optim.microbatch_size)
 

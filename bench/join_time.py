@@ -47,6 +47,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: agora_client, and tests/'s helpers
+from _join_phases import first_batch, join_phases  # noqa: E402
+
 from agora_client.events import NULL_WRITER, json_objects  # noqa: E402
 from agora_client.snapshots import download_snapshot, latest_snapshot, read_manifest  # noqa: E402
 from agora_client.snapshots.format import file_sha256  # noqa: E402
@@ -62,20 +64,6 @@ FIRST_BATCH_TIMEOUT = 600.0
 
 def runtime_events(runtime: ManagedProcess) -> list[dict]:
     return json_objects(runtime.lines())
-
-
-def first(events: list[dict], kind: str, **match) -> dict | None:
-    return next((e for e in events if e["kind"] == kind and all(e.get(k) == v for k, v in match.items())), None)
-
-
-def first_batch(events: list[dict]) -> dict | None:
-    return next((e for e in events if e["kind"] == "step" and (e["forward_per_min"] or e["backward_per_min"])), None)
-
-
-def snapshot_epoch(events: list[dict]) -> int:
-    """The epoch of the snapshot the worker's weights came from (its DOWNLOAD line: "restored ... at epoch N")."""
-    restored = next(e for e in events if e["kind"] == "log" and e["message"].startswith("restored "))
-    return int(restored["message"].rsplit(" ", 1)[-1])
 
 
 def download_rates(swarm: LocalSwarm, stage: str, scratch: Path, repeats: int = 5) -> tuple[float, float, float]:
@@ -223,31 +211,13 @@ def main() -> None:
                 raise SystemExit(f"the joiner processed no batch; see {runtime.log_path}")
             time.sleep(0.5)
         events = runtime_events(runtime)
-        stage = first(events, "auth", status="authorized")["stage"]
+        stage = next(e for e in events if e["kind"] == "auth" and e["status"] == "authorized")["stage"]
         runtime.stop()
         for trainer in swarm.trainers:  # no more epochs: no new snapshot prunes the one measured below
             trainer.stop()
         with on_client_host():
             our_rate, get_rate, checked_rate = download_rates(swarm, stage, Path(tmp) / "rates")
 
-    preflights = [e for e in events if e["kind"] == "preflight" and e["check"] != "reachability"]
-    opening = first(events, "reachability", status="checking")
-    authorizing = first(events, "auth", status="authorizing")["ts"]
-    authorized = first(events, "auth", status="authorized")["ts"]
-    # a joiner admitted at once gets one queue event (position 0) after the fact: that is no time in a queue
-    queued = next((e for e in events if e["kind"] == "queue" and e["position"] > 0), None)
-    download_start, download_done = (
-        first(events, "download", status="started"),
-        first(events, "download", status="done"),
-    )
-    sync1, sync2, batch = (
-        first(events, "sync", phase="sync1"),
-        first(events, "sync", phase="sync2"),
-        first_batch(events),
-    )
-    worker_up = next(
-        e for e in events if e["kind"] == "log" and e["tag"] == "JOIN" and e["message"].startswith("Worker up")
-    )
     figures = {
         "topology": "loopback"
         if args.loopback
@@ -258,20 +228,7 @@ def main() -> None:
         "swarm_cpus": args.swarm_cpus or None,
         "contributor_cpus": contributor_cpus if args.swarm_cpus else None,
         "stage": stage,
-        "startup_and_description_s": round(preflights[0]["ts"] - started, 2),
-        "preflight_s": round(preflights[-1]["ts"] - preflights[0]["ts"], 2),
-        "open_port_s": round(opening["ts"] - preflights[-1]["ts"], 2),
-        "authorization_with_dial_back_s": round((queued["ts"] if queued else authorized) - authorizing, 2),
-        "queue_s": round(authorized - queued["ts"], 2) if queued else 0.0,
-        "download_s": round(download_done["ts"] - download_start["ts"], 2),
-        "worker_start_s": round(sync1["ts"] - download_done["ts"], 2),
-        "of_which_calm_moment_wait_s": round(sync1["ts"] - worker_up["ts"], 2),  # sync 1 begins early in a stage epoch
-        # phase 1 passes at once for weights at most sync.max_allowed_stale epochs behind (tiny), else lasts its epochs
-        "weights_lag_at_sync1_epochs": sync1["local_epoch"] - snapshot_epoch(events),
-        "sync1_s": round(sync2["ts"] - sync1["ts"], 2),
-        "sync2_until_first_batch_s": round(batch["ts"] - sync2["ts"], 2),
-        "start_to_first_batch_s": round(batch["ts"] - started, 2),
-        "download_bytes": download_done["bytes"],
+        **join_phases(events, started),
         "download_rate_bps": round(our_rate),
         "plain_get_rate_bps": round(get_rate),
         "download_rate_vs_plain_get": round(our_rate / get_rate, 3),

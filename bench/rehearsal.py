@@ -21,17 +21,19 @@ of events, and a scorecard.
   join, the liar's join, a SIGKILL and a rejoin, a pause and a resume (`agora pause` / `agora resume`), a Ctrl-C
   leave, the relay, the auth service, the monitor and a trainer killed, each started again alone by its host's
   `deploy up` (bench/_rehearsal_restarts.py);
-- the scorecard (bench/_rehearsal_scorecard.py): per home its path, seconds to its first batch, requests served and
-  mission figures; SPARTA rounds ok/total (in and outside the churn windows); training tokens, loss and held-out
-  loss; bans (honest ones, and the liar's); points against requests served, and the cheat's; slots and points
-  across the auth crash, points across the monitor's; Prometheus scrapes during the run
+- the scorecard (bench/_rehearsal_scorecard.py): per home its path, seconds to its first batch and the join's steps,
+  requests served and mission figures; SPARTA rounds ok/total (in and outside the churn windows); training tokens,
+  loss and held-out loss; bans (honest ones, and the liar's); points against requests served, and the cheat's;
+  slots, queue places, peer bindings and points across the auth crash, points across the monitor's; Prometheus
+  scrapes during the run
   (bench/_rehearsal_scrape.py); leftovers (bench/_rehearsal_leftovers.py);
 - the public page's leaderboard, read by a headless chromium in a home (it trusts the run's server key), against
   the monitor's (bench/_rehearsal_page.py);
 - at the end, the newest checkpoint set exported by `agora export` and loaded by `transformers`, which continues a
-  prompt (bench/_rehearsal_export.py).
-
-Not yet: the loss against bench/convergence.py --tokens.
+  prompt (bench/_rehearsal_export.py);
+- after the stop, one process trained on the trainers' very batches to the same token count, its held-out loss and
+  its loss at the end against the swarm's (bench/_rehearsal_convergence.py, as bench/convergence.py --tokens does
+  for the local swarm).
 
     python bench/rehearsal.py --homes 3 --minutes 4      # as root, with nft, tc and miniupnpd (miniupnpd-nftables)
 
@@ -52,6 +54,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the namespace helpers live in tests/
 
 import _rehearsal_operator as operator_side  # noqa: E402
+from _rehearsal_convergence import convergence_card  # noqa: E402
 from _rehearsal_data import run_config  # noqa: E402
 from _rehearsal_export import export_card  # noqa: E402
 from _rehearsal_homes import Home  # noqa: E402
@@ -145,6 +148,9 @@ def print_table(card: dict) -> None:
             f"{home['first_batch_s'] if home['first_batch_s'] is not None else '-':>10}{home['served']:>8}"
             f"{points if points is not None else '-':>9}  {figures}"
         )
+    for home in card["homes"]:
+        if steps := home["join_steps"]:
+            print(f"{home['user']} join: " + ", ".join(f"{name} {value}" for name, value in steps.items()))
     for name, window in card["sparta"].items():
         print(
             f"SPARTA {name}: ok {window['ok']}/{window['rounds']}, {window['alone']} alone in their stage, "
@@ -157,6 +163,11 @@ def print_table(card: dict) -> None:
         f"liars banned {card['bans']['liars_banned']} (spot-check share {card['spot_check_share']}); "
         f"points/served rank correlation {card['points']['honest_rank_correlation']}; the cheat's points per "
         f"request served over the honest homes' median {card['points']['cheat_ratio']}"
+    )
+    convergence = card["convergence"]
+    print(
+        f"loss against one process on the same {convergence['tokens']} tokens (target {convergence['target']}): "
+        f"held-out {convergence['held_out']}, at the end {convergence['end']}"
     )
     for restart in card["restarts"]:
         print(f"restart: {restart}")
@@ -265,6 +276,7 @@ def rehearse(args: argparse.Namespace, root: Path) -> dict:
             "scrapes": scrapes,
             "running_after_stop": left_running,
             "export": export_card(files.checkpoints, root / "export"),
+            "convergence": convergence_card(config, files.run_dir / "logs"),
         }
     card["leftovers"] = leftovers(net.namespaces(), processes, root)
     return card

@@ -1,13 +1,19 @@
 """The parts of bench/rehearsal.py that decide its figures without a swarm: the script drawn from a seed, the requests
-a home served across its starts, the rank correlation of points with them, the paths read from headless lines."""
+a home served across its starts, the rank correlation of points with them, the paths read from headless lines, the
+trainers' runs that the single process replays, what the auth service kept across its crash."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+from agora_client.auth.admission import BookState, QueueEntry
+from agora_client.auth.state_store import AuthStateStore
+
 sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))  # last: bench/ holds names like memory.py
 
+from _rehearsal_convergence import TrainerLog  # noqa: E402
+from _rehearsal_restarts import _committed, _queue_kept  # noqa: E402
 from _rehearsal_scorecard import path_of, served_requests, spearman  # noqa: E402
 from _rehearsal_script import LIAR_AT, draw  # noqa: E402
 
@@ -52,3 +58,37 @@ def test_the_path_is_the_latest_successful_dial_back():
     assert path_of(lines) == "mapped"
     assert path_of([*lines, line("reachable", "relayed")]) == "relayed"
     assert path_of([{"tag": "INFO", "event": None}]) is None
+
+
+def test_a_trainer_log_is_read_run_by_run_and_its_end_is_the_last_quarter_of_its_last_run(tmp_path):
+    log = tmp_path / "trainers-trainer1.log"
+    data = "[DATA] the standard library shard 1/2, tokenizer t.json (2,048 tokens), from the start"
+    progress = "[PROGRESS] microbatches={} loss={} tokens_per_s=1.0 | head: 1/1 ready"
+    lines = [data, "[EVAL] loss=7.5 sequences=8 tokens=1024", progress.format(0, "n/a"), progress.format(4, "7.0")]
+    lines += [data, progress.format(2, "6.0"), progress.format(6, "5.0"), "[EVAL] loss=5.5 sequences=8 tokens=1024"]
+    lines += [progress.format(7, "n/a"), progress.format(8, "4.0"), data, progress.format(0, "n/a")]
+    log.write_text("\n".join(lines) + "\n")
+    read = TrainerLog.read(log)
+    assert str(read.shard) == "1/2" and read.last_eval == 5.5
+    assert read.finished() == [4, 8, 0] and read.last_run() == 1  # started again at the stop, finished nothing
+    assert read.end_window() == [(7, 8, 4.0)]  # from microbatch 6 of 8; the line with no loss is left out
+    log.write_text("[TRAINER] the preset does not exist\n")
+    assert TrainerLog.read(log) is None  # a trainer that never read its data
+
+
+def test_queue_places_and_bindings_are_read_from_the_services_database_and_compared(tmp_path):
+    store = AuthStateStore(tmp_path / "auth_state.sqlite3")
+    waiting = [QueueEntry(f"q{n}", f"user{n}", f"Peer{n}", "tail", joined_at=1.0 + n, last_seen=9.0) for n in range(3)]
+    store.save_book(BookState(queue=tuple(waiting)))
+    store.bind("Peer0", "user0")
+    before = _committed(store.path)
+    assert before["bindings"] == {"Peer0": "user0"} and sorted(before["queue"]) == ["Peer0", "Peer1", "Peer2"]
+    store.save_book(BookState(queue=tuple(waiting[1:])))  # Peer0 admitted: it left the queue for a slot
+    after = _committed(store.path)
+    assert _queue_kept(before, after, {"tail": ["Peer0"]}) is True
+    assert _queue_kept(before, after, {"tail": []}) is False  # Peer0 neither queued nor holding a slot: lost
+    newcomer = QueueEntry("q9", "user9", "Peer9", "tail", joined_at=5.0, last_seen=9.0)
+    store.save_book(BookState(queue=(waiting[2], newcomer, waiting[1])))  # Peer1 third, behind a newcomer: sent back
+    assert _queue_kept(before, _committed(store.path), {"tail": ["Peer0"]}) is False
+    assert _committed(tmp_path / "absent.sqlite3") is None
+    store.close()

@@ -71,7 +71,7 @@ from .reachability import AnnounceError, DialResult, dial_back, parse_announce
 from .relay_pass import issue_relay_pass
 from .run_description import RunDescription
 from .secret import Secret, token_digest
-from .state_store import AuthStateStore, open_book
+from .state_store import STATE_DB, AuthStateStore, open_book
 from .tickets import (
     TRAINER,
     TRAINER_TICKET_TTL_S,
@@ -145,7 +145,7 @@ class AuthService:
         self.key = load_or_create_signing_key(self.state_dir / "signing_key.pem")
         self.public_key = public_key_text(self.key)
         self._hash_key = _load_or_create_secret(self.state_dir / "token_hash.key")
-        self.store = AuthStateStore(self.state_dir / "auth_state.sqlite3")
+        self.store = AuthStateStore(self.state_dir / STATE_DB)
         self.book = open_book(self.store, settings.policy, time.time())
         self.bindings = PeerBindings(self.store, legacy_file=self.state_dir / "peer_bindings.json")
         self.trainer_credentials = TrainerCredentials(self.state_dir)

@@ -22,6 +22,7 @@ from .admission import AdmissionPolicy, BookState, QueueEntry, Slot, SlotBook
 
 log = logging.getLogger(__name__)
 
+STATE_DB = "auth_state.sqlite3"  # its name in the service's state dir
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS slots (
     stage TEXT NOT NULL,
