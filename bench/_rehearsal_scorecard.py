@@ -21,12 +21,18 @@ import math
 import re
 import statistics
 from pathlib import Path
+from typing import get_args
 
 from _join_phases import join_phases
 from _rehearsal_convergence import TrainerLog
 from _rehearsal_homes import Home
 from sparta_rounds import sparta_events, summarize
 
+from agora_client.config import RunConfig
+from agora_client.monitor.flops import RequestKind, request_flops
+from agora_client.monitor.points import PFLOP
+
+REQUEST_KINDS = get_args(RequestKind)  # ("forward", "backward"): the order of a traffic event's two counters
 ALONE = "no other worker of this stage joined the round"  # the reason of a round nobody else of the stage was in
 BANNED = re.compile(r"\[SPOTCHECK\] banned \S+ \(peer (\S+)\)")
 
@@ -44,6 +50,29 @@ def summed_over_restarts(counts: list[int]) -> int:
 def served_requests(events: list[dict]) -> int:
     """Requests a home served, by its own counters (``forward_total + backward_total``), over all its starts."""
     return summed_over_restarts([e["forward_total"] + e["backward_total"] for e in events if e["kind"] == "traffic"])
+
+
+def served_flops(events: list[dict], config: RunConfig) -> float:
+    """FLOPs of the requests a home served (what compute points pay for), by its own counters, each start's requests
+    at the cost of the stage that start was given (``request_flops``, as the worker's metrics count them)."""
+    shape = (config.optim.microbatch_size, config.model.seq_len)
+
+    def cost(counts: tuple[int, ...], stage: str | None) -> float:
+        if stage is None:
+            return 0.0
+        kinds = zip(counts, REQUEST_KINDS, strict=True)
+        return sum(n * request_flops(config.model, stage, kind, *shape) for n, kind in kinds)
+
+    total, stage, last, last_stage = 0.0, None, (0, 0), None
+    for event in events:
+        if event["kind"] == "auth" and event.get("status") == "authorized":
+            stage = event["stage"]
+        elif event["kind"] == "traffic":
+            counts = (event["forward_total"], event["backward_total"])
+            if sum(counts) < sum(last):  # a new start counts from 0
+                total += cost(last, last_stage)
+            last, last_stage = counts, stage
+    return total + cost(last, last_stage)
 
 
 def first_batch(home: Home, events: list[dict]) -> tuple[float, float] | None:
@@ -108,7 +137,7 @@ def mission_figures(headless: list[dict], events: list[dict]) -> dict:
     }
 
 
-def home_card(home: Home) -> dict:
+def home_card(home: Home, config: RunConfig) -> dict:
     events, headless = home.events(), home.headless()
     served = first_batch(home, events)
     return {
@@ -120,6 +149,7 @@ def home_card(home: Home) -> dict:
         "first_batch_s": round(served[1] - served[0], 1) if served else None,
         "join_steps": join_steps(events, served),
         "served": served_requests(events),
+        "served_flops": served_flops(events, config),
         "peer_id": next((e["peer_id"] for e in events if e["kind"] == "auth" and e.get("peer_id")), None),
         "mission": mission_figures(headless, events),
     }
@@ -201,17 +231,33 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
 
 def points_card(cards: list[dict], leaderboard: list[dict], dishonest: set[str], cheat: str) -> dict:
     """Each home's score against the requests it served; their rank correlation among the honest homes; the cheat's
-    score per request served over the honest homes' median (None where either is unknown)."""
+    score per request served over the honest homes' median (None where either is unknown). Apart, the compute points
+    (the monitor's, as the home's client showed them) against the FLOPs the home served: the score adds presence,
+    which pays the hours a slot is held, and on tiny's cheap requests it is nearly all of the score."""
     scores = {row.get("username"): float(row.get("score", 0.0)) for row in leaderboard}
-    rows = {card["user"]: {"score": scores.get(card["user"]), "served": card["served"]} for card in cards}
-    honest = [(r["score"], r["served"]) for user, r in rows.items() if user not in dishonest and r["score"] is not None]
-    per_request = sorted(score / served for score, served in honest if served)
+    rows = {
+        card["user"]: {
+            "score": scores.get(card["user"]),
+            "served": card["served"],
+            "compute": (card["mission"]["points"] or {}).get("compute"),
+            "served_pflop": card["served_flops"] / PFLOP,
+        }
+        for card in cards
+    }
+    honest = {user: r for user, r in rows.items() if user not in dishonest}
+    scored = [(r["score"], r["served"]) for r in honest.values() if r["score"] is not None]
+    per_request = sorted(score / served for score, served in scored if served)
     cheating = rows.get(cheat, {})
     ratio = None
     if per_request and cheating.get("score") is not None and cheating["served"]:
         ratio = round(cheating["score"] / cheating["served"] / statistics.median(per_request), 3)
+    computed = [(r["compute"], r["served_pflop"]) for r in honest.values() if r["compute"] is not None]
     return {
         "per_home": rows,
-        "honest_rank_correlation": spearman([s for s, _ in honest], [float(n) for _, n in honest]),
+        "honest_rank_correlation": spearman([s for s, _ in scored], [float(n) for _, n in scored]),
         "cheat_ratio": ratio,
+        "honest_compute_rank_correlation": spearman([c for c, _ in computed], [f for _, f in computed]),
+        "compute_share_of_score": round(sum(c for c, _ in computed) / sum(s for s, _ in scored), 4)
+        if scored and sum(s for s, _ in scored)
+        else None,
     }

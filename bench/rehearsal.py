@@ -161,7 +161,9 @@ def print_table(card: dict) -> None:
         f"tokens {training['tokens']} at {training['tokens_per_s']} tokens/s over the run "
         f"({training['inflight_total']} microbatches in flight in all); honest bans {card['bans']['honest_bans']}, "
         f"liars banned {card['bans']['liars_banned']} (spot-check share {card['spot_check_share']}); "
-        f"points/served rank correlation {card['points']['honest_rank_correlation']}; the cheat's points per "
+        f"points/served rank correlation {card['points']['honest_rank_correlation']} (compute points/FLOPs served "
+        f"{card['points']['honest_compute_rank_correlation']}, compute {card['points']['compute_share_of_score']} "
+        "of the score); the cheat's points per "
         f"request served over the honest homes' median {card['points']['cheat_ratio']}"
     )
     convergence = card["convergence"]
@@ -256,7 +258,7 @@ def rehearse(args: argparse.Namespace, root: Path) -> dict:
             print(operator_side.stop_host(files, net.trainers, "trainers"), flush=True)
             print(operator_side.stop_host(files, net.operator, "operator"), flush=True)
             left_running = sum(len(host.pids()) for host in (net.operator, net.trainers, *(h.net.home for h in homes)))
-        cards = [home_card(home) for home in homes]
+        cards = [home_card(home, config) for home in homes]
         tokens_per_microbatch = config.optim.microbatch_size * config.model.seq_len
         card = {
             "bench": "rehearsal",

@@ -9,12 +9,14 @@ from pathlib import Path
 
 from agora_client.auth.admission import BookState, QueueEntry
 from agora_client.auth.state_store import AuthStateStore
+from agora_client.config import load_config
+from agora_client.monitor.flops import request_flops
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))  # last: bench/ holds names like memory.py
 
 from _rehearsal_convergence import TrainerLog  # noqa: E402
 from _rehearsal_restarts import _committed, _queue_kept  # noqa: E402
-from _rehearsal_scorecard import path_of, served_requests, spearman  # noqa: E402
+from _rehearsal_scorecard import path_of, served_flops, served_requests, spearman  # noqa: E402
 from _rehearsal_script import LIAR_AT, draw  # noqa: E402
 
 
@@ -92,3 +94,22 @@ def test_queue_places_and_bindings_are_read_from_the_services_database_and_compa
     assert _queue_kept(before, _committed(store.path), {"tail": ["Peer0"]}) is False
     assert _committed(tmp_path / "absent.sqlite3") is None
     store.close()
+
+
+def test_served_flops_price_each_starts_requests_at_the_stage_that_start_was_given():
+    config = load_config("tiny")
+    shape = (config.optim.microbatch_size, config.model.seq_len)
+
+    def cost(stage: str, forwards: int, backwards: int) -> int:
+        return forwards * request_flops(config.model, stage, "forward", *shape) + backwards * request_flops(
+            config.model, stage, "backward", *shape
+        )
+
+    def authorized(stage: str) -> dict:
+        return {"kind": "auth", "status": "authorized", "stage": stage}
+
+    first_start = [authorized("head"), _traffic(0, 0), _traffic(5, 4), _traffic(9, 8)]
+    second_start = [authorized("tail"), _traffic(1, 0), _traffic(6, 6)]  # a rejoin given another stage
+    flops = served_flops(first_start + second_start, config)
+    assert flops == cost("head", 9, 8) + cost("tail", 6, 6) and cost("tail", 1, 1) > cost("head", 1, 1)
+    assert served_flops([_traffic(3, 3)], config) == 0.0  # no stage yet: nothing to price

@@ -169,11 +169,11 @@ def test_an_unreachable_checker_checks_nothing_and_the_balancer_learns_it() -> N
     assert router[STAGE].stats().retries == 1
 
 
-def test_a_withheld_peer_keeps_presence_loses_compute_and_stays_withheld_across_restarts(tmp_path) -> None:
-    def obs(t: float, flops: float) -> Observation:
+def test_a_withheld_peer_loses_compute_earns_no_more_presence_and_stays_withheld_across_restarts(tmp_path) -> None:
+    def obs(peer: str, t: float, flops: float) -> Observation:
         return Observation(
-            peer_id="liar",
-            identity="mallory",
+            peer_id=peer,
+            identity=peer,
             stage=STAGE,
             run_id="r",
             sync_phase="active",
@@ -187,14 +187,19 @@ def test_a_withheld_peer_keeps_presence_loses_compute_and_stays_withheld_across_
     store = PointsStore(tmp_path / "points.sqlite", PointsPolicy())
     assert store.withhold("liar", "caught by trainer t", now=0.0)  # named before the monitor ever saw it
     assert not store.withhold("liar", "again", now=1.0)
-    store.record_scrape([obs(0, 0)], {}, now=0)
-    store.record_scrape([obs(60, 3 * PFLOP)], {}, now=60)
-    peer = store.peer("liar")
-    assert peer.withheld and peer.compute_points == 0.0 and peer.compute_flops == pytest.approx(3 * PFLOP)
-    assert peer.score == pytest.approx(60 / 3600)
+    store.record_scrape([obs("liar", 0, 0), obs("late", 0, 0)], {}, now=0)
+    store.record_scrape([obs("liar", 60, 3 * PFLOP), obs("late", 60, PFLOP)], {}, now=60)
+    assert store.withhold("late", "caught by trainer t", now=61.0)  # caught after a minute in its slot
+    store.record_scrape([obs("liar", 120, 6 * PFLOP), obs("late", 120, 2 * PFLOP)], {}, now=120)
+    liar, late = store.peer("liar"), store.peer("late")
+    assert liar.withheld and liar.compute_points == 0.0 and liar.compute_flops == pytest.approx(6 * PFLOP)
+    assert liar.score == 0.0  # withheld from its first sighting: its slot time earned nothing
+    assert late.withheld and late.compute_points == 0.0 and late.score == pytest.approx(60 / 3600)  # before the catch
     store.close()
     reopened = PointsStore(tmp_path / "points.sqlite", PointsPolicy())
-    assert reopened.peer("liar").withheld and reopened.leaderboard(now=60)[0].score == pytest.approx(
-        60 / 3600, abs=1e-5
+    reopened.record_scrape([obs("liar", 180, 9 * PFLOP), obs("late", 180, 3 * PFLOP)], {}, now=180)
+    assert reopened.peer("liar").withheld and reopened.peer("late").withheld
+    assert {row.username: row.score for row in reopened.leaderboard(now=180)} == pytest.approx(
+        {"liar": 0.0, "late": 60 / 3600}, abs=1e-5
     )
     reopened.close()

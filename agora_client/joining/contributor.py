@@ -354,10 +354,12 @@ class Contributor:
                     outage=self._outage(self._auth_service),
                 )
             except PeerUnreachable as error:
-                self._say_unreachable(error.dial, port)
-                self._wait_for_retry()
-                if self.stop.is_set():
-                    break
+                at_once = self.path.relay_untried  # nothing the wait could change: the run's relay is tried now
+                self._say_unreachable(error.dial, port, retry_in_s=None if at_once else options.retry_every)
+                if not at_once:
+                    self._wait_for_retry()
+                    if self.stop.is_set():
+                        break
                 if self.path.open() or self.path.use_relay(error.relay_pass):  # a new way in: the DHT announces it
                     self._dht.shutdown()
                     self._start_dht(identity)
@@ -390,9 +392,9 @@ class Contributor:
         while not self.stop.is_set() and not self.retry_now.is_set() and time.monotonic() < deadline:
             self.stop.wait(0.2)
 
-    def _say_unreachable(self, dial: DialResult, port: int) -> None:
-        """The failed dial-back with the network's diagnosis and what to do about it."""
-        options = self.options
+    def _say_unreachable(self, dial: DialResult, port: int, retry_in_s: float | None) -> None:
+        """The failed dial-back with the network's diagnosis, what to do about it and when the next try comes (None:
+        at once, through the relay)."""
         network = self.path.report(self._seen_address(dial))
         self.events.emit(reachability_result(dial, port))
         self.events.emit(
@@ -403,7 +405,7 @@ class Contributor:
                 tested_from=dial.tested_from,
                 error=dial.error,
                 advice=advice(dial, announced=self.path.join_announce is not None, findings=network.findings),
-                retry_in_s=options.retry_every,
+                retry_in_s=retry_in_s,
                 network=network,
             )
         )

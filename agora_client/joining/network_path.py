@@ -5,7 +5,8 @@ turned mapping off or announces an address of their own. A forward the router gr
 announces and what the auth service dials back; one it refuses, or no router at all, is one line, and
 the diagnosis after a failed dial-back says what that means and what to do. After a failed dial-back the
 router is asked again, and if that brings no forward either, the worker serves through one of the run's
-relays (the operator's ``agora relay``) from then on.
+relays (the operator's ``agora relay``) from then on: at once after the first failed dial-back (waiting would
+change nothing), after the retry's wait once the relays were tried.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class NetworkPath:
         self.announce_addr, self.relays = announce_addr, tuple(relays)
         self._credentials = PeerCredentials(peer_key, lambda: ticket() or self._relay_pass) if peer_key else None
         self._relay_pass = ""
+        self._relays_tried = False
         self._relay: KeptReservation | None = None
         self.relay, self.relayed_at = "", ""  # the relay in use and the address it holds for this worker
         swarm_host = _host_ip(swarm_url)
@@ -101,6 +103,7 @@ class NetworkPath:
         self._relay_pass = relay_pass
         if self._relay is not None:
             return False
+        self._relays_tried = True
         for relay in self.relays:
             reservation = KeptReservation(
                 relay,
@@ -122,6 +125,11 @@ class NetworkPath:
             )
             return True
         return False
+
+    @property
+    def relay_untried(self) -> bool:
+        """The run lists relays and none has been tried yet."""
+        return bool(self.relays) and not self._relays_tried
 
     def relay_cost(self) -> str:
         """What serving through the relay costs, in words ("" when not relayed)."""

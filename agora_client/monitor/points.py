@@ -82,7 +82,7 @@ class PeerState:
     last_published_at: float  # the own timestamp of its latest fresh record (seen at ``last_seen``)
     presence_seconds: float = 0.0  # credited
     compute_flops: float = 0.0  # claimed and accepted by the rules (phases, restarts, the identity cap)
-    withheld: bool = False  # a trainer's spot checks caught it returning wrong outputs: its compute earns nothing
+    withheld: bool = False  # a trainer's spot checks caught it returning wrong outputs: no compute, no more presence
     receipted_flops: float = 0.0  # what ticketed trainers' receipts say it served them
     unpaid_flops: float = 0.0  # of that, what the trainers' escrow holds or forfeited (trainer/escrow.py)
 
@@ -202,6 +202,8 @@ def apply_observations(
         earned = increments(previous, obs, policy)
         presence, compute = (0.0, 0.0) if peer_id in over_cap else (earned.presence_seconds, earned.compute_flops)
         base = previous or seen_now[peer_id]
+        if base.withheld:  # caught lying: the slot it holds serves nothing, so its time there earns no more
+            presence = 0.0
         updated[peer_id] = dataclasses.replace(
             base,
             stage=obs.stage,

@@ -172,7 +172,8 @@ class PointsStore:
             return updated
 
     def withhold(self, peer_id: str, reason: str, now: float) -> bool:
-        """Withhold a peer's compute points from now on (also if it was never seen yet); True if it is new."""
+        """Withhold a peer's compute points, and its presence from now on (also if it was never seen yet); True if
+        it is new."""
         with self._lock:
             cursor = self._db.execute(
                 "INSERT OR IGNORE INTO withheld (peer_id, since, reason) VALUES (?, ?, ?)", (peer_id, now, reason)
