@@ -33,7 +33,6 @@ from agora_client.monitor.flops import RequestKind, request_flops
 from agora_client.monitor.points import PFLOP
 
 REQUEST_KINDS = get_args(RequestKind)  # ("forward", "backward"): the order of a traffic event's two counters
-ALONE = "no other worker of this stage joined the round"  # the reason of a round nobody else of the stage was in
 BANNED = re.compile(r"\[SPOTCHECK\] banned \S+ \(peer (\S+)\)")
 
 
@@ -156,21 +155,15 @@ def home_card(home: Home, config: RunConfig) -> dict:
 
 
 def sparta_card(homes: list[Home], run_dir: Path, windows: list[tuple[float, float]]) -> dict:
-    """Rounds of every worker, with their failures by reason: a stage with one worker has no one to average with."""
+    """Rounds of every worker, with their failures by reason. Every round counts: the operator runs two workers per
+    stage, so a round no stage-mate joined in time failed its matchmaking, not for want of a peer."""
     rounds = [e for home in homes for e in home.events() if e["kind"] == "sparta"] + sparta_events(run_dir)
     inside = [e for e in rounds if any(start <= e["ts"] < end for start, end in windows)]
     outside = [e for e in rounds if not any(start <= e["ts"] < end for start, end in windows)]
     return {
-        name: _with_a_peer(summarize(selected, -math.inf, math.inf))
+        name: summarize(selected, -math.inf, math.inf)
         for name, selected in (("all", rounds), ("churn_windows", inside), ("outside_churn", outside))
     }
-
-
-def _with_a_peer(summary: dict) -> dict:
-    """The success rate of the rounds that had someone to average with (not those of a worker alone in its stage)."""
-    alone = sum(n for reason, n in summary["failures"].items() if reason.startswith(ALONE))
-    tried = summary["rounds"] - alone
-    return {**summary, "alone": alone, "rate_with_a_peer": round(summary["ok"] / tried, 3) if tried else None}
 
 
 def training_card(log_dir: Path, tokens_per_microbatch: int, inflight: int, seconds: float) -> dict:

@@ -153,8 +153,8 @@ def print_table(card: dict) -> None:
             print(f"{home['user']} join: " + ", ".join(f"{name} {value}" for name, value in steps.items()))
     for name, window in card["sparta"].items():
         print(
-            f"SPARTA {name}: ok {window['ok']}/{window['rounds']}, {window['alone']} alone in their stage, "
-            f"rate with a peer {window['rate_with_a_peer']}"
+            f"SPARTA {name}: ok {window['ok']}/{window['rounds']} ({window['success_rate']}); failures "
+            f"{window['failures']}"
         )
     training = card["training"]
     print(
