@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from _single_process import InProcessPipeline, trainer_batches
+from _trainer_progress import EVAL, PROGRESS
 
 from agora_client.config import RunConfig
 from agora_client.data.heldout import held_out_sample
@@ -32,8 +33,6 @@ TARGET_RATIO = 1.05
 END_SHARE = 0.25  # the end: the last quarter of each trainer's last run
 PRINT_EVERY_MICROBATCHES = 200
 DATA = re.compile(r"\[DATA\] .* shard (\d+)/(\d+),")
-PROGRESS = re.compile(r"\[PROGRESS\] microbatches=(\d+) loss=(\S+)")
-EVAL = re.compile(r"\[EVAL\] loss=([0-9.]+)")
 
 
 @dataclass

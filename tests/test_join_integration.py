@@ -128,6 +128,9 @@ def test_joiner_passes_every_phase_in_order(join_swarm, tmp_path):
         wait_until(
             lambda: _compute_grew(_events(runtime)), 90, "compute points to grow between two estimates once active"
         )
+        # samples counted in the DHT show in the step that ends their epoch: a joiner given few requests may
+        # have stepped only empty epochs so far
+        wait_until(lambda: _stepped_with_samples(_events(runtime)), 120, "a stage epoch with the joiner's samples")
     finally:
         runtime.stop(grace=30)
         observer.shutdown()
@@ -220,6 +223,12 @@ def _compute_grew(events: list[dict]) -> bool:
     return len(computed) >= 2 and computed[-1] > computed[0]
 
 
+def _stepped_with_samples(events: list[dict]) -> bool:
+    """A step since the worker became active had samples of its own: its share of the stage epoch is above 0."""
+    active = next((i for i, e in enumerate(events) if e["kind"] == "sync" and e["phase"] == "active"), len(events))
+    return any((e["stage_share"] or 0) > 0 for e in events[active:] if e["kind"] == "step")
+
+
 def _check_counts_and_points(events: list[dict], stage: str, preset_path) -> None:
     """Requests are counted where they are answered, the head's backward ones too, and the points the
     client shows are the FLOPs of exactly those requests plus the time it was registered (issue #16)."""
@@ -234,7 +243,6 @@ def _check_counts_and_points(events: list[dict], stage: str, preset_path) -> Non
     assert traffic[-1]["backward_total"] > 0 and traffic[-1]["forward_total"] > 0
     assert any(e["backward_per_min"] > 0 for e in events[active:] if e["kind"] == "traffic")
     assert any(e["backward_per_min"] > 0 for e in events[active:] if e["kind"] == "step")
-    assert any((e["stage_share"] or 0) > 0 for e in events[active:] if e["kind"] == "step")
     assert traffic[-1]["bytes_received"] > 0 and traffic[-1]["bytes_sent"] > 0
 
     config = load_config(str(preset_path))
