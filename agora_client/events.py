@@ -271,6 +271,7 @@ class ReachabilityEvent(_Event):
     error: str = ""
     advice: list[str] = Field(default_factory=list)
     retry_in_s: float | None = None
+    trying_relay: bool = False  # unreachable: the next try, at once, goes through the run's relay
     path: Literal["", "direct", "mapped", "relayed"] = ""
     relay: str = ""
     relay_cost: str = ""

@@ -426,6 +426,9 @@ def test_preflight_and_reachability_lines_for_headless_and_the_app():
     rendered = [line.render() for line in formatter.format(event)]
     assert rendered[0].startswith(f"[REACHABILITY] The swarm could not connect to your worker at {result.address}")
     assert rendered[-1] == "[REACHABILITY] Not joining while unreachable; trying again in 30s"
+    relay_next = event.model_copy(update={"retry_in_s": None, "trying_relay": True})
+    relay_line = formatter.format(relay_next)[-1].render()
+    assert relay_line == "[REACHABILITY] Not reachable directly; trying the run's relay now"
     assert reachability_result(result, result.port).status == "fail"
 
 

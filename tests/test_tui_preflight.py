@@ -140,8 +140,11 @@ def test_the_tracker_follows_the_checks_and_the_dial_backs():
     assert tracker.preflight.checking is None and tracker.status.startswith("Preflight done")
     tracker.apply(ReachabilityEvent(status="checking", port=49200))
     assert tracker.preflight.checking == "reachability" and "port 49200" in tracker.status
-    for _ in range(2):
-        tracker.apply(ReachabilityEvent(status="unreachable", address="203.0.113.7:49200", port=49200, retry_in_s=30))
+    # the first failed dial-back of a worker with a relay still untried goes on through it, without waiting
+    tracker.apply(ReachabilityEvent(status="unreachable", address="203.0.113.7:49200", port=49200, trying_relay=True))
+    assert tracker.status == "Not reachable at 203.0.113.7:49200: trying the run's relay..."
+    tracker.apply(ReachabilityEvent(status="unreachable", address="203.0.113.7:49200", port=49200, retry_in_s=30))
+    assert tracker.status.endswith("open the port (see below); r retries now")
     assert (
         tracker.unreachable and tracker.preflight.failed_dials == 2 and tracker.failure is None
     )  # waiting, not failed

@@ -261,6 +261,8 @@ class JoinTracker:
         where = event.address or (f"port {event.port}" if event.port is not None else "its port")
         if event.status == "checking":
             self.status = f"Asking the swarm to connect back to this worker ({where})..."
+        elif event.status == "unreachable" and event.trying_relay:
+            self.status = f"Not reachable at {where}: trying the run's relay..."
         elif event.status == "unreachable":
             self.status = f"Not reachable at {where}: open the port (see below); r retries now"
         elif not self.authorized:  # once authorized, the auth line says more

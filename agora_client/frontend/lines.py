@@ -237,7 +237,10 @@ class LineFormatter:
         lines = [self._line(event, "REACHABILITY", text, "error") for text in event.advice]
         if event.network is not None:
             lines.append(self._line(event, "REACHABILITY", f"Network: {network_summary(event.network)}", "warning"))
-        if event.retry_in_s is not None:
+        if event.trying_relay:
+            text = "Not reachable directly; trying the run's relay now"
+            lines.append(self._line(event, "REACHABILITY", text, "warning"))
+        elif event.retry_in_s is not None:
             text = f"Not joining while unreachable; trying again in {human_duration(event.retry_in_s)}"
             lines.append(self._line(event, "REACHABILITY", text, "warning"))
         return lines

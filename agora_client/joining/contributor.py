@@ -355,7 +355,7 @@ class Contributor:
                 )
             except PeerUnreachable as error:
                 at_once = self.path.relay_untried  # nothing the wait could change: the run's relay is tried now
-                self._say_unreachable(error.dial, port, retry_in_s=None if at_once else options.retry_every)
+                self._say_unreachable(error.dial, port, None if at_once else options.retry_every, trying_relay=at_once)
                 if not at_once:
                     self._wait_for_retry()
                     if self.stop.is_set():
@@ -392,9 +392,9 @@ class Contributor:
         while not self.stop.is_set() and not self.retry_now.is_set() and time.monotonic() < deadline:
             self.stop.wait(0.2)
 
-    def _say_unreachable(self, dial: DialResult, port: int, retry_in_s: float | None) -> None:
-        """The failed dial-back with the network's diagnosis, what to do about it and when the next try comes (None:
-        at once, through the relay)."""
+    def _say_unreachable(self, dial: DialResult, port: int, retry_in_s: float | None, *, trying_relay: bool) -> None:
+        """The failed dial-back with the network's diagnosis, what to do about it and when the next try comes (or
+        that it comes at once, through the run's relay)."""
         network = self.path.report(self._seen_address(dial))
         self.events.emit(reachability_result(dial, port))
         self.events.emit(
@@ -406,6 +406,7 @@ class Contributor:
                 error=dial.error,
                 advice=advice(dial, announced=self.path.join_announce is not None, findings=network.findings),
                 retry_in_s=retry_in_s,
+                trying_relay=trying_relay,
                 network=network,
             )
         )

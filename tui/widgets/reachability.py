@@ -101,6 +101,8 @@ class ReachabilityPanel(Vertical):
             text = "[$text-accent]Retrying: the swarm is connecting back to this worker...[/]"
         elif state.retry_requested:
             text = "[$text-accent]Retrying now...[/]"
+        elif diagnosis.trying_relay:
+            text = "[$text-accent]Not reachable directly: trying the run's relay now...[/]"
         elif self._next_attempt is not None:
             left = max(0.0, self._next_attempt - self.clock())
             text = (
