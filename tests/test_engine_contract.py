@@ -247,6 +247,12 @@ SOURCE_FACTS = (
     SourceFact(DHTNode, "create", "self.protocol = await DHTProtocol.create(", "known_peers reads the node's protocol"),
     SourceFact(DHTProtocol, "create", "self.routing_table = RoutingTable(", "known_peers counts its routing table"),
     SourceFact(RoutingTable, "__init__", "self.uid_to_peer_id", "known_peers counts the peers it maps"),
+    SourceFact(
+        progress_tracker.ProgressTracker,
+        "pause_updates",
+        "with self.lock_global_progress, self.performance_ema.pause():",
+        "EpochController._stepping takes the same two, the stage lock between them",
+    ),
 )
 
 _LOGGED_TEXTS = {  # RoundAverager quiets these partial-round messages: each must still be logged upstream

@@ -113,7 +113,7 @@ class EpochController:
     def maybe_step(self) -> None:
         if not self.tracker.ready_to_update_epoch:
             return
-        with self.lock, self.tracker.pause_updates():
+        with self._stepping():
             # samples of the stage's epoch: the reported ones of every peer, plus ours that do not count yet (phase 2)
             stage_samples = (
                 self.tracker.global_progress.samples_accumulated - self.reported_samples + self.local_samples
@@ -125,6 +125,15 @@ class EpochController:
             self.local_samples = self.reported_samples = 0
             epoch = self.epoch
         self._on_epoch(epoch)
+
+    @contextmanager
+    def _stepping(self) -> Iterator[None]:
+        """The whole stage lock and the tracker paused: ``with lock, tracker.pause_updates()``, but the tracker's lock
+        comes first. Its fetcher holds that lock through a DHT read, slow under load, which must not hold up requests
+        (they take the training lock only). The performance EMA pauses only under the training lock: a request's
+        report_local_progress would find it paused (hivemind asserts then)."""
+        with self.tracker.lock_global_progress, self.lock, self.tracker.performance_ema.pause():
+            yield
 
     def _step(self) -> None:
         for parameter in self.parameters:  # gradients are sums over samples: make them means
