@@ -126,6 +126,16 @@ async def test_without_preflight_events_the_dashboard_shows_and_p_is_not_offered
         assert "toggle_preflight" not in footer_keys(app)
 
 
+async def test_a_first_failed_dial_back_with_the_relay_untried_says_the_relay_is_tried_now():
+    app = make_app("relay_next", "--hold")
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: app.lines_read >= line_count("relay_next"))
+        panel = app.query_one(ReachabilityPanel)
+        await until(pilot, lambda: "relay" in plain(panel.query_one("#reach-retry")))
+        assert plain(panel.query_one("#reach-retry")) == "Not reachable directly: trying the run's relay now..."
+        assert app.query_one(Stepper).status == "Not reachable at 203.0.113.7:49200: trying the run's relay..."
+
+
 def test_the_tracker_follows_the_checks_and_the_dial_backs():
     from agora_client.events import AuthEvent, ErrorEvent, PreflightEvent, ReachabilityEvent
     from tui.state import JoinTracker
