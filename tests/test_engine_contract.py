@@ -226,6 +226,18 @@ SOURCE_FACTS = (
     ),
     SourceFact(DecentralizedAverager, "__init__", "self.schema_hash = ", "RoundAverager folds its layout into it"),
     SourceFact(
+        DecentralizedAverager,
+        "step",
+        "step.attach(*future_for_init.result())",
+        "a step waits without a bound for the process to take it: begin_step sends none after the stop",
+    ),
+    SourceFact(
+        DecentralizedAverager,
+        "_run_internal",
+        'if method == "_shutdown":\n                    await task\n                    break',
+        "the process reads no call sent after its stop: begin_step and set_round send none",
+    ),
+    SourceFact(
         DecentralizedAverager, "_run_internal", "self._matchmaking = Matchmaking(", "set_round reaches the matchmaking"
     ),
     SourceFact(

@@ -64,12 +64,28 @@ class _FreezesAfterMatchmaking(SpartaAverager):
     def _run_step(self, flight: Any, gather: dict, weight: float) -> dict:
         from hivemind.averaging.control import AveragingStage
 
-        control = self._averager.step(gather=gather, weight=weight, require_trigger=True, wait=False)
+        control = self._averager.begin_step(gather=gather, weight=weight, require_trigger=True)
         while control.stage != AveragingStage.AWAITING_TRIGGER:
             time.sleep(0.01)
         self._on_grouped()
         threading.Event().wait()  # the all-reduce is never allowed to start; this process dies here
         raise AssertionError("unreachable")
+
+
+class _StepsOnlyAfterItsStop(SpartaAverager):
+    """A peer whose round reaches hivemind's step only after a stop, begun meanwhile, ended the averager's process."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.at_step = threading.Event()
+
+    def _run_step(self, flight: Any, gather: dict, weight: float) -> Any:
+        self.at_step.set()
+        deadline = time.monotonic() + REPLY_TIMEOUT
+        while self._averager.is_alive():
+            assert time.monotonic() < deadline, "the averager's process was never stopped"
+            time.sleep(0.05)
+        return super()._run_step(flight, gather, weight)
 
 
 def _wait_for_allreduce(sparta: SpartaAverager) -> None:
@@ -98,7 +114,7 @@ def _peer_main(
     conn: Connection,
     index: int,
     initial_peers: list[str],
-    freeze: bool,
+    kind: str,
     config: SpartaConfig,
     ticketing: tuple[str, str] | None,
 ) -> None:
@@ -114,10 +130,12 @@ def _peer_main(
     admission = _admission(ticketing)
     if admission is not None:
         admission.rejections.start()
-    if freeze:
+    if kind == "freeze":
         sparta: SpartaAverager = _FreezesAfterMatchmaking(
             dht, "test_sparta", parameters, config, lock=lock, on_grouped=lambda: conn.send("grouped")
         )
+    elif kind == "stop before step":
+        sparta = _StepsOnlyAfterItsStop(dht, "test_sparta", parameters, config, lock=lock)
     else:
         sparta = SpartaAverager(dht, "test_sparta", parameters, config, lock=lock, admission=admission)
     conn.send(("ready", dht.peer_id.to_base58()))
@@ -150,6 +168,12 @@ def _peer_main(
                 started = time.monotonic()
                 sparta.shutdown()
                 conn.send((time.monotonic() - started, [round.result(timeout=REPLY_TIMEOUT) for round in pending]))
+            elif command == "shutdown_before_step":
+                pending.append(sparta.begin_round(args[0], 1.0))
+                assert sparta.at_step.wait(REPLY_TIMEOUT), "the round never reached its step"
+                started = time.monotonic()
+                sparta.shutdown()
+                conn.send((time.monotonic() - started, [round.result(timeout=REPLY_TIMEOUT) for round in pending]))
             elif command == "refusals":
                 time.sleep(1.0)  # the rejection log's thread drains its queue every 0.5 s
                 conn.send(dict(admission.rejections.counts))
@@ -168,6 +192,7 @@ class Swarm:
         size: int,
         freeze: tuple[int, ...] = (),
         spawn: tuple[int, ...] = (),
+        stop_before_step: tuple[int, ...] = (),
         config: SpartaConfig = CONFIG,
         tickets: tuple[str, list[str]] | None = None,
     ):
@@ -176,13 +201,14 @@ class Swarm:
         self.processes: list[mp.Process] = []
         self.conns: list[Connection] = []
         self.initial_peers: list[str] = []
+        kinds = {**{index: "freeze" for index in freeze}, **{index: "stop before step" for index in stop_before_step}}
         try:
-            self._start(size, freeze, spawn)
+            self._start(size, kinds, spawn)
         except BaseException:
             self.close()  # a peer that did start must not outlive a failed setup
             raise
 
-    def _start(self, size: int, freeze: tuple[int, ...], spawn: tuple[int, ...]) -> None:
+    def _start(self, size: int, kinds: dict[int, str], spawn: tuple[int, ...]) -> None:
         for index in range(size):
             context = mp.get_context("spawn" if index in spawn else "fork")
             parent, child = context.Pipe()
@@ -192,7 +218,7 @@ class Swarm:
                     child,
                     index,
                     self.initial_peers,
-                    index in freeze,
+                    kinds.get(index, "plain"),
                     self.config,
                     None if self.tickets is None else (self.tickets[0], self.tickets[1][index]),
                 ),
@@ -434,6 +460,18 @@ def test_a_stop_mid_allreduce_leaves_at_once() -> None:
         assert stop_s < 20.0, f"the stop took {stop_s:.1f} s: it waited for the all-reduce"
         assert [(report.ok, report.reason) for report in reports] == [(False, SHUTTING_DOWN)] * 2, reports
         swarm.kill(1)  # frozen for good: it would never answer a stop
+    finally:
+        swarm.close()
+
+
+def test_a_round_that_reaches_its_step_after_the_stop_leaves_at_once() -> None:
+    # hivemind's step waits without a bound for its process to take it, and a stopped process takes nothing
+    swarm = Swarm(1, stop_before_step=(0,))
+    try:
+        swarm.conns[0].send(("shutdown_before_step", 0))
+        stop_s, reports = swarm._recv(0, timeout=60.0)
+        assert stop_s < 20.0, f"the stop took {stop_s:.1f} s"
+        assert [(report.ok, report.reason) for report in reports] == [(False, SHUTTING_DOWN)], reports
     finally:
         swarm.close()
 

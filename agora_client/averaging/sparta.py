@@ -443,8 +443,6 @@ class SpartaAverager:
         )
 
     def _match_and_average(self, flight: _Flight, round_no: int, weight: float, outgoing: torch.Tensor) -> RoundOutcome:
-        if not self._averager.is_alive():
-            raise RuntimeError("hivemind's averager process is not running")
         if self._why_called_off(flight):  # called off while it waited behind the previous round
             raise CancelledError()
         # the previous round's all-reduce may still hold the buffer in hivemind's process, for good if it is stopped
@@ -488,13 +486,12 @@ class SpartaAverager:
 
     def _run_step(self, flight: _Flight, gather: dict, weight: float) -> RoundOutcome:
         """Matchmaking and all-reduce in hivemind's process."""
-        control = self._averager.step(
+        control = self._averager.begin_step(
             gather=gather,
             weight=weight,
             scheduled_time=get_dht_time() + flight.gather_window,
             timeout=self._find_group_timeout,
             allow_retries=False,
-            wait=False,
         )
         flight.asked_at = time.monotonic()  # before control: a reader that sees the control sees its age
         flight.control = control

@@ -19,6 +19,7 @@ import hashlib
 import logging
 import multiprocessing as mp
 import signal
+import threading
 import time
 from concurrent.futures import CancelledError, InvalidStateError
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional, Protocol, S
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, TensorPartContainer, TensorPartReducer
 from hivemind.dht import DHT
@@ -229,6 +231,8 @@ class RoundAverager(DecentralizedAverager):
         self._upload = upload
         self.schema_hash = hashlib.blake2b(self.schema_hash + layout, digest_size=20).digest()
         self.traffic = torch.zeros(2, dtype=torch.int64).share_memory_()
+        # a call sent to the process after its stop is never read, and upstream's step waits for it without a bound
+        self._calls, self._stopping = threading.Lock(), False
 
     def joiner_refusal(self, peer: PeerID, data: Any) -> str | None:
         """As a leader: why ``peer``, which gathered ``data`` for its step, may not join our group (None: it may)."""
@@ -274,12 +278,34 @@ class RoundAverager(DecentralizedAverager):
     def set_round(self, group_bits: str, target_group_size: int | None) -> MPFuture:
         """Use this group key, and assemble the group as soon as it has target_group_size peers.
 
-        target_group_size None: at the deadline."""
-        self.set_group_bits(group_bits, wait=False)
-        future = MPFuture()
-        # upstream fixes the target group size at construction; its process takes calls through this pipe
-        self._outer_pipe.send(("_set_target_group_size", [], dict(target_group_size=target_group_size, future=future)))
-        return future
+        target_group_size None: at the deadline. CancelledError once the averager is shutting down."""
+        with self._calls:
+            self._raise_if_stopping()
+            self.set_group_bits(group_bits, wait=False)
+            future = MPFuture()
+            # upstream fixes the target group size at construction; its process takes calls through this pipe
+            self._outer_pipe.send(
+                ("_set_target_group_size", [], dict(target_group_size=target_group_size, future=future))
+            )
+            return future
+
+    def begin_step(self, **kwargs: Any) -> StepControl:
+        """step(wait=False, **kwargs); CancelledError once the averager is shutting down. A step sent before the
+        stop gets its control (the process takes calls in order), so the caller can cancel it."""
+        with self._calls:
+            self._raise_if_stopping()
+            return self.step(wait=False, **kwargs)
+
+    def shutdown(self) -> None:
+        with self._calls:  # after a call in flight has been taken, and before any later one is sent
+            self._stopping = True
+        super().shutdown()
+
+    def _raise_if_stopping(self) -> None:
+        if self._stopping:
+            raise CancelledError("the averager is shutting down")
+        if not self.is_alive():
+            raise RuntimeError("hivemind's averager process is not running")
 
     async def _set_target_group_size(self, target_group_size: int | None, future: MPFuture) -> None:
         self._matchmaking.target_group_size = target_group_size
