@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import suppress
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,3 +74,58 @@ def test_a_signal_that_sets_an_event_never_hangs_the_loop_that_waits_on_and_clea
         arm="event.clear()",
         signum=signal.SIGUSR1,
     )
+
+
+_STOPPING_CHILD = """
+import sys, threading
+sys.path.insert(0, {root!r})
+from agora_client.system import lifetime
+lifetime.STUCK_STOP_S = 1.0
+stop = lifetime.stop_on_signals()
+print("ready", flush=True)
+stop.wait()
+def shutdown_that_never_ends():
+    threading.Event().wait()
+{stopping}
+"""
+
+
+def _dumped(stderr: str) -> bool:
+    """The stacks of the main thread, in the stop that never ends, and of another thread are there."""
+    return "in shutdown_that_never_ends" in stderr and "in <module>" in stderr and stderr.count("Thread 0x") >= 2
+
+
+def _stop(stopping: str) -> tuple[subprocess.Popen, str]:
+    """Start a role that runs ``stopping`` once asked to stop, ask it, and return it with its stderr until it ends
+    or has the stacks of a stop that never ends (bounded)."""
+    code = _STOPPING_CHILD.format(root=str(ROOT), stopping=stopping)
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        for line in process.stderr:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    assert process.stdout.readline().strip() == "ready"
+    process.send_signal(signal.SIGINT)
+    text, deadline = "", time.monotonic() + 60
+    while not _dumped(text) and time.monotonic() < deadline:
+        with suppress(queue.Empty):
+            line = lines.get(timeout=0.5)
+            if line is None:
+                break
+            text += line
+    return process, text
+
+
+def test_a_stop_that_hangs_prints_every_threads_stack_and_one_that_ends_prints_none():
+    process, stderr = _stop("shutdown_that_never_ends()")
+    try:
+        assert stderr.startswith("Timeout (0:00:01)!") and _dumped(stderr), stderr
+    finally:
+        process.kill()
+        process.wait()
+    process, stderr = _stop("")
+    assert process.wait(ROUND_TIMEOUT_S) == 0 and "Timeout" not in stderr, stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
@@ -40,6 +41,9 @@ def die_with_parent() -> None:
 
 
 _children_reset_registered = False
+# a graceful stop still under way this long after its signal is stuck somewhere: every thread's stack goes to stderr,
+# once, before a supervisor's next signal (frontend/supervisor.py RUNTIME_STOP_S, 10 s) ends the process
+STUCK_STOP_S = 8.0
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 _fork_masks = threading.local()  # the forking thread's signal mask, restored after the fork
 
@@ -120,7 +124,8 @@ def on_signals(signums: Iterable[int], action: Callable[[], None]) -> None:
 
 
 def stop_on_signals() -> threading.Event:
-    """An event the first SIGINT or SIGTERM sets, for a graceful stop; a second one ends the process at once.
+    """An event the first SIGINT or SIGTERM sets, for a graceful stop; a second one ends the process at once. A stop
+    that takes more than STUCK_STOP_S prints every thread's stack to stderr, so that a hung stop says where it hangs.
 
     Call it first thing in a role's ``run``: processes forked later get the default SIGTERM and ignore SIGINT.
     """
@@ -129,12 +134,16 @@ def stop_on_signals() -> threading.Event:
     relay = _signal_relay()
     asked = False
 
+    def begin_stop() -> None:
+        faulthandler.dump_traceback_later(STUCK_STOP_S)  # a watchdog thread in C: it runs while Python is stuck too
+        stop.set()
+
     def handle(signum: int, frame: object) -> None:
         nonlocal asked
         if asked or stop.is_set():  # asked twice: stop now (forked helpers die with us, see die_with_parent)
             os._exit(128 + signum)
         asked = True
-        relay.call(stop.set)
+        relay.call(begin_stop)
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, handle)
