@@ -88,16 +88,39 @@ def test_a_traceback_becomes_one_line_and_the_log_keeps_it_whole():
         "",
         "plain line",
     ]
-    out = [folded for folded in map(folder.feed, lines) if folded is not None]
-    assert out[0] == ("hivemind.averaging.allreduce.AllreduceException: could not find a group", "\n".join(lines[:4]))
-    assert out[1] == ("plain line", "")
-    assert len(out) == 2
+    out = [folded for line in lines for folded in folder.feed(line)]
+    assert out == [
+        ("hivemind.averaging.allreduce.AllreduceException: could not find a group", "\n".join(lines[:4])),
+        ("plain line", ""),
+    ]
     folder.feed("Traceback (most recent call last):")
     folder.feed('  File "x.py", line 1, in <module>')
-    assert folder.flush() == (
-        'File "x.py", line 1, in <module>',
-        'Traceback (most recent call last):\n  File "x.py", line 1, in <module>',
-    )
+    assert folder.flush() == [
+        ('File "x.py", line 1, in <module>', 'Traceback (most recent call last):\n  File "x.py", line 1, in <module>')
+    ]
+    assert folder.flush() == []
+
+
+STUCK_STOP_DUMP = [  # what faulthandler's watchdog writes for a stop that hangs (system/lifetime.py)
+    "Timeout (0:00:08)!",
+    "Thread 0x00007f6153ede6c0 (most recent call first):",
+    '  File "/work/agora_client/system/lifetime.py", line 96 in _run',
+    '  File "/usr/lib/python3.11/threading.py", line 982 in run',
+    "",
+    "Thread 0x00007f615621bb80 (most recent call first):",
+    '  File "/usr/lib/python3.11/threading.py", line 327 in wait',
+    '  File "/work/agora_client/averaging/sparta.py", line 539 in shutdown',
+]
+
+
+def test_a_stuck_stops_stack_dump_becomes_one_line_and_the_log_keeps_it_whole():
+    folder = TracebackFolder()
+    out = [folded for line in [*STUCK_STOP_DUMP, "", "[WORKER] stopped"] for folded in folder.feed(line)]
+    shown = "the stop was still under way after 0:00:08: the stacks of its 2 threads are in the log"
+    assert out == [(shown, "\n".join(STUCK_STOP_DUMP)), ("[WORKER] stopped", "")]
+    for line in STUCK_STOP_DUMP:  # the process killed right after its dump: the end of the stream ends it
+        assert folder.feed(line) == []
+    assert folder.flush() == [(shown, "\n".join(STUCK_STOP_DUMP))]
 
 
 def test_a_failure_is_said_once():

@@ -2,11 +2,13 @@
 
 Every stdout line goes to the event log as received (redacted there); stderr is redacted here
 before anyone sees it, and a Python traceback is folded into one line (its last, the error
-itself) while the event log keeps the whole text for the support bundle.
+itself), as is the stack dump of a stop that hangs (system/lifetime.py), while the event log keeps
+the whole text for the support bundle.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
@@ -22,6 +24,8 @@ _TRACEBACK_LINKS = (
     "During handling of the above exception",
     "The above exception was the direct cause",
 )
+_STACK_DUMP_START = re.compile(r"Timeout \((\d+:\d\d:\d\d)\)!$")  # faulthandler's watchdog, a stuck stop's
+_STACK_DUMP_THREAD = ("Thread 0x", "Current thread 0x")
 
 
 @dataclass(frozen=True)
@@ -48,31 +52,50 @@ StreamItem = EventLine | MalformedLine | StderrLine
 
 
 class TracebackFolder:
-    """Collects a traceback's lines and gives back one line when its final (error) line arrives."""
+    """Collects a traceback's lines and gives back one line when its final (error) line arrives; and a stack dump,
+    which has no final line, when a line that is not part of it arrives."""
 
     def __init__(self) -> None:
         self._block: list[str] = []
+        self._dump: list[str] = []
 
-    def feed(self, line: str) -> tuple[str, str] | None:
-        """(line to show, whole text) once a line or a whole traceback is complete, else None."""
+    def feed(self, line: str) -> list[tuple[str, str]]:
+        """(line to show, whole text) for each line or whole traceback or stack dump this line completes."""
+        if self._dump:
+            if line.startswith((*_STACK_DUMP_THREAD, " ", "\t")) or not line.strip():
+                self._dump.append(line)
+                return []
+            return [self._end_dump(), *self.feed(line)]
         opens_block = line.startswith((_TRACEBACK_START, *_TRACEBACK_LINKS))
         if not self._block:
             if opens_block:
                 self._block = [line]
-                return None
-            return (line, "") if line.strip() else None
+                return []
+            if _STACK_DUMP_START.match(line):
+                self._dump = [line]
+                return []
+            return [(line, "")] if line.strip() else []
         self._block.append(line)
         if opens_block or line.startswith((" ", "\t")) or not line.strip():
-            return None
+            return []
         block, self._block = self._block, []
-        return line, "\n".join(block)
+        return [(line, "\n".join(block))]
 
-    def flush(self) -> tuple[str, str] | None:
-        """What is left of a traceback cut short (the process died while writing it)."""
+    def flush(self) -> list[tuple[str, str]]:
+        """What is left: a stack dump, or a traceback cut short (the process died while writing it)."""
+        if self._dump:
+            return [self._end_dump()]
         if not self._block:
-            return None
+            return []
         block, self._block = self._block, []
-        return block[-1].strip() or "a traceback", "\n".join(block)
+        return [(block[-1].strip() or "a traceback", "\n".join(block))]
+
+    def _end_dump(self) -> tuple[str, str]:
+        dump, self._dump = self._dump, []
+        waited = _STACK_DUMP_START.match(dump[0]).group(1)
+        threads = sum(line.startswith(_STACK_DUMP_THREAD) for line in dump)
+        shown = f"the stop was still under way after {waited}: the stacks of its {threads} threads are in the log"
+        return shown, "\n".join(dump).rstrip("\n")
 
 
 async def read_runtime(
@@ -92,8 +115,7 @@ async def read_runtime(
 
     async for stream, text in process.lines():
         if stream == "stderr":
-            folded = folder.feed(text)
-            if folded is not None:
+            for folded in folder.feed(text):
                 yield stderr_item(folded)
             continue
         if stream == "oversize":
@@ -105,6 +127,5 @@ async def read_runtime(
             yield EventLine(parse_event(text), text)
         except BadEvent as error:
             yield MalformedLine(str(error), text, clock())
-    rest = folder.flush()
-    if rest is not None:
+    for rest in folder.flush():
         yield stderr_item(rest)
