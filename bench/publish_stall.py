@@ -21,7 +21,6 @@ import json
 import math
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,9 +34,9 @@ from agora_client.config import load_config
 from agora_client.discovery.dht import connect_dht
 from agora_client.engine.expert_calls import call_expert, close_replica, replicate_p2p, server_stub
 from agora_client.model import build_stage
+from agora_client.swarm.processes import CLI
 
 STAGE, UID = "body1", "body1.0.0"
-CLI = [sys.executable, "-c", "import sys; from agora_client.cli import main; sys.exit(main())"]
 BODY_LAYERS = 4
 LOCK_HOLD = re.compile(r"copied in ([0-9.]+) s \(steps wait for the copy")
 LOCK_WAIT = re.compile(r"the longest a request waited for the stage lock: ([0-9.]+) s")

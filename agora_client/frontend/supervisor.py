@@ -23,7 +23,7 @@ from typing import AsyncIterator, Literal, Mapping
 
 import psutil
 
-import agora_client
+from agora_client.system.agora_command import AGORA
 
 Stream = Literal["stdout", "stderr", "oversize"]
 LINE_LIMIT = 1 << 20  # a longer stdout line is reported as malformed, not buffered
@@ -34,9 +34,6 @@ GROUP_LEFTOVER_TIMEOUT_S = 3.0
 _POLL_S = 0.05
 _EXIT_POLL_S = 0.25  # while reading: how often to look whether the child itself has exited
 _PR_SET_PDEATHSIG = 1
-
-# `python -c` with an explicit sys.path works from a checkout and from an installed package alike.
-_BOOTSTRAP = "import sys; sys.path.insert(0, {root!r}); from agora_client.cli import main; sys.exit(main())"
 
 
 @dataclass(frozen=True)
@@ -71,8 +68,7 @@ def runtime_command(
     """The real runtime: ``agora runtime [--swarm URL] [--gpu N | --cpu] [--config-dir D] [--monitor URL] [--host-port
     P] [--announce-addr HOST:PORT] [--no-port-mapping] [--retry-every S] [--insecure] [--ca-cert PEM]
     [--max-upload-mbit N]`` and ``yield_args`` (--yield, --active-hours, --yield-grace), token in HF_TOKEN."""
-    root = str(Path(agora_client.__file__).resolve().parent.parent)
-    argv = [sys.executable, "-c", _BOOTSTRAP.format(root=root), "runtime"]
+    argv = [*AGORA, "runtime"]
     argv += _run_flags(swarm, gpu, cpu, config_dir, monitor)
     argv += _reachability_flags(host_port, announce_addr, port_mapping)
     argv += yield_args

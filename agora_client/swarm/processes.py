@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -14,7 +13,9 @@ from typing import Callable, Sequence
 
 import psutil
 
-CLI = [sys.executable, "-c", "import sys; from agora_client.cli import main; sys.exit(main())"]
+from agora_client.system.agora_command import AGORA
+
+CLI = list(AGORA)
 
 
 class ManagedProcess:
