@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Iterator
 
 import pytest
@@ -13,6 +14,7 @@ from agora_client.averaging.sparta import RoundReport, SpartaAverager
 from agora_client.config import SpartaConfig
 from agora_client.events import SpartaEvent, dump_event, parse_event
 from agora_client.frontend.lines import LineFormatter
+from tests.swarm_helpers import wait_until
 
 SIZES = [7, 0, 1, 13, 4, 29]  # includes an empty tensor and tensors smaller than the stride
 
@@ -139,6 +141,39 @@ def test_a_lone_worker_reports_a_failed_round_and_keeps_its_weights(dht: object)
             (line,) = LineFormatter().format(parse_event(dump_event(failed.to_event(sparta.partition))))
             assert (line.tag, line.level) == ("SPARTA", "warning") and failed.reason in line.text, line
             assert "Traceback" not in line.text
+    finally:
+        sparta.shutdown()
+
+
+def test_a_round_that_waited_behind_the_one_before_gives_way_once_its_peers_moved_on(dht: object) -> None:
+    """A worker one round behind its stage (a joiner whose first round was already past) runs each round after the
+    one before fails: the time a round waited counts toward the time a group needs, or every next round would
+    wait behind it, start its search after its peers had averaged, and fail the same way."""
+    parameters = [torch.nn.Parameter(torch.randn(40))]
+    config = SpartaConfig(fraction=0.25, matchmaking_time=2.0)  # a group needs 2 + 4 s; a search gives up after 6
+    sparta = SpartaAverager(dht, "units_behind", parameters, config, lock=threading.Lock())
+    needs = config.matchmaking_time + 2 * config.matchmaking_time
+
+    def searching(round_no: int) -> bool:
+        flight = sparta._flight
+        return flight.round_no == round_no and flight.control is not None and not flight.control.done()
+
+    try:
+        first = sparta.begin_round(5, 1.0)
+        wait_until(lambda: searching(5), 60, "round 5's search", poll=0.05)
+        second = sparta.begin_round(6, 1.0)  # round 5 searches, young: round 6 waits behind it
+        begun = time.monotonic()
+        wait_until(lambda: searching(6), 60, "round 6's search, after round 5's", poll=0.05)
+        assert "no other worker" in first.result(timeout=60).reason
+        # round 6 has searched for a moment only (it gives up 6 s after it began searching), but was begun
+        # longer ago than a group needs
+        wait_until(
+            lambda: time.monotonic() - begun > needs, 60, "the time a group needs since round 6 was begun", poll=0.05
+        )
+        assert searching(6), "round 6 ended its search before round 7 was due: this machine is too slow for the test"
+        third = sparta.begin_round(7, 1.0)
+        assert "gave way to round 7" in second.result(timeout=60).reason
+        assert "no other worker" in third.result(timeout=60).reason
     finally:
         sparta.shutdown()
 

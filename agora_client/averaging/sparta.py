@@ -203,12 +203,12 @@ class _Flight:
     """One round begun by begin_round, as the caller's and the round's threads both see it."""
 
     round_no: int
+    begun_at: float  # monotonic time it was begun: when its peers, on time, began it too
     gather_window: float  # seconds a leader waits for the whole stage to join
     interval_s: float | None = None  # seconds since the previous round began (None: the first round)
     future: Future[RoundReport] | None = None
     control: StepControl | None = None  # hivemind's step, once it has been asked for
     stop_reason: str | None = None  # why it was called off: a newer round was due before it averaged, or shutdown
-    asked_at: float = 0.0  # monotonic time its step was asked for
 
 
 class SpartaAverager:
@@ -271,7 +271,7 @@ class SpartaAverager:
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparta-round")
         self._begin_lock = threading.Lock()
-        self._flight = _Flight(-1, 0.0)  # the latest round begun
+        self._flight = _Flight(-1, 0.0, 0.0)  # the latest round begun
         self._closed = False  # shut down: rounds asked for later are skipped
         if start:
             self.start()
@@ -341,7 +341,7 @@ class SpartaAverager:
             with self._lock:
                 self.partition.gather(self._parameters, part, sent)
             interval = None if self._last_begin is None else started - self._last_begin
-            self._flight = flight = _Flight(round_no, self._gather_window(interval), interval)
+            self._flight = flight = _Flight(round_no, started, self._gather_window(interval), interval)
             self._last_begin = started
             flight.future = self._executor.submit(self._run_round, flight, round_no, part, float(weight), sent, started)
             return flight.future
@@ -359,11 +359,13 @@ class SpartaAverager:
         return self._max_gather_window if interval is None else min(self._max_gather_window, max(0.5, interval / 2))
 
     def _supersede(self, round_no: int) -> bool:
-        """Call off the latest round if it has not found its group in the time a group needs (its peers have
-        moved on too). A younger one keeps matchmaking and the new round waits behind it: when rounds come
-        faster than groups form, giving way every time would leave no round to finish."""
+        """Call off the latest round if it has not found its group in the time a group needs since it was begun
+        (its peers, who began it then, have moved on too): time it waited behind the round before it counts, or
+        a worker one round behind its stage would start every round too late to meet its peers, and fail each
+        one after the full search. A younger one keeps matchmaking and the new round waits behind it: when rounds
+        come faster than groups form, giving way every time would leave no round to finish."""
         flight = self._flight
-        young = flight.control is not None and time.monotonic() - flight.asked_at < self._group_needs
+        young = flight.control is not None and time.monotonic() - flight.begun_at < self._group_needs
         if young and not flight.control.done():
             return False
         return self._call_off(flight, f"gave way to round {round_no}: no group formed before it was due")
@@ -493,7 +495,6 @@ class SpartaAverager:
             timeout=self._find_group_timeout,
             allow_retries=False,
         )
-        flight.asked_at = time.monotonic()  # before control: a reader that sees the control sees its age
         flight.control = control
         if self._why_called_off(flight):  # called off before it had a control to cancel
             cancel_step(control)
