@@ -28,10 +28,22 @@ def hub_offline(monkeypatch):
 def no_shared_memory_left_behind():
     """hivemind shares tensors through /dev/shm/torch_<pid>_* files (torch's file_system strategy), which their
     process's torch_shm_manager unlinks; a test that kills a process tree or a namespace's processes kills managers
-    too. At the end, remove the files this run made whose process is gone."""
+    too. At the end, remove the files this run made whose process is gone and that no live process maps: a tensor
+    received from a child maps its file, and torch aborts the process that frees it if the file is gone by then."""
     shared_memory = Path("/dev/shm")
     before = set(shared_memory.glob("torch_*"))
     yield
+    mapped = mapped_paths()
     for path in set(shared_memory.glob("torch_*")) - before:
-        if not psutil.pid_exists(int(path.name.split("_")[1])):
+        if not psutil.pid_exists(int(path.name.split("_")[1])) and str(path) not in mapped:
             path.unlink(missing_ok=True)
+
+
+def mapped_paths() -> set[str]:
+    paths: set[str] = set()
+    for process in psutil.process_iter():
+        try:
+            paths.update(region.path for region in process.memory_maps(grouped=True))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return paths
