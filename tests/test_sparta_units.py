@@ -12,6 +12,7 @@ import torch
 from agora_client.averaging.partition import StridedPartition, due_round, partition_of
 from agora_client.averaging.sparta import RoundReport, SpartaAverager
 from agora_client.config import SpartaConfig
+from agora_client.discovery.roster import WorkerRecord, announce, averaging_workers, fetch_roster
 from agora_client.events import SpartaEvent, dump_event, parse_event
 from agora_client.frontend.lines import LineFormatter
 from tests.swarm_helpers import wait_until
@@ -176,6 +177,22 @@ def test_a_round_that_waited_behind_the_one_before_gives_way_once_its_peers_move
         assert "no other worker" in third.result(timeout=60).reason
     finally:
         sparta.shutdown()
+
+
+def test_a_round_waits_for_every_worker_of_the_roster_but_those_yielding(dht: object) -> None:
+    """The group's target size is the roster's, not the progress tracker's peer count, which leaves out a worker
+    with no samples in the last epochs (slow, relayed or syncing) so that its peers closed every group without it."""
+    workers = [
+        WorkerRecord(uid="body1.0.0", peer_id="active", stage="body1"),
+        WorkerRecord(uid="body1.0.1", peer_id="syncing", stage="body1", sync_phase=1),  # averages receive-only
+        WorkerRecord(uid="body1.0.2", peer_id="warming", stage="body1", sync_phase=2),
+        WorkerRecord(uid="body1.0.3", peer_id="yielding", stage="body1", yielding=True),  # begins no round
+        WorkerRecord(uid="body2.0.0", peer_id="other stage", stage="body2"),
+    ]
+    for record in workers:
+        assert announce(dht, record, ttl=60)
+    assert averaging_workers(fetch_roster(dht, "body1")) == 3
+    assert averaging_workers({}) == 0  # no roster yet: the round assembles at its deadline
 
 
 def test_hivemind_round_failures_do_not_reach_the_log_as_tracebacks() -> None:

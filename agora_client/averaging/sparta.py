@@ -19,9 +19,10 @@ group's average, not against the step's target.
 Matchmaking: every round has its own group key, so workers on different rounds never meet. The first
 worker of the stage to reach a round leads it and waits up to ``2 x matchmaking_time`` for the others
 (their epoch boundaries arrive at slightly different moments), and never past half the time between
-two rounds; the group is assembled as soon as every worker the stage counts has joined. A round still looking for its
-group when the next one is due gives way to it, so one missed round never makes the next one miss as well; a round due
-while the previous one is still averaging waits for it (another slice: the two never touch the same parameters).
+two rounds; the group is assembled as soon as every worker the stage counts (its roster, the worker node says)
+has joined. A round still looking for its group when the next one is due gives way to it, so one missed round never
+makes the next one miss as well; a round due while the previous one is still averaging waits for it (another slice:
+the two never touch the same parameters).
 
 Each peer's influence is bounded (bounds.py): reducers bound every sender's part, senders bound every
 averaged part that comes back; the peers that had to be bounded are named in the round's report.

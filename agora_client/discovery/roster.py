@@ -39,6 +39,13 @@ class WorkerRecord(BaseModel):
         return self.healthy and not self.yielding and self.sync_phase != 1
 
 
+def averaging_workers(roster: dict[str, WorkerRecord]) -> int:
+    """How many of the stage's workers take part in its SPARTA rounds: all but those yielding the GPU (a syncing one
+    averages too, receive-only). Not the progress tracker's peer count: a worker reports progress only in an epoch
+    it got samples in, so a slow or syncing one would be left out and groups would close without it."""
+    return sum(not record.yielding for record in roster.values())
+
+
 def roster_key(stage: str) -> str:
     return f"agora.roster.{stage}"
 

@@ -18,7 +18,7 @@ from agora_client.averaging.sparta import RoundReport, SpartaAverager
 from agora_client.checkpoints.writer import CheckpointWriter
 from agora_client.config import RunConfig
 from agora_client.discovery.dht import connect_dht
-from agora_client.discovery.roster import WorkerRecord, fetch_roster, free_index, stage_uid
+from agora_client.discovery.roster import WorkerRecord, averaging_workers, fetch_roster, free_index, stage_uid
 from agora_client.events import ErrorEvent, EventWriter, StageEvent, StepEvent
 from agora_client.model.layers import native_bf16
 from agora_client.serving.backend import StageBackend
@@ -222,7 +222,7 @@ class WorkerNode:
             self.options.config.sparta,
             lock=self.epochs.lock,
             on_round=self._on_round,
-            stage_size=lambda: self.epochs.tracker.global_progress.num_peers,  # no DHT lookup: the tracker has it
+            stage_size=lambda: averaging_workers(fetch_roster(self.dht, self.options.stage)),  # in the round's thread
             admission=None
             if self.averaging_gate is None
             else GroupAdmission(self.averaging_gate, self.options.tickets, self.rejections),
