@@ -4,9 +4,9 @@ Each crash is a SIGKILL to one role's process group; the host's `agora deploy up
 its systemd unit would (agora_client/deploy/supervisor.py), while the host's other roles keep running. Around the
 auth service's crash the rehearsal reads its status (the peers holding each stage's slots), its state database
 read-only (queue places, peer bindings) and the monitor's leaderboard: the same peers hold the same stages, every
-queued peer still queued (no further back) or admitted, every binding kept, no one's points lower. Around the
-monitor's crash, the leaderboard: no one's points lower. The relay's and a trainer's crashes say how long the role
-was away.
+queued peer still queued (no further back) or admitted, every binding kept, no honest user's points lower (a liar's
+go once it is caught). Around the monitor's crash, the leaderboard: no honest user's points lower. The relay's and a
+trainer's crashes say how long the role was away.
 """
 
 from __future__ import annotations
@@ -56,15 +56,20 @@ def _scores(rows: list[dict] | None) -> dict[str, float] | None:
     return None if rows is None else {str(row.get("username")): float(row.get("score", 0.0)) for row in rows}
 
 
-def _points_lost_by(before: dict[str, float] | None, after: dict[str, float] | None) -> list[str] | None:
+def _points_lost_by(
+    before: dict[str, float] | None, after: dict[str, float] | None, liars: set[str]
+) -> list[str] | None:
+    """The honest users whose points fell; a liar's go by design once it is caught, which may be inside the window."""
     if before is None or after is None:
         return None
-    return sorted(user for user, score in before.items() if after.get(user, 0.0) < score - POINTS_SLACK)
+    return sorted(
+        user for user, score in before.items() if user not in liars and after.get(user, 0.0) < score - POINTS_SLACK
+    )
 
 
 class Restarts:
-    def __init__(self, net: Internet, files: operator_side.OperatorFiles):
-        self.net, self.files = net, files
+    def __init__(self, net: Internet, files: operator_side.OperatorFiles, liars: set[str]):
+        self.net, self.files, self.liars = net, files, liars
         self.records: list[dict] = []
 
     def _crash(self, host_name: str, role: str) -> float:
@@ -98,7 +103,7 @@ class Restarts:
                 if before_state is None or after_state is None
                 else before_state["bindings"].items() <= after_state["bindings"].items(),
                 "bindings": None if before_state is None else len(before_state["bindings"]),
-                "points_lost_by": _points_lost_by(before_points, self._leaderboard()),
+                "points_lost_by": _points_lost_by(before_points, self._leaderboard(), self.liars),
             }
         )
         return f"auth killed; deploy up had it ready again after {back_s:.0f}s"
@@ -107,7 +112,7 @@ class Restarts:
         before_points = self._leaderboard()
         back_s = self._crash("operator", "monitor")
         time.sleep(SETTLE_S)
-        lost = _points_lost_by(before_points, self._leaderboard())
+        lost = _points_lost_by(before_points, self._leaderboard(), self.liars)
         self.records.append({"event": "monitor crash", "back_after_s": round(back_s, 1), "points_lost_by": lost})
         return f"monitor killed; deploy up had it ready again after {back_s:.0f}s"
 

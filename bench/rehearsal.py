@@ -74,6 +74,7 @@ from tests.netns_router import unavailable as routers_unavailable  # noqa: E402
 
 PRESET, REFERENCE = "tiny", "8b"
 DISHONEST = {"liar": Faults(lie=True), "cheat": Faults(rotate_run_id=True)}  # the homes after the honest ones
+LIARS = {user for user, faults in DISHONEST.items() if faults.lie}
 # (label, uplink, downlink) in Mbit/s at the 8b model's traffic: the homes' lines, in turn
 HOME_LINES = (("fibre 100/500", 100.0, 500.0), ("cable 20/200", 20.0, 200.0), ("DSL 10/50", 10.0, 50.0))
 POLL_S = 1.0
@@ -213,7 +214,7 @@ def swarm_run(net, files, homes, at_once, actions, args, processes, scraper) -> 
     for index in sorted(at_once):
         start_home(homes[index])
     started = time.monotonic()
-    restarts = Restarts(net, files)
+    restarts = Restarts(net, files, liars=LIARS)
     churn = run_script(
         homes, actions, start_home, restarts.events(), args.minutes * 60, lambda: processes.sample(net.namespaces())
     )
@@ -271,7 +272,7 @@ def rehearse(args: argparse.Namespace, root: Path) -> dict:
             "homes": cards,
             "sparta": sparta_card(homes, files.run_dir, churn),
             "training": training_card(files.run_dir / "logs", tokens_per_microbatch, config.optim.inflight, seconds),
-            "bans": bans_card(files.run_dir / "logs", cards, liars={"liar"}),
+            "bans": bans_card(files.run_dir / "logs", cards, liars=LIARS),
             "points": points_card(cards, board, dishonest=set(DISHONEST), cheat="cheat"),
             "restarts": restarts,
             "page": page,
