@@ -8,6 +8,7 @@ that is the hole this closes, and it shows the checks can fail.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,9 @@ from agora_client.monitor.records import create_signed_dht, metrics_subkey, publ
 from agora_client.monitor.signatures import owner_subkey
 from agora_client.monitor.verdicts import fetch_verdicts, publish_verdict, trainer_peer_id
 from agora_client.swarm.processes import ManagedProcess
+from agora_client.trainer.balancer import Router
 from agora_client.trainer.receipts import publish_receipt
+from agora_client.trainer.roster_watcher import RosterWatcher
 from agora_client.worker.metrics import WorkerMetrics
 from tests.ticket_helpers import trainer_ticket
 
@@ -192,22 +195,23 @@ def test_a_seed_without_the_validators_stores_the_same_forgeries(tmp_path: Path)
         bare_seed.shutdown()
 
 
+def verdict_of(validator: RSASignatureValidator, ticket: str, worker: str, uid: str = "body1.0.1") -> Verdict:
+    """The trainer that signs with ``validator`` names ``worker`` caught lying."""
+    return Verdict(
+        trainer=trainer_peer_id(validator),
+        ticket=ticket,
+        peer_id=worker,
+        uid=uid,
+        stage=uid.split(".")[0],
+        checks=4,
+        disagreements=3,
+        ts=get_dht_time(),
+    )
+
+
 def test_the_monitor_keeps_only_verdicts_of_ticketed_trainers(seed):
     auth_key = generate_signing_key()
     worker_id = "12D3KooWworker"
-
-    def verdict_of(validator: RSASignatureValidator, ticket: str, worker: str = worker_id) -> Verdict:
-        return Verdict(
-            trainer=trainer_peer_id(validator),
-            ticket=ticket,
-            peer_id=worker,
-            uid="body1.0.1",
-            stage="body1",
-            checks=4,
-            disagreements=3,
-            ts=get_dht_time(),
-        )
-
     honest = RSASignatureValidator(RSAPrivateKey())
     stranger = RSASignatureValidator(RSAPrivateKey())
     worker_ticket = issue_ticket(
@@ -217,9 +221,9 @@ def test_the_monitor_keeps_only_verdicts_of_ticketed_trainers(seed):
     nodes = [client(seed, record_validators=record_validators(key._private_key)) for key in (honest, stranger)]
     monitor = client(seed, record_validators=record_validators())
     try:
-        assert publish_verdict(nodes[0], verdict_of(honest, trainer_ticket(auth_key, honest)), honest, TTL)
+        assert publish_verdict(nodes[0], verdict_of(honest, trainer_ticket(auth_key, honest), worker_id), honest, TTL)
         # Signed and well-formed, so the DHT keeps them; the monitor drops them for their tickets.
-        assert publish_verdict(nodes[1], verdict_of(stranger, worker_ticket), stranger, TTL)
+        assert publish_verdict(nodes[1], verdict_of(stranger, worker_ticket, worker_id), stranger, TTL)
         assert publish_verdict(nodes[1], verdict_of(stranger, other_service, "12D3KooWother"), stranger, TTL)
         rejected: list[str] = []
         found = fetch_verdicts(monitor, public_key_text(auth_key), on_reject=rejected.append)
@@ -229,6 +233,50 @@ def test_the_monitor_keeps_only_verdicts_of_ticketed_trainers(seed):
     finally:
         monitor.shutdown()
         for node in nodes:
+            node.shutdown()
+
+
+def test_a_trainer_routes_to_no_worker_a_ticketed_trainer_caught(seed):
+    """A trainer started after another's verdict (or restarted after its own) keeps the liar out of routing from its
+    first roster read, in every stage the liar serves; a verdict signed without a trainer ticket changes nothing."""
+    auth_key = generate_signing_key()
+    caught, honest_worker, accused = "12D3KooWcaught", "12D3KooWhonest", "12D3KooWaccused"
+    trainer = RSASignatureValidator(RSAPrivateKey())
+    stranger = RSASignatureValidator(RSAPrivateKey())
+    signers = {key: client(seed, record_validators=record_validators(key._private_key)) for key in (trainer, stranger)}
+    reader = client(seed, record_validators=record_validators())
+    said: list[tuple[str, str]] = []
+    try:
+        assert publish_verdict(
+            signers[trainer], verdict_of(trainer, trainer_ticket(auth_key, trainer), caught, "tail.0.0"), trainer, TTL
+        )
+        assert publish_verdict(signers[stranger], verdict_of(stranger, "not a ticket", accused), stranger, TTL)
+        for worker, uid in ((caught, "tail.0.0"), (honest_worker, "tail.0.1"), (accused, "tail.0.2")):
+            assert announce(reader, WorkerRecord(uid=uid, peer_id=worker, stage="tail"), TTL)
+        assert announce(reader, WorkerRecord(uid="head.0.0", peer_id=caught, stage="head"), TTL)  # moved on
+
+        router = Router(["tail", "head"])
+        watcher = RosterWatcher(
+            {"tail": reader, "head": reader},
+            router,
+            period=60,
+            stop=threading.Event(),
+            say=lambda tag, message: said.append((tag, message)),
+            auth_public_key=public_key_text(auth_key),
+        )
+        watcher.refresh()
+        assert watcher.known == {"tail": {"tail.0.1", "tail.0.2"}, "head": set()}
+        assert router["tail"].stats().workers == 2 and router.empty_stages() == ["head"]
+        assert sum(f"keeping tail.0.0 (peer {caught}) out of routing" in message for _, message in said) == 1
+
+        without_key = Router(["tail", "head"])  # no key to verify verdicts with: every worker is routed to
+        RosterWatcher(
+            {"tail": reader, "head": reader}, without_key, 60, threading.Event(), lambda *said: None, None
+        ).refresh()
+        assert without_key["tail"].stats().workers == 3 and without_key.empty_stages() == []
+    finally:
+        reader.shutdown()
+        for node in signers.values():
             node.shutdown()
 
 

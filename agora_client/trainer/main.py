@@ -45,7 +45,6 @@ from agora_client.data.sources import DataError, Shard
 from agora_client.data.stream import TokenStream
 from agora_client.data.tokenizer import TokenizerError, load_run_tokenizer
 from agora_client.discovery.dht import NoSeedAnswered, connect_dht
-from agora_client.discovery.roster import WorkerRecord, fetch_roster
 from agora_client.engine.records import signature_validator
 from agora_client.monitor.verdicts import Verdict, publish_verdict, trainer_peer_id
 from agora_client.operator_metrics import MetricsEndpoint, add_metrics_arguments, open_metrics_endpoint
@@ -62,6 +61,7 @@ from agora_client.trainer.progress import ProgressPublisher
 from agora_client.trainer.receipts import ReceiptBook, publish_every, publish_receipt
 from agora_client.trainer.records import TrainerRecords
 from agora_client.trainer.replica_drift import ReplicaDrifts, auth_public_key
+from agora_client.trainer.roster_watcher import RosterWatcher
 from agora_client.trainer.rpc import StageClient, TrafficCounter
 from agora_client.trainer.spotcheck import Finding, SpotChecker
 
@@ -191,50 +191,6 @@ def say(tag: str, message: str) -> None:
         sys.stdout.flush()
 
 
-class RosterWatcher(threading.Thread):
-    """Keeps the router's view of every stage current from the stage DHTs."""
-
-    MISSES_TO_FORGET = 2  # a loaded DHT sometimes answers one read empty: that alone must not drop live workers
-
-    def __init__(self, dhts: dict, router: Router, period: float, stop: threading.Event):
-        super().__init__(name="roster", daemon=True)
-        self.dhts, self.router, self.period, self.stop = dhts, router, period, stop
-        self.known: dict[str, set[str]] = {stage: set() for stage in dhts}
-        self.listed: dict[str, dict[str, tuple[WorkerRecord, int]]] = {
-            stage: {} for stage in dhts
-        }  # peer -> (record, misses)
-
-    def refresh(self) -> None:
-        for stage, dht in self.dhts.items():
-            try:
-                fetched = fetch_roster(dht, stage)
-            except Exception as error:  # a DHT hiccup must not stop routing on the last known roster
-                say("WARNING", f"could not read the {stage} roster: {error}")
-                continue
-            listed = self.listed[stage]
-            for peer_id in [peer_id for peer_id in listed if peer_id not in fetched]:
-                record, misses = listed[peer_id]
-                if misses + 1 >= self.MISSES_TO_FORGET:
-                    del listed[peer_id]
-                else:
-                    listed[peer_id] = (record, misses + 1)
-            listed.update((peer_id, (record, 0)) for peer_id, record in fetched.items())
-            records = [record for record, _ in listed.values()]
-            self.router[stage].update_roster(records)
-            self._say_changes(stage, {record.uid for record in records})
-
-    def _say_changes(self, stage: str, uids: set[str]) -> None:
-        joined, gone = sorted(uids - self.known[stage]), sorted(self.known[stage] - uids)
-        if joined or gone:
-            changes = " ".join([*(f"+{uid}" for uid in joined), *(f"-{uid}" for uid in gone)])
-            say("ROSTER", f"{stage}: {changes} ({len(uids)} workers)")
-        self.known[stage] = uids
-
-    def run(self) -> None:
-        while not self.stop.wait(self.period):
-            self.refresh()
-
-
 def run(args: argparse.Namespace) -> int:
     """Join every stage's DHT, wait for workers, then train until stopped; the exit code."""
     stop = stop_on_signals()
@@ -255,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     clients = _stage_clients(args, stages, dhts, traffic, inputs.tickets)
     balancer = BALANCERS[args.routing]
     router = Router(stages, lambda stage: balancer(stage, ban_seconds=args.ban_seconds))
-    _wait_for_workers(RosterWatcher(dhts, router, args.roster_every, stop), router, stop)
+    _wait_for_workers(RosterWatcher(dhts, router, args.roster_every, stop, say, inputs.auth_key), router, stop)
     receipts, receipts_thread = _start_receipts(inputs, dhts[stages[0]], stop, enabled=args.receipts == "on")
     pipeline = _pipeline(inputs, stages, clients, router, dhts, stop, receipts)
     try:
@@ -300,6 +256,7 @@ class _TrainerInputs:
     batches: Iterator
     held_out: torch.Tensor
     tickets: TicketSource | None  # self-signed (--ticket-key) or the auth service's (--credential-file)
+    auth_key: str | None  # verifies trainers' verdicts and workers' drift records (None: neither is read)
 
     @classmethod
     def load(cls, args: argparse.Namespace) -> "_TrainerInputs":
@@ -326,7 +283,8 @@ class _TrainerInputs:
             ),
         )
         held_out = held_out_sample(config, tokenizer)
-        return cls(config, stream, batches, held_out, _ticket_source(args))
+        tickets = _ticket_source(args)
+        return cls(config, stream, batches, held_out, tickets, auth_public_key(tickets, args.auth_url, say))
 
 
 def _overrides(args: argparse.Namespace) -> dict:
@@ -373,8 +331,8 @@ def _training_loop(
         records = TrainerRecords(
             open_store(args.checkpoints), config, inputs.stream, lambda message: say("WARNING", message)
         )
-    # only the spot-check report shows the drift: without spot checks the auth service is not asked for its key
-    key = auth_public_key(inputs.tickets, args.auth_url, say) if config.spot_checks.fraction > 0 else None
+    # only the spot-check report shows the drift
+    key = inputs.auth_key if config.spot_checks.fraction > 0 else None
     drifts = ReplicaDrifts(dht, config.model.stage_names, key, say)
     return TrainingLoop(pipeline, inputs.batches, router, traffic, progress, evaluation, records, say, drifts.read)
 

@@ -31,8 +31,8 @@ def auth_public_key(tickets: TicketSource | None, auth_url: str | None, say: Say
     except Exception as error:  # unreachable, or a bad answer (the client raises a private error for it)
         say(
             "WARNING",
-            f"could not read the auth service's public key from {auth_url} ({error}); the spot-check "
-            "report shows no parameter drift",
+            f"could not read the auth service's public key from {auth_url} ({error}): other trainers' verdicts "
+            "on caught workers are not read, and the spot-check report shows no parameter drift",
         )
         return None
 
