@@ -9,15 +9,13 @@ The caught peers stay out for this trainer's lifetime, also after their verdicts
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 
 from hivemind import DHT
 
 from agora_client.discovery.roster import WorkerRecord, fetch_roster
 from agora_client.monitor.verdicts import fetch_verdicts
 from agora_client.trainer.balancer import Router
-
-Say = Callable[[str, str], None]
+from agora_client.trainer.replica_drift import Say
 
 
 class RosterWatcher(threading.Thread):
