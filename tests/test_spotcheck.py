@@ -3,6 +3,7 @@ monitor's withholding of a caught worker's compute points."""
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 
@@ -13,7 +14,7 @@ from agora_client.config import SpotCheckConfig
 from agora_client.discovery.roster import WorkerRecord
 from agora_client.monitor.points import PFLOP, Observation, PointsPolicy
 from agora_client.monitor.store import PointsStore
-from agora_client.trainer.balancer import Router
+from agora_client.trainer.balancer import Router, StageBalancer
 from agora_client.trainer.spotcheck import SpotChecker, relative_distance
 
 STAGE = "body1"
@@ -46,7 +47,7 @@ def swarm(
     torch.manual_seed(0)
     base = torch.randn(dim, dim)
     records = [WorkerRecord(uid=f"{STAGE}.0.{i}", peer_id=f"peer{i}", stage=STAGE) for i in range(count)]
-    router = Router([STAGE])
+    router = Router([STAGE], functools.partial(StageBalancer, clock=lambda: 0.0))  # which worker answers: by seed alone
     router.update_roster(records)
     weights = {r.uid: base + drift * torch.randn(dim, dim) for r in records}  # replicas SPARTA keeps close, not equal
     return router, Replicas(weights, set(liars), set(down)), records
