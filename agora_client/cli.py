@@ -14,6 +14,7 @@ import importlib
 import sys
 
 from agora_client.frontend.client import FrontEnd
+from agora_client.system.cuda_allocator import use_expandable_segments
 from agora_client.system.lifetime import exit_process
 
 # command -> (module, one-line help)
@@ -73,6 +74,8 @@ def main(argv: list[str] | None = None, front_end: FrontEnd = _no_front_end) -> 
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((arg for arg in argv if not arg.startswith("-")), None)
     if command in COMMANDS:
+        if command in ENGINE_COMMANDS:
+            use_expandable_segments()  # before any CUDA allocation; the processes these start inherit it
         module_name, help_text = COMMANDS[command]
         module = _load(module_name)
         parser = argparse.ArgumentParser(prog=f"agora {command}", description=help_text)

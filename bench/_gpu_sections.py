@@ -8,6 +8,7 @@ Imports nothing that loads hivemind.
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
 import time
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from agora_client.model import build_stage
 from agora_client.model.layers import native_bf16
 from agora_client.model.memory import CUDA_RESERVED_BYTES, LAYOUTS, card_layout, gib, plan_stage, usable_bytes
 from agora_client.model.subspace import fixed_embedding_rows
+from agora_client.system.cuda_allocator import ALLOC_CONF
 from agora_client.system.gpu import (
     CardId,
     GpuProbe,
@@ -86,6 +88,7 @@ def device_facts(device: torch.device) -> dict:
         "torch": torch.__version__,
         "bf16_native": native_bf16(device),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "allocator": os.environ.get(ALLOC_CONF),
     }
     if device.type != "cuda":
         return {

@@ -1,7 +1,7 @@
 """One stage trained as a worker trains it, measured (a helper of bench/gpu_check.py, not a bench).
 
 The stage is built in a background thread, as a contributor's StagePreparation builds it while the snapshot
-downloads, and run once on an example as prepare_stage does. Then, at a given microbatch, under the worker's
+downloads, and warmed up as prepare_stage does. Then, at a given microbatch, under the worker's
 autocast (bf16 where the run asks for it and the device runs it natively: agora_client/model/layers.py
 autocast_context): a forward request, a backward request that re-runs the forward with autograd as hivemind's
 ModuleBackend.backward does, and the epoch's optimizer step (gradient clipping, then OffloadAdamW, its moments
@@ -19,7 +19,6 @@ Imports nothing that loads hivemind: this runs on a GPU machine that has only to
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 import re
@@ -94,20 +93,19 @@ def timed(device: torch.device, work: Callable[[], Any]) -> tuple[Any, float]:
 def build_in_background(
     run: RunConfig, stage: str, device: torch.device, layout: str = "fp32"
 ) -> tuple[StageModule, DeviceCopy | None, float]:
-    """The stage built in a thread of its own and run once at batch 1 with autograd on, as prepare_stage does
-    (agora_client/worker/prepared_stage.py, started by joining/preparation.py); (masters, device copy, seconds).
-    In the offload layout the masters are built on the host and the example runs on the device copy."""
+    """The stage built in a thread of its own and warmed up, as prepare_stage does (agora_client/worker/
+    prepared_stage.py, started by joining/preparation.py); (masters, device copy, seconds). In the offload layout
+    the masters are built on the host and the worker's device copy (worker/node.py) takes their weights."""
     outcome: dict[str, Any] = {}
 
     def build() -> None:
         try:
             module = build_stage(run.model, stage, seed=run.seed, device="cpu" if layout == "offload" else device)
             copy = DeviceCopy(module, run.model, device, seed=run.seed) if layout == "offload" else None
-            served = module if copy is None else copy.module
-            if copy is not None:
+            if copy is None:
+                module.warm_up(run.use_mixed_precision)  # prepare_stage's: the first forward's costs paid here
+            else:
                 copy.refresh()
-            with contextlib.nullcontext() if copy is None else copy.autocast():
-                served(*served.example_inputs(1))  # prepare_stage's schema run: the first forward's costs paid here
             synchronize(device)
             outcome["stage"] = module, copy
         except Exception as error:  # raised again in the waiting thread, as StagePreparation does

@@ -66,6 +66,7 @@ from _gpu_stage_run import measure_stage, peak_bf16_flops, release  # noqa: E402
 from agora_client.config import RunConfig, load_config  # noqa: E402
 from agora_client.joining.gpu_fit import GpuRefused, fit_stage  # noqa: E402
 from agora_client.model.memory import gib  # noqa: E402
+from agora_client.system.cuda_allocator import use_expandable_segments  # noqa: E402
 from agora_client.system.gpu import GpuSpec  # noqa: E402
 
 SECTIONS = ("device", "stages", "home_card", "small_card", "numerics", "bandwidth")
@@ -384,6 +385,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    use_expandable_segments()  # as the worker's process does (agora_client/cli.py)
     if not args.dry and not torch.cuda.is_available():
         say("torch sees no CUDA device: run this on a GPU machine with a CUDA build of torch, or pass --dry")
         print(json.dumps({"bench": "gpu_check", "error": "no CUDA device visible to torch", "pass": False}))

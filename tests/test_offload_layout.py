@@ -4,7 +4,9 @@ trains and exports). Sizes are small: bf16 matmuls are emulated, and slow, on a 
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -206,6 +208,19 @@ def test_a_failed_backward_leaves_the_gradient_sum_alone():
     assert all(p.grad is None for p in worker.copy.module.parameters())
 
 
+def test_a_dropped_device_copy_is_freed_with_its_weights():
+    """A worker that lets go of its stage (it leaves, or takes another) gives the copy's device memory back: on an
+    H200 the 8b tail's copy stayed, 5.15 GiB, while its gradient hooks referred to it."""
+    run = load_config("tiny", SHORT)
+    worker = Worker(run, "offload")
+    boundary, tokens = _batches(run, 1)[0]
+    worker.backward(boundary, tokens)  # the hooks have run
+    copy, weights = weakref.ref(worker.copy), weakref.ref(next(worker.copy.module.parameters()))
+    del worker
+    gc.collect()
+    assert copy() is None and weights() is None
+
+
 def test_preparing_a_stage_in_the_offload_layout_runs_no_forward_on_the_host_masters(monkeypatch):
     """The schema comes from a meta run: a host forward would take minutes at 8b and hold unplanned activations."""
     run = load_config("tiny", SHORT)
@@ -215,7 +230,7 @@ def test_preparing_a_stage_in_the_offload_layout_runs_no_forward_on_the_host_mas
     def counting_build(*args, device, **kwargs):
         module = real_build(*args, device=device, **kwargs)
         if device.type != "meta":
-            module.register_forward_hook(lambda *_: host_forwards.append(device))
+            module.register_forward_hook(lambda *_: host_forwards.append(torch.is_grad_enabled()))
         return module
 
     monkeypatch.setattr(prepared_stage, "build_stage", counting_build)
@@ -224,4 +239,6 @@ def test_preparing_a_stage_in_the_offload_layout_runs_no_forward_on_the_host_mas
         offload = prepare_stage(run, stage, CPU, seed=0, seeded_weights=True, layout="offload")
         assert offload.args_schema == fp32.args_schema and offload.outputs_schema == fp32.outputs_schema
         assert next(offload.module.parameters()).device == CPU
-    assert len(host_forwards) == 3  # the three fp32 warm-ups, none in the offload layout
+    # the three fp32 warm-ups, none in the offload layout; without autograd, so they keep no activations (at 8b,
+    # with autograd and in fp32, the head's warm-up held 33 GiB on an H200)
+    assert host_forwards == [False, False, False]

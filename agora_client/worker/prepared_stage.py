@@ -30,21 +30,21 @@ def prepare_stage(
     seeded_weights: bool,
     layout: str = "fp32",
 ) -> PreparedStage:
-    """Build the stage where its layout keeps the master weights, and run it once on an example, as hivemind's
-    backend would at start.
+    """Build the stage where its layout keeps the master weights, with the schemas hivemind's backend would infer
+    from a run on an example.
 
-    That first call also pays the one-time costs of the first forward (torch's lazy imports, kernel
-    set-up) on the device that serves, so whoever calls this ahead of time takes them off the worker's start.
-    In the offload layout the masters live on the host and requests run on a device copy: a full forward on the
-    host would take minutes at 8b and hold activations the plan does not count, so the schema comes from a run
-    on the meta device, which computes nothing.
+    The schemas come from a run on the meta device, which computes nothing. In the fp32 layout the stage also warms
+    up on the device that serves (StageModule.warm_up), so whoever calls this ahead of time takes the first
+    forward's one-time costs off the worker's start. In the offload layout the masters live on the host and
+    requests run on a device copy: a forward on the host would take minutes at 8b, so there is none.
     """
     module = build_stage(
         config.model, stage, seed=seed, device=master_device(layout, device), seeded_weights=seeded_weights
     )
     example = module.example_inputs(1)
-    # with autograd on, like hivemind's own schema run: the schema records requires_grad
-    outputs = _schema_outputs(config, stage, example) if layout == "offload" else module(*example)
+    if layout == "fp32":
+        module.warm_up(config.use_mixed_precision)
+    outputs = _schema_outputs(config, stage, example)
     return PreparedStage(
         stage=stage,
         module=module,
@@ -60,7 +60,8 @@ def master_device(layout: str, device: torch.device | str) -> torch.device:
 
 
 def _schema_outputs(config: RunConfig, stage: str, example: tuple[torch.Tensor, ...]):
-    """Empty tensors shaped like the stage's outputs for ``example``, on the example's device, from a meta run."""
+    """Empty tensors shaped like the stage's outputs for ``example``, on the example's device, from a meta run with
+    autograd on, like hivemind's own schema run: the schema records requires_grad."""
     meta = build_stage(config.model, stage, seed=0, device=torch.device("meta"), seeded_weights=False)
     outputs = meta(*(tensor.detach().to("meta").requires_grad_(tensor.requires_grad) for tensor in example))
     device = example[0].device
