@@ -88,13 +88,15 @@ def first_batch(home: Home, events: list[dict]) -> tuple[float, float] | None:
     return (starts[-1], first) if starts else None
 
 
-def join_steps(events: list[dict], served: tuple[float, float] | None) -> dict | None:
-    """Where the start that served the first batch spent its time (bench/_join_phases.py); None for a start whose
-    events lack a step (a dishonest home's runtime prints no client events)."""
+def join_steps(events: list[dict], served: tuple[float, float] | None, starts: list[float]) -> dict | None:
+    """Where the start that served the first batch spent its time (bench/_join_phases.py), from that start's events
+    alone (a later start's would stretch its steps to the rejoin); None for a start whose events lack a step (a
+    dishonest home's runtime prints no client events)."""
     if served is None:
         return None
+    end = min((start for start in starts if start > served[0]), default=math.inf)
     try:
-        return join_phases([e for e in events if e["ts"] >= served[0]], served[0])
+        return join_phases([e for e in events if served[0] <= e["ts"] < end], served[0])
     except (StopIteration, TypeError, KeyError):
         return None
 
@@ -131,7 +133,8 @@ def mission_figures(headless: list[dict], events: list[dict]) -> dict:
         "memory": resources
         and {"process_rss_mb": round(resources["process_rss"] / 2**20), "gpu": resources["gpu"] or "cpu stand-in"},
         "sparta": f"{sum(e['ok'] for e in sparta)}/{len(sparta)}" if sparta else None,
-        "points": points and {k: points[k] for k in ("presence", "compute", "confirmed", "rank")},
+        "points": points
+        and {k: points.get(k) for k in ("presence", "compute", "confirmed", "verified_compute", "rank")},
         "kinds": sorted(by_kind),
     }
 
@@ -146,7 +149,7 @@ def home_card(home: Home, config: RunConfig) -> dict:
         "starts": len(home.runs),
         "path": path_of(headless),
         "first_batch_s": round(served[1] - served[0], 1) if served else None,
-        "join_steps": join_steps(events, served),
+        "join_steps": join_steps(events, served, home.started_at),
         "served": served_requests(events),
         "served_flops": served_flops(events, config),
         "peer_id": next((e["peer_id"] for e in events if e["kind"] == "auth" and e.get("peer_id")), None),
@@ -225,14 +228,15 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
 def points_card(cards: list[dict], leaderboard: list[dict], dishonest: set[str], cheat: str) -> dict:
     """Each home's score against the requests it served; their rank correlation among the honest homes; the cheat's
     score per request served over the honest homes' median (None where either is unknown). Apart, the compute points
-    (the monitor's, as the home's client showed them) against the FLOPs the home served: the score adds presence,
-    which pays the hours a slot is held, and on tiny's cheap requests it is nearly all of the score."""
+    the monitor verified (as the home's client showed them; the client's own estimate counts its latest start only)
+    against the FLOPs the home served: the score adds presence, which pays the hours a slot is held, and on tiny's
+    cheap requests it is nearly all of the score."""
     scores = {row.get("username"): float(row.get("score", 0.0)) for row in leaderboard}
     rows = {
         card["user"]: {
             "score": scores.get(card["user"]),
             "served": card["served"],
-            "compute": (card["mission"]["points"] or {}).get("compute"),
+            "compute": (card["mission"]["points"] or {}).get("verified_compute"),
             "served_pflop": card["served_flops"] / PFLOP,
         }
         for card in cards

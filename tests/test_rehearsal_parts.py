@@ -16,7 +16,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))  # last: ben
 
 from _rehearsal_convergence import TrainerLog  # noqa: E402
 from _rehearsal_restarts import _committed, _queue_kept  # noqa: E402
-from _rehearsal_scorecard import path_of, served_flops, served_requests, spearman  # noqa: E402
+from _rehearsal_scorecard import join_steps, path_of, served_flops, served_requests, spearman  # noqa: E402
 from _rehearsal_script import LIAR_AT, draw  # noqa: E402
 
 
@@ -50,6 +50,33 @@ def test_rank_correlation_of_points_with_served_requests():
     assert spearman([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == -1.0
     assert spearman([1.0, 1.0, 2.0], [5.0, 5.0, 9.0]) == 1.0  # ties share their rank
     assert spearman([1.0, 2.0], [1.0, 2.0]) is None and spearman([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]) is None
+
+
+def _a_join(started: float) -> list[dict]:
+    """The events of one start of a home's runtime that reaches its first batch, a second apart from ``started``."""
+    kinds = [
+        {"kind": "preflight", "check": "gpu"},
+        {"kind": "preflight", "check": "disk"},
+        {"kind": "reachability", "status": "checking"},
+        {"kind": "auth", "status": "authorizing"},
+        {"kind": "auth", "status": "authorized"},
+        {"kind": "download", "status": "started"},
+        {"kind": "log", "tag": "DOWNLOAD", "message": "restored body1 at epoch 4"},
+        {"kind": "download", "status": "done", "bytes": 1000},
+        {"kind": "log", "tag": "JOIN", "message": "Worker up on body1"},
+        {"kind": "sync", "phase": "sync1", "local_epoch": 6},
+        {"kind": "sync", "phase": "sync2"},
+        {"kind": "step", "forward_per_min": 3.0, "backward_per_min": 0.0},
+    ]
+    return [{**event, "ts": started + 1.0 + index} for index, event in enumerate(kinds)]
+
+
+def test_a_joins_steps_are_read_from_the_start_that_served_the_first_batch_alone():
+    events = _a_join(100.0) + _a_join(1000.0)  # killed after its first batch, then started again
+    steps = join_steps(events, (100.0, 112.0), [100.0, 1000.0])
+    assert steps["preflight_s"] == 1.0 and steps["open_port_s"] == 1.0  # not stretched to the rejoin's preflights
+    assert steps["start_to_first_batch_s"] == 12.0 and steps["weights_lag_at_sync1_epochs"] == 2
+    assert join_steps(events, None, [100.0, 1000.0]) is None
 
 
 def test_the_path_is_the_latest_successful_dial_back():
