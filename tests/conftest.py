@@ -11,10 +11,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from agora_client.system.lifetime import exit_process
+
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # Hugging Face itself is a closed port on this machine: a client asking whoami what a token may do, or an auth
 # service asking whose it is, fails at once instead of reaching the internet; whoami tests set a local stand-in.
 os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
+EXIT_STATUS = pytest.StashKey[int]()
 
 
 @pytest.fixture
@@ -47,3 +50,18 @@ def mapped_paths() -> set[str]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return paths
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Once every result is reported, leave with pytest's exit status and without the interpreter's teardown, as the
+    engine commands do (exit_process). The teardown frees tensors this process received from children; one whose
+    /dev/shm file is already gone makes torch abort ("could not unlink the shared memory file"), turning a run whose
+    every test passed into exit 134 (a clean run on 2026-11-28; which process removed the file is not known)."""
+    if EXIT_STATUS in config.stash:
+        exit_process(config.stash[EXIT_STATUS])
