@@ -17,7 +17,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # Hugging Face itself is a closed port on this machine: a client asking whoami what a token may do, or an auth
 # service asking whose it is, fails at once instead of reaching the internet; whoami tests set a local stand-in.
 os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
-EXIT_STATUS = pytest.StashKey[int]()
+SESSION = pytest.StashKey[pytest.Session]()
 
 
 @pytest.fixture
@@ -52,9 +52,8 @@ def mapped_paths() -> set[str]:
     return paths
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_sessionfinish(session, exitstatus):
-    session.config.stash[EXIT_STATUS] = int(exitstatus)
+def pytest_sessionfinish(session):
+    session.config.stash[SESSION] = session  # its exitstatus is final only once every plugin's sessionfinish ran
 
 
 @pytest.hookimpl(trylast=True)
@@ -63,5 +62,5 @@ def pytest_unconfigure(config):
     engine commands do (exit_process). The teardown frees tensors this process received from children; one whose
     /dev/shm file is already gone makes torch abort ("could not unlink the shared memory file"), turning a run whose
     every test passed into exit 134 (a clean run on 2026-11-28; which process removed the file is not known)."""
-    if EXIT_STATUS in config.stash:
-        exit_process(config.stash[EXIT_STATUS])
+    if SESSION in config.stash:
+        exit_process(int(config.stash[SESSION].exitstatus))
